@@ -1,0 +1,63 @@
+"""The pipeline's stages and the contract each one keeps.
+
+A stage is a module in this package that exposes:
+
+    NAME: str                 # the TOML section and the output folder name
+    VERSION: str              # bump when the stage's output changes meaning
+    UPSTREAM: tuple[str, ...] # stages whose outputs it reads
+    RESUMABLE: bool           # True: an interrupted run re-enters the same partial dir
+    Config                    # a frozen dataclass: the stage's TOML section
+    def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict
+
+`run` writes everything into `out_dir` (a temporary folder that the runner renames into place once
+`run` returns) and returns a small JSON-serialisable dict: paths relative to `out_dir` and figures.
+Stages import heavy libraries (torch, datasets) inside `run`: a fully cached `cram run` must not pay
+for them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ORDER: tuple[str, ...] = ("tokenize", "pack", "pretrain", "evaluate")
+
+
+class StageError(Exception):
+    """A failure caused by the stage's input or config: reported in one line, exit code 2."""
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """A finished upstream stage as its downstream sees it."""
+
+    dir: Path
+    outputs: dict[str, Any]
+
+    def path(self, key: str) -> Path:
+        return self.dir / self.outputs[key]
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a stage may know of the run besides its own section."""
+
+    seed: int
+    device: str  # "auto", "cpu", "cuda" or "cuda:N"
+    run_dir: Path
+    log: Any = field(repr=False)  # a structlog logger bound to run and stage
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def load(name: str) -> ModuleType:
+    if name not in ORDER:
+        raise KeyError(name)
+    return importlib.import_module(f"stages.{name}")

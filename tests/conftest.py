@@ -1,0 +1,30 @@
+"""Shared test set-up: offline hub, isolated caches, and a hand-made stage context."""
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# Isolation for the whole session, set before torch or datasets are imported by any test: no hub
+# access, and caches in one temporary folder (shared by the tests, so a graph compiled once is reused).
+_CACHE = Path(tempfile.mkdtemp(prefix="cram-test-cache-"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ["HF_HOME"] = str(_CACHE / "hf")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(_CACHE / "inductor")
+
+
+@pytest.fixture
+def make_ctx(tmp_path):
+    """Build a `stages.Context` for calling a stage's `run` directly, without the runner."""
+    import structlog
+
+    from stages import Context
+
+    def make(seed: int = 0, device: str = "cpu", **kw) -> Context:
+        run_dir = tmp_path / "run"
+        run_dir.mkdir(exist_ok=True)
+        return Context(seed=seed, device=device, run_dir=run_dir, log=structlog.get_logger(), **kw)
+
+    return make
