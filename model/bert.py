@@ -1,0 +1,156 @@
+"""The encoder as pure functions over a flat `dict[str, Tensor]` of parameters.
+
+Parameter names (stable: checkpoints and exports rely on them). H = hidden, V = vocab_size,
+I = intermediate, F = I // 2 with a GLU and I without:
+
+    embed.tokens.weight          [V, H]   also the tied decoder
+    embed.positions.scale        [1]      position="sinusoidal": learnable scale, starts at 1/sqrt(H)
+    embed.positions.weight       [S, H]   position="learned" (S = max_seq_len)
+    embed.norm.weight            [H]      embedding_norm
+    layers.{i}.attn_norm.weight  [H]      absent in layer 0 when first_attn_norm is False
+    layers.{i}.attn.qkv.weight   [3H, H]  rows: all query heads, then all keys, then all values
+    layers.{i}.attn.out.weight   [H, H]
+    layers.{i}.ffn_norm.weight   [H]
+    layers.{i}.ffn.up.weight     [I, H]   GLU: first half is GELU-activated, second half is the gate
+    layers.{i}.ffn.down.weight   [H, F]
+    final_norm.weight            [H]
+    head.dense.weight            [H, H]   head_transform
+    head.norm.weight             [H]      head_transform
+
+No biases anywhere, LayerNorms included (as ModernBERT's `norm_bias=False`). RoPE rotates halves
+(`rotate_half`), as `transformers` does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from model.config import ModelConfig
+
+INIT_STD = 0.02  # cramming's and BERT's normal init for every matrix
+
+
+def init(cfg: ModelConfig, seed: int) -> dict[str, Tensor]:
+    """Fresh fp32 CPU parameters; the same seed always gives the same values."""
+    gen = torch.Generator().manual_seed(seed)
+    H = cfg.hidden
+
+    def normal(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=gen) * INIT_STD
+
+    params = {"embed.tokens.weight": normal(cfg.vocab_size, H)}
+    if cfg.position == "sinusoidal":
+        params["embed.positions.scale"] = torch.full((1,), 1.0 / math.sqrt(H))
+    elif cfg.position == "learned":
+        params["embed.positions.weight"] = normal(cfg.max_seq_len, H)
+    if cfg.embedding_norm:
+        params["embed.norm.weight"] = torch.ones(H)
+    for i in range(cfg.layers):
+        p = f"layers.{i}."
+        if i > 0 or cfg.first_attn_norm:
+            params[p + "attn_norm.weight"] = torch.ones(H)
+        params[p + "attn.qkv.weight"] = normal(3 * H, H)
+        params[p + "attn.out.weight"] = normal(H, H)
+        params[p + "ffn_norm.weight"] = torch.ones(H)
+        params[p + "ffn.up.weight"] = normal(cfg.intermediate, H)
+        params[p + "ffn.down.weight"] = normal(H, cfg.ffn_inner)
+    params["final_norm.weight"] = torch.ones(H)
+    if cfg.head_transform:
+        params["head.dense.weight"] = normal(H, H)
+        params["head.norm.weight"] = torch.ones(H)
+    return params
+
+
+def encode(
+    params: dict[str, Tensor], cfg: ModelConfig, input_ids: Tensor, attention_mask: Tensor | None = None
+) -> Tensor:
+    """Hidden states [B, S, H] after the final norm. attention_mask: [B, S] bool, True = real token."""
+    S = input_ids.shape[1]
+    x = F.embedding(input_ids, params["embed.tokens.weight"])
+    if cfg.position == "sinusoidal":
+        x = x + params["embed.positions.scale"] * _sinusoids(S, cfg.hidden, x.device)
+    elif cfg.position == "learned":
+        x = x + params["embed.positions.weight"][:S]
+    rope = _rope_tables(S, cfg.head_dim, cfg.rope_theta, x.device) if cfg.position == "rope" else None
+    if cfg.embedding_norm:
+        x = _norm(x, params["embed.norm.weight"], cfg)
+    # Key-padding mask broadcast over heads and queries: a padded key is never attended to.
+    mask = None if attention_mask is None else attention_mask[:, None, None, :]
+    for i in range(cfg.layers):
+        p = f"layers.{i}."
+        h = _norm(x, params[p + "attn_norm.weight"], cfg) if i > 0 or cfg.first_attn_norm else x
+        x = x + _attention(params, p, cfg, h, mask, rope)
+        x = x + _feed_forward(params, p, cfg, _norm(x, params[p + "ffn_norm.weight"], cfg))
+    return _norm(x, params["final_norm.weight"], cfg)
+
+
+def mlm_logits(params: dict[str, Tensor], cfg: ModelConfig, hidden: Tensor) -> Tensor:
+    """Vocabulary logits [..., V] of hidden states: the optional head transform, then the tied decoder."""
+    if cfg.head_transform:
+        hidden = _norm(F.gelu(F.linear(hidden, params["head.dense.weight"])), params["head.norm.weight"], cfg)
+    return F.linear(hidden, params["embed.tokens.weight"])
+
+
+def mlm_loss(params: dict[str, Tensor], cfg: ModelConfig, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    """Mean cross-entropy over the K masked rows, and their top-1 accuracy.
+
+    Sparse prediction: only the K rows named by `mlm_positions` (flat indices into B*S) reach the
+    vocabulary projection, and K is fixed per batch, so every shape is static.
+    """
+    hidden = encode(params, cfg, batch["input_ids"], batch.get("attention_mask"))
+    rows = hidden.flatten(0, 1).index_select(0, batch["mlm_positions"])
+    logits = mlm_logits(params, cfg, rows).float()
+    labels = batch["mlm_labels"]
+    loss = F.cross_entropy(logits, labels)
+    accuracy = (logits.argmax(dim=-1) == labels).float().mean()
+    return loss, {"accuracy": accuracy}
+
+
+def _norm(x: Tensor, weight: Tensor, cfg: ModelConfig) -> Tensor:
+    return F.layer_norm(x, (x.shape[-1],), weight, None, cfg.norm_eps)
+
+
+def _attention(
+    params: dict[str, Tensor], p: str, cfg: ModelConfig, x: Tensor, mask: Tensor | None, rope: tuple[Tensor, Tensor] | None
+) -> Tensor:
+    B, S, H = x.shape
+    qkv = F.linear(x, params[p + "attn.qkv.weight"]).view(B, S, 3, cfg.heads, cfg.head_dim)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, S, head_dim]
+    if rope is not None:
+        q, k = _rotate(q, *rope), _rotate(k, *rope)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.linear(out.transpose(1, 2).reshape(B, S, H), params[p + "attn.out.weight"])
+
+
+def _feed_forward(params: dict[str, Tensor], p: str, cfg: ModelConfig, x: Tensor) -> Tensor:
+    h = F.linear(x, params[p + "ffn.up.weight"])
+    if cfg.glu:
+        h, gate = h.chunk(2, dim=-1)
+        h = F.gelu(h) * gate
+    else:
+        h = F.gelu(h)
+    return F.linear(h, params[p + "ffn.down.weight"])
+
+
+def _sinusoids(length: int, dim: int, device: torch.device) -> Tensor:
+    """Interleaved sin/cos table [length, dim] of "Attention is all you need" (cramming's layout)."""
+    position = torch.arange(length, device=device, dtype=torch.float32)[:, None]
+    freq = torch.exp(torch.arange(0, dim, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / dim))
+    angle = position * freq
+    return torch.stack((angle.sin(), angle.cos()), dim=-1).flatten(1)
+
+
+def _rope_tables(length: int, head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angle = torch.arange(length, device=device, dtype=torch.float32)[:, None] * inv_freq
+    angle = torch.cat((angle, angle), dim=-1)
+    return angle.cos(), angle.sin()
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat((-second, first), dim=-1) * sin).to(x.dtype)

@@ -1,0 +1,67 @@
+"""The architecture of the encoder: one frozen dataclass and the named presets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+POSITIONS = ("sinusoidal", "learned", "rope")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A pre-norm, bias-free BERT encoder. The defaults are crammed-BERT (Geiping & Goldstein).
+
+    `position="rope", head_transform=True, embedding_norm=True, first_attn_norm=False` gives the
+    layer layout of `transformers`' ModernBERT (global attention in every layer).
+    """
+
+    vocab_size: int = 32768
+    hidden: int = 768
+    layers: int = 16
+    heads: int = 12
+    intermediate: int = 3072  # GLU: the up-projection has this many outputs, split in two halves
+    max_seq_len: int = 128
+    position: Literal["sinusoidal", "learned", "rope"] = "sinusoidal"
+    rope_theta: float = 10000.0
+    glu: bool = True  # GELU-GLU feed-forward; False: a plain GELU MLP
+    head_transform: bool = False  # dense + GELU + norm before the tied decoder
+    embedding_norm: bool = True
+    first_attn_norm: bool = True  # False: the first block's attention reads the embeddings unnormalised
+    norm_eps: float = 1e-12
+    pad_id: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "hidden", "layers", "heads", "intermediate", "max_seq_len"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.{key}={getattr(self, key)}: must be a positive integer")
+        if self.hidden % self.heads:
+            raise ValueError(f"model.heads={self.heads}: must divide model.hidden={self.hidden}")
+        if self.position not in POSITIONS:
+            raise ValueError(f"model.position={self.position!r}: allowed {', '.join(POSITIONS)}")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ValueError(f"model.heads={self.heads}: rope needs an even head size, got {self.head_dim}")
+        if self.position == "sinusoidal" and self.hidden % 2:
+            raise ValueError(f"model.hidden={self.hidden}: sinusoidal positions need an even hidden size")
+        if self.glu and self.intermediate % 2:
+            raise ValueError(f"model.intermediate={self.intermediate}: a GLU splits it in halves, so it must be even")
+        if not 0 <= self.pad_id < self.vocab_size:
+            raise ValueError(f"model.pad_id={self.pad_id}: must be a token id below vocab_size={self.vocab_size}")
+        if self.norm_eps <= 0 or self.rope_theta <= 0:
+            raise ValueError("model.norm_eps and model.rope_theta: must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def ffn_inner(self) -> int:
+        """Width of the feed-forward activation: what the down-projection reads."""
+        return self.intermediate // 2 if self.glu else self.intermediate
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(vocab_size=4096, hidden=128, layers=2, heads=2, intermediate=512),
+    "small": ModelConfig(hidden=256, layers=4, heads=4, intermediate=1024),
+    "base": ModelConfig(),
+}

@@ -1,0 +1,134 @@
+"""AdamW and learning-rate schedules as pure functions (optax style).
+
+The optimizer state is a flat dict of tensors, so it saves directly as safetensors:
+`step` (0-dim fp32), `exp_avg.<param name>` and `exp_avg_sq.<param name>`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-12
+    weight_decay: float = 0.01
+    clip_norm: float = 0.5  # <= 0: no clipping
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"optimizer.lr={self.lr}: must be positive")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optimizer.betas={self.betas}: two values in [0, 1)")
+        if self.eps <= 0 or self.weight_decay < 0:
+            raise ValueError("optimizer.eps must be positive and optimizer.weight_decay non-negative")
+
+
+def decays(param: Tensor) -> bool:
+    """Weight decay applies to matrices only: norms and the sinusoidal scale are left alone."""
+    return param.ndim >= 2
+
+
+def adamw_init(params: dict[str, Tensor]) -> dict[str, Tensor]:
+    state = {"step": torch.zeros((), dtype=torch.float32, device=next(iter(params.values())).device)}
+    for name, p in params.items():
+        state[f"exp_avg.{name}"] = torch.zeros_like(p)
+        state[f"exp_avg_sq.{name}"] = torch.zeros_like(p)
+    return state
+
+
+def global_norm(tensors: dict[str, Tensor]) -> Tensor:
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors.values()]))
+
+
+def adamw_update(
+    cfg: OptimizerConfig, params: dict[str, Tensor], state: dict[str, Tensor], grads: dict[str, Tensor], lr: Tensor
+) -> tuple[dict[str, Tensor], dict[str, Tensor], Tensor]:
+    """One clipped AdamW step; returns new params, new state and the gradient norm before clipping.
+
+    The same arithmetic as `torch.optim.AdamW` (decoupled decay, bias correction) after
+    `clip_grad_norm_`, so the two agree to rounding.
+    """
+    grad_norm = global_norm(grads)
+    if cfg.clip_norm > 0:
+        scale = torch.clamp(cfg.clip_norm / (grad_norm + 1e-6), max=1.0)
+        grads = {name: g * scale for name, g in grads.items()}
+    beta1, beta2 = cfg.betas
+    step = state["step"] + 1
+    step_size = lr / (1 - beta1**step)
+    bias2_sqrt = torch.sqrt(1 - beta2**step)
+    new_params, new_state = {}, {"step": step}
+    for name, p in params.items():
+        g = grads[name]
+        exp_avg = torch.lerp(state[f"exp_avg.{name}"], g, 1 - beta1)
+        exp_avg_sq = state[f"exp_avg_sq.{name}"] * beta2 + g * g * (1 - beta2)
+        if decays(p):
+            p = p * (1 - lr * cfg.weight_decay)
+        new_params[name] = p - step_size * exp_avg / (exp_avg_sq.sqrt() / bias2_sqrt + cfg.eps)
+        new_state[f"exp_avg.{name}"] = exp_avg
+        new_state[f"exp_avg_sq.{name}"] = exp_avg_sq
+    return new_params, new_state, grad_norm
+
+
+def lr_schedule(name: str, progress: float, **kw: float) -> float:
+    """Multiplier of the peak learning rate at `progress` in [0, 1] (clamped) of the budget."""
+    if name not in _SCHEDULES:
+        raise ValueError(f"schedule {name!r}: allowed {', '.join(SCHEDULES)}")
+    return _SCHEDULES[name](min(max(progress, 0.0), 1.0), **kw)
+
+
+def _constant(p: float) -> float:
+    return 1.0
+
+
+def _budget_triangle(p: float, start: float = 0.25, decay: float = 0.25) -> float:
+    """cramming's budget-triangle2: rise linearly from `start` to 1, reaching it where the decay begins."""
+    _check_fractions(start=start, decay=decay)
+    rise = start + p * (1 - start) / (1 - decay)
+    fall = (1 - p) / decay
+    return max(0.0, min(rise, fall, 1.0))
+
+
+def _one_cycle(p: float) -> float:
+    return 1 - abs(2 * p - 1)
+
+
+def _cosine(p: float, warmup: float = 0.1) -> float:
+    _check_fractions(warmup=warmup)
+    if p < warmup:
+        return p / warmup
+    return 0.5 * (1 + math.cos(math.pi * (p - warmup) / (1 - warmup)))
+
+
+def _wsd(p: float, warmup: float = 0.1, decay: float = 0.2) -> float:
+    _check_fractions(warmup=warmup, decay=decay)
+    if warmup + decay > 1:
+        raise ValueError(f"schedule wsd: warmup={warmup} + decay={decay} must not exceed 1")
+    if p < warmup:
+        return p / warmup
+    if p > 1 - decay:
+        return (1 - p) / decay
+    return 1.0
+
+
+def _check_fractions(**fractions: float) -> None:
+    # A warm-up may be 0 (none) but not the whole budget; a decay phase must have some length.
+    for key, value in fractions.items():
+        if not (0 <= value < 1 if key in ("warmup", "start") else 0 < value <= 1):
+            raise ValueError(f"schedule {key}={value}: allowed " + ("[0, 1)" if key in ("warmup", "start") else "(0, 1]"))
+
+
+_SCHEDULES = {
+    "constant": _constant,
+    "budget-triangle": _budget_triangle,
+    "one-cycle": _one_cycle,
+    "cosine": _cosine,
+    "wsd": _wsd,
+}
+SCHEDULES: tuple[str, ...] = tuple(_SCHEDULES)

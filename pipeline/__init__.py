@@ -1,0 +1,1 @@
+"""The cram pipeline: config, run directories, the runner and the `cram` CLI."""

@@ -1,0 +1,394 @@
+"""Fine-tuning tasks for the evaluate stage: loading them as text/label examples, and scoring them.
+
+Three sources, one shape (`Task`): GLUE (the hub's `nyu-mll/glue`, or a local directory in the
+original GLUE TSV layout or as `datasets` saved to disk), a custom CSV / JSON-lines task, and the
+held-out Wikipedia articles' topics. Metrics are numpy only and return fractions (accuracy 0.91,
+not 91.0), as `sklearn`/`evaluate` do.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from stages import StageError
+
+# --------------------------------------------------------------------------------------------- tasks
+
+
+@dataclass(frozen=True)
+class Examples:
+    texts: list[tuple[str, ...]]  # one text, or a pair
+    labels: np.ndarray  # int64 class ids, or float32 targets for regression
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    metrics: tuple[str, ...]  # the first is the task's main score
+    label_names: tuple[str, ...]  # () for regression
+    train: Examples
+    tests: dict[str, Examples]  # evaluation sets by name: "test", or MNLI's "matched"/"mismatched"
+
+    @property
+    def regression(self) -> bool:
+        return not self.label_names
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.label_names) or 1
+
+
+@dataclass(frozen=True)
+class GlueSpec:
+    tsv_dir: str  # folder name in the GLUE download
+    tsv_text: tuple[str | int, ...]  # TSV columns by header name, or by index where there is no header
+    tsv_label: str | int
+    hf_text: tuple[str, ...]  # the hub's column names
+    labels: tuple[str, ...]  # the hub's label names in id order; () = regression
+    metrics: tuple[str, ...]
+    tests: tuple[tuple[str, str, str], ...] = (("test", "dev.tsv", "validation"),)  # (name, tsv, hub split)
+
+
+# The labelled dev sets are GLUE's test sets here: the official test labels are hidden.
+GLUE: dict[str, GlueSpec] = {
+    "cola": GlueSpec("CoLA", (3,), 1, ("sentence",), ("unacceptable", "acceptable"), ("matthews",)),
+    "sst2": GlueSpec("SST-2", ("sentence",), "label", ("sentence",), ("negative", "positive"), ("accuracy",)),
+    "mrpc": GlueSpec(
+        "MRPC", ("#1 String", "#2 String"), "Quality", ("sentence1", "sentence2"),
+        ("not_equivalent", "equivalent"), ("f1", "accuracy"),
+    ),
+    "stsb": GlueSpec("STS-B", ("sentence1", "sentence2"), "score", ("sentence1", "sentence2"), (), ("spearman", "pearson")),
+    "qqp": GlueSpec(
+        "QQP", ("question1", "question2"), "is_duplicate", ("question1", "question2"),
+        ("not_duplicate", "duplicate"), ("f1", "accuracy"),
+    ),
+    "mnli": GlueSpec(
+        "MNLI", ("sentence1", "sentence2"), "gold_label", ("premise", "hypothesis"),
+        ("entailment", "neutral", "contradiction"), ("accuracy",),
+        tests=(
+            ("matched", "dev_matched.tsv", "validation_matched"),
+            ("mismatched", "dev_mismatched.tsv", "validation_mismatched"),
+        ),
+    ),
+    "qnli": GlueSpec(
+        "QNLI", ("question", "sentence"), "label", ("question", "sentence"), ("entailment", "not_entailment"), ("accuracy",)
+    ),
+    "rte": GlueSpec(
+        "RTE", ("sentence1", "sentence2"), "label", ("sentence1", "sentence2"), ("entailment", "not_entailment"), ("accuracy",)
+    ),
+}
+TOPIC_LEFT_OUT = ("", "Uncategorized")
+
+
+def load_glue(name: str, path: str, where: str) -> Task:
+    """GLUE task `name` from the hub (`path` == "") or from a local directory in either layout.
+
+    `path` may be the task's own folder or a GLUE root holding it (`CoLA/` for TSV, `cola/` for
+    `datasets`). `where` names the config entry in error messages.
+    """
+    if name not in GLUE:
+        raise StageError(f"{where}.name: unknown GLUE task {name!r}; choose one of {', '.join(GLUE)}")
+    spec = GLUE[name]
+    if not path:
+        return _glue_from_hub(name, spec, where)
+    root = Path(path).expanduser()
+    for folder in (root, root / spec.tsv_dir, root / name):
+        if (folder / "dataset_dict.json").is_file():
+            return _glue_from_saved(name, spec, folder)
+        if (folder / "train.tsv").is_file():
+            return _glue_from_tsv(name, spec, folder)
+    raise StageError(
+        f"{where}.path: {root} holds no GLUE {name} data; expected train.tsv (GLUE TSV layout) or "
+        f"dataset_dict.json (datasets save_to_disk) in it or in {spec.tsv_dir}/ or {name}/ below it"
+    )
+
+
+def _glue_from_hub(name: str, spec: GlueSpec, where: str) -> Task:
+    import datasets
+
+    try:
+        data = datasets.load_dataset("nyu-mll/glue", name)
+    except Exception as e:  # offline, or the hub is unreachable: the message says what to do instead
+        raise StageError(
+            f"{where}.path: GLUE {name} could not be loaded from the hub (nyu-mll/glue): {type(e).__name__}; "
+            "set path to a local GLUE directory (TSV layout or datasets save_to_disk)"
+        ) from None
+    return _glue_from_dataset_dict(name, spec, data, "nyu-mll/glue")
+
+
+def _glue_from_saved(name: str, spec: GlueSpec, folder: Path) -> Task:
+    import datasets
+
+    return _glue_from_dataset_dict(name, spec, datasets.load_from_disk(str(folder)), str(folder))
+
+
+def _glue_from_dataset_dict(name: str, spec: GlueSpec, data, source: str) -> Task:
+    def split(split_name: str) -> Examples:
+        if split_name not in data:
+            raise StageError(f"{source}: no split {split_name!r} for GLUE {name}; found {', '.join(data)}")
+        columns = data[split_name].column_names
+        for column in (*spec.hf_text, "label"):
+            if column not in columns:
+                raise StageError(f"{source}/{split_name}: no column {column!r}; found {', '.join(columns)}")
+        rows = data[split_name].select_columns([*spec.hf_text, "label"]).to_dict()
+        texts = list(zip(*(rows[c] for c in spec.hf_text)))
+        return _check_labels(texts, rows["label"], spec.labels, f"{source}/{split_name}")
+
+    return Task(name, spec.metrics, spec.labels, split("train"), {t: split(hf) for t, _, hf in spec.tests})
+
+
+def _glue_from_tsv(name: str, spec: GlueSpec, folder: Path) -> Task:
+    def split(file_name: str) -> Examples:
+        path = folder / file_name
+        if not path.is_file():
+            raise StageError(f"{path}: missing; the GLUE TSV layout of {name} has it")
+        texts, labels = _read_tsv(path, spec.tsv_text, spec.tsv_label)
+        labels = [_tsv_label(v, spec.labels) for v in labels]
+        return _check_labels(texts, labels, spec.labels, str(path))
+
+    return Task(name, spec.metrics, spec.labels, split("train.tsv"), {t: split(f) for t, f, _ in spec.tests})
+
+
+def _read_tsv(path: Path, text_cols: Sequence[str | int], label_col: str | int):
+    # GLUE's TSVs carry bare quote characters inside sentences: quoting must be off.
+    with path.open(encoding="utf-8", newline="") as f:
+        rows = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+        if isinstance(label_col, str):
+            header = next(rows, [])
+            missing = [c for c in (*text_cols, label_col) if c not in header]
+            if missing:
+                raise StageError(f"{path}: no column {missing[0]!r} in the header; found {', '.join(header)}")
+            text_idx = [header.index(c) for c in text_cols]
+            label_idx = header.index(label_col)
+        else:
+            text_idx, label_idx = list(text_cols), label_col
+        width = max(*text_idx, label_idx) + 1
+        # QQP's train.tsv has a handful of broken lines (too few fields): they are skipped, as the hub's loader does.
+        good = [row for row in rows if len(row) >= width]
+    return [tuple(row[i] for i in text_idx) for row in good], [row[label_idx] for row in good]
+
+
+def _tsv_label(value: str, names: tuple[str, ...]) -> int | float | str:
+    if not names:
+        return float(value)
+    if value in names:
+        return names.index(value)
+    return int(value) if value.isdigit() else value  # CoLA, SST-2, MRPC, QQP write ids; the check below rejects others
+
+
+def _check_labels(texts, labels, names: tuple[str, ...], source: str) -> Examples:
+    if not names:
+        return Examples(list(texts), np.asarray(labels, dtype=np.float32))
+    bad = next((v for v in labels if not (isinstance(v, int) and 0 <= v < len(names))), None)
+    if bad is not None:
+        raise StageError(f"{source}: label {bad!r} is not one of {', '.join(names)} (ids 0..{len(names) - 1})")
+    return Examples(list(texts), np.asarray(labels, dtype=np.int64))
+
+
+def load_custom(
+    name: str, path: str, text_fields: Sequence[str], label_field: str, metrics: Sequence[str], where: str
+) -> Task:
+    """A task from a folder holding `train.csv|jsonl` and `test|dev|validation.csv|jsonl`.
+
+    Class labels are the distinct training values, ordered (numerically when all are numbers); `f1`
+    takes the second of them as the positive class. Regression when the metrics are correlations.
+    """
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise StageError(f"{where}.path: {folder} is not a directory (expected train.csv|jsonl and test.csv|jsonl in it)")
+    train_file = _find_split(folder, ("train",), where)
+    test_file = _find_split(folder, ("test", "dev", "validation"), where)
+    regression = all(m in REGRESSION_METRICS for m in metrics)
+    train_texts, train_labels = _read_records(train_file, text_fields, label_field)
+    test_texts, test_labels = _read_records(test_file, text_fields, label_field)
+    if regression:
+        return Task(name, tuple(metrics), (), _float_labels(train_texts, train_labels, train_file),
+                    {"test": _float_labels(test_texts, test_labels, test_file)})
+    names = _ordered_names({str(v) for v in train_labels})
+    unseen = sorted({str(v) for v in test_labels} - set(names))
+    if unseen:
+        raise StageError(f"{test_file}: label {unseen[0]!r} of field {label_field!r} never occurs in {train_file.name}")
+    ids = {n: i for i, n in enumerate(names)}
+
+    def examples(texts, labels) -> Examples:
+        return Examples(texts, np.asarray([ids[str(v)] for v in labels], dtype=np.int64))
+
+    return Task(name, tuple(metrics), names, examples(train_texts, train_labels), {"test": examples(test_texts, test_labels)})
+
+
+def _find_split(folder: Path, stems: Sequence[str], where: str) -> Path:
+    for stem in stems:
+        for suffix in (".csv", ".jsonl"):
+            if (folder / f"{stem}{suffix}").is_file():
+                return folder / f"{stem}{suffix}"
+    raise StageError(f"{where}.path: {folder} has no {'|'.join(stems)}.csv or .jsonl")
+
+
+def _read_records(path: Path, text_fields: Sequence[str], label_field: str):
+    if path.suffix == ".csv":
+        with path.open(encoding="utf-8", newline="") as f:
+            records = list(csv.DictReader(f))
+    else:
+        with path.open(encoding="utf-8") as f:
+            records = []
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise StageError(f"{path}:{n}: not a JSON object: {e.msg}") from None
+    texts, labels = [], []
+    for n, record in enumerate(records, 1):
+        missing = next((k for k in (*text_fields, label_field) if k not in record or record[k] is None), None)
+        if missing is not None:
+            raise StageError(f"{path}: record {n} has no field {missing!r}; it has {', '.join(record)}")
+        texts.append(tuple(str(record[k]) for k in text_fields))
+        labels.append(record[label_field])
+    if not texts:
+        raise StageError(f"{path}: no records")
+    return texts, labels
+
+
+def _float_labels(texts, labels, path: Path) -> Examples:
+    try:
+        return Examples(texts, np.asarray([float(v) for v in labels], dtype=np.float32))
+    except (TypeError, ValueError):
+        raise StageError(f"{path}: a regression label is not a number; the metrics ask for regression") from None
+
+
+def _ordered_names(values: set[str]) -> tuple[str, ...]:
+    try:
+        return tuple(sorted(values, key=float))
+    except ValueError:
+        return tuple(sorted(values))
+
+
+def load_topics(path: Path, test_fraction: float) -> Task:
+    """The held-out Wikipedia articles' topics, split per topic into train and test by title hash.
+
+    Hashing the title makes the split independent of row order and of the run seed; doing it per topic
+    keeps every topic in both halves.
+    """
+    import datasets
+
+    data = datasets.load_from_disk(str(path))
+    missing = [c for c in ("text", "label") if c not in data.column_names]
+    if missing:
+        raise StageError(f"{path}: held-out articles have no {missing[0]!r} column; found {', '.join(data.column_names)}")
+    rows = data.to_dict()
+    keys = rows.get("title") or rows["text"]
+    by_topic: dict[str, list[int]] = {}
+    for i, label in enumerate(rows["label"]):
+        if label not in TOPIC_LEFT_OUT:
+            by_topic.setdefault(label, []).append(i)
+    names = tuple(sorted(t for t, idx in by_topic.items() if len(idx) >= 2))  # a lone article cannot be in both halves
+    if len(names) < 2:
+        raise StageError(f"{path}: fewer than two topics with two or more articles; nothing to classify")
+    train, test = [], []
+    for label, topic in enumerate(names):
+        ranked = sorted(by_topic[topic], key=lambda i: hashlib.sha1(keys[i].encode()).hexdigest())
+        n_test = min(len(ranked) - 1, max(1, round(test_fraction * len(ranked))))
+        test += [(i, label) for i in ranked[:n_test]]
+        train += [(i, label) for i in ranked[n_test:]]
+
+    def examples(pairs) -> Examples:
+        return Examples([(rows["text"][i],) for i, _ in pairs], np.asarray([y for _, y in pairs], dtype=np.int64))
+
+    return Task("topic", ("accuracy", "macro_f1"), names, examples(train), {"test": examples(test)})
+
+
+# ------------------------------------------------------------------------------------------- metrics
+
+
+def accuracy(pred: np.ndarray, gold: np.ndarray) -> float:
+    return float(np.mean(pred == gold))
+
+
+def f1(pred: np.ndarray, gold: np.ndarray) -> float:
+    """Binary F1 of class 1 (GLUE's "equivalent"/"duplicate")."""
+    return _f1_of(1, pred, gold)
+
+
+def macro_f1(pred: np.ndarray, gold: np.ndarray) -> float:
+    """Mean F1 over the classes that occur in gold or pred (sklearn's default label set)."""
+    return float(np.mean([_f1_of(c, pred, gold) for c in np.union1d(pred, gold)]))
+
+
+def _f1_of(positive, pred: np.ndarray, gold: np.ndarray) -> float:
+    tp = np.sum((pred == positive) & (gold == positive))
+    wrong = np.sum((pred == positive) != (gold == positive))  # false positives + false negatives
+    return float(2 * tp / (2 * tp + wrong)) if tp + wrong else 0.0
+
+
+def matthews(pred: np.ndarray, gold: np.ndarray) -> float:
+    """Matthews correlation, multi-class form (Gorodkin's R_K); 0 when either side is constant."""
+    classes = np.union1d(pred, gold)
+    confusion = np.zeros((len(classes), len(classes)))
+    np.add.at(confusion, (np.searchsorted(classes, gold), np.searchsorted(classes, pred)), 1)
+    true_k, pred_k = confusion.sum(1), confusion.sum(0)
+    correct, n = np.trace(confusion), confusion.sum()
+    denominator = np.sqrt((n**2 - pred_k @ pred_k) * (n**2 - true_k @ true_k))
+    return float((correct * n - true_k @ pred_k) / denominator) if denominator else 0.0
+
+
+def pearson(pred: np.ndarray, gold: np.ndarray) -> float:
+    """Pearson correlation; 0 when either side is constant (a constant predictor explains nothing)."""
+    x, y = pred - pred.mean(), gold - gold.mean()
+    denominator = np.sqrt((x @ x) * (y @ y))
+    return float(x @ y / denominator) if denominator else 0.0
+
+
+def spearman(pred: np.ndarray, gold: np.ndarray) -> float:
+    return pearson(rank(pred), rank(gold))
+
+
+def rank(values: np.ndarray) -> np.ndarray:
+    """1-based ranks, ties given the mean of the ranks they span (scipy's rankdata "average")."""
+    order = np.argsort(values, kind="stable")
+    ordered = values[order]
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+    ends = np.r_[starts[1:], len(values)]
+    ranks = np.empty(len(values))
+    ranks[order] = np.repeat((starts + ends + 1) / 2, ends - starts)
+    return ranks
+
+
+METRICS: dict[str, Callable[[np.ndarray, np.ndarray], float]] = {
+    "accuracy": accuracy,
+    "f1": f1,
+    "macro_f1": macro_f1,
+    "matthews": matthews,
+    "pearson": pearson,
+    "spearman": spearman,
+}
+REGRESSION_METRICS = ("pearson", "spearman")
+
+
+def score(metrics: Sequence[str], pred: np.ndarray, gold: np.ndarray) -> dict[str, float]:
+    return {m: METRICS[m](pred, gold) for m in metrics}
+
+
+def majority_baseline(task: Task, test: Examples) -> dict[str, float]:
+    """Scores of always answering the training set's most common class (its mean, for regression)."""
+    if task.regression:
+        guess = np.full(len(test.labels), task.train.labels.mean(), dtype=np.float32)
+    else:
+        guess = np.full(len(test.labels), np.bincount(task.train.labels).argmax())
+    return score(task.metrics, guess, test.labels)
+
+
+def glue_average(scores: dict[str, dict[str, float]]) -> float:
+    """Cramming's GLUE average: the mean of each evaluation set's main score.
+
+    `scores` maps a GLUE evaluation set ("cola/test", "mnli/matched", "mnli/mismatched", ...) to its
+    scores; MNLI's two sets count apart, as in the paper's table. Main scores follow BERT's report:
+    Matthews for CoLA, F1 for MRPC and QQP, Spearman for STS-B, accuracy for the rest.
+    """
+    return float(np.mean([values[GLUE[key.split("/")[0]].metrics[0]] for key, values in scores.items()]))

@@ -1,0 +1,72 @@
+"""Small stages for testing the runner without torch: alpha -> beta -> gamma.
+
+Each adds its `value` to the totals of its upstream stages and appends its name to
+`RUN_DIR/calls.log`, so a test can see which stages ran. `fail` makes a stage fail on purpose;
+the environment variables FAKE_HANG=<stage> and FAKE_INTERRUPT=<stage> make that stage hang, or act as
+if Ctrl-C were pressed, after writing part of its output (without changing the stage's key).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from stages import StageError
+
+PIPELINE = """
+[run]
+name = "t"
+seed = 1
+root = "{root}"
+device = "cpu"
+
+[alpha]
+value = 1
+
+[beta]
+value = 10
+
+[gamma]
+value = 100
+"""
+
+
+@dataclass(frozen=True)
+class Config:
+    value: int = 1
+    fail: Literal["", "input", "crash"] = ""
+    tags: tuple[str, ...] = ()
+
+
+def _make(name: str, upstream: tuple[str, ...], resumable: bool = False) -> types.ModuleType:
+    def run(config: Config, inputs: dict, out_dir: Path, ctx) -> dict:
+        with open(ctx.run_dir / "calls.log", "a") as f:
+            f.write(f"{name}\n")
+        total = config.value + sum(up.outputs["total"] for up in inputs.values())
+        attempts = out_dir / "attempts"
+        attempts.write_text(str(int(attempts.read_text()) + 1 if attempts.exists() else 1))
+        if os.environ.get("FAKE_HANG") == name:
+            time.sleep(120)
+        if os.environ.get("FAKE_INTERRUPT") == name:
+            raise KeyboardInterrupt  # what Ctrl-C raises
+        if config.fail == "input":
+            raise StageError(f"[{name}] value: {config.value} is not allowed here")
+        if config.fail == "crash":
+            raise RuntimeError("boom")
+        (out_dir / "result.json").write_text(json.dumps({"total": total}))
+        ctx.log.info("computed", total=total)
+        return {"result": "result.json", "total": total, "attempts": int(attempts.read_text())}
+
+    module = types.ModuleType(f"fake_{name}")
+    module.NAME, module.VERSION, module.UPSTREAM, module.RESUMABLE = name, "1", upstream, resumable
+    module.Config, module.run = Config, run
+    return module
+
+
+def modules(resumable_beta: bool = False) -> list[types.ModuleType]:
+    return [_make("alpha", ()), _make("beta", ("alpha",), resumable_beta), _make("gamma", ("beta",))]

@@ -1,0 +1,184 @@
+"""Config loading: validation messages, overrides, the TOML round trip, and key stability."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pytest
+from typer.testing import CliRunner
+
+import fake_stages
+from pipeline import cli, config, runner
+
+
+@dataclass(frozen=True)
+class Corpus:
+    kind: Literal["text", "jsonl"] = "text"
+    paths: tuple[str, ...] = ()
+    limit: int | None = None
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str = "t"
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class Stage:
+    lr: float = 1e-3
+    steps: int = 10
+    compile: bool = True
+    corpus: Corpus = Corpus()
+    tasks: list[Task] = field(default_factory=list)
+    betas: tuple[float, float] = (0.9, 0.98)
+    extra: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps: {self.steps} must be at least 1")
+
+
+CLASSES = {"train": Stage}
+
+
+def load(text: str, overrides=(), tmp_path=None):
+    path = tmp_path / "p.toml"
+    path.write_text(text)
+    return config.load(path, CLASSES, list(overrides))
+
+
+def error(text: str, tmp_path, overrides=()) -> str:
+    with pytest.raises(config.ConfigError) as e:
+        load(text, overrides, tmp_path)
+    return str(e.value)
+
+
+def test_a_full_file_maps_onto_typed_frozen_dataclasses(tmp_path):
+    conf = load(
+        """
+        [run]
+        name = "x"
+        seed = 3
+        [train]
+        lr = 1
+        betas = [0.8, 0.9]
+        extra = {a = 1}
+        [train.corpus]
+        kind = "jsonl"
+        paths = ["a", "b"]
+        [[train.tasks]]
+        name = "one"
+        [[train.tasks]]
+        name = "two"
+        weight = 2
+        """,
+        tmp_path=tmp_path,
+    )
+    train = conf.stages["train"]
+    assert conf.run.name == "x" and conf.run.seed == 3 and conf.run.device == "auto"
+    assert train.lr == 1.0 and isinstance(train.lr, float)
+    assert train.corpus == Corpus(kind="jsonl", paths=("a", "b"))
+    assert train.tasks == [Task("one"), Task("two", 2.0)]
+    assert train.betas == (0.8, 0.9) and train.extra == {"a": 1}
+
+
+def test_missing_sections_take_their_defaults(tmp_path):
+    assert load("", tmp_path=tmp_path).stages["train"] == Stage()
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("[train]\nrl = 1e-3", "[train] unknown key 'rl'; did you mean 'lr'?"),
+        ("[train.corpus]\npath = ['a']", "[train.corpus] unknown key 'path'; did you mean 'paths'?"),
+        ("[trian]\nlr = 1", "unknown section [trian]; did you mean 'train'?"),
+        ("[train]\nsteps = 'ten'", "train.steps: expected an integer, got 'ten'"),
+        ("[train]\nsteps = 1.5", "train.steps: expected an integer, got 1.5"),
+        ("[train]\ncompile = 1", "train.compile: expected true or false, got 1"),
+        ("[train]\nlr = true", "train.lr: expected a number, got True"),
+        ("[train.corpus]\nkind = 'csv'", "train.corpus.kind: 'csv' is not allowed; choose one of 'text', 'jsonl'"),
+        ("[train]\nbetas = [0.9]", "train.betas: expected"),
+        ("[train]\nsteps = 0", "[train] steps: 0 must be at least 1"),
+        ("[[train.tasks]]\nweight = 'x'", "train.tasks[0].weight: expected a number, got 'x'"),
+        ("[run]\ndevice = 'tpu'", "[run] device: 'tpu' is not one of auto, cpu, cuda, cuda:N"),
+        ("[train\nlr = 1", "not valid TOML"),
+    ],
+)
+def test_bad_files_name_the_file_the_key_and_what_is_allowed(tmp_path, text, expected):
+    message = error(text, tmp_path)
+    assert expected in message
+    assert str(tmp_path / "p.toml") in message
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.lr=5e-4", None),
+        ("train.corpus.limit=7", None),
+        ("train.lrr=1", "--set: [train] unknown key 'lrr'; did you mean 'lr'?"),
+        ("train.steps=many", "--set: train.steps: expected an integer, got 'many'"),
+        ("trane.lr=1", "unknown section [trane]; did you mean 'train'?"),
+        ("train.lr", "expected section.key=value"),
+        ("train.lr.x=1", "'lr' is a value, not a table"),
+    ],
+)
+def test_overrides_are_validated_like_the_file(tmp_path, override, expected):
+    if expected is None:
+        conf = load("[train]\nlr = 1e-3", [override], tmp_path)
+        assert conf.stages["train"].lr == 5e-4 or conf.stages["train"].corpus.limit == 7
+    else:
+        assert expected in error("[train]\nlr = 1e-3", tmp_path, [override])
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(config.ConfigError, match="no such config file"):
+        config.load(tmp_path / "nope.toml", CLASSES)
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    conf = load(
+        "[train]\nlr = 2e-4\nbetas = [0.5, 0.25]\nextra = {k = 3}\n[train.corpus]\npaths = ['a b', 'c\"d']\n"
+        "[[train.tasks]]\nname = 'n'\nweight = 0.5\n",
+        tmp_path=tmp_path,
+    )
+    text = config.to_toml(conf.to_dict())
+    again = config.parse(text, CLASSES)
+    assert again == conf
+
+
+def test_keys_depend_on_meaning_not_on_spelling(tmp_path):
+    a = load("[train]\nlr = 0.001\nsteps = 10", tmp_path=tmp_path)
+    b = load("[train]\nsteps = 10  # same values, another order and spelling\nlr = 1e-3", tmp_path=tmp_path)
+    c = load("[train]\nlr = 0.002", tmp_path=tmp_path)
+    assert config.digest(a.stages["train"]) == config.digest(b.stages["train"])
+    assert config.digest(a.stages["train"]) != config.digest(c.stages["train"])
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--set", "beta.valeu=3"], "[beta] unknown key 'valeu'; did you mean 'value'?"),
+        (["--set", "beta.value=x"], "beta.value: expected an integer, got 'x'"),
+        (["--set", "run.device='gpu'"], "device: 'gpu' is not one of"),
+        (["--bogus"], "No such option"),
+    ],
+)
+def test_cli_config_errors_exit_2_with_the_key(tmp_path, monkeypatch, args, expected):
+    monkeypatch.setattr(runner, "default_stages", fake_stages.modules)
+    path = tmp_path / "p.toml"
+    path.write_text(fake_stages.PIPELINE.format(root=tmp_path / "runs"))
+    result = CliRunner().invoke(cli.app, ["run", str(path), *args], env={"COLUMNS": "250"})
+    assert result.exit_code == 2
+    assert expected in result.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_cli_unknown_key_in_file_exits_2(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "default_stages", fake_stages.modules)
+    path = tmp_path / "p.toml"
+    path.write_text("[gamma]\nvalue = 1\nfial = 'crash'\n")
+    result = CliRunner().invoke(cli.app, ["run", str(path)], env={"COLUMNS": "250"})
+    assert result.exit_code == 2
+    assert f"{path}: [gamma] unknown key 'fial'; did you mean 'fail'?" in result.output
