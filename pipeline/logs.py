@@ -35,28 +35,36 @@ def configure(events_file: Path | None = None, console: bool = True, level: int 
         handler.close()
     _installed.clear()
     if console:
-        _installed.append(_handler(logging.StreamHandler(sys.stderr), structlog.dev.ConsoleRenderer()))
+        _installed.append(_handler(logging.StreamHandler(sys.stderr), _for_people, structlog.dev.ConsoleRenderer()))
     if events_file is not None:
         events_file.parent.mkdir(parents=True, exist_ok=True)
         file_handler = logging.FileHandler(events_file, encoding="utf-8")
-        _installed.append(_handler(file_handler, structlog.processors.JSONRenderer()))
+        _installed.append(
+            _handler(file_handler, structlog.processors.format_exc_info, structlog.processors.JSONRenderer())
+        )
     for handler in _installed:
         root.addHandler(handler)
     root.setLevel(level)
 
 
-def _handler(handler: logging.Handler, renderer: structlog.typing.Processor) -> logging.Handler:
+def _handler(handler: logging.Handler, *processors: structlog.typing.Processor) -> logging.Handler:
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=_SHARED,
-            processors=[
-                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                structlog.processors.format_exc_info,
-                renderer,
-            ],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *processors],
         )
     )
     return handler
+
+
+def _for_people(logger: object, method: str, event: dict) -> dict:
+    """Console lines: the time of day only, no run name (it is in the title), and no tracebacks
+    (they go to the events file; the console gets the one-line error)."""
+    event.pop("run", None)
+    event.pop("exc_info", None)
+    if isinstance(event.get("timestamp"), str):
+        event["timestamp"] = event["timestamp"][11:19]
+    return event
 
 
 def get(**bound: object) -> structlog.stdlib.BoundLogger:

@@ -9,6 +9,7 @@ if Ctrl-C were pressed, after writing part of its output (without changing the s
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import types
@@ -60,6 +61,7 @@ def _make(name: str, upstream: tuple[str, ...], resumable: bool = False) -> type
             raise RuntimeError("boom")
         (out_dir / "result.json").write_text(json.dumps({"total": total}))
         ctx.log.info("computed", total=total)
+        logging.getLogger("thirdparty").warning("a standard-library record from %s", name)
         return {"result": "result.json", "total": total, "attempts": int(attempts.read_text())}
 
     module = types.ModuleType(f"fake_{name}")

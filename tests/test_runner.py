@@ -209,6 +209,8 @@ def test_manifest_records_what_a_run_needs_to_be_trusted(pipe):
     events = [json.loads(line) for line in (pipe.run_dir / "logs" / "events.jsonl").read_text().splitlines()]
     computed = [e for e in events if e["event"] == "computed"]
     assert {(e["run"], e["stage"]) for e in computed} == {("t", "alpha"), ("t", "beta"), ("t", "gamma")}
+    stdlib = [e for e in events if e.get("logger") == "thirdparty"]
+    assert [(e["event"], e["stage"]) for e in stdlib][0] == ("a standard-library record from alpha", "alpha")
 
 
 def test_run_name_and_seed_come_from_run_section_and_overrides(pipe):
