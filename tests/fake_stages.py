@@ -44,10 +44,17 @@ class Config:
     tags: tuple[str, ...] = ()
 
 
-def _make(name: str, upstream: tuple[str, ...], resumable: bool = False) -> types.ModuleType:
+def _make(name: str, upstream: tuple[str, ...], resumable: bool = False, distributed: bool = False):
     def run(config: Config, inputs: dict, out_dir: Path, ctx) -> dict:
         with open(ctx.run_dir / "calls.log", "a") as f:
-            f.write(f"{name}\n")
+            f.write(f"{name}@{ctx.rank}\n" if distributed else f"{name}\n")
+        if distributed:  # proves the process group is up on every rank
+            import torch
+            import torch.distributed as dist
+
+            ranks = torch.tensor([1.0])
+            dist.all_reduce(ranks)
+            assert int(ranks) == ctx.world_size
         total = config.value + sum(up.outputs["total"] for up in inputs.values())
         attempts = out_dir / "attempts"
         attempts.write_text(str(int(attempts.read_text()) + 1 if attempts.exists() else 1))
@@ -66,9 +73,14 @@ def _make(name: str, upstream: tuple[str, ...], resumable: bool = False) -> type
 
     module = types.ModuleType(f"fake_{name}")
     module.NAME, module.VERSION, module.UPSTREAM, module.RESUMABLE = name, "1", upstream, resumable
+    module.DISTRIBUTED = distributed
     module.Config, module.run = Config, run
     return module
 
 
-def modules(resumable_beta: bool = False) -> list[types.ModuleType]:
-    return [_make("alpha", ()), _make("beta", ("alpha",), resumable_beta), _make("gamma", ("beta",))]
+def modules(resumable_beta: bool = False, distributed_beta: bool = False) -> list[types.ModuleType]:
+    return [
+        _make("alpha", ()),
+        _make("beta", ("alpha",), resumable_beta, distributed_beta),
+        _make("gamma", ("beta",)),
+    ]

@@ -225,6 +225,26 @@ def test_run_name_and_seed_come_from_run_section_and_overrides(pipe):
     assert (other / "calls.log").read_text().split() == ["alpha", "beta", "gamma"] * 2
 
 
+@pytest.mark.slow
+def test_under_torchrun_rank_0_runs_plain_stages_and_every_rank_the_distributed_one(pipe, tmp_path):
+    script = tmp_path / "cram_fake.py"
+    script.write_text(
+        f"import sys; sys.path.insert(0, {str(TESTS)!r}); import fake_stages\n"
+        "from pipeline import cli, runner\n"
+        "runner.default_stages = lambda: fake_stages.modules(distributed_beta=True)\n"
+        "cli.main()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
+         str(script), "run", str(pipe.config)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(pipe.calls()) == ["alpha", "beta@0", "beta@1", "gamma"]
+    assert [r["status"] for r in pipe.manifest().values()] == ["done"] * 3
+    assert not (pipe.run_dir / rundir.LOCK).exists()
+
+
 def _reasons(dry_run_output: str) -> dict[str, tuple[str, str]]:
     found = {}
     for line in dry_run_output.splitlines():
