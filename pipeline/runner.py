@@ -46,6 +46,7 @@ class Step:
     module: ModuleType
     key: str
     config_hash: str
+    inputs_hash: str | None
     upstream_keys: dict[str, str]
     action: str  # "run" or "skip"
     reason: str
@@ -76,15 +77,19 @@ def plan(
     keys: dict[str, str] = {}
     steps: list[Step] = []
     for i, module in enumerate(modules):
+        stage_config = config.stages[module.NAME]
         upstream = {u: keys[u] for u in module.UPSTREAM}
-        config_hash = cfg.digest({"version": module.VERSION, "config": config.stages[module.NAME]})
+        config_hash = cfg.digest({"version": module.VERSION, "config": stage_config, "seed": config.run.seed})
+        # A stage that reads files outside the run (a corpus) says what of them its output depends on.
+        inputs_hash = cfg.digest(module.fingerprint(stage_config)) if hasattr(module, "fingerprint") else None
         key = cfg.digest(
             {
                 "stage": module.NAME,
                 "version": module.VERSION,
-                "config": config.stages[module.NAME],
+                "config": stage_config,
                 "seed": config.run.seed,
                 "upstream": upstream,
+                "inputs": inputs_hash,
             }
         )
         keys[module.NAME] = key
@@ -98,8 +103,8 @@ def plan(
         elif done:
             action, reason = "skip", "done"
         else:
-            action, reason = "run", _why_not_done(record, key, config_hash)
-        steps.append(Step(module.NAME, module, key, config_hash, upstream, action, reason))
+            action, reason = "run", _why_not_done(record, key, config_hash, upstream)
+        steps.append(Step(module.NAME, module, key, config_hash, inputs_hash, upstream, action, reason))
     _check_upstream_done(steps)
     return steps
 
@@ -108,14 +113,16 @@ def _is_done(record: dict[str, Any] | None, key: str, out_dir: Path) -> bool:
     return bool(record) and record.get("status") == "done" and record.get("key") == key and out_dir.is_dir()
 
 
-def _why_not_done(record: dict[str, Any] | None, key: str, config_hash: str) -> str:
+def _why_not_done(record: dict[str, Any] | None, key: str, config_hash: str, upstream: dict[str, str]) -> str:
     if not record or "key" not in record:
         return "new"
     if record["key"] == key:
         return "incomplete"
     if record.get("config_hash") != config_hash:
         return "config changed"
-    return "upstream changed"
+    if record.get("upstream_keys") != upstream:
+        return "upstream changed"
+    return "inputs changed"
 
 
 def _check_upstream_done(steps: list[Step]) -> None:
@@ -179,6 +186,7 @@ def _run_step(
                 step.name,
                 key=step.key,
                 config_hash=step.config_hash,
+                inputs_hash=step.inputs_hash,
                 upstream_keys=step.upstream_keys,
                 version=step.module.VERSION,
                 status="running",

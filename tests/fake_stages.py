@@ -74,6 +74,8 @@ def _make(name: str, upstream: tuple[str, ...], resumable: bool = False, distrib
     module = types.ModuleType(f"fake_{name}")
     module.NAME, module.VERSION, module.UPSTREAM, module.RESUMABLE = name, "1", upstream, resumable
     module.DISTRIBUTED = distributed
+    if not upstream:  # the first stage reads a file outside the run, as tokenize reads a corpus
+        module.fingerprint = lambda config: Path("input.txt").read_text() if Path("input.txt").exists() else None
     module.Config, module.run = Config, run
     return module
 

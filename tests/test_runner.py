@@ -77,6 +77,16 @@ def test_config_change_reruns_that_stage_and_downstream_only(pipe):
     assert "value = 20" in (pipe.run_dir / "config.toml").read_text()
 
 
+def test_editing_an_input_file_reruns_the_stage_that_reads_it(pipe, tmp_path):
+    (tmp_path / "input.txt").write_text("one")
+    pipe.run()
+    assert pipe.run("--dry-run").output.count("done") == 3
+    (tmp_path / "input.txt").write_text("two")
+    assert _reasons(pipe.run("--dry-run").output) == {"alpha": ("run", "inputs changed"),
+                                                      "beta": ("run", "upstream changed"),
+                                                      "gamma": ("run", "upstream changed")}
+
+
 def test_dry_run_on_a_new_run_says_new_and_creates_nothing(pipe):
     out = pipe.run("--dry-run").output
     assert _reasons(out) == {s: ("run", "new") for s in ("alpha", "beta", "gamma")}
