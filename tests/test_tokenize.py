@@ -1,0 +1,155 @@
+"""The tokenize stage on small corpora written by the tests: round trip, special ids, the held-out
+split kept out of the tokenizer and the tokens, normalisation options, and bad input."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from stages import StageError
+from stages import tokenize
+from stages.corpus import CorpusConfig
+
+SECRET = "quixotically"  # appears only in held-out documents
+
+
+def words(rng: random.Random, n: int) -> list[str]:
+    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "pa", "do", "fi", "gu", "he"]
+    vocab = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(300)]
+    # Zipf-like frequencies, as in real text, so that BPE has frequent pairs to merge.
+    return rng.choices(vocab, weights=[1 / (i + 1) for i in range(len(vocab))], k=n)
+
+
+def write_corpus(path, n_docs: int = 300, seed: int = 0) -> list[dict]:
+    """A JSON-lines corpus; the held-out documents (by title) carry SECRET many times."""
+    rng = random.Random(seed)
+    records = []
+    for i in range(n_docs):
+        title = f"Article {i}"
+        text = " ".join(words(rng, rng.randint(20, 60))) + "."
+        if tokenize.is_heldout(title, text, 0.2):
+            text = f"{SECRET} " * 20 + text
+        records.append({"title": title, "body": text, "topic": ["Arts", "Science", "Uncategorized"][i % 3]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
+def config(path, **kw) -> tokenize.Config:
+    corpus = CorpusConfig(kind="files", paths=(str(path),), format="jsonl", text_field="body", label_field="topic")
+    return tokenize.Config(corpus=corpus, **{"vocab_size": 400, "heldout_fraction": 0.2, **kw})
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    return path, write_corpus(path)
+
+
+def run(cfg, tmp_path, make_ctx, name="out"):
+    out = tmp_path / name
+    out.mkdir()
+    return out, tokenize.run(cfg, {}, out, make_ctx())
+
+
+def test_round_trip_special_ids_and_figures(corpus, tmp_path, make_ctx):
+    import datasets
+    import sentencepiece as spm
+
+    path, records = corpus
+    out, outputs = run(config(path), tmp_path, make_ctx)
+    sp = spm.SentencePieceProcessor(model_file=str(out / outputs["tokenizer"]))
+    assert sp.get_piece_size() == outputs["vocab_size"] == 400
+    assert outputs["special_ids"] == {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
+    assert [sp.id_to_piece(i) for i in range(5)] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    assert 4 not in sp.encode("a [MASK] in the text stays text")
+
+    tokens = datasets.load_from_disk(str(out / outputs["tokens"]))
+    assert tokens.column_names == ["input_ids"]
+    train_texts = [r["body"] for r in records if not tokenize.is_heldout(r["title"], r["body"], 0.2)]
+    assert [sp.decode(ids) for ids in tokens["input_ids"]] == train_texts
+    assert outputs["documents"] == len(train_texts)
+    assert outputs["characters"] == sum(map(len, train_texts))
+    assert outputs["total_tokens"] == sum(map(len, tokens["input_ids"]))
+    assert outputs["tokens_per_char"] == pytest.approx(outputs["total_tokens"] / outputs["characters"], abs=1e-4)
+    assert outputs["mb_per_s"] > 0 and outputs["seconds"] > 0
+
+
+def test_heldout_documents_never_reach_the_tokenizer_or_the_tokens(corpus, tmp_path, make_ctx):
+    import datasets
+    import sentencepiece as spm
+
+    path, records = corpus
+    out, outputs = run(config(path), tmp_path, make_ctx)
+    expected = [r for r in records if tokenize.is_heldout(r["title"], r["body"], 0.2)]
+    assert 30 < len(expected) < 90  # about 20% of 300
+    heldout = datasets.load_from_disk(str(out / outputs["heldout"]))
+    assert heldout["title"] == [r["title"] for r in expected]
+    assert heldout["text"] == [r["body"] for r in expected]
+    assert heldout["label"] == ["" if r["topic"] == "Uncategorized" else r["topic"] for r in expected]
+
+    # SECRET is 40% of the held-out text: a tokenizer trained on it would surely have merged it.
+    sp = spm.SentencePieceProcessor(model_file=str(out / outputs["tokenizer"]))
+    assert not any("quix" in sp.id_to_piece(i) for i in range(sp.get_piece_size()))
+    tokens = datasets.load_from_disk(str(out / outputs["tokens"]))
+    assert not any(SECRET in sp.decode(ids) for ids in tokens["input_ids"])
+
+
+def test_no_heldout_split_gives_none(corpus, tmp_path, make_ctx):
+    path, records = corpus
+    out, outputs = run(config(path, heldout_fraction=0.0), tmp_path, make_ctx)
+    assert outputs["heldout"] is None and outputs["documents"] == len(records)
+    assert not (out / "heldout").exists()
+
+
+def test_lowercase_and_normalisation_are_applied_and_recorded(tmp_path, make_ctx):
+    import sentencepiece as spm
+
+    path = tmp_path / "corpus.jsonl"
+    write_corpus(path)
+    path.write_text(path.read_text().replace("ka", "KA"))
+    out, outputs = run(config(path, lowercase=True, heldout_fraction=0.0), tmp_path, make_ctx)
+    assert (outputs["lowercase"], outputs["normalization"]) == (True, "nmt_nfkc_cf")
+    sp = spm.SentencePieceProcessor(model_file=str(out / outputs["tokenizer"]))
+    assert sp.decode(sp.encode("KALO Mine")) == "kalo mine"
+
+
+def test_unigram_and_two_processes_give_the_same_ids_as_one(corpus, tmp_path, make_ctx):
+    import datasets
+
+    path, _ = corpus
+    unigram = dict(model_type="unigram", vocab_size=200)
+    one_dir, one = run(config(path, **unigram), tmp_path, make_ctx, "one")
+    two_dir, two = run(config(path, **unigram, num_proc=2, batch_size=50), tmp_path, make_ctx, "two")
+    ids = [datasets.load_from_disk(str(d / "tokens"))["input_ids"] for d in (one_dir, two_dir)]
+    assert list(ids[0]) == list(ids[1]) and one["total_tokens"] == two["total_tokens"]
+
+
+def test_long_lines_are_cut_for_tokenizer_training():
+    line = " ".join(["word"] * 1000)  # 4,999 characters
+    pieces = list(tokenize._cut(line, 2000))
+    assert all(len(p) <= 2000 for p in pieces) and len(pieces) == 3
+    assert " ".join(pieces) == line
+    assert list(tokenize._cut("x" * 4500, 2000)) == ["x" * 2000, "x" * 2000, "x" * 500]
+
+
+def test_a_corpus_too_small_for_the_vocab_is_a_stage_error(tmp_path, make_ctx):
+    path = tmp_path / "tiny.jsonl"
+    write_corpus(path, n_docs=5)
+    with pytest.raises(StageError, match=r"tokenize.vocab_size: 4000 is too large for this corpus"):
+        run(config(path, vocab_size=4000, heldout_fraction=0.0), tmp_path, make_ctx)
+
+
+@pytest.mark.parametrize(
+    "bad, key",
+    [
+        ({"heldout_fraction": 1.0}, "heldout_fraction"),
+        ({"vocab_size": 10}, "vocab_size"),
+        ({"lowercase": True, "normalization": "identity"}, "lowercase"),
+        ({"num_proc": 0}, "num_proc"),
+    ],
+)
+def test_bad_settings_name_their_key(bad, key):
+    with pytest.raises(ValueError, match=f"^{key}:"):
+        tokenize.Config(**bad)
