@@ -103,7 +103,9 @@ def mlm_loss(params: dict[str, Tensor], cfg: ModelConfig, batch: dict[str, Tenso
     """
     hidden = encode(params, cfg, batch["input_ids"], batch.get("attention_mask"))
     rows = hidden.flatten(0, 1).index_select(0, batch["mlm_positions"])
-    logits = mlm_logits(params, cfg, rows).float()
+    logits = mlm_logits(params, cfg, rows)
+    if logits.dtype in (torch.float16, torch.bfloat16):  # autocast: the softmax wants fp32
+        logits = logits.float()
     labels = batch["mlm_labels"]
     loss = F.cross_entropy(logits, labels)
     accuracy = (logits.argmax(dim=-1) == labels).float().mean()
@@ -115,7 +117,12 @@ def _norm(x: Tensor, weight: Tensor, cfg: ModelConfig) -> Tensor:
 
 
 def _attention(
-    params: dict[str, Tensor], p: str, cfg: ModelConfig, x: Tensor, mask: Tensor | None, rope: tuple[Tensor, Tensor] | None
+    params: dict[str, Tensor],
+    p: str,
+    cfg: ModelConfig,
+    x: Tensor,
+    mask: Tensor | None,
+    rope: tuple[Tensor, Tensor] | None,
 ) -> Tensor:
     B, S, H = x.shape
     qkv = F.linear(x, params[p + "attn.qkv.weight"]).view(B, S, 3, cfg.heads, cfg.head_dim)

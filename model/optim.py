@@ -118,10 +118,10 @@ def _wsd(p: float, warmup: float = 0.1, decay: float = 0.2) -> float:
 
 
 def _check_fractions(**fractions: float) -> None:
-    # A warm-up may be 0 (none) but not the whole budget; a decay phase must have some length.
+    # Fractions of the budget: a phase may be empty but never the whole budget (no division by 0).
     for key, value in fractions.items():
-        if not (0 <= value < 1 if key in ("warmup", "start") else 0 < value <= 1):
-            raise ValueError(f"schedule {key}={value}: allowed " + ("[0, 1)" if key in ("warmup", "start") else "(0, 1]"))
+        if not 0 <= value < 1 or (key == "decay" and value == 0):
+            raise ValueError(f"schedule {key}={value}: allowed " + ("(0, 1)" if key == "decay" else "[0, 1)"))
 
 
 _SCHEDULES = {

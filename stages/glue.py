@@ -64,7 +64,9 @@ GLUE: dict[str, GlueSpec] = {
         "MRPC", ("#1 String", "#2 String"), "Quality", ("sentence1", "sentence2"),
         ("not_equivalent", "equivalent"), ("f1", "accuracy"),
     ),
-    "stsb": GlueSpec("STS-B", ("sentence1", "sentence2"), "score", ("sentence1", "sentence2"), (), ("spearman", "pearson")),
+    "stsb": GlueSpec(
+        "STS-B", ("sentence1", "sentence2"), "score", ("sentence1", "sentence2"), (), ("spearman", "pearson")
+    ),
     "qqp": GlueSpec(
         "QQP", ("question1", "question2"), "is_duplicate", ("question1", "question2"),
         ("not_duplicate", "duplicate"), ("f1", "accuracy"),
@@ -78,10 +80,12 @@ GLUE: dict[str, GlueSpec] = {
         ),
     ),
     "qnli": GlueSpec(
-        "QNLI", ("question", "sentence"), "label", ("question", "sentence"), ("entailment", "not_entailment"), ("accuracy",)
+        "QNLI", ("question", "sentence"), "label", ("question", "sentence"),
+        ("entailment", "not_entailment"), ("accuracy",),
     ),
     "rte": GlueSpec(
-        "RTE", ("sentence1", "sentence2"), "label", ("sentence1", "sentence2"), ("entailment", "not_entailment"), ("accuracy",)
+        "RTE", ("sentence1", "sentence2"), "label", ("sentence1", "sentence2"),
+        ("entailment", "not_entailment"), ("accuracy",),
     ),
 }
 TOPIC_LEFT_OUT = ("", "Uncategorized")
@@ -150,15 +154,16 @@ def _glue_from_tsv(name: str, spec: GlueSpec, folder: Path) -> Task:
         if not path.is_file():
             raise StageError(f"{path}: missing; the GLUE TSV layout of {name} has it")
         texts, labels = _read_tsv(path, spec.tsv_text, spec.tsv_label)
-        labels = [_tsv_label(v, spec.labels) for v in labels]
+        labels = [_tsv_label(v, spec.labels, path) for v in labels]
         return _check_labels(texts, labels, spec.labels, str(path))
 
     return Task(name, spec.metrics, spec.labels, split("train.tsv"), {t: split(f) for t, f, _ in spec.tests})
 
 
 def _read_tsv(path: Path, text_cols: Sequence[str | int], label_col: str | int):
-    # GLUE's TSVs carry bare quote characters inside sentences: quoting must be off.
-    with path.open(encoding="utf-8", newline="") as f:
+    # GLUE's TSVs carry bare quote characters inside sentences: quoting must be off. MRPC's header
+    # starts with a byte-order mark, which utf-8-sig drops.
+    with path.open(encoding="utf-8-sig", newline="") as f:
         rows = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
         if isinstance(label_col, str):
             header = next(rows, [])
@@ -170,17 +175,21 @@ def _read_tsv(path: Path, text_cols: Sequence[str | int], label_col: str | int):
         else:
             text_idx, label_idx = list(text_cols), label_col
         width = max(*text_idx, label_idx) + 1
-        # QQP's train.tsv has a handful of broken lines (too few fields): they are skipped, as the hub's loader does.
+        # QQP's train.tsv has a few broken lines (too few fields): skipped, as the hub's loader does.
         good = [row for row in rows if len(row) >= width]
     return [tuple(row[i] for i in text_idx) for row in good], [row[label_idx] for row in good]
 
 
-def _tsv_label(value: str, names: tuple[str, ...]) -> int | float | str:
+def _tsv_label(value: str, names: tuple[str, ...], path: Path) -> int | float | str:
     if not names:
-        return float(value)
+        try:
+            return float(value)
+        except ValueError:
+            raise StageError(f"{path}: score {value!r} is not a number") from None
     if value in names:
         return names.index(value)
-    return int(value) if value.isdigit() else value  # CoLA, SST-2, MRPC, QQP write ids; the check below rejects others
+    # CoLA, SST-2, MRPC and QQP write ids, the others names; _check_labels rejects anything else.
+    return int(value) if value.isdigit() else value
 
 
 def _check_labels(texts, labels, names: tuple[str, ...], source: str) -> Examples:
@@ -202,7 +211,7 @@ def load_custom(
     """
     folder = Path(path).expanduser()
     if not folder.is_dir():
-        raise StageError(f"{where}.path: {folder} is not a directory (expected train.csv|jsonl and test.csv|jsonl in it)")
+        raise StageError(f"{where}.path: {folder} is not a directory (of train and test .csv or .jsonl files)")
     train_file = _find_split(folder, ("train",), where)
     test_file = _find_split(folder, ("test", "dev", "validation"), where)
     regression = all(m in REGRESSION_METRICS for m in metrics)
@@ -214,13 +223,16 @@ def load_custom(
     names = _ordered_names({str(v) for v in train_labels})
     unseen = sorted({str(v) for v in test_labels} - set(names))
     if unseen:
-        raise StageError(f"{test_file}: label {unseen[0]!r} of field {label_field!r} never occurs in {train_file.name}")
+        raise StageError(
+            f"{test_file}: label {unseen[0]!r} of field {label_field!r} never occurs in {train_file.name}"
+        )
     ids = {n: i for i, n in enumerate(names)}
 
     def examples(texts, labels) -> Examples:
         return Examples(texts, np.asarray([ids[str(v)] for v in labels], dtype=np.int64))
 
-    return Task(name, tuple(metrics), names, examples(train_texts, train_labels), {"test": examples(test_texts, test_labels)})
+    train, test = examples(train_texts, train_labels), examples(test_texts, test_labels)
+    return Task(name, tuple(metrics), names, train, {"test": test})
 
 
 def _find_split(folder: Path, stems: Sequence[str], where: str) -> Path:
@@ -233,7 +245,7 @@ def _find_split(folder: Path, stems: Sequence[str], where: str) -> Path:
 
 def _read_records(path: Path, text_fields: Sequence[str], label_field: str):
     if path.suffix == ".csv":
-        with path.open(encoding="utf-8", newline="") as f:
+        with path.open(encoding="utf-8-sig", newline="") as f:
             records = list(csv.DictReader(f))
     else:
         with path.open(encoding="utf-8") as f:
@@ -241,14 +253,17 @@ def _read_records(path: Path, text_fields: Sequence[str], label_field: str):
             for n, line in enumerate(f, 1):
                 if line.strip():
                     try:
-                        records.append(json.loads(line))
+                        record = json.loads(line)
                     except json.JSONDecodeError as e:
-                        raise StageError(f"{path}:{n}: not a JSON object: {e.msg}") from None
+                        raise StageError(f"{path}:{n}: not JSON: {e.msg}") from None
+                    if not isinstance(record, dict):
+                        raise StageError(f"{path}:{n}: not a JSON object (one record per line)")
+                    records.append(record)
     texts, labels = [], []
     for n, record in enumerate(records, 1):
         missing = next((k for k in (*text_fields, label_field) if k not in record or record[k] is None), None)
         if missing is not None:
-            raise StageError(f"{path}: record {n} has no field {missing!r}; it has {', '.join(record)}")
+            raise StageError(f"{path}: record {n} has no field {missing!r}; it has {', '.join(map(str, record))}")
         texts.append(tuple(str(record[k]) for k in text_fields))
         labels.append(record[label_field])
     if not texts:
@@ -270,7 +285,7 @@ def _ordered_names(values: set[str]) -> tuple[str, ...]:
         return tuple(sorted(values))
 
 
-def load_topics(path: Path, test_fraction: float) -> Task:
+def load_topics(name: str, path: Path, test_fraction: float) -> Task:
     """The held-out Wikipedia articles' topics, split per topic into train and test by title hash.
 
     Hashing the title makes the split independent of row order and of the run seed; doing it per topic
@@ -281,14 +296,16 @@ def load_topics(path: Path, test_fraction: float) -> Task:
     data = datasets.load_from_disk(str(path))
     missing = [c for c in ("text", "label") if c not in data.column_names]
     if missing:
-        raise StageError(f"{path}: held-out articles have no {missing[0]!r} column; found {', '.join(data.column_names)}")
+        found = ", ".join(data.column_names)
+        raise StageError(f"{path}: the held-out articles have no {missing[0]!r} column, only {found}")
     rows = data.to_dict()
     keys = rows.get("title") or rows["text"]
     by_topic: dict[str, list[int]] = {}
     for i, label in enumerate(rows["label"]):
         if label not in TOPIC_LEFT_OUT:
             by_topic.setdefault(label, []).append(i)
-    names = tuple(sorted(t for t, idx in by_topic.items() if len(idx) >= 2))  # a lone article cannot be in both halves
+    # A topic needs two articles, one for each half.
+    names = tuple(sorted(t for t, idx in by_topic.items() if len(idx) >= 2))
     if len(names) < 2:
         raise StageError(f"{path}: fewer than two topics with two or more articles; nothing to classify")
     train, test = [], []
@@ -301,7 +318,7 @@ def load_topics(path: Path, test_fraction: float) -> Task:
     def examples(pairs) -> Examples:
         return Examples([(rows["text"][i],) for i, _ in pairs], np.asarray([y for _, y in pairs], dtype=np.int64))
 
-    return Task("topic", ("accuracy", "macro_f1"), names, examples(train), {"test": examples(test)})
+    return Task(name, ("accuracy", "macro_f1"), names, examples(train), {"test": examples(test)})
 
 
 # ------------------------------------------------------------------------------------------- metrics

@@ -1,0 +1,137 @@
+"""A sequence classification / regression head on the encoder, and its compiled fine-tune and eval steps.
+
+Pure functions over the same flat `dict[str, Tensor]` as the encoder: the head's tensors join the
+pretrained ones under `classifier.`, so one AdamW state covers encoder and head. The head is
+cramming's GLUE head (and BERT's pooler): pool, dense + tanh, then a linear layer to the outputs.
+
+Batches for the steps:
+    input_ids       [B, S] int64
+    attention_mask  [B, S] bool, True = real token (every row needs at least one)
+    labels          [B] int64 class ids, or float32 targets (regression: one output, squared error)
+    weights         [B] float32, 0 for rows that only pad the batch to its fixed size
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Callable, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from model import ModelConfig, OptimizerConfig, encode, make_apply_step
+
+Pooling = Literal["first", "mean"]
+POOLINGS: tuple[str, ...] = ("first", "mean")
+INIT_STD = 0.02  # BERT's initializer range, as for the encoder
+
+
+def init_head(cfg: ModelConfig, num_outputs: int, seed: int) -> dict[str, Tensor]:
+    """Fresh fp32 CPU head parameters: `num_outputs` classes, or 1 for regression."""
+    gen = torch.Generator().manual_seed(seed)
+    H = cfg.hidden
+    return {
+        "classifier.dense.weight": torch.randn(H, H, generator=gen) * INIT_STD,
+        "classifier.dense.bias": torch.zeros(H),
+        "classifier.out.weight": torch.randn(num_outputs, H, generator=gen) * INIT_STD,
+        "classifier.out.bias": torch.zeros(num_outputs),
+    }
+
+
+def pool(hidden: Tensor, attention_mask: Tensor, pooling: Pooling) -> Tensor:
+    """[B, S, H] -> [B, H]: the first ([CLS]) token, or the mean over real tokens."""
+    if pooling == "first":
+        return hidden[:, 0]
+    weights = attention_mask.to(hidden.dtype).unsqueeze(-1)
+    return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)
+
+
+def classify(
+    params: dict[str, Tensor],
+    cfg: ModelConfig,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    pooling: Pooling = "first",
+) -> Tensor:
+    """Logits [B, num_outputs] (fp32) of the head over the encoder."""
+    pooled = pool(encode(params, cfg, input_ids, attention_mask), attention_mask, pooling)
+    x = torch.tanh(F.linear(pooled, params["classifier.dense.weight"], params["classifier.dense.bias"]))
+    return F.linear(x, params["classifier.out.weight"], params["classifier.out.bias"]).float()
+
+
+def finetune_loss(logits: Tensor, labels: Tensor, weights: Tensor) -> Tensor:
+    """Weighted mean cross-entropy (class ids) or squared error (float targets) over the real rows."""
+    if labels.is_floating_point():
+        per_row = (logits.squeeze(-1) - labels) ** 2
+    else:
+        per_row = F.cross_entropy(logits, labels, reduction="none")
+    return (per_row * weights).sum() / weights.sum().clamp(min=1)
+
+
+def make_finetune_step(
+    cfg: ModelConfig,
+    opt_cfg: OptimizerConfig,
+    *,
+    pooling: Pooling = "first",
+    compile: bool = True,
+    backend: str = "inductor",
+    autocast_dtype: torch.dtype | None = None,
+) -> Callable[..., tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]]:
+    """step(params, opt_state, batch, lr: 0-dim tensor) -> (params, opt_state, {"loss", "grad_norm"}).
+
+    Forward, loss, gradient and AdamW update in one graph. Shapes are static (`dynamic=False`): each
+    padded batch shape compiles once, so the graph count is bounded by the length buckets.
+    """
+    _check_pooling(pooling)
+    apply = make_apply_step(opt_cfg, compile=False)
+
+    def loss_fn(params: dict[str, Tensor], batch: dict[str, Tensor]) -> Tensor:
+        with _autocast(batch["input_ids"], autocast_dtype):
+            logits = classify(params, cfg, batch["input_ids"], batch["attention_mask"], pooling)
+        return finetune_loss(logits, batch["labels"], batch["weights"])
+
+    def step(params, opt_state, batch, lr):
+        grads, loss = torch.func.grad_and_value(loss_fn)(params, batch)
+        one = torch.ones((), device=lr.device)  # a single micro-batch: the gradient is already the mean
+        params, opt_state, metrics = apply(params, opt_state, grads, one, lr)
+        return params, opt_state, {**metrics, "loss": loss.detach()}
+
+    return _compiled(step, compile, backend)
+
+
+def make_classify_eval_step(
+    cfg: ModelConfig,
+    *,
+    pooling: Pooling = "first",
+    compile: bool = True,
+    backend: str = "inductor",
+    autocast_dtype: torch.dtype | None = None,
+) -> Callable[[dict[str, Tensor], dict[str, Tensor]], Tensor]:
+    """predict(params, batch) -> logits [B, num_outputs] fp32; `labels`/`weights` are not needed."""
+    _check_pooling(pooling)
+
+    @torch.no_grad()
+    def predict(params, batch):
+        with _autocast(batch["input_ids"], autocast_dtype):
+            return classify(params, cfg, batch["input_ids"], batch["attention_mask"], pooling)
+
+    return _compiled(predict, compile, backend)
+
+
+def _compiled(fn: Callable, compile: bool, backend: str) -> Callable:
+    if not compile:
+        return fn
+    # Dynamo caches graphs on the code object, which every closure made here shares: a copy gives
+    # each step its own cache, so one step's graphs never count as another's recompiles.
+    fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return torch.compile(fresh, fullgraph=True, dynamic=False, backend=backend)
+
+
+def _autocast(like: Tensor, dtype: torch.dtype | None):
+    return torch.autocast(like.device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def _check_pooling(pooling: str) -> None:
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling={pooling!r}: allowed {', '.join(POOLINGS)}")

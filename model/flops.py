@@ -1,0 +1,80 @@
+"""FLOPs per token and peak FLOP/s, for model FLOP utilisation (MFU).
+
+Convention (PaLM appendix B, torchtitan): a training token costs 6 FLOPs per non-embedding
+parameter (forward 2, backward 4) plus 12·layers·hidden·seq for attention scores and values.
+The tied decoder is not in that count: with sparse prediction only the masked fraction of the
+tokens reaches it (and the head transform), so it adds 6·(hidden·vocab + head)·masked_fraction.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+
+from model.config import ModelConfig
+
+# Dense bf16 tensor-core peaks from the vendors' data sheets, matched as substrings of
+# torch.cuda.get_device_name(); first match wins, so the more specific names come first.
+GPU_PEAK_BF16: tuple[tuple[str, float], ...] = (
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+    ("A6000", 154.85e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+)
+
+
+def num_params(params: dict[str, Tensor]) -> int:
+    return sum(p.numel() for p in params.values())
+
+
+def flops_per_token(cfg: ModelConfig, masked_fraction: float) -> float:
+    H, L, S = cfg.hidden, cfg.layers, cfg.max_seq_len
+    per_layer = 4 * H * H + H * cfg.intermediate + cfg.ffn_inner * H + 2 * H  # qkv, out, up, down, 2 norms
+    encoder = L * per_layer + H  # and the final norm
+    if cfg.embedding_norm:
+        encoder += H
+    if not cfg.first_attn_norm:
+        encoder -= H
+    head = H * H + H if cfg.head_transform else 0
+    return 6 * encoder + 12 * L * H * S + 6 * (H * cfg.vocab_size + head) * masked_fraction
+
+
+def peak_flops(device: str | torch.device) -> float:
+    """Peak FLOP/s: the bf16 data-sheet figure of a known GPU, else a matmul measured now.
+
+    On CPU the measurement is fp32 (the dtype CPU training runs in) on the threads torch uses.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in GPU_PEAK_BF16:
+            if key in name:
+                return peak
+        return measure_matmul_flops(device, torch.bfloat16, size=8192)
+    return measure_matmul_flops(device, torch.float32)
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, repeats: int = 10) -> float:
+    """Best FLOP/s of a square matmul, the usual stand-in for a device's attainable peak."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first call warms up kernels and allocator
+        _sync(device)
+        start = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

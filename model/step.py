@@ -1,0 +1,135 @@
+"""Whole training, accumulation, update and evaluation steps, each compiled as one graph.
+
+Every step is a pure function: it returns new dicts and never mutates its inputs. The learning
+rate, the step counter and the number of microbatches are 0-dim tensors, so new values never
+recompile. bf16 autocast covers the forward only; params and optimizer state stay fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from model.bert import mlm_loss
+from model.config import ModelConfig
+from model.optim import OptimizerConfig, adamw_update
+
+Params = dict[str, Tensor]
+GradReducer = Callable[[Params], Params]
+
+
+def make_train_step(
+    cfg: ModelConfig,
+    opt_cfg: OptimizerConfig,
+    *,
+    compile: bool = True,
+    backend: str = "inductor",
+    autocast_dtype: torch.dtype | None = None,
+    reduce_grads: GradReducer | None = None,
+) -> Callable[[Params, Params, Params, Tensor], tuple[Params, Params, dict[str, Tensor]]]:
+    """step(params, opt_state, batch, lr) -> (params, opt_state, {"loss", "grad_norm", "accuracy"})."""
+    loss_and_grads = _loss_and_grads(cfg, autocast_dtype)
+
+    def train_step(params, opt_state, batch, lr):
+        grads, (loss, aux) = loss_and_grads(params, batch)
+        if reduce_grads is not None:
+            grads = reduce_grads(grads)
+        params, opt_state, grad_norm = adamw_update(opt_cfg, params, opt_state, grads, lr)
+        return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "accuracy": aux["accuracy"]}
+
+    return _compiled(train_step, compile, backend)
+
+
+def make_accumulate_step(
+    cfg: ModelConfig, *, compile: bool = True, backend: str = "inductor", autocast_dtype: torch.dtype | None = None
+) -> Callable[[Params, Params, Params], tuple[Params, dict[str, Tensor]]]:
+    """accumulate(params, grads, batch) -> (grads + this microbatch's grads, {"loss", "accuracy"})."""
+    loss_and_grads = _loss_and_grads(cfg, autocast_dtype)
+
+    def accumulate_step(params, grads, batch):
+        micro, (loss, aux) = loss_and_grads(params, batch)
+        return {name: grads[name] + g for name, g in micro.items()}, {"loss": loss, "accuracy": aux["accuracy"]}
+
+    return _compiled(accumulate_step, compile, backend)
+
+
+def make_apply_step(
+    opt_cfg: OptimizerConfig,
+    *,
+    compile: bool = True,
+    backend: str = "inductor",
+    reduce_grads: GradReducer | None = None,
+) -> Callable[[Params, Params, Params, Tensor, Tensor], tuple[Params, Params, dict[str, Tensor]]]:
+    """apply(params, opt_state, grads, n_micro, lr) -> (params, opt_state, {"grad_norm"}).
+
+    Summed microbatch gradients are divided by `n_micro` (a tensor: a growing batch never
+    recompiles), reduced across ranks, clipped and applied.
+    """
+
+    def apply_step(params, opt_state, grads, n_micro, lr):
+        grads = {name: g / n_micro for name, g in grads.items()}
+        if reduce_grads is not None:
+            grads = reduce_grads(grads)
+        params, opt_state, grad_norm = adamw_update(opt_cfg, params, opt_state, grads, lr)
+        return params, opt_state, {"grad_norm": grad_norm}
+
+    return _compiled(apply_step, compile, backend)
+
+
+def make_eval_step(
+    cfg: ModelConfig, *, compile: bool = True, backend: str = "inductor", autocast_dtype: torch.dtype | None = None
+) -> Callable[[Params, Params], dict[str, Tensor]]:
+    """evaluate(params, batch) -> {"loss", "accuracy"}; compiled apart from the train step."""
+
+    def eval_step(params, batch):
+        with _autocast(batch["input_ids"], autocast_dtype):
+            loss, aux = mlm_loss(params, cfg, batch)
+        return {"loss": loss, "accuracy": aux["accuracy"]}
+
+    return _compiled(eval_step, compile, backend)
+
+
+def make_grad_all_reduce(world_size: int, group=None) -> GradReducer:
+    """Mean of the gradients over ranks, traceable inside a compiled step (functional collectives).
+
+    DDP cannot be used here: its reducer hangs off autograd hooks, which `torch.func` never fires.
+    """
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    group = dist.group.WORLD if group is None else group
+
+    def all_reduce_mean(grads: Params) -> Params:
+        names = list(grads)
+        summed = funcol.all_reduce_coalesced([grads[n] for n in names], "sum", group)
+        return {name: g / world_size for name, g in zip(names, summed)}
+
+    return all_reduce_mean
+
+
+def _loss_and_grads(cfg: ModelConfig, autocast_dtype: torch.dtype | None):
+    def loss(params, batch):
+        with _autocast(batch["input_ids"], autocast_dtype):
+            return mlm_loss(params, cfg, batch)
+
+    return torch.func.grad_and_value(loss, has_aux=True)
+
+
+def _autocast(like: Tensor, dtype: torch.dtype | None):
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(like.device.type, dtype=dtype)
+
+
+def _compiled(fn: Callable, compile: bool, backend: str) -> Callable:
+    if not compile:
+        return fn
+    # Dynamo caches compiled graphs on the function's code object, shared by every closure that
+    # make_* returns: a second step (another config, a test) would count as a recompile of the
+    # first and, past the recompile limit, fall back to eager. A copied code object gets its own cache.
+    fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return torch.compile(fresh, fullgraph=True, backend=backend)

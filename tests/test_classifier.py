@@ -1,0 +1,121 @@
+"""The classification head and its compiled fine-tune / eval steps (model/classifier.py)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import model
+from model.classifier import (
+    classify,
+    finetune_loss,
+    init_head,
+    make_classify_eval_step,
+    make_finetune_step,
+    pool,
+)
+
+CFG = model.ModelConfig(vocab_size=64, hidden=32, layers=1, heads=2, intermediate=64, max_seq_len=32)
+OPT = model.OptimizerConfig(eps=1e-6, weight_decay=0.0, clip_norm=0.0)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The models here are tiny: one thread is faster than two, and not slowed down by whatever
+    else a busy machine runs (two threads on two shared cores wait on each other)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def params_with_head(num_outputs: int = 3) -> dict:
+    return {**model.init(CFG, 0), **init_head(CFG, num_outputs, 1)}
+
+
+def toy_batch(rows: int = 16, length: int = 12, seed: int = 0) -> dict:
+    """Class = token at position 1 mod 3: learnable in a few dozen steps."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 64, (rows, length), generator=gen)
+    ids[:, 0] = 2
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones(rows, length, dtype=torch.bool),
+        "labels": ids[:, 1] % 3,
+        "weights": torch.ones(rows),
+    }
+
+
+def test_head_init_is_seeded_and_shaped():
+    a, b = init_head(CFG, 4, seed=7), init_head(CFG, 4, seed=7)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert a["classifier.out.weight"].shape == (4, CFG.hidden)
+    assert not torch.equal(a["classifier.dense.weight"], init_head(CFG, 4, seed=8)["classifier.dense.weight"])
+
+
+def test_mean_pooling_averages_real_tokens_only():
+    hidden = torch.arange(24, dtype=torch.float32).view(2, 3, 4)
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    pooled = pool(hidden, mask, "mean")
+    assert torch.equal(pooled[0], (hidden[0, 0] + hidden[0, 1]) / 2)
+    assert torch.equal(pooled[1], hidden[1].mean(0))
+    assert torch.equal(pool(hidden, mask, "first"), hidden[:, 0])
+
+
+@pytest.mark.parametrize("pooling", ["first", "mean"])
+def test_padding_to_a_longer_bucket_leaves_logits_unchanged(pooling):
+    params = params_with_head()
+    short = toy_batch(rows=4, length=7)
+    padded_ids = torch.zeros(4, 16, dtype=torch.long)
+    padded_ids[:, :7] = short["input_ids"]
+    padded_mask = torch.zeros(4, 16, dtype=torch.bool)
+    padded_mask[:, :7] = True
+    expected = classify(params, CFG, short["input_ids"], short["attention_mask"], pooling)
+    got = classify(params, CFG, padded_ids, padded_mask, pooling)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_loss_ignores_weightless_rows_and_regresses_floats():
+    logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [5.0, -5.0]])
+    labels = torch.tensor([0, 1, 1])
+    weights = torch.tensor([1.0, 1.0, 0.0])
+    torch.testing.assert_close(finetune_loss(logits, labels, weights), F.cross_entropy(logits[:2], labels[:2]))
+    targets = torch.tensor([1.0, 3.0, 100.0])
+    # ((2 - 1)^2 + (0 - 3)^2) / 2 over the two weighted rows
+    torch.testing.assert_close(finetune_loss(logits[:, :1], targets, weights), torch.tensor(5.0))
+
+
+def test_compiled_steps_are_one_graph_each_and_match_eager():
+    params = params_with_head()
+    eager = make_finetune_step(CFG, OPT, compile=False)
+    compiled = make_finetune_step(CFG, OPT, backend="aot_eager")
+    predict = make_classify_eval_step(CFG, backend="aot_eager")
+    before = counters["stats"]["unique_graphs"]
+    expected = got = (params, model.adamw_init(params))
+    # New params, batches and learning rates are inputs, not constants: none of them recompiles.
+    for seed, lr in enumerate([1e-3, 5e-4, 2e-4]):
+        batch = toy_batch(seed=seed)
+        *expected, expected_metrics = eager(*expected, batch, torch.tensor(lr))
+        *got, metrics = compiled(*got, batch, torch.tensor(lr))
+    logits = predict(got[0], batch)
+    predict(got[0], toy_batch(seed=5))
+    assert counters["stats"]["unique_graphs"] - before == 2
+    torch.testing.assert_close(metrics, expected_metrics)
+    torch.testing.assert_close(got[0], expected[0])
+    torch.testing.assert_close(logits, classify(expected[0], CFG, batch["input_ids"], batch["attention_mask"]))
+
+
+def test_finetune_step_learns_a_toy_task():
+    params, batch = params_with_head(), toy_batch(rows=32)
+    opt_state = model.adamw_init(params)
+    step = make_finetune_step(CFG, OPT, compile=False)
+    first = None
+    for _ in range(60):
+        params, opt_state, metrics = step(params, opt_state, batch, torch.tensor(2e-3))
+        first = first if first is not None else float(metrics["loss"])
+    assert float(metrics["loss"]) < first / 2
+
+
+def test_unknown_pooling_is_rejected():
+    with pytest.raises(ValueError, match="pooling"):
+        make_finetune_step(CFG, OPT, pooling="max", compile=False)

@@ -1,0 +1,204 @@
+"""The evaluate stage end to end on a tiny random model: results, medians, the compiled graph count,
+repeatable masked-LM numbers and bad input."""
+
+import dataclasses
+import io
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import model
+from stages import StageError, Upstream
+from stages import evaluate
+from stages.evaluate import Config, TaskConfig
+
+SPECIAL = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
+TOPICS = {
+    "Sports": "ball goal team match player league coach",
+    "Music": "song guitar band album concert melody singer",
+    "Science": "atom cell energy theory physics molecule gene",
+}
+FILLER = "the a of and in to was is it on with for as by at from".split()
+CFG = dict(hidden=32, layers=1, heads=2, intermediate=64, max_seq_len=64)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The models here are tiny: one thread is faster than two, and not slowed down by whatever
+    else a busy machine runs (two threads on two shared cores wait on each other)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def sentence(rng: random.Random, words: list[str], n: int) -> str:
+    return " ".join(rng.choice(words) if rng.random() < 0.5 else rng.choice(FILLER) for _ in range(n))
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory):
+    """tokenize, pack and pretrain outputs as the stages write them, for a tiny random model."""
+    import datasets
+    import sentencepiece as spm
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("upstream")
+    rng = random.Random(0)
+    lines = [sentence(rng, words.split(), 20) for words in TOPICS.values() for _ in range(100)]
+    buffer = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=buffer, model_type="bpe", vocab_size=100,
+        pad_id=0, unk_id=1, bos_id=2, eos_id=3, pad_piece="[PAD]", unk_piece="[UNK]", bos_piece="[CLS]",
+        eos_piece="[SEP]", control_symbols=["[MASK]"], minloglevel=2, num_threads=1,
+    )
+    tokenize = root / "tokenize"
+    tokenize.mkdir()
+    (tokenize / "tokenizer.model").write_bytes(buffer.getvalue())
+    docs = [(sentence(rng, words.split(), 30), topic) for topic, words in TOPICS.items() for _ in range(40)]
+    docs += [("an article without a topic", "")] * 5
+    datasets.Dataset.from_dict({
+        "text": [d[0] for d in docs], "title": [f"t{i}" for i in range(len(docs))], "label": [d[1] for d in docs],
+    }).save_to_disk(str(tokenize / "heldout"))
+
+    sp = spm.SentencePieceProcessor(model_proto=buffer.getvalue())
+    pack = root / "pack"
+    pack.mkdir()
+    stream = np.concatenate([sp.encode(line) for line in lines])
+    np.save(pack / "val.npy", stream[: 24 * 32].reshape(24, 32).astype(np.uint16))
+
+    pretrain = root / "pretrain"
+    pretrain.mkdir()
+    cfg = model.ModelConfig(vocab_size=100, **CFG)
+    save_file(model.init(cfg, 0), str(pretrain / "params.safetensors"))
+    (pretrain / "model.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+
+    sst2 = root / "glue" / "SST-2"
+    sst2.mkdir(parents=True)
+    for split, n in (("train", 40), ("dev", 12)):
+        rows = [(sentence(rng, ["good", "great"] if i % 2 else ["bad", "awful"], 6), i % 2) for i in range(n)]
+        (sst2 / f"{split}.tsv").write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in rows))
+
+    custom = root / "lengths"
+    custom.mkdir()
+    for split, n in (("train", 24), ("test", 9)):
+        # lengths 1..24 words: every bucket of (8, 16, 32) is needed
+        records = [{"text": " ".join(["goal"] * (1 + i % 24)), "score": float(i % 24)} for i in range(n)]
+        (custom / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    return {
+        "root": root,
+        "inputs": {
+            "tokenize": Upstream(tokenize, {"tokenizer": "tokenizer.model", "heldout": "heldout",
+                                            "special_ids": SPECIAL, "vocab_size": 100}),
+            "pack": Upstream(pack, {"val": "val.npy", "seq_len": 32, "special_ids": SPECIAL}),
+            "pretrain": Upstream(pretrain, {"params": "params.safetensors", "model_config": "model.json"}),
+        },
+    }
+
+
+def run_stage(config, inputs, tmp_path, make_ctx, name="out"):
+    out = tmp_path / name
+    out.mkdir()
+    figures = evaluate.run(config, inputs, out, make_ctx(seed=3))
+    return figures, json.loads((out / figures["results"]).read_text())
+
+
+@pytest.mark.slow
+def test_topic_glue_and_custom_tasks_end_to_end(upstream, tmp_path, make_ctx):
+    tasks = [
+        TaskConfig(lr=3e-3, epochs=8),
+        TaskConfig(kind="glue", name="sst2", path=str(upstream["root"] / "glue"), lr=3e-3),
+        TaskConfig(kind="custom", name="lengths", path=str(upstream["root"] / "lengths"), text_fields=("text",),
+                   label_field="score", metrics=("spearman", "pearson")),
+    ]
+    config = Config(tasks=tasks, epochs=2, seeds=3, max_length=32, buckets=(16, 32), compile=False)
+    figures, results = run_stage(config, upstream["inputs"], tmp_path, make_ctx)
+
+    topic = results["tasks"]["topic"]
+    assert topic["seeds"] == [3, 4, 5] and topic["train_examples"] + topic["test_examples"]["test"] == 120
+    for task in results["tasks"].values():
+        for test, by_metric in task["scores"].items():
+            for metric, per_seed in by_metric.items():
+                assert len(per_seed) == 3
+                assert task["median"][test][metric] == pytest.approx(float(np.median(per_seed)))
+        assert task["time_s"] > 0 and set(task["baseline"]) == set(task["scores"])
+    assert results["tasks"]["lengths"]["baseline"]["test"] == {"spearman": 0.0, "pearson": 0.0}
+    # the topic words make the task easy: fine-tuning must beat always answering the commonest topic
+    assert figures["topic_accuracy"] > figures["topic_baseline"] + 0.2
+    assert results["glue"] == {"average": pytest.approx(results["tasks"]["sst2"]["median"]["test"]["accuracy"]),
+                               "sets": ["sst2/test"]}
+    for key in ("mlm_loss", "mlm_accuracy", "topic_macro_f1", "sst2_accuracy", "sst2_baseline", "glue_average",
+                "lengths_spearman", "lengths_baseline"):
+        assert key in figures
+    assert results["mlm"]["masked_tokens"] == 24 * 8  # round(0.25 * 32) per block
+
+
+@pytest.mark.slow
+def test_compiled_graphs_are_bounded_by_the_buckets(upstream, tmp_path, make_ctx):
+    task = TaskConfig(kind="custom", name="lengths", path=str(upstream["root"] / "lengths"), text_fields=("text",),
+                      label_field="score", metrics=("pearson",))
+    # batch_size 1: each step's shape is its example's bucket, so all three buckets are trained on, in a
+    # random order, over 2 seeds x 2 epochs x 24 steps.
+    config = Config(tasks=[task], epochs=2, seeds=2, batch_size=1, eval_batch_size=2, max_length=32,
+                    buckets=(8, 16, 32), mlm_batch_size=16, backend="aot_eager")
+    before = counters["stats"]["unique_graphs"]
+    run_stage(config, upstream["inputs"], tmp_path, make_ctx)
+    # 3 fine-tune graphs + 3 prediction graphs + 1 masked-LM graph (its last, short batch runs eagerly)
+    assert counters["stats"]["unique_graphs"] - before == 3 + 3 + 1
+
+
+def test_masked_lm_numbers_repeat_exactly(upstream, tmp_path, make_ctx):
+    config = Config(tasks=[], compile=False, mlm_batch_size=16)
+    first, _ = run_stage(config, upstream["inputs"], tmp_path, make_ctx, "a")
+    second, _ = run_stage(config, upstream["inputs"], tmp_path, make_ctx, "b")
+    other, _ = run_stage(dataclasses.replace(config, mlm_seed=1), upstream["inputs"], tmp_path, make_ctx, "c")
+    assert first == second
+    assert other["mlm_loss"] != first["mlm_loss"]
+
+
+def _with(upstream, tmp_path, stage, **outputs):
+    inputs = dict(upstream["inputs"])
+    inputs[stage] = Upstream(inputs[stage].dir, {**inputs[stage].outputs, **outputs})
+    return inputs
+
+
+def test_bad_input_is_a_stage_error(upstream, tmp_path, make_ctx):
+    wrong_vocab = tmp_path / "model.json"
+    wrong_vocab.write_text(json.dumps(dataclasses.asdict(model.ModelConfig(vocab_size=99, **CFG))))
+    fits = Config(tasks=[TaskConfig()], max_length=32, buckets=(16, 32))
+    cases = [
+        (fits, _with(upstream, tmp_path, "pretrain", model_config=str(wrong_vocab)),
+         "vocab_size 99 does not match the tokenizer's 100 pieces"),
+        (fits, _with(upstream, tmp_path, "tokenize", heldout=None),
+         "needs the tokenize stage's held-out articles"),
+        (dataclasses.replace(fits, tasks=[TaskConfig(kind="glue", name="rte", path=str(tmp_path))]),
+         upstream["inputs"], r"evaluate.tasks\[0\].path: .* holds no GLUE rte data"),
+        (Config(tasks=[TaskConfig()], max_length=100, buckets=(32, 128)), upstream["inputs"],
+         r"evaluate.max_length: 100 pads to 128, beyond the model's 64 positions"),
+    ]
+    for i, (config, inputs, message) in enumerate(cases):
+        with pytest.raises(StageError, match=message):
+            run_stage(config, inputs, tmp_path, make_ctx, f"case{i}")
+
+
+def test_pairs_are_cut_longest_first_like_bert():
+    def one_at_a_time(len_a, len_b, budget):  # BERT's loop: drop a token from the longer, b on ties
+        while len_a + len_b > budget:
+            if len_a > len_b:
+                len_a -= 1
+            else:
+                len_b -= 1
+        return len_a, len_b
+
+    for len_a in range(12):
+        for len_b in range(12):
+            for budget in range(1, 14):
+                assert evaluate._longest_first(len_a, len_b, budget) == one_at_a_time(len_a, len_b, budget)
+    row = evaluate._join(([10, 11, 12, 13], [20, 21]), SPECIAL, max_length=7)
+    assert row.tolist() == [2, 10, 11, 3, 20, 21, 3]
+    assert evaluate._join(([10, 11, 12, 13],), SPECIAL, max_length=4).tolist() == [2, 10, 11, 3]

@@ -1,0 +1,196 @@
+"""The functional encoder, its loss, AdamW, schedules and FLOP count (eager, no compiling)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model
+from model import ModelConfig, OptimizerConfig
+
+# Small enough for float64 finite differences over every parameter.
+MICRO = ModelConfig(vocab_size=24, hidden=8, layers=2, heads=2, intermediate=16, max_seq_len=6)
+SMALL = dict(vocab_size=100, hidden=32, layers=3, heads=2, intermediate=64)
+MODERNBERT = dict(position="rope", head_transform=True, first_attn_norm=False)
+
+
+def random_batch(cfg: ModelConfig, batch: int, per_seq: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    S = cfg.max_seq_len
+    chosen = torch.rand(batch, S, generator=gen).argsort(dim=1)[:, :per_seq]
+    return {
+        "input_ids": torch.randint(1, cfg.vocab_size, (batch, S), generator=gen),
+        "mlm_positions": (chosen + S * torch.arange(batch)[:, None]).flatten(),
+        "mlm_labels": torch.randint(1, cfg.vocab_size, (batch * per_seq,), generator=gen),
+    }
+
+
+def test_parameter_names_shapes_and_count():
+    cfg = model.PRESETS["tiny"]
+    params = model.init(cfg, seed=0)
+    H, I = cfg.hidden, cfg.intermediate
+    expected = {"embed.tokens.weight": (cfg.vocab_size, H), "embed.positions.scale": (1,), "embed.norm.weight": (H,)}
+    for i in range(cfg.layers):
+        expected |= {
+            f"layers.{i}.attn_norm.weight": (H,),
+            f"layers.{i}.attn.qkv.weight": (3 * H, H),
+            f"layers.{i}.attn.out.weight": (H, H),
+            f"layers.{i}.ffn_norm.weight": (H,),
+            f"layers.{i}.ffn.up.weight": (I, H),
+            f"layers.{i}.ffn.down.weight": (H, I // 2),
+        }
+    expected["final_norm.weight"] = (H,)
+    assert {name: tuple(p.shape) for name, p in params.items()} == expected
+    assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in params.values())
+
+    modern = model.init(ModelConfig(**{**SMALL, **MODERNBERT}, glu=False), seed=0)
+    assert "layers.0.attn_norm.weight" not in modern and "layers.1.attn_norm.weight" in modern
+    assert not any(name.startswith("embed.positions") for name in modern)
+    assert modern["head.dense.weight"].shape == (32, 32) and modern["layers.0.ffn.down.weight"].shape == (32, 64)
+    assert model.init(ModelConfig(**SMALL, position="learned"), seed=0)["embed.positions.weight"].shape == (128, 32)
+
+
+@pytest.mark.parametrize("overrides", [{}, MODERNBERT, {"position": "learned", "glu": False}])
+def test_flops_per_token_counts_every_non_embedding_parameter(overrides):
+    cfg = ModelConfig(**SMALL, **overrides)
+    params = model.init(cfg, seed=0)
+    embedding = sum(p.numel() for name, p in params.items() if name.startswith(("embed.tokens", "embed.positions")))
+    head = sum(p.numel() for name, p in params.items() if name.startswith("head."))
+    non_embedding = model.num_params(params) - embedding - head
+    decoder = (cfg.hidden * cfg.vocab_size + head) * 0.25
+    attention = 12 * cfg.layers * cfg.hidden * cfg.max_seq_len
+    assert model.flops_per_token(cfg, 0.25) == pytest.approx(6 * non_embedding + attention + 6 * decoder, abs=6)
+
+
+def test_peak_flops_of_the_cpu_is_measured():
+    assert 1e8 < model.peak_flops("cpu") < 1e14  # any CPU from a netbook to a server
+
+
+def test_init_is_deterministic_per_seed():
+    a, b, c = (model.init(MICRO, seed) for seed in (3, 3, 4))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["layers.0.attn.qkv.weight"], c["layers.0.attn.qkv.weight"])
+
+
+def test_invalid_config_names_the_key():
+    with pytest.raises(ValueError, match="model.heads"):
+        ModelConfig(hidden=100, heads=12)
+    with pytest.raises(ValueError, match="model.position"):
+        ModelConfig(position="alibi")
+
+
+@pytest.mark.parametrize("position", ["sinusoidal", "learned", "rope"])
+def test_padding_never_changes_real_tokens(position):
+    cfg = ModelConfig(vocab_size=50, hidden=16, layers=2, heads=2, intermediate=32, max_seq_len=10, position=position)
+    params = model.init(cfg, seed=0)
+    ids = torch.randint(1, 50, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[1, 6:] = False
+    other = ids.clone()
+    other[1, 6:] = torch.randint(1, 50, (4,))
+    hidden = model.encode(params, cfg, ids, mask)
+    assert torch.allclose(hidden[mask], model.encode(params, cfg, other, mask)[mask], atol=1e-6)
+    # Without the mask the padded tokens leak in: the test above is not vacuous.
+    assert not torch.allclose(model.encode(params, cfg, ids)[1, :6], model.encode(params, cfg, other)[1, :6])
+
+
+def test_sparse_loss_equals_dense_loss_at_the_masked_positions():
+    cfg = model.PRESETS["tiny"]
+    params = model.init(cfg, seed=0)
+    batch = random_batch(cfg, batch=3, per_seq=32)
+    loss, aux = model.mlm_loss(params, cfg, batch)
+    logits = model.mlm_logits(params, cfg, model.encode(params, cfg, batch["input_ids"])).flatten(0, 1)
+    dense_labels = torch.full((logits.shape[0],), -100)
+    dense_labels[batch["mlm_positions"]] = batch["mlm_labels"]
+    assert loss.item() == pytest.approx(F.cross_entropy(logits, dense_labels).item(), rel=1e-5)
+    assert loss.item() == pytest.approx(math.log(cfg.vocab_size), rel=0.05)  # untrained: near uniform
+    hits = logits.argmax(-1)[batch["mlm_positions"]] == batch["mlm_labels"]
+    assert aux["accuracy"].item() == pytest.approx(hits.float().mean().item())
+
+
+@pytest.mark.parametrize("overrides", [{}, MODERNBERT])
+def test_gradients_match_finite_differences_in_float64(overrides):
+    cfg = ModelConfig(**{**MICRO.__dict__, **overrides})
+    params = {k: v.double() * 10 if v.ndim == 2 else v.double() for k, v in model.init(cfg, seed=0).items()}
+    batch = random_batch(cfg, batch=2, per_seq=2)
+    names = list(params)
+
+    def loss(*tensors):
+        return model.mlm_loss(dict(zip(names, tensors)), cfg, batch)[0]
+
+    inputs = tuple(p.clone().requires_grad_() for p in params.values())
+    # fast_mode compares directional derivatives along random vectors: a few evaluations, not one per entry.
+    assert torch.autograd.gradcheck(loss, inputs, eps=1e-6, atol=1e-6, rtol=1e-4, fast_mode=True)
+
+
+def test_matches_modernbert_from_transformers():
+    transformers = pytest.importorskip("transformers")
+    cfg = ModelConfig(
+        vocab_size=97, hidden=32, layers=3, heads=4, intermediate=64, max_seq_len=16, norm_eps=1e-5, **MODERNBERT
+    )
+    params = {k: v * 10 if v.ndim == 2 else v + 0.1 * torch.randn_like(v) for k, v in model.init(cfg, seed=0).items()}
+    hf = transformers.ModernBertForMaskedLM(
+        transformers.ModernBertConfig(
+            vocab_size=97, hidden_size=32, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+            norm_eps=1e-5, layer_types=["full_attention"] * 3, global_rope_theta=cfg.rope_theta, decoder_bias=False,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2, max_position_embeddings=16,
+        )
+    ).eval()
+    renames = {"embed.tokens": "model.embeddings.tok_embeddings", "embed.norm": "model.embeddings.norm",
+               "final_norm": "model.final_norm", "layers.": "model.layers.", "attn.qkv": "attn.Wqkv",
+               "attn.out": "attn.Wo", "ffn_norm": "mlp_norm", "ffn.up": "mlp.Wi", "ffn.down": "mlp.Wo"}
+    state = {}
+    for name, p in params.items():
+        for old, new in renames.items():
+            name = name.replace(old, new)
+        state[name] = p
+    state["decoder.weight"] = params["embed.tokens.weight"]
+    assert hf.load_state_dict(state, strict=True)
+    ids = torch.randint(3, 97, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    mask[1, 11:] = False
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask.long()).logits
+    ours = model.mlm_logits(params, cfg, model.encode(params, cfg, ids, mask))
+    assert torch.allclose(ours[mask], expected[mask], atol=1e-4)
+
+
+def test_adamw_matches_torch_optim_with_clipping():
+    cfg = OptimizerConfig(weight_decay=0.1, clip_norm=0.5)
+    gen = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(4, 3, generator=gen), "norm": torch.randn(3, generator=gen)}
+    reference = {k: v.clone().requires_grad_() for k, v in params.items()}
+    optim = torch.optim.AdamW(
+        [{"params": [reference["w"]]}, {"params": [reference["norm"]], "weight_decay": 0.0}],
+        lr=0.01, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+    )
+    state = model.adamw_init(params)
+    for step in range(4):
+        grads = {k: torch.randn(v.shape, generator=gen) * (step + 1) for k, v in params.items()}
+        for k, p in reference.items():
+            p.grad = grads[k].clone()
+        expected_norm = torch.nn.utils.clip_grad_norm_(list(reference.values()), cfg.clip_norm)
+        optim.step()
+        params, state, grad_norm = model.adamw_update(cfg, params, state, grads, torch.tensor(0.01))
+        assert grad_norm.item() == pytest.approx(expected_norm.item(), rel=1e-6)
+        for k in params:
+            assert torch.allclose(params[k], reference[k].detach(), rtol=1e-6, atol=1e-7), (step, k)
+    assert state["step"].item() == 4
+    assert set(state) == {"step", "exp_avg.w", "exp_avg.norm", "exp_avg_sq.w", "exp_avg_sq.norm"}
+
+
+def test_schedules():
+    assert set(model.SCHEDULES) == {"constant", "budget-triangle", "one-cycle", "cosine", "wsd"}
+    triangle = [model.lr_schedule("budget-triangle", p) for p in (0.0, 0.375, 0.75, 0.875, 1.0)]
+    assert triangle == pytest.approx([0.25, 0.625, 1.0, 0.5, 0.0])
+    assert [model.lr_schedule("one-cycle", p) for p in (0.0, 0.25, 0.5, 1.0)] == pytest.approx([0, 0.5, 1, 0])
+    assert [model.lr_schedule("cosine", p, warmup=0.2) for p in (0.1, 0.2, 0.6, 1.0)] == pytest.approx([0.5, 1, 0.5, 0])
+    wsd = [model.lr_schedule("wsd", p, warmup=0.1, decay=0.2) for p in (0.05, 0.5, 0.9, 1.0)]
+    assert wsd == pytest.approx([0.5, 1, 0.5, 0])
+    assert model.lr_schedule("constant", 2.0) == 1.0
+    assert model.lr_schedule("budget-triangle", 1.5) == 0.0  # progress past the budget clamps to its end
+    with pytest.raises(ValueError, match="allowed"):
+        model.lr_schedule("linear", 0.5)
+    with pytest.raises(ValueError, match="decay=0"):
+        model.lr_schedule("wsd", 0.5, decay=0.0)

@@ -1,0 +1,198 @@
+"""The compiled steps: one graph each, no recompiles, inductor == eager, accumulation, all-reduce, bf16."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import model
+from model import ModelConfig, OptimizerConfig
+
+TINY = model.PRESETS["tiny"]
+# The smallest model that still has every part: compile time grows with the layer count.
+TINIEST = ModelConfig(vocab_size=256, hidden=32, layers=1, heads=2, intermediate=64, max_seq_len=16)
+OPT = OptimizerConfig()
+# Comparing params after AdamW steps of differently summed gradients: with eps=1e-12 the first
+# update is sign(grad) * lr, so a rounding-level gradient (some are ~1e-12) may flip by 2*lr.
+# A larger eps makes the update continuous in the gradient.
+SMOOTH_OPT = OptimizerConfig(eps=1e-6)
+
+
+def random_batch(cfg: ModelConfig, batch: int, seed: int, per_seq: int | None = None) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    S = cfg.max_seq_len
+    per_seq = per_seq or S // 4
+    chosen = torch.rand(batch, S, generator=gen).argsort(dim=1)[:, :per_seq]
+    return {
+        "input_ids": torch.randint(1, cfg.vocab_size, (batch, S), generator=gen),
+        "mlm_positions": (chosen + S * torch.arange(batch)[:, None]).flatten(),
+        "mlm_labels": torch.randint(1, cfg.vocab_size, (batch * per_seq,), generator=gen),
+    }
+
+
+def fresh(cfg: ModelConfig = TINY, seed: int = 0):
+    params = model.init(cfg, seed)
+    return params, model.adamw_init(params)
+
+
+def zeros_like(params):
+    return {name: torch.zeros_like(p) for name, p in params.items()}
+
+
+@pytest.mark.parametrize("which", ["train", "train-bf16", "accumulate", "apply", "eval"])
+def test_each_step_is_one_graph_without_breaks(which):
+    params, state = fresh(TINIEST)
+    batch, lr = random_batch(TINIEST, 2, seed=0), torch.tensor(1e-3)
+    fn, args = {
+        "train": (model.make_train_step(TINIEST, OPT, compile=False), (params, state, batch, lr)),
+        "train-bf16": (
+            model.make_train_step(TINIEST, OPT, compile=False, autocast_dtype=torch.bfloat16),
+            (params, state, batch, lr),
+        ),
+        "accumulate": (model.make_accumulate_step(TINIEST, compile=False), (params, zeros_like(params), batch)),
+        "apply": (model.make_apply_step(OPT, compile=False), (params, state, params, torch.tensor(2.0), lr)),
+        "eval": (model.make_eval_step(TINIEST, compile=False), (params, batch)),
+    }[which]
+    explanation = torch._dynamo.explain(fn)(*args)
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
+
+
+def test_new_batches_lrs_evals_and_microbatch_counts_never_recompile():
+    counters = torch._dynamo.utils.counters["stats"]
+    graphs_before = counters["unique_graphs"]
+    params, state = fresh(TINIEST)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        train = model.make_train_step(TINIEST, OPT, backend="aot_eager")
+        evaluate = model.make_eval_step(TINIEST, backend="aot_eager")
+        accumulate = model.make_accumulate_step(TINIEST, backend="aot_eager")
+        apply = model.make_apply_step(OPT, backend="aot_eager")
+        for i in range(20):
+            lr = torch.tensor(1e-3 * model.lr_schedule("budget-triangle", i / 20))
+            params, state, metrics = train(params, state, random_batch(TINIEST, 4, seed=i), lr)
+            if i % 5 == 0:
+                evaluate(params, random_batch(TINIEST, 4, seed=100 + i))
+        for n_micro in (1, 3, 2):
+            grads = zeros_like(params)
+            for j in range(n_micro):
+                grads, _ = accumulate(params, grads, random_batch(TINIEST, 4, seed=200 + j))
+            params, state, _ = apply(params, state, grads, torch.tensor(float(n_micro)), torch.tensor(5e-4))
+        # A step made for another model has its own cache: neither disturbs the other.
+        other_cfg = ModelConfig(**{**TINIEST.__dict__, "hidden": 64})
+        other_params, other_state = fresh(other_cfg)
+        model.make_train_step(other_cfg, OPT, backend="aot_eager")(
+            other_params, other_state, random_batch(other_cfg, 4, seed=0), torch.tensor(1e-3)
+        )
+        params, state, metrics = train(params, state, random_batch(TINIEST, 4, seed=99), torch.tensor(1e-4))
+    assert counters["unique_graphs"] - graphs_before == 5
+    assert state["step"].item() == 24
+    assert set(metrics) == {"loss", "grad_norm", "accuracy"} and all(m.ndim == 0 for m in metrics.values())
+    assert all(torch.isfinite(m) for m in metrics.values())
+
+
+def test_inductor_matches_eager_over_ten_steps():
+    lr = torch.tensor(1e-3)
+    runs = {}
+    for compiled in (False, True):
+        params, state = fresh(TINIEST)
+        step = model.make_train_step(TINIEST, OPT, compile=compiled, backend="inductor")
+        losses = []
+        for i in range(10):
+            params, state, metrics = step(params, state, random_batch(TINIEST, 8, seed=i % 2), lr)
+            losses.append(metrics["loss"])
+        runs[compiled] = torch.stack(losses), params
+    (eager_losses, eager_params), (compiled_losses, compiled_params) = runs[False], runs[True]
+    assert torch.allclose(compiled_losses, eager_losses, rtol=1e-5, atol=0)
+    for name, p in eager_params.items():
+        assert torch.allclose(compiled_params[name], p, rtol=0, atol=1e-4), name
+    assert eager_losses[-2:].mean() < eager_losses[:2].mean()  # two batches seen 5 times: it learns them
+
+
+def test_compiled_fp32_gradients_match_float64():
+    params = model.init(TINIEST, seed=0)
+    batch = random_batch(TINIEST, 2, seed=0)
+    grads, _ = model.make_accumulate_step(TINIEST, backend="aot_eager")(params, zeros_like(params), batch)
+    exact = torch.func.grad(lambda p: model.mlm_loss(p, TINIEST, batch)[0])({k: v.double() for k, v in params.items()})
+    for name, g in grads.items():
+        assert torch.allclose(g.double(), exact[name], rtol=1e-3, atol=1e-7), name
+
+
+def test_two_accumulated_microbatches_equal_one_step_on_both():
+    params, state = fresh()
+    halves = [random_batch(TINY, 4, seed=s) for s in (1, 2)]
+    both = {
+        "input_ids": torch.cat([h["input_ids"] for h in halves]),
+        "mlm_positions": torch.cat([halves[0]["mlm_positions"], halves[1]["mlm_positions"] + 4 * TINY.max_seq_len]),
+        "mlm_labels": torch.cat([h["mlm_labels"] for h in halves]),
+    }
+    accumulate = model.make_accumulate_step(TINY, compile=False)
+    grads, losses = zeros_like(params), []
+    for half in halves:
+        grads, metrics = accumulate(params, grads, half)
+        losses.append(metrics["loss"])
+    big_grads, big = accumulate(params, zeros_like(params), both)
+    assert torch.stack(losses).mean().item() == pytest.approx(big["loss"].item(), rel=1e-5)
+    for name, g in big_grads.items():
+        assert torch.allclose(grads[name] / 2, g, rtol=1e-4, atol=1e-8), name
+
+    lr = torch.tensor(1e-3)
+    expected, _, one_step = model.make_train_step(TINY, SMOOTH_OPT, compile=False)(params, state, both, lr)
+    apply = model.make_apply_step(SMOOTH_OPT, compile=False)
+    got, _, applied = apply(params, state, grads, torch.tensor(2.0), lr)
+    assert applied["grad_norm"].item() == pytest.approx(one_step["grad_norm"].item(), rel=1e-5)
+    for name, p in expected.items():
+        assert torch.allclose(got[name], p, atol=1e-6), name
+
+
+def test_bf16_autocast_keeps_fp32_master_weights():
+    params, state = fresh()
+    batch, lr = random_batch(TINY, 4, seed=0), torch.tensor(1e-3)
+    _, _, fp32 = model.make_train_step(TINY, OPT, compile=False)(params, state, batch, lr)
+    new_params, new_state, bf16 = model.make_train_step(TINY, OPT, compile=False, autocast_dtype=torch.bfloat16)(
+        params, state, batch, lr
+    )
+    assert all(t.dtype == torch.float32 for t in (*new_params.values(), *new_state.values()))
+    assert bf16["loss"].dtype == torch.float32
+    assert bf16["loss"].item() == pytest.approx(fp32["loss"].item(), rel=1e-2)
+
+
+def _all_reduce_rank(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    params, state = fresh(TINIEST)
+    reduce = model.make_grad_all_reduce(world_size)
+    step = model.make_train_step(TINIEST, SMOOTH_OPT, backend="aot_eager", reduce_grads=reduce)
+    params, _, _ = step(params, state, random_batch(TINIEST, 4, seed=rank), torch.tensor(1e-3))
+    torch.save(params, Path(out_dir) / f"rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_grad_all_reduce_inside_the_compiled_step_averages_ranks(tmp_path):
+    mp.spawn(_all_reduce_rank, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    params, state = fresh(TINIEST)
+    accumulate = model.make_accumulate_step(TINIEST, compile=False)
+    grads = zeros_like(params)
+    for rank in range(2):
+        grads, _ = accumulate(params, grads, random_batch(TINIEST, 4, seed=rank))
+    apply = model.make_apply_step(SMOOTH_OPT, compile=False)
+    expected, _, _ = apply(params, state, grads, torch.tensor(2.0), torch.tensor(1e-3))
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for name, p in expected.items():
+            assert torch.allclose(got[name], p, atol=1e-6), (rank, name)
+
+
+@pytest.mark.slow
+def test_gpu_script_cpu_path_prints_the_table():
+    root = Path(__file__).resolve().parents[1]
+    flags = ["--device", "cpu", "--config", "tiny", "--batch", "2", "--steps", "2", "--warmup", "0",
+             "--backend", "aot_eager", "--rows", "cram-compiled,bert-eager"]
+    done = subprocess.run(["bash", str(root / "bench" / "gpu.sh"), *flags], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHON": sys.executable})
+    assert done.returncode == 0, done.stderr
+    rows = {line.split("|")[1].strip(): line for line in done.stdout.splitlines() if line.startswith("| ")}
+    assert set(rows) == {"row", "cram-compiled", "bert-eager"} and "failed" not in done.stdout
+    cram = [cell.strip() for cell in rows["cram-compiled"].split("|")[2:-1]]
+    assert float(cram[1].replace(",", "")) > 0 and cram[4] != "-"  # tokens/s, compile cold
