@@ -1,0 +1,332 @@
+"""The pretrain stage: batches and masks, budgets, the ramp, the NaN guard, exact resume after a
+SIGKILL, and data parallelism over 2 gloo processes. A 1-layer, 32-wide model on random tokens keeps
+each run to a second or two."""
+
+import dataclasses
+import json
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from stages import StageError, Upstream, checkpoint, pretrain
+from stages.batches import MaskSpec, Prefetcher, mask_tokens, read_sequences
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB, SEQ = 256, 32
+SPECIAL = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tensors this small gain nothing from threads, and on a busy machine every parallel region
+    waits for a descheduled thread (steps of 1 ms took 450 ms)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def pack(tmp_path) -> Upstream:
+    """A packed-data upstream of random tokens (the layout `stages.pack` writes)."""
+    folder = tmp_path / "pack"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    np.save(folder / "train.npy", rng.integers(5, VOCAB, size=(512, SEQ), dtype=np.uint16))
+    np.save(folder / "val.npy", rng.integers(5, VOCAB, size=(64, SEQ), dtype=np.uint16))
+    outputs = {"train": "train.npy", "val": "val.npy", "seq_len": SEQ, "vocab_size": VOCAB, "special_ids": SPECIAL}
+    return Upstream(folder, outputs)
+
+
+def small(**kw) -> pretrain.Config:
+    defaults = dict(
+        model=pretrain.Architecture(hidden=32, layers=1, heads=2, intermediate=64),
+        budget=pretrain.Budget(hours=None, steps=6),
+        microbatch=8,
+        batch_size=8,
+        ramp=0.0,
+        compile=False,
+        log_every_steps=1,
+        checkpoint_every_minutes=None,
+        val_blocks=16,
+    )
+    return pretrain.Config(**{**defaults, **kw})
+
+
+def metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def same_tensors(a: Path, b: Path) -> bool:
+    x, y = load_file(a), load_file(b)
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+# --- batches and masks ---------------------------------------------------------------------------
+
+
+def test_stream_is_a_permutation_per_epoch_and_shards_by_rank():
+    blocks = np.arange(10 * 4, dtype=np.uint16).reshape(10, 4)
+    first_two_epochs = read_sequences(blocks, seed=1, first=0, count=20, orders={})[:, 0] // 4
+    assert sorted(first_two_epochs[:10]) == list(range(10)) == sorted(first_two_epochs[10:])
+    assert list(first_two_epochs[:10]) != list(first_two_epochs[10:])
+    # Two ranks of microbatch 2 read, between them, what one rank of microbatch 2 reads in order.
+    def stream(rank, world, n):
+        with Prefetcher(blocks, seed=1, start=4, microbatch=2, rank=rank, world_size=world) as data:
+            return [data.next() for _ in range(n)]
+
+    alone = stream(0, 1, 4)
+    r0, r1 = stream(0, 2, 2), stream(1, 2, 2)
+    interleaved = [r0[0], r1[0], r0[1], r1[1]]
+    assert [m.first for m in interleaved] == [m.first for m in alone] == [4, 6, 8, 10]
+    assert all(torch.equal(a.ids, b.ids) and a.mask_seed == b.mask_seed for a, b in zip(alone, interleaved))
+
+
+def test_masking_picks_exactly_k_non_special_positions():
+    spec = MaskSpec(per_sequence=8, mask_id=4, vocab_size=VOCAB, special_ids=tuple(SPECIAL.values()))
+    ids = torch.randint(5, VOCAB, (64, SEQ))
+    ids[:, 0], ids[:, -1] = SPECIAL["cls"], SPECIAL["sep"]
+    batch = mask_tokens(ids, spec, torch.Generator().manual_seed(0))
+    rows = batch["mlm_positions"].view(64, 8) // SEQ
+    cols = batch["mlm_positions"].view(64, 8) % SEQ
+    assert (rows == torch.arange(64)[:, None]).all()  # K per sequence, each in its own row
+    assert all(len(set(c.tolist())) == 8 for c in cols) and not ((cols == 0) | (cols == SEQ - 1)).any()
+    assert torch.equal(batch["mlm_labels"], ids.view(-1)[batch["mlm_positions"]])
+    corrupted = batch["input_ids"].view(-1)[batch["mlm_positions"]]
+    masked = (corrupted == 4).float().mean().item()
+    kept = (corrupted == batch["mlm_labels"]).float().mean().item()
+    assert 0.75 < masked < 0.85 and 0.08 < kept < 0.16  # 80% [MASK], 10% random, 10% (+ chance) kept
+    untouched = torch.ones(64 * SEQ, dtype=torch.bool)
+    untouched[batch["mlm_positions"]] = False
+    assert torch.equal(batch["input_ids"].view(-1)[untouched], ids.view(-1)[untouched])
+
+
+def test_ramp_reaches_the_target_batch_at_the_ramp_fraction():
+    assert [pretrain._n_micro(p, 0.5, 4) for p in (0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.9)] == [1, 1, 2, 3, 4, 4, 4]
+    assert pretrain._n_micro(0.0, 0.0, 4) == 4
+
+
+def test_checkpoints_are_renamed_into_place_and_pruned(tmp_path):
+    tensors = {"w": torch.ones(2, 2)}
+    (tmp_path / ".tmp-step-9-123").mkdir()  # a killed write
+    for step in (1, 2, 3):
+        checkpoint.save(tmp_path, step, tensors, {"step": torch.tensor(1.0)}, {"step": step}, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-3"]
+    params, opt_state, state = checkpoint.load(checkpoint.latest(tmp_path))
+    assert state == {"step": 3} and torch.equal(params["w"], tensors["w"])
+
+
+# --- the stage -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "budget, steps",
+    [
+        (pretrain.Budget(hours=None, steps=5), 5),
+        (pretrain.Budget(hours=None, tokens=3 * 8 * SEQ + 1), 4),  # stops at the first step past it
+        (pretrain.Budget(hours=None, steps=50, tokens=2 * 8 * SEQ), 2),  # the first limit wins
+    ],
+)
+def test_budget_by_steps_and_tokens(pack, tmp_path, make_ctx, budget, steps):
+    out = pretrain.run(small(budget=budget), {"pack": pack}, tmp_path / "out", make_ctx())
+    assert out["steps"] == steps and out["tokens_seen"] == steps * 8 * SEQ
+    assert [m["step"] for m in metrics(tmp_path / "out")] == list(range(1, steps + 1))
+    saved = json.loads((tmp_path / "out" / out["model_config"]).read_text())
+    assert saved["vocab_size"] == VOCAB and saved["hidden"] == 32 and saved["max_seq_len"] == SEQ
+    assert load_file(tmp_path / "out" / out["params"])["embed.tokens.weight"].dtype == torch.float32
+
+
+def test_budget_by_time_counts_training_not_compiling(pack, tmp_path, make_ctx):
+    config = small(budget=pretrain.Budget(hours=1.5 / 3600), compile=True, backend="aot_eager", log_every_steps=50)
+    out = pretrain.run(config, {"pack": pack}, tmp_path / "out", make_ctx())
+    assert 1.5 <= out["wall_s"] < 5.0 and out["compile_s"] > 0  # stops within a step or so
+    last = metrics(tmp_path / "out")[-1]
+    assert last["step"] == out["steps"] and last["progress"] >= 1.0
+
+
+def test_ramp_grows_accumulation_without_recompiling(pack, tmp_path, make_ctx):
+    config = small(
+        budget=pretrain.Budget(hours=None, steps=8), batch_size=32, ramp=0.5, compile=True, backend="aot_eager"
+    )
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = pretrain.run(config, {"pack": pack}, tmp_path / "out", make_ctx())
+    assert [m["batch_size"] for m in metrics(tmp_path / "out")] == [8, 16, 24, 32, 32, 32, 32, 32]
+    assert out["tokens_seen"] == (8 + 16 + 24 + 5 * 32) * SEQ
+
+
+def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(
+    pack, tmp_path, make_ctx, monkeypatch
+):
+    import model
+
+    real = model.make_accumulate_step
+
+    def diverging_at_step_3(*args, **kw):
+        accumulate, calls = real(*args, **kw), []
+
+        def step(params, grads, batch):
+            grads, out = accumulate(params, grads, batch)
+            calls.append(1)
+            if len(calls) == 3:
+                grads = {k: g * float("nan") for k, g in grads.items()}
+                out = {**out, "loss": out["loss"] * float("nan")}
+            return grads, out
+
+        return step
+
+    monkeypatch.setattr(model, "make_accumulate_step", diverging_at_step_3)
+    config = small(log_every_steps=2, checkpoint_every_steps=1, keep_checkpoints=5)
+    with pytest.raises(pretrain.DivergedError, match=r"not finite at step 3; last good checkpoint: .*step-2"):
+        pretrain.run(config, {"pack": pack}, tmp_path / "out", make_ctx())
+    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["step-1", "step-2"]
+    assert not (tmp_path / "out" / "params.safetensors").exists()
+
+
+def test_bad_config_and_data_are_stage_errors(pack, tmp_path, make_ctx):
+    with pytest.raises(StageError, match="pretrain.model.preset: 'huge'"):
+        pretrain.run(small(model=pretrain.Architecture(preset="huge")), {"pack": pack}, tmp_path / "a", make_ctx())
+    with pytest.raises(StageError, match="pretrain.schedule: 'linear'"):
+        pretrain.run(small(schedule="linear"), {"pack": pack}, tmp_path / "b", make_ctx())
+    with pytest.raises(StageError, match=r"multiple of microbatch x ranks \(16\)"):
+        pretrain.run(small(batch_size=24), {"pack": pack}, tmp_path / "c", make_ctx(world_size=2))
+    np.save(pack.path("val"), np.zeros((4, SEQ + 1), dtype=np.uint16))
+    with pytest.raises(StageError, match=r"val.npy: shape \(4, 33\)"):
+        pretrain.run(small(), {"pack": pack}, tmp_path / "d", make_ctx())
+    with pytest.raises(ValueError, match="set at least one of hours, steps, tokens"):
+        pretrain.Budget(hours=None)
+
+
+# --- real processes: SIGKILL and resume, 2-rank data parallelism ---------------------------------
+
+WORKER = textwrap.dedent(
+    """
+    import os, pickle, sys, time
+    from pathlib import Path
+    sys.path.insert(0, sys.argv[2])
+    import structlog
+    import stages.batches, stages.checkpoint
+    from stages import Context, pretrain
+
+    job = pickle.loads(Path(sys.argv[1]).read_bytes())
+
+    def hang_on_call(module, name, n):
+        # Block on the n-th call, after telling the test where we are: it then kills us.
+        real, calls = getattr(module, name), []
+        def wrapper(*args, **kw):
+            calls.append(1)
+            if len(calls) == n:
+                Path(job["out_dir"], "hanging").touch()
+                time.sleep(600)
+            return real(*args, **kw)
+        setattr(module, name, wrapper)
+
+    if "hang" in job:
+        module = {"mask_tokens": stages.batches, "write_tensors": stages.checkpoint}[job["hang"][0]]
+        hang_on_call(module, *job["hang"])
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world_size > 1:
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+    ctx = Context(seed=0, device="cpu", run_dir=Path(job["out_dir"]).parent, log=structlog.get_logger(),
+                  rank=rank, world_size=world_size)
+    pretrain.run(job["config"], job["inputs"], Path(job["out_dir"]), ctx)
+    """
+)
+
+
+def start_worker(tmp_path: Path, job: dict, env: dict | None = None) -> subprocess.Popen:
+    (tmp_path / "worker.py").write_text(WORKER)
+    job_file = tmp_path / f"job-{time.monotonic_ns()}.pkl"
+    job_file.write_bytes(pickle.dumps(job))
+    return subprocess.Popen(
+        [sys.executable, str(tmp_path / "worker.py"), str(job_file), str(REPO)],
+        # As many threads as this process: a thread count changes how float sums are split.
+        env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def kill_when_hanging(proc: subprocess.Popen, out_dir: Path) -> None:
+    marker = out_dir / "hanging"
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline, "the worker never reached its hang point"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    marker.unlink()
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_is_bit_identical(pack, tmp_path, make_ctx):
+    config = small(
+        budget=pretrain.Budget(hours=None, steps=10),
+        batch_size=16,
+        ramp=0.5,
+        compile=True,
+        backend="aot_eager",
+        log_every_steps=3,
+        checkpoint_every_steps=2,
+    )
+    straight = pretrain.run(config, {"pack": pack}, tmp_path / "straight", make_ctx())
+
+    out_dir = tmp_path / "killed"
+    job = {"config": config, "inputs": {"pack": pack}, "out_dir": str(out_dir)}
+    # First kill: while writing the checkpoint of step 4 (step 2's is complete; one file of step 4's is).
+    kill_when_hanging(start_worker(tmp_path, {**job, "hang": ("write_tensors", 4)}), out_dir)
+    assert [p.name for p in (out_dir / "checkpoints").iterdir() if p.name.startswith("step-")] == ["step-2"]
+    # Second kill: in step 8, after a resume from step 2 and a checkpoint at step 6. The 12th
+    # masking is step 8's second microbatch (1 for compiling, then 1 + 2 + 2 + 2 + 2 + 2).
+    kill_when_hanging(start_worker(tmp_path, {**job, "hang": ("mask_tokens", 12)}), out_dir)
+    assert checkpoint.latest(out_dir / "checkpoints").name == "step-6"
+    resumed = pretrain.run(config, {"pack": pack}, out_dir, make_ctx())
+
+    assert same_tensors(out_dir / "params.safetensors", tmp_path / "straight" / "params.safetensors")
+    assert same_tensors(out_dir / "checkpoints" / "step-10" / checkpoint.OPTIMIZER,
+                        tmp_path / "straight" / "checkpoints" / "step-10" / checkpoint.OPTIMIZER)
+    curve = [(m["step"], m["loss"], m["batch_size"]) for m in metrics(out_dir)]
+    assert curve == [(m["step"], m["loss"], m["batch_size"]) for m in metrics(tmp_path / "straight")]
+    for key in ("steps", "tokens_seen", "final_loss", "loss_start", "val_loss_start", "val_loss_end"):
+        assert resumed[key] == straight[key], key
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_match_one_process_on_the_same_global_batch(pack, tmp_path, make_ctx):
+    # 2 ranks x microbatch 8 and 1 rank x 2 accumulated microbatches of 8 see the same sequences,
+    # masked alike; only the order of summing the gradients differs.
+    config = small(batch_size=16, budget=pretrain.Budget(hours=None, steps=4), compile=True, backend="aot_eager")
+    alone = pretrain.run(config, {"pack": pack}, tmp_path / "alone", make_ctx())
+
+    out_dir = tmp_path / "ranks"
+    job = {"config": config, "inputs": {"pack": pack}, "out_dir": str(out_dir)}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    procs = [start_worker(tmp_path, job, {**env, "RANK": str(rank)}) for rank in (0, 1)]
+    for proc in procs:
+        assert proc.wait(timeout=180) == 0, proc.stderr.read().decode()[-3000:]
+
+    ranks, one = load_file(out_dir / "params.safetensors"), load_file(tmp_path / "alone" / "params.safetensors")
+    for name in one:
+        torch.testing.assert_close(ranks[name], one[name], rtol=1e-5, atol=1e-6)
+    losses = [m["loss"] for m in metrics(out_dir)]
+    assert losses == pytest.approx([m["loss"] for m in metrics(tmp_path / "alone")], rel=1e-5)
+    assert [m["batch_size"] for m in metrics(out_dir)] == [16] * 4
+    assert alone["tokens_seen"] == 4 * 16 * SEQ
