@@ -35,7 +35,7 @@ def configure(events_file: Path | None = None, console: bool = True, level: int 
         handler.close()
     _installed.clear()
     if console:
-        _installed.append(_handler(logging.StreamHandler(sys.stderr), _for_people, structlog.dev.ConsoleRenderer()))
+        _installed.append(_handler(_CurrentStderr(), _for_people, structlog.dev.ConsoleRenderer()))
     if events_file is not None:
         events_file.parent.mkdir(parents=True, exist_ok=True)
         file_handler = logging.FileHandler(events_file, encoding="utf-8")
@@ -45,6 +45,19 @@ def configure(events_file: Path | None = None, console: bool = True, level: int 
     for handler in _installed:
         root.addHandler(handler)
     root.setLevel(level)
+
+
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to `sys.stderr` as it is at each record: a live progress bar replaces it to keep its
+    own line below the log lines, and a handler holding the original stream would write through it."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
 
 
 def _handler(handler: logging.Handler, *processors: structlog.typing.Processor) -> logging.Handler:

@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from stages import Context, StageError, Upstream
+from stages import device as devices
 from stages.glue import GLUE, METRICS, REGRESSION_METRICS
 
 NAME = "evaluate"
-VERSION = "1"
+VERSION = "2"
 UPSTREAM = ("tokenize", "pack", "pretrain")
 RESUMABLE = False
 
@@ -98,7 +99,6 @@ class Config:
     seeds: int = 5
     eval_batch_size: int = 128
     mlm: bool = True  # the held-out masked-LM loss and accuracy
-    mask_rate: float = 0.25  # keep equal to pretrain.masking.rate
     mlm_seed: int = 0  # masks the held-out blocks: fixed, so every re-run gives the same numbers
     mlm_batch_size: int = 128
     compile: bool = True
@@ -114,8 +114,6 @@ class Config:
             raise ValueError(f"lr, weight_decay: {self.lr}, {self.weight_decay} must be > 0 and >= 0")
         if not 0 <= self.warmup < 1:
             raise ValueError(f"warmup: {self.warmup} must be in [0, 1)")
-        if not 0 < self.mask_rate < 1:
-            raise ValueError(f"mask_rate: {self.mask_rate} must be in (0, 1)")
         if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 3:
             raise ValueError(f"buckets: {list(self.buckets)} must be increasing lengths of at least 3")
         lengths = {"max_length": self.max_length}
@@ -150,9 +148,8 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     tasks = [(tc, _load_task(tc, i, tokenize)) for i, tc in enumerate(config.tasks)]
     encoded = [_encode(task, tokenizer, special, config.setting(tc, "max_length")) for tc, task in tasks]
 
-    device = _device(ctx.device)
-    autocast = torch.bfloat16 if config.precision == "bf16" or (
-        config.precision == "auto" and device.type == "cuda") else None
+    device = devices.resolve(ctx.device)
+    autocast = devices.autocast_dtype(config.precision, device)
     params = {k: v.to(device) for k, v in params.items()}
     tuner = _Tuner.make(config, cfg, params, special, device, autocast)
     results: dict[str, Any] = {}
@@ -162,7 +159,8 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     limit = max(8, len(config.buckets) * len(tasks))
     with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
         if config.mlm:
-            results["mlm"] = _evaluate_mlm(config, cfg, params, pack, special, device, autocast, ctx)
+            masking = pretrain.outputs["masking"]
+            results["mlm"] = _evaluate_mlm(config, cfg, params, pack, masking, special, device, autocast, ctx)
         results["tasks"] = {task.name: _finetune_task(tuner, tc, task, data, ctx)
                             for (tc, task), data in zip(tasks, encoded)}
     glue = {f"{name}/{test}": r["median"][test]
@@ -206,35 +204,26 @@ def _load_checkpoint(pretrain: Upstream, tokenize: Upstream):
     return cfg, params, tokenizer
 
 
-def _device(name: str):
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 # ----------------------------------------------------------------------------------- masked LM
 
 
-def _evaluate_mlm(config: Config, cfg, params, pack: Upstream, special, device, autocast, ctx: Context) -> dict:
-    """Mean loss and accuracy over every masked token of the held-out blocks."""
+def _evaluate_mlm(config: Config, cfg, params, pack: Upstream, masking: dict, special, device, autocast,
+                  ctx: Context) -> dict:
+    """Mean loss and accuracy over every masked token of the held-out blocks, masked as in pretraining."""
     import numpy as np
     import torch
 
     import model
-    from stages.batches import MaskSpec, mask_seed, mask_tokens
+    from stages.batches import mask_seed, mask_tokens
+    from stages.pretrain import Masking, mask_spec
 
     began = time.perf_counter()
     blocks = np.load(pack.path("val"), mmap_mode="r")
     if blocks.ndim != 2 or len(blocks) == 0:
         raise StageError(f"{pack.path('val')}: expected blocks [n, seq_len] with n > 0, got {list(blocks.shape)}")
-    spec = MaskSpec(
-        per_sequence=max(1, round(config.mask_rate * blocks.shape[1])),
-        mask_id=special["mask"],
-        vocab_size=cfg.vocab_size,
-        special_ids=tuple(sorted(set(special.values()))),
-    )
+    spec = mask_spec(Masking(**masking), special, cfg.vocab_size, blocks.shape[1])
     step = model.make_eval_step(cfg, compile=config.compile, backend=config.backend, autocast_dtype=autocast)
     # The last, shorter batch runs eagerly rather than compiling a second graph for one call.
     last_step = model.make_eval_step(cfg, compile=False, autocast_dtype=autocast)

@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from stages import Context, StageError, Upstream
+from stages import device as devices
 
 NAME = "pretrain"
-VERSION = "1"
+VERSION = "2"
 UPSTREAM = ("pack",)
 RESUMABLE = True
 DISTRIBUTED = True  # the runner calls `run` on every rank
@@ -161,13 +162,9 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     if config.batch_size % (ctx.world_size * config.microbatch):
         raise StageError(f"pretrain.batch_size: {config.batch_size} must be a multiple of microbatch x ranks "
                          f"({ctx.world_size * config.microbatch})")
-    spec = _mask_spec(config.masking, special, cfg.vocab_size, seq_len)
-    device = _device(ctx.device)
-    autocast = torch.bfloat16 if config.precision == "bf16" or (
-        config.precision == "auto" and device.type == "cuda") else None
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    spec = mask_spec(config.masking, special, cfg.vocab_size, seq_len)
+    device = devices.resolve(ctx.device)
+    autocast = devices.autocast_dtype(config.precision, device)
 
     # Continue from the newest checkpoint (the one rank 0 sees, on every rank), or start afresh.
     resume_from = _agree_on(checkpoint.latest(out_dir / "checkpoints"), ctx)
@@ -211,7 +208,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
                                flops_per_token)
 
     outputs = {"params": "params.safetensors", "model_config": "model.json", "metrics": "metrics.jsonl",
-               "checkpoints": "checkpoints"}
+               "checkpoints": "checkpoints", "masking": dataclasses.asdict(config.masking)}
     if not ctx.is_main:
         return outputs
     checkpoint.write_tensors(out_dir / outputs["params"], params)
@@ -233,6 +230,9 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     }
     ctx.log.info("trained", **figures)
     return {**outputs, **figures}
+
+
+_LOGGED = ("step", "loss", "accuracy", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_mem_gb", "data_wait")
 
 
 class DivergedError(RuntimeError):
@@ -346,6 +346,8 @@ def _train(config: Config, ctx: Context, steps: _Steps, params: dict, opt_state:
         }
         with open(metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        # One line per log step (torchtitan's): what a job log or a console without the bar shows.
+        ctx.log.info("step", **{k: record[k] for k in _LOGGED})
         bar.update(record)
 
     with Prefetcher(
@@ -566,7 +568,8 @@ def _val_loss(evaluate, params: dict, val, steps: _Steps, config: Config, seed: 
     return torch.stack(losses).mean().item()
 
 
-def _mask_spec(masking: Masking, special: dict[str, int], vocab_size: int, seq_len: int):
+def mask_spec(masking: Masking, special: dict[str, int], vocab_size: int, seq_len: int):
+    """The masking of pretraining for blocks of `seq_len`; evaluate masks its held-out blocks alike."""
     from stages.batches import MaskSpec
 
     per_sequence = round(masking.rate * seq_len)
@@ -613,16 +616,6 @@ def _check_data(train, val, seq_len: int, pack: Upstream) -> None:
         raise StageError(f"{pack.path('train')}: no blocks to train on")
 
 
-def _device(name: str):
-    import torch
-
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise StageError(f"run.device: {name!r} but CUDA is not available here; use 'cpu' or 'auto'")
-    if name == "cuda":  # under torchrun the runner has set this rank's device
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(name)
 
 
 def _agree_on(path: Path | None, ctx: Context) -> Path | None:

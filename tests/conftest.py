@@ -28,3 +28,15 @@ def make_ctx(tmp_path):
         return Context(seed=seed, device=device, run_dir=run_dir, log=structlog.get_logger(), **kw)
 
     return make
+
+
+@pytest.fixture
+def one_thread():
+    """For tests of tiny models: one thread is faster than two for tensors this small, and on a busy
+    machine every parallel region waits for a descheduled thread (1 ms steps took 450 ms)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

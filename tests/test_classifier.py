@@ -15,18 +15,10 @@ from model.classifier import (
     pool,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CFG = model.ModelConfig(vocab_size=64, hidden=32, layers=1, heads=2, intermediate=64, max_seq_len=32)
 OPT = model.OptimizerConfig(eps=1e-6, weight_decay=0.0, clip_norm=0.0)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The models here are tiny: one thread is faster than two, and not slowed down by whatever
-    else a busy machine runs (two threads on two shared cores wait on each other)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def params_with_head(num_outputs: int = 3) -> dict:

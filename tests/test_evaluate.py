@@ -16,6 +16,8 @@ from stages import StageError, Upstream
 from stages import evaluate
 from stages.evaluate import Config, TaskConfig
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SPECIAL = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 TOPICS = {
     "Sports": "ball goal team match player league coach",
@@ -24,16 +26,6 @@ TOPICS = {
 }
 FILLER = "the a of and in to was is it on with for as by at from".split()
 CFG = dict(hidden=32, layers=1, heads=2, intermediate=64, max_seq_len=64)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The models here are tiny: one thread is faster than two, and not slowed down by whatever
-    else a busy machine runs (two threads on two shared cores wait on each other)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def sentence(rng: random.Random, words: list[str], n: int) -> str:
@@ -96,7 +88,8 @@ def upstream(tmp_path_factory):
             "tokenize": Upstream(tokenize, {"tokenizer": "tokenizer.model", "heldout": "heldout",
                                             "special_ids": SPECIAL, "vocab_size": 100}),
             "pack": Upstream(pack, {"val": "val.npy", "seq_len": 32, "special_ids": SPECIAL}),
-            "pretrain": Upstream(pretrain, {"params": "params.safetensors", "model_config": "model.json"}),
+            "pretrain": Upstream(pretrain, {"params": "params.safetensors", "model_config": "model.json",
+                                            "masking": {"rate": 0.25, "mask_token": 0.8, "random_token": 0.1}}),
         },
     }
 

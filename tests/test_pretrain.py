@@ -22,19 +22,11 @@ from safetensors.torch import load_file
 from stages import StageError, Upstream, checkpoint, pretrain
 from stages.batches import MaskSpec, Prefetcher, mask_tokens, read_sequences
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, SEQ = 256, 32
 SPECIAL = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tensors this small gain nothing from threads, and on a busy machine every parallel region
-    waits for a descheduled thread (steps of 1 ms took 450 ms)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture
