@@ -145,22 +145,41 @@ def test_ctrl_c_marks_the_stage_interrupted_not_done(pipe, monkeypatch):
     assert pipe.calls() == ["alpha", "beta", "beta", "gamma"]
 
 
-def test_sigkill_mid_stage_leaves_it_not_done_and_it_reruns(pipe, tmp_path):
+def _start_hanging_in_beta(pipe, tmp_path) -> subprocess.Popen:
+    """`cram run` in a subprocess, returned once it is inside stage beta (which then hangs)."""
     script = (
         "import sys; sys.path.insert(0, sys.argv[1]); import fake_stages; "
         "from pipeline import cli, runner; runner.default_stages = fake_stages.modules; "
         "sys.argv = ['cram', 'run', sys.argv[2]]; cli.main()"
     )
     env = {**os.environ, "FAKE_HANG": "beta"}
-    proc = subprocess.Popen([sys.executable, "-c", script, str(TESTS), str(pipe.config)], env=env,
-                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # SIGINT at its default, so Python turns it into KeyboardInterrupt even when this test runs in
+    # a background job (which starts with SIGINT ignored).
+    proc = subprocess.Popen([sys.executable, "-c", script, str(TESTS), str(pipe.config)], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     partial = pipe.run_dir / rundir.PARTIAL
     deadline = time.time() + 60
     while not list(partial.glob("beta-*/attempts")):
         assert proc.poll() is None and time.time() < deadline, "the runner never reached beta"
         time.sleep(0.05)
+    return proc
+
+
+def test_a_real_sigint_marks_the_stage_interrupted(pipe, tmp_path):
+    proc = _start_hanging_in_beta(pipe, tmp_path)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 130, output
+    assert f"continue with: cram resume {pipe.run_dir}" in output
+    assert pipe.manifest()["beta"]["status"] == "interrupted"
+    assert not (pipe.run_dir / rundir.LOCK).exists()
+
+
+def test_sigkill_mid_stage_leaves_it_not_done_and_it_reruns(pipe, tmp_path):
+    proc = _start_hanging_in_beta(pipe, tmp_path)
     proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.communicate()
     assert pipe.manifest()["beta"]["status"] == "running"
     assert not (pipe.run_dir / "beta").exists()
     assert (pipe.run_dir / rundir.LOCK).exists()  # left behind by the dead process
