@@ -36,7 +36,7 @@ def main() -> None:
         start = time.perf_counter()
         subprocess.run(command, check=True, capture_output=True)
         times.append(time.perf_counter() - start)
-    print(f"| command | runs | median s | max s |\n|---|---|---|---|")
+    print("| command | runs | median s | max s |\n|---|---|---|---|")
     print(f"| cram run {Path(args.config)} (all cached) | {args.repeat} | "
           f"{statistics.median(times):.2f} | {max(times):.2f} |")
 

@@ -35,7 +35,8 @@ def configure(events_file: Path | None = None, console: bool = True, level: int 
         handler.close()
     _installed.clear()
     if console:
-        _installed.append(_handler(_CurrentStderr(), _for_people, structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())))
+        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        _installed.append(_handler(_CurrentStderr(), _for_people, renderer))
     if events_file is not None:
         events_file.parent.mkdir(parents=True, exist_ok=True)
         file_handler = logging.FileHandler(events_file, encoding="utf-8")

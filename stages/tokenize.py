@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
-from stages import Context, StageError, Upstream
+from stages import Context, StageError, Upstream, corpus
 from stages.corpus import CorpusConfig, read
-from stages import corpus
 
 NAME = "tokenize"
 VERSION = "1"

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import fake_stages
 import pytest
 from typer.testing import CliRunner
 
-import fake_stages
 from pipeline import cli, config, runner
 
 

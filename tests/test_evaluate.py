@@ -8,12 +8,10 @@ import random
 
 import numpy as np
 import pytest
-import torch
 from torch._dynamo.utils import counters
 
 import model
-from stages import StageError, Upstream
-from stages import evaluate
+from stages import StageError, Upstream, evaluate
 from stages.evaluate import Config, TaskConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -9,8 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stages import StageError, Upstream
-from stages import pack
+from stages import StageError, Upstream, pack
 
 SPECIAL_IDS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 REPO = Path(__file__).parent.parent

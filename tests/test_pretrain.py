@@ -2,7 +2,6 @@
 SIGKILL, and data parallelism over 2 gloo processes. A 1-layer, 32-wide model on random tokens keeps
 each run to a second or two."""
 
-import dataclasses
 import json
 import os
 import pickle

@@ -10,10 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+import fake_stages
 import pytest
 from typer.testing import CliRunner
 
-import fake_stages
 from pipeline import cli, rundir, runner
 
 TESTS = Path(__file__).parent

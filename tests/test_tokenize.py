@@ -8,8 +8,7 @@ import random
 
 import pytest
 
-from stages import StageError
-from stages import tokenize
+from stages import StageError, tokenize
 from stages.corpus import CorpusConfig
 
 SECRET = "quixotically"  # appears only in held-out documents
