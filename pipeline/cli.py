@@ -7,6 +7,9 @@
     cram resume runs/default                     continue an interrupted run from its saved config
     cram status runs/default                     one table: stage, status, key, duration, figures
     cram inspect runs/default pretrain           config, outputs and log tail of a stage
+    cram inspect runs/default --plot curves.png  loss, lr, tokens/s, grad norm against tokens seen
+    cram compare runs/a runs/b [--plot loss.png] differing config keys, then each stage's figures
+    cram export runs/default --to out/default [--format transformers] [--force]
     cram ls runs                                 every run with its newest stage
 
 Exit codes: 0 ok, 1 a stage failed, 2 bad usage, config or input, 130 interrupted.
@@ -25,7 +28,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from pipeline import config as cfg
-from pipeline import logs, rundir, runner
+from pipeline import curves, logs, rundir, runner
+from pipeline import export as exporting
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Cram a BERT-style MLM from raw text.")
 out = Console()
@@ -139,9 +143,16 @@ def inspect(
     run_dir: Path = typer.Argument(..., help="A run directory."),
     stage: Optional[str] = typer.Argument(None, help="A stage; all stages when left out."),
     lines: int = typer.Option(15, "--lines", help="How many log events to show."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Also save the pretraining curves as this PNG."),
 ) -> None:
     """The resolved config, a stage's outputs and figures, and its log tail."""
     records = _records(run_dir)
+    if plot is not None:
+        try:
+            curves.save(curves.plot_run(run_dir), plot)
+        except curves.CurvesError as e:
+            _fail(str(e))
+        out.print(f"curves: {plot}")
     if stage is not None and stage not in records:
         _fail(f"{run_dir}: no stage '{stage}' in the manifest (it has: {', '.join(records) or 'none'})")
     saved = run_dir / rundir.CONFIG
@@ -160,6 +171,53 @@ def inspect(
         out.print(f"[bold]log tail[/] ({run_dir / rundir.EVENTS})")
         for event in _log_tail(run_dir, name, lines):
             out.print(event, highlight=False, markup=False)
+
+
+@app.command()
+def compare(
+    run_dirs: List[Path] = typer.Argument(..., help="Two or more run directories."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Save the loss curves of all runs as this PNG."),
+) -> None:
+    """The config keys that differ between runs, then each stage's figures side by side."""
+    if len(run_dirs) < 2:
+        _fail("compare needs at least two run directories")
+    try:
+        diff, figures = curves.config_diff(run_dirs), curves.stage_figures(run_dirs)
+        if plot is not None:
+            curves.save(curves.plot_losses(run_dirs), plot)
+    except curves.CurvesError as e:
+        _fail(str(e))
+    names = [str(d) for d in run_dirs]
+    table = Table(title="config keys that differ", title_justify="left")
+    for column in ("key", *names):
+        table.add_column(column, overflow="fold")
+    for key, values in diff.items():
+        table.add_row(key, *(escape(json.dumps(v)) for v in values))
+    out.print(table if diff else "config: identical")
+    for stage, rows in figures.items():
+        table = Table(title=stage, title_justify="left")
+        for column in ("figure", *names):
+            table.add_column(column, justify="right")
+        for key, values in rows.items():
+            table.add_row(key, *(f"{v:.4g}" if isinstance(v, float) else str(v) for v in values))
+        out.print(table)
+    if plot is not None:
+        out.print(f"loss curves: {plot}")
+
+
+@app.command("export")
+def export_run(
+    run_dir: Path = typer.Argument(..., help="A run directory whose pretrain stage is done."),
+    to: Path = typer.Option(..., "--to", help="The directory to write."),
+    fmt: str = typer.Option("cram", "--format", help="cram (params, model.json, tokenizer) or transformers."),
+    force: bool = typer.Option(False, "--force", help="Replace TO even if it is not empty."),
+) -> None:
+    """Export the pretrained encoder with its tokenizer and a model card."""
+    try:
+        exporting.export(run_dir, to, fmt, force)
+    except exporting.ExportError as e:
+        _fail(str(e))
+    out.print(f"exported {run_dir} ({fmt}) to {to}")
 
 
 @app.command("ls")

@@ -1,0 +1,308 @@
+"""Export a finished run's encoder, and load cram's own export back.
+
+    export(Path("runs/default"), Path("out/default"))                       # cram's format
+    export(Path("runs/default"), Path("out/hf"), fmt="transformers")        # a ModernBERT directory
+    cfg, params, tokenizer = load_export(Path("out/default"))               # ready for model.encode
+
+cram's format: `params.safetensors` (cram's parameter names), `model.json` (the `ModelConfig`),
+`tokenizer.model` (sentencepiece), `special_ids.json` and a `README.md` model card.
+The transformers format holds what `AutoModelForMaskedLM.from_pretrained` and
+`AutoTokenizer.from_pretrained` read: `config.json`, `model.safetensors`, `tokenizer.json`,
+`tokenizer_config.json`, and the same card. It exists only for the ModernBERT layout (see
+`transformers_blockers`); building its tokenizer needs `tokenizers` and `protobuf`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from pipeline import rundir
+
+FORMATS = ("cram", "transformers")
+# What a ModernBERT layer stack needs of cram's ModelConfig; every other field maps whatever its value.
+MODERNBERT_LAYOUT = {
+    "position": "rope",
+    "head_transform": True,
+    "first_attn_norm": False,
+    "glu": True,
+    "embedding_norm": True,
+}
+# cram's parameter names -> transformers' ModernBertForMaskedLM names, applied in this order.
+_RENAMES = (
+    ("embed.tokens", "model.embeddings.tok_embeddings"),
+    ("embed.norm", "model.embeddings.norm"),
+    ("final_norm", "model.final_norm"),
+    ("layers.", "model.layers."),
+    ("attn.qkv", "attn.Wqkv"),
+    ("attn.out", "attn.Wo"),
+    ("ffn_norm", "mlp_norm"),
+    ("ffn.up", "mlp.Wi"),
+    ("ffn.down", "mlp.Wo"),
+)
+
+
+class ExportError(Exception):
+    """A run directory, target or architecture that cannot be exported; one line, exit code 2."""
+
+
+def export(run_dir: Path, to: Path, fmt: str = "cram", force: bool = False) -> Path:
+    """Write the final params of RUN_DIR's pretrain stage to TO, atomically; return TO."""
+    if fmt not in FORMATS:
+        raise ExportError(f"--format {fmt}: allowed {', '.join(FORMATS)}")
+    run = _finished_run(run_dir)
+    cfg = _model_config(run["pretrain_dir"] / run["pretrain"]["model_config"])
+    if fmt == "transformers" and (blockers := transformers_blockers(cfg)):
+        raise ExportError(f"{run_dir}: the model does not map onto transformers' ModernBERT; set {', '.join(blockers)}")
+    _check_target(to, force)
+    tmp = to.parent / f".{to.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        if fmt == "cram":
+            _write_cram(run, tmp)
+        else:
+            _write_transformers(run, cfg, tmp)
+        (tmp / "README.md").write_text(model_card(run_dir, fmt), encoding="utf-8")
+        _replace_dir(tmp, to)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return to
+
+
+def load_export(path: Path) -> tuple[Any, dict[str, Any], Path]:
+    """(ModelConfig, fp32 params, sentencepiece model path) of a cram-format export."""
+    from safetensors.torch import load_file
+
+    for name in ("model.json", "params.safetensors", "tokenizer.model"):
+        if not (path / name).is_file():
+            raise ExportError(f"{path}: no {name}; is it a cram-format export (`cram export RUN_DIR --to DIR`)?")
+    return _model_config(path / "model.json"), load_file(path / "params.safetensors"), path / "tokenizer.model"
+
+
+def transformers_blockers(cfg: Any) -> list[str]:
+    """`key=value` for every ModelConfig field that must change before the model maps onto ModernBERT."""
+    return [f"pretrain.model.{k}={json.dumps(v)}" for k, v in MODERNBERT_LAYOUT.items() if getattr(cfg, k) != v]
+
+
+def to_transformers_state(params: dict[str, Any]) -> dict[str, Any]:
+    """cram's params under ModernBertForMaskedLM's names. The decoder is tied to the token
+    embeddings there too, so it has no tensor of its own."""
+    state = {}
+    for name, tensor in params.items():
+        for old, new in _RENAMES:
+            name = name.replace(old, new)
+        state[name] = tensor
+    return state
+
+
+def transformers_config(cfg: Any, special_ids: dict[str, int]) -> dict[str, Any]:
+    """ModernBERT's config.json for `cfg`: every layer global, no biases, cram's norm eps and rope theta."""
+    return {
+        "architectures": ["ModernBertForMaskedLM"],
+        "model_type": "modernbert",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden,
+        "intermediate_size": cfg.intermediate // 2,  # transformers counts one half of the GLU's up-projection
+        "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads,
+        "max_position_embeddings": cfg.max_seq_len,
+        "hidden_activation": "gelu",
+        "classifier_activation": "gelu",
+        "norm_eps": cfg.norm_eps,
+        "norm_bias": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "decoder_bias": False,
+        "classifier_bias": False,
+        "global_attn_every_n_layers": 1,
+        "global_rope_theta": cfg.rope_theta,
+        "local_rope_theta": cfg.rope_theta,
+        "tie_word_embeddings": True,
+        "pad_token_id": special_ids["pad"],
+        "cls_token_id": special_ids["cls"],
+        "sep_token_id": special_ids["sep"],
+        "bos_token_id": special_ids["cls"],
+        "eos_token_id": special_ids["sep"],
+        "torch_dtype": "float32",
+    }
+
+
+def fast_tokenizer(sp_model: Path, special_ids: dict[str, int]) -> Any:
+    """A `tokenizers.Tokenizer` that encodes like the sentencepiece model, wrapped in [CLS] ... [SEP].
+
+    Built from the model's own pieces, scores and normaliser (the approach of transformers'
+    `SpmConverter`): BPE merges ranked by the score of the merged piece, or the unigram pieces with
+    their scores. Unlike sentencepiece, the special pieces typed in the text ("[MASK]") become their ids.
+    """
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+        from tokenizers.models import BPE, Unigram
+    except ImportError as e:
+        raise ExportError(
+            f"--format transformers needs tokenizers and protobuf ({e}): pip install -e '.[export]'"
+        ) from None
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(sp_model.read_bytes())
+    pieces = [(p.piece, p.score) for p in proto.pieces]
+    unk = proto.trainer_spec.unk_piece
+    if proto.trainer_spec.model_type == proto.trainer_spec.BPE:
+        normal = {p.piece: (p.score, i) for i, p in enumerate(proto.pieces) if p.type == p.NORMAL}
+        ranked = sorted(
+            (-score, i, token[:cut], token[cut:])
+            for token, (score, i) in normal.items()
+            for cut in range(1, len(token))
+            if token[:cut] in normal and token[cut:] in normal
+        )
+        merges = [(left, right) for _, _, left, right in ranked]
+        vocab = {piece: i for i, (piece, _) in enumerate(pieces)}
+        tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True))
+    elif proto.trainer_spec.model_type == proto.trainer_spec.UNIGRAM:
+        tokenizer = Tokenizer(Unigram(pieces, unk_id=proto.trainer_spec.unk_id))
+    else:
+        raise ExportError(
+            f"{sp_model}: a sentencepiece {proto.trainer_spec.model_type} model; only bpe and unigram map"
+        )
+
+    spec = proto.normalizer_spec
+    steps = [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
+    if spec.remove_extra_whitespaces:  # spaces only: sentencepiece leaves other whitespace to the charsmap
+        steps += [normalizers.Replace(Regex(r"\A +| +\z"), ""), normalizers.Replace(Regex(" {2,}"), " ")]
+    if spec.escape_whitespaces:
+        steps.append(normalizers.Replace(" ", "▁"))
+    if spec.add_dummy_prefix:
+        # Metaspace adds no prefix to a text already starting with "▁"; sentencepiece always does.
+        steps.append(normalizers.Replace(Regex(r"\A▁"), "▁▁"))
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=False)
+    tokenizer.normalizer = normalizers.Sequence(steps)
+    tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=False)
+
+    names = {role: pieces[i][0] for role, i in special_ids.items()}
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in names.values()])
+    cls, sep = names["cls"], names["sep"]
+    tokenizer.post_processor = processors.TemplateProcessing(  # the layout evaluate fine-tunes on
+        single=f"{cls} $A {sep}",
+        pair=f"{cls} $A {sep} $B:1 {sep}:1",
+        special_tokens=[(cls, special_ids["cls"]), (sep, special_ids["sep"])],
+    )
+    return tokenizer
+
+
+def model_card(run_dir: Path, fmt: str) -> str:
+    """README.md of an export: how to load it, the run's figures per stage and its resolved config."""
+    stages = rundir.Manifest.load(run_dir).data.get("stages", {})
+    config = (run_dir / rundir.CONFIG).read_text(encoding="utf-8") if (run_dir / rundir.CONFIG).is_file() else ""
+    if fmt == "cram":
+        usage = (
+            "from pathlib import Path\n\nimport model\nfrom pipeline.export import load_export\n\n"
+            'cfg, params, tokenizer = load_export(Path("DIR"))\nhidden = model.encode(params, cfg, input_ids, mask)'
+        )
+    else:
+        usage = (
+            "from transformers import AutoModelForMaskedLM, AutoTokenizer\n\n"
+            'model = AutoModelForMaskedLM.from_pretrained("DIR")\ntokenizer = AutoTokenizer.from_pretrained("DIR")'
+        )
+    lines = [
+        f"# {run_dir.name}",
+        "",
+        f"A BERT-style masked language model crammed by `cram` (run `{run_dir.name}`), exported in the `{fmt}` format.",
+        "",
+        "```python",
+        usage,
+        "```",
+        "",
+        "## Figures",
+        "",
+    ]
+    for stage, record in stages.items():
+        figures = {k: v for k, v in (record.get("outputs") or {}).items() if _is_number(v)}
+        if figures:
+            lines += [
+                f"**{stage}**: "
+                + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items()),
+                "",
+            ]
+    lines += ["## Config", "", "```toml", config.strip(), "```", ""]
+    return "\n".join(lines)
+
+
+def _finished_run(run_dir: Path) -> dict[str, Any]:
+    if not (run_dir / rundir.MANIFEST).is_file():
+        raise ExportError(f"{run_dir}: no {rundir.MANIFEST}; not a run directory")
+    try:
+        stages = rundir.Manifest.load(run_dir).data.get("stages", {})
+    except rundir.RunDirError as e:
+        raise ExportError(str(e)) from None
+    run = {}
+    for stage in ("tokenize", "pretrain"):
+        record = stages.get(stage) or {}
+        if record.get("status") != "done" or not (run_dir / stage).is_dir():
+            raise ExportError(
+                f"{run_dir}: stage {stage} is not done (status {record.get('status', 'missing')}); "
+                f"run it first: cram resume {run_dir}"
+            )
+        run[stage], run[f"{stage}_dir"] = record["outputs"], run_dir / stage
+    return run
+
+
+def _model_config(path: Path) -> Any:
+    from model import ModelConfig
+
+    try:
+        fields = json.loads(path.read_text(encoding="utf-8"))
+        return ModelConfig(**{f.name: fields[f.name] for f in dataclasses.fields(ModelConfig) if f.name in fields})
+    except (OSError, json.JSONDecodeError, TypeError, ValueError) as e:
+        raise ExportError(f"{path}: not a readable model config ({e})") from None
+
+
+def _check_target(to: Path, force: bool) -> None:
+    if to.exists() and not to.is_dir():
+        raise ExportError(f"--to {to}: exists and is not a directory")
+    if to.is_dir() and any(to.iterdir()) and not force:
+        raise ExportError(f"--to {to}: not empty; pass --force to replace it")
+
+
+def _replace_dir(new: Path, to: Path) -> None:
+    """Rename NEW to TO; an existing TO is moved aside first and deleted only once NEW is in place."""
+    old = to.parent / f".{to.name}.old-{os.getpid()}"
+    if to.exists():
+        os.replace(to, old)
+    os.replace(new, to)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_cram(run: dict[str, Any], out: Path) -> None:
+    pretrain, tokenize = run["pretrain_dir"], run["tokenize_dir"]
+    shutil.copyfile(pretrain / run["pretrain"]["params"], out / "params.safetensors")
+    shutil.copyfile(pretrain / run["pretrain"]["model_config"], out / "model.json")
+    shutil.copyfile(tokenize / run["tokenize"]["tokenizer"], out / "tokenizer.model")
+    (out / "special_ids.json").write_text(json.dumps(run["tokenize"]["special_ids"], indent=1) + "\n")
+
+
+def _write_transformers(run: dict[str, Any], cfg: Any, out: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    special = run["tokenize"]["special_ids"]
+    tokenizer = fast_tokenizer(run["tokenize_dir"] / run["tokenize"]["tokenizer"], special)
+    params = load_file(run["pretrain_dir"] / run["pretrain"]["params"])
+    save_file(to_transformers_state(params), out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(transformers_config(cfg, special), indent=2) + "\n")
+    tokenizer.save(str(out / "tokenizer.json"))
+    names = {f"{role}_token": tokenizer.id_to_token(i) for role, i in special.items()}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **names,
+        "model_max_length": cfg.max_seq_len,
+        "model_input_names": ["input_ids", "attention_mask"],
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
