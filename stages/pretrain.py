@@ -347,7 +347,7 @@ def _train(config: Config, ctx: Context, steps: _Steps, params: dict, opt_state:
         with open(metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
         # One line per log step (torchtitan's): what a job log or a console without the bar shows.
-        ctx.log.info("step", **{k: record[k] for k in _LOGGED})
+        ctx.log.info("step", **{k: _short(record[k]) for k in _LOGGED})
         bar.update(record)
 
     with Prefetcher(
@@ -387,6 +387,11 @@ def _train(config: Config, ctx: Context, steps: _Steps, params: dict, opt_state:
         if ctx.is_main and last_saved != state["step"]:
             save()
     return params, opt_state
+
+
+def _short(value: Any) -> Any:
+    """Four significant digits: what a person reads in a log line (metrics.jsonl keeps them all)."""
+    return float(f"{value:.4g}") if isinstance(value, float) else value
 
 
 def _all_finite(params: dict) -> bool:
