@@ -9,17 +9,40 @@
 Parameter names are listed in `model/bert.py`. This package knows nothing of stages, TOML or the CLI.
 """
 
-from model.bert import encode, init, mlm_logits, mlm_loss
-from model.config import PRESETS, ModelConfig
-from model.flops import flops_per_token, num_params, peak_flops
-from model.optim import SCHEDULES, OptimizerConfig, adamw_init, adamw_update, lr_schedule
-from model.step import (
-    make_accumulate_step,
-    make_apply_step,
-    make_eval_step,
-    make_grad_all_reduce,
-    make_train_step,
-)
+import importlib
+from typing import Any
+
+from model.config import PRESETS, ModelConfig, OptimizerConfig
+
+# Everything that needs torch is imported on first use: `model.config` alone stays torch-free, so a
+# stage's Config (which uses ModelConfig and OptimizerConfig) loads without torch.
+_LAZY = {
+    "encode": "model.bert",
+    "init": "model.bert",
+    "mlm_logits": "model.bert",
+    "mlm_loss": "model.bert",
+    "flops_per_token": "model.flops",
+    "num_params": "model.flops",
+    "peak_flops": "model.flops",
+    "SCHEDULES": "model.optim",
+    "adamw_init": "model.optim",
+    "adamw_update": "model.optim",
+    "lr_schedule": "model.optim",
+    "make_accumulate_step": "model.step",
+    "make_apply_step": "model.step",
+    "make_eval_step": "model.step",
+    "make_grad_all_reduce": "model.step",
+    "make_train_step": "model.step",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'model' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "PRESETS",

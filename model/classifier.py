@@ -13,18 +13,18 @@ Batches for the steps:
 
 from __future__ import annotations
 
-import types
 from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import ModelConfig, OptimizerConfig, encode, make_apply_step
+from model.bert import INIT_STD, encode
+from model.config import ModelConfig, OptimizerConfig
+from model.step import autocast, compiled, make_apply_step
 
 Pooling = Literal["first", "mean"]
 POOLINGS: tuple[str, ...] = ("first", "mean")
-INIT_STD = 0.02  # BERT's initializer range, as for the encoder
 
 
 def init_head(cfg: ModelConfig, num_outputs: int, seed: int) -> dict[str, Tensor]:
@@ -87,7 +87,7 @@ def make_finetune_step(
     apply = make_apply_step(opt_cfg, compile=False)
 
     def loss_fn(params: dict[str, Tensor], batch: dict[str, Tensor]) -> Tensor:
-        with _autocast(batch["input_ids"], autocast_dtype):
+        with autocast(batch["input_ids"], autocast_dtype):
             logits = classify(params, cfg, batch["input_ids"], batch["attention_mask"], pooling)
         return finetune_loss(logits, batch["labels"], batch["weights"])
 
@@ -97,7 +97,7 @@ def make_finetune_step(
         params, opt_state, metrics = apply(params, opt_state, grads, one, lr)
         return params, opt_state, {**metrics, "loss": loss.detach()}
 
-    return _compiled(step, compile, backend)
+    return compiled(step, compile, backend)
 
 
 def make_classify_eval_step(
@@ -113,23 +113,10 @@ def make_classify_eval_step(
 
     @torch.no_grad()
     def predict(params, batch):
-        with _autocast(batch["input_ids"], autocast_dtype):
+        with autocast(batch["input_ids"], autocast_dtype):
             return classify(params, cfg, batch["input_ids"], batch["attention_mask"], pooling)
 
-    return _compiled(predict, compile, backend)
-
-
-def _compiled(fn: Callable, compile: bool, backend: str) -> Callable:
-    if not compile:
-        return fn
-    # Dynamo caches graphs on the code object, which every closure made here shares: a copy gives
-    # each step its own cache, so one step's graphs never count as another's recompiles.
-    fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    return torch.compile(fresh, fullgraph=True, dynamic=False, backend=backend)
-
-
-def _autocast(like: Tensor, dtype: torch.dtype | None):
-    return torch.autocast(like.device.type, dtype=dtype, enabled=dtype is not None)
+    return compiled(predict, compile, backend)
 
 
 def _check_pooling(pooling: str) -> None:

@@ -1,9 +1,31 @@
-"""The architecture of the encoder: one frozen dataclass and the named presets."""
+"""The architecture of the encoder (one frozen dataclass and the named presets) and the AdamW settings.
+
+Torch-free, so that the stages' configs can use these dataclasses without importing torch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW (cramming's values)."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-12
+    weight_decay: float = 0.01
+    clip_norm: float = 0.5  # <= 0: no clipping
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"optimizer.lr={self.lr}: must be positive")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optimizer.betas={self.betas}: two values in [0, 1)")
+        if self.eps <= 0 or self.weight_decay < 0:
+            raise ValueError("optimizer.eps must be positive and optimizer.weight_decay non-negative")
+
 
 POSITIONS = ("sinusoidal", "learned", "rope")
 

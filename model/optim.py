@@ -7,27 +7,11 @@ The optimizer state is a flat dict of tensors, so it saves directly as safetenso
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.98)
-    eps: float = 1e-12
-    weight_decay: float = 0.01
-    clip_norm: float = 0.5  # <= 0: no clipping
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"optimizer.lr={self.lr}: must be positive")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"optimizer.betas={self.betas}: two values in [0, 1)")
-        if self.eps <= 0 or self.weight_decay < 0:
-            raise ValueError("optimizer.eps must be positive and optimizer.weight_decay non-negative")
+from model.config import OptimizerConfig
 
 
 def decays(param: Tensor) -> bool:

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from model.bert import mlm_loss
-from model.config import ModelConfig
-from model.optim import OptimizerConfig, adamw_update
+from model.config import ModelConfig, OptimizerConfig
+from model.optim import adamw_update
 
 Params = dict[str, Tensor]
 GradReducer = Callable[[Params], Params]
@@ -41,7 +41,7 @@ def make_train_step(
         params, opt_state, grad_norm = adamw_update(opt_cfg, params, opt_state, grads, lr)
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "accuracy": aux["accuracy"]}
 
-    return _compiled(train_step, compile, backend)
+    return compiled(train_step, compile, backend)
 
 
 def make_accumulate_step(
@@ -54,7 +54,7 @@ def make_accumulate_step(
         micro, (loss, aux) = loss_and_grads(params, batch)
         return {name: grads[name] + g for name, g in micro.items()}, {"loss": loss, "accuracy": aux["accuracy"]}
 
-    return _compiled(accumulate_step, compile, backend)
+    return compiled(accumulate_step, compile, backend)
 
 
 def make_apply_step(
@@ -77,7 +77,7 @@ def make_apply_step(
         params, opt_state, grad_norm = adamw_update(opt_cfg, params, opt_state, grads, lr)
         return params, opt_state, {"grad_norm": grad_norm}
 
-    return _compiled(apply_step, compile, backend)
+    return compiled(apply_step, compile, backend)
 
 
 def make_eval_step(
@@ -86,11 +86,11 @@ def make_eval_step(
     """evaluate(params, batch) -> {"loss", "accuracy"}; compiled apart from the train step."""
 
     def eval_step(params, batch):
-        with _autocast(batch["input_ids"], autocast_dtype):
+        with autocast(batch["input_ids"], autocast_dtype):
             loss, aux = mlm_loss(params, cfg, batch)
         return {"loss": loss, "accuracy": aux["accuracy"]}
 
-    return _compiled(eval_step, compile, backend)
+    return compiled(eval_step, compile, backend)
 
 
 def make_grad_all_reduce(world_size: int, group=None) -> GradReducer:
@@ -113,23 +113,27 @@ def make_grad_all_reduce(world_size: int, group=None) -> GradReducer:
 
 def _loss_and_grads(cfg: ModelConfig, autocast_dtype: torch.dtype | None):
     def loss(params, batch):
-        with _autocast(batch["input_ids"], autocast_dtype):
+        with autocast(batch["input_ids"], autocast_dtype):
             return mlm_loss(params, cfg, batch)
 
     return torch.func.grad_and_value(loss, has_aux=True)
 
 
-def _autocast(like: Tensor, dtype: torch.dtype | None):
+def autocast(like: Tensor, dtype: torch.dtype | None):
+    """bf16 (or `dtype`) autocast on `like`'s device for the forward; nothing when `dtype` is None."""
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(like.device.type, dtype=dtype)
 
 
-def _compiled(fn: Callable, compile: bool, backend: str) -> Callable:
+def compiled(fn: Callable, compile: bool, backend: str) -> Callable:
+    """`fn` as one static-shape graph (`fullgraph=True`, `dynamic=False`), or `fn` itself when not `compile`.
+
+    Each new batch shape compiles once, so the graph count is bounded by the shapes a caller uses."""
     if not compile:
         return fn
     # Dynamo caches compiled graphs on the function's code object, shared by every closure that
     # make_* returns: a second step (another config, a test) would count as a recompile of the
     # first and, past the recompile limit, fall back to eager. A copied code object gets its own cache.
     fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    return torch.compile(fresh, fullgraph=True, backend=backend)
+    return torch.compile(fresh, fullgraph=True, dynamic=False, backend=backend)

@@ -6,28 +6,26 @@
   custom CSV / JSON-lines task. Every task and seed starts from the pretrained params with a fresh
   head; the median over seeds is reported beside the majority-class baseline.
 
-Fine-tuning is compiled: the step (forward, loss, gradient, AdamW) is one graph and prediction
-another. Every batch has `batch_size` rows (short batches are filled with zero-weight rows) and is
-padded to the smallest length bucket that fits it, so each of the two compiles at most once per
-bucket and nothing recompiles from step to step.
+Fine-tuning (`stages/finetune.py`) is compiled: the step (forward, loss, gradient, AdamW) is one
+graph and prediction another, each compiled at most once per length bucket.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from stages import Context, StageError, Upstream
 from stages import device as devices
-from stages.glue import GLUE, METRICS, REGRESSION_METRICS
+from stages.glue import GLUE
+from stages.metrics import METRICS, REGRESSION_METRICS
 
 NAME = "evaluate"
-VERSION = "2"
+VERSION = "3"
 UPSTREAM = ("tokenize", "pack", "pretrain")
 RESUMABLE = False
 
@@ -99,7 +97,7 @@ class Config:
     seeds: int = 5
     eval_batch_size: int = 128
     mlm: bool = True  # the held-out masked-LM loss and accuracy
-    mlm_seed: int = 0  # masks the held-out blocks: fixed, so every re-run gives the same numbers
+    mlm_seed: int = 0  # masks the held-out blocks: fixed, so re-runs agree; 0 is pretrain's val-loss masking
     mlm_batch_size: int = 128
     compile: bool = True
     backend: str = "inductor"
@@ -135,23 +133,25 @@ class Config:
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
     import torch
 
+    from stages.finetune import Tuner, bucket, encode, finetune_task, load_task
+
     tokenize, pack, pretrain = inputs["tokenize"], inputs["pack"], inputs["pretrain"]
     cfg, params, tokenizer = _load_checkpoint(pretrain, tokenize)
     for i, task_cfg in enumerate(config.tasks):
         max_length = config.setting(task_cfg, "max_length")
-        if _bucket(max_length, config.buckets) > cfg.max_seq_len:
+        if bucket(max_length, config.buckets) > cfg.max_seq_len:
             key = "max_length" if task_cfg.max_length is None else f"tasks[{i}].max_length"
-            raise StageError(f"evaluate.{key}: {max_length} pads to {_bucket(max_length, config.buckets)}, "
+            raise StageError(f"evaluate.{key}: {max_length} pads to {bucket(max_length, config.buckets)}, "
                              f"beyond the model's {cfg.max_seq_len} positions")
     special = tokenize.outputs["special_ids"]
     # Load and tokenize every task before training any: a bad task fails the stage at once.
-    tasks = [(tc, _load_task(tc, i, tokenize)) for i, tc in enumerate(config.tasks)]
-    encoded = [_encode(task, tokenizer, special, config.setting(tc, "max_length")) for tc, task in tasks]
+    tasks = [(tc, load_task(tc, i, tokenize)) for i, tc in enumerate(config.tasks)]
+    encoded = [encode(task, tokenizer, special, config.setting(tc, "max_length")) for tc, task in tasks]
 
     device = devices.resolve(ctx.device)
     autocast = devices.autocast_dtype(config.precision, device)
     params = {k: v.to(device) for k, v in params.items()}
-    tuner = _Tuner.make(config, cfg, params, special, device, autocast)
+    tuner = Tuner.make(config, cfg, params, special, device, autocast)
     results: dict[str, Any] = {}
     # Tasks share the compiled steps, so tasks with the same head shape share graphs; each head shape
     # may add one per bucket. Past dynamo's default limit of 8 graphs it would fall back to eager
@@ -161,12 +161,12 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         if config.mlm:
             masking = pretrain.outputs["masking"]
             results["mlm"] = _evaluate_mlm(config, cfg, params, pack, masking, special, device, autocast, ctx)
-        results["tasks"] = {task.name: _finetune_task(tuner, tc, task, data, ctx)
+        results["tasks"] = {task.name: finetune_task(tuner, tc, task, data, ctx)
                             for (tc, task), data in zip(tasks, encoded)}
     glue = {f"{name}/{test}": r["median"][test]
             for name, r in results["tasks"].items() if r["kind"] == "glue" for test in r["median"]}
     if glue:
-        from stages.glue import glue_average
+        from stages.metrics import glue_average
 
         results["glue"] = {"average": glue_average(glue), "sets": sorted(glue)}
     _write_json(out_dir / "results.json", results)
@@ -211,12 +211,12 @@ def _load_checkpoint(pretrain: Upstream, tokenize: Upstream):
 
 def _evaluate_mlm(config: Config, cfg, params, pack: Upstream, masking: dict, special, device, autocast,
                   ctx: Context) -> dict:
-    """Mean loss and accuracy over every masked token of the held-out blocks, masked as in pretraining."""
+    """Mean loss and accuracy over every masked token of the held-out blocks, masked as pretrain masks
+    its held-out blocks (`stages/heldout.py`)."""
     import numpy as np
-    import torch
 
     import model
-    from stages.batches import mask_seed, mask_tokens
+    from stages.heldout import heldout_mlm
     from stages.pretrain import Masking, mask_spec
 
     began = time.perf_counter()
@@ -226,224 +226,12 @@ def _evaluate_mlm(config: Config, cfg, params, pack: Upstream, masking: dict, sp
     spec = mask_spec(Masking(**masking), special, cfg.vocab_size, blocks.shape[1])
     step = model.make_eval_step(cfg, compile=config.compile, backend=config.backend, autocast_dtype=autocast)
     # The last, shorter batch runs eagerly rather than compiling a second graph for one call.
-    last_step = model.make_eval_step(cfg, compile=False, autocast_dtype=autocast)
-    generator = torch.Generator(device=device)
-    loss_sum = correct = count = 0.0
-    for first in range(0, len(blocks), config.mlm_batch_size):
-        ids = torch.from_numpy(blocks[first:first + config.mlm_batch_size].astype(np.int64)).to(device)
-        generator.manual_seed(mask_seed(config.mlm_seed, first, stream=1))
-        batch = mask_tokens(ids, spec, generator)
-        metrics = (step if len(ids) == config.mlm_batch_size else last_step)(params, batch)
-        k = batch["mlm_labels"].numel()
-        loss_sum += float(metrics["loss"]) * k
-        correct += float(metrics["accuracy"]) * k
-        count += k
-    result = {"loss": loss_sum / count, "accuracy": correct / count, "blocks": len(blocks),
-              "masked_tokens": int(count), "time_s": round(time.perf_counter() - began, 3)}
+    tail = model.make_eval_step(cfg, compile=False, autocast_dtype=autocast)
+    result = heldout_mlm(step, params, blocks, spec, seed=config.mlm_seed, batch_size=config.mlm_batch_size,
+                         device=device, tail=tail)
+    result = {**result, "blocks": len(blocks), "time_s": round(time.perf_counter() - began, 3)}
     ctx.log.info("mlm", **result)
     return result
-
-
-# ------------------------------------------------------------------------------------ fine-tuning
-
-
-def _load_task(task_cfg: TaskConfig, index: int, tokenize: Upstream):
-    from stages import glue
-
-    where = f"evaluate.tasks[{index}]"
-    if task_cfg.kind == "glue":
-        return glue.load_glue(task_cfg.name, task_cfg.path, where)
-    if task_cfg.kind == "custom":
-        return glue.load_custom(task_cfg.name, task_cfg.path, task_cfg.text_fields, task_cfg.label_field,
-                                task_cfg.metrics, where)
-    heldout = tokenize.outputs.get("heldout")
-    if heldout is None:
-        raise StageError(
-            f"{where}: kind 'heldout-topic' needs the tokenize stage's held-out articles, and it kept none "
-            "(give tokenize labelled documents to hold out, or drop this task)"
-        )
-    return glue.load_topics(task_cfg.name, tokenize.dir / heldout, task_cfg.test_fraction)
-
-
-@dataclass(frozen=True)
-class _Encoded:
-    """A task's examples as token ids: ragged rows, their lengths, and the labels."""
-
-    train: tuple[list, Any, Any]  # (rows, lengths, labels)
-    tests: dict[str, tuple[list, Any, Any]]
-
-
-def _encode(task, tokenizer, special: dict, max_length: int) -> _Encoded:
-    import numpy as np
-
-    def split(examples) -> tuple[list, Any, Any]:
-        if not examples.texts:
-            raise StageError(f"task {task.name}: a split has no examples")
-        columns = [tokenizer.encode([t[i] for t in examples.texts]) for i in range(len(examples.texts[0]))]
-        rows = [_join(parts, special, max_length) for parts in zip(*columns)]
-        return rows, np.array([len(r) for r in rows]), examples.labels
-
-    return _Encoded(split(task.train), {name: split(test) for name, test in task.tests.items()})
-
-
-def _join(parts: tuple[list[int], ...], special: dict, max_length: int):
-    """[CLS] a [SEP] or [CLS] a [SEP] b [SEP], cut to `max_length` the way BERT does ("longest first")."""
-    import numpy as np
-
-    budget = max_length - 1 - len(parts)
-    if len(parts) == 1:
-        a, b = parts[0][:budget], None
-    else:
-        a, b = parts
-        keep_a, keep_b = _longest_first(len(a), len(b), budget)
-        a, b = a[:keep_a], b[:keep_b]
-    row = [special["cls"], *a, special["sep"]] + ([] if b is None else [*b, special["sep"]])
-    return np.asarray(row, dtype=np.int64)
-
-
-def _longest_first(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
-    """Lengths after removing tokens one at a time from the longer text (the second on ties)."""
-    if len_a + len_b <= budget:
-        return len_a, len_b
-    if min(len_a, len_b) <= budget // 2:
-        return (len_a, budget - len_a) if len_a <= len_b else (budget - len_b, len_b)
-    return (budget + 1) // 2, budget // 2
-
-
-def _finetune_task(tuner: _Tuner, task_cfg: TaskConfig, task, data: _Encoded, ctx: Context) -> dict:
-    """Fine-tune and score every seed of one task; the medians, the baseline and the time it took."""
-    import numpy as np
-
-    from stages.glue import majority_baseline, score
-
-    began = time.perf_counter()
-    config = tuner.config
-    epochs, lr = config.setting(task_cfg, "epochs"), config.setting(task_cfg, "lr")
-    seeds = [ctx.seed + i for i in range(config.setting(task_cfg, "seeds"))]
-    scores: dict[str, dict[str, list[float]]] = {t: {m: [] for m in task.metrics} for t in task.tests}
-    train_loss = []
-    for seed in seeds:
-        params, loss = tuner.train(task.num_outputs, data.train, epochs, lr, seed)
-        train_loss.append(loss)
-        for test, (rows, lengths, labels) in data.tests.items():
-            outputs = tuner.outputs(params, rows, lengths)
-            predictions = outputs[:, 0] if task.regression else outputs.argmax(-1)
-            for metric, value in score(task.metrics, predictions, labels).items():
-                scores[test][metric].append(value)
-        ctx.log.info("finetuned", task=task.name, seed=seed, train_loss=round(loss, 4),
-                     **{f"{t}_{m}": round(v[-1], 4) for t, ms in scores.items() for m, v in ms.items()})
-    result = {
-        "kind": task_cfg.kind,
-        "metrics": list(task.metrics),
-        "labels": list(task.label_names),
-        "train_examples": len(data.train[0]),
-        "test_examples": {t: len(rows) for t, (rows, _, _) in data.tests.items()},
-        "epochs": epochs,
-        "lr": lr,
-        "max_length": config.setting(task_cfg, "max_length"),
-        "seeds": seeds,
-        "train_loss": train_loss,
-        "scores": scores,
-        "median": {t: {m: float(np.median(v)) for m, v in ms.items()} for t, ms in scores.items()},
-        "baseline": {t: majority_baseline(task, test) for t, test in task.tests.items()},
-        "time_s": round(time.perf_counter() - began, 3),
-    }
-    ctx.log.info("task", task=task.name, median=result["median"], baseline=result["baseline"],
-                 time_s=result["time_s"])
-    return result
-
-
-@dataclass(frozen=True)
-class _Tuner:
-    """What every fine-tune of a run shares: pretrained params, the compiled steps, batch making."""
-
-    config: Config
-    cfg: Any  # model.ModelConfig
-    params: dict  # pretrained, on the device
-    special: dict
-    device: Any
-    step: Callable  # (params, opt_state, batch, lr) -> (params, opt_state, metrics)
-    predict: Callable  # (params, batch) -> logits
-
-    @classmethod
-    def make(cls, config: Config, cfg, params: dict, special: dict, device, autocast) -> _Tuner:
-        import model
-        from model.classifier import make_classify_eval_step, make_finetune_step
-
-        # cramming's fine-tuning AdamW: betas (0.9, 0.98), eps 1e-6, no gradient clipping.
-        opt_cfg = model.OptimizerConfig(lr=config.lr, eps=1e-6, weight_decay=config.weight_decay, clip_norm=0.0)
-        kw = dict(pooling=config.pooling, compile=config.compile, backend=config.backend, autocast_dtype=autocast)
-        return cls(config, cfg, params, special, device, make_finetune_step(cfg, opt_cfg, **kw),
-                   make_classify_eval_step(cfg, **kw))
-
-    def train(self, num_outputs: int, train, epochs: int, lr: float, seed: int):
-        """Params fine-tuned from the pretrained ones with a fresh head, and the last epoch's mean loss."""
-        import numpy as np
-        import torch
-
-        import model
-        from model.classifier import init_head
-
-        rows, lengths, labels = train
-        size = self.config.batch_size
-        head = init_head(self.cfg, num_outputs, seed)
-        params = {**self.params, **{k: v.to(self.device) for k, v in head.items()}}
-        opt_state = model.adamw_init(params)
-        rng = np.random.default_rng(seed)
-        steps_per_epoch = math.ceil(len(rows) / size)
-        total = steps_per_epoch * epochs
-        for epoch in range(epochs):
-            order = rng.permutation(len(rows))
-            losses = []
-            for i in range(steps_per_epoch):
-                batch = self.batch(rows, lengths, labels, order[i * size:(i + 1) * size], size)
-                progress = (epoch * steps_per_epoch + i) / total
-                lr_now = torch.tensor(lr * model.lr_schedule("cosine", progress, warmup=self.config.warmup),
-                                      device=self.device)
-                params, opt_state, metrics = self.step(params, opt_state, batch, lr_now)
-                losses.append(metrics["loss"])
-        return params, float(torch.stack(losses).mean())
-
-    def outputs(self, params: dict, rows: list, lengths):
-        """Model outputs [N, num_outputs] for every row, in the rows' order."""
-        import numpy as np
-
-        size = self.config.eval_batch_size
-        order = np.argsort(lengths, kind="stable")  # similar lengths together: less padding
-        no_labels = np.zeros(len(rows), dtype=np.int64)
-        outputs = []
-        for start in range(0, len(rows), size):
-            batch = self.batch(rows, lengths, no_labels, order[start:start + size], size)
-            logits = self.predict(params, {k: batch[k] for k in ("input_ids", "attention_mask")})
-            outputs.append(logits[: len(order[start:start + size])].cpu().numpy())
-        unsorted = np.empty_like(order)
-        unsorted[order] = np.arange(len(order))
-        return np.concatenate(outputs)[unsorted]
-
-    def batch(self, rows: list, lengths, labels, index, size: int) -> dict:
-        """`size` rows padded to the bucket of the longest; rows past `len(index)` are weightless fillers."""
-        import numpy as np
-        import torch
-
-        pad, cls, sep = self.special["pad"], self.special["cls"], self.special["sep"]
-        length = _bucket(int(lengths[index].max()), self.config.buckets)
-        ids = np.full((size, length), pad, dtype=np.int64)
-        ids[:, :2] = cls, sep  # fillers are [CLS] [SEP]: no row is all padding, which attention cannot take
-        mask = np.zeros((size, length), dtype=bool)
-        mask[:, :2] = True
-        for row, i in enumerate(index):
-            ids[row, : lengths[i]] = rows[i]
-            mask[row, : lengths[i]] = True
-        padded_labels = np.zeros(size, dtype=labels.dtype)
-        padded_labels[: len(index)] = labels[index]
-        weights = np.zeros(size, dtype=np.float32)
-        weights[: len(index)] = 1.0
-        arrays = {"input_ids": ids, "attention_mask": mask, "labels": padded_labels, "weights": weights}
-        return {k: torch.from_numpy(v).to(self.device) for k, v in arrays.items()}
-
-
-def _bucket(length: int, buckets: tuple[int, ...]) -> int:
-    return next(b for b in buckets if b >= length)
 
 
 # ------------------------------------------------------------------------------------------ output

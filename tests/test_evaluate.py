@@ -11,7 +11,7 @@ import pytest
 from torch._dynamo.utils import counters
 
 import model
-from stages import StageError, Upstream, evaluate
+from stages import StageError, Upstream, evaluate, finetune
 from stages.evaluate import Config, TaskConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -189,7 +189,7 @@ def test_pairs_are_cut_longest_first_like_bert():
     for len_a in range(12):
         for len_b in range(12):
             for budget in range(1, 14):
-                assert evaluate._longest_first(len_a, len_b, budget) == one_at_a_time(len_a, len_b, budget)
-    row = evaluate._join(([10, 11, 12, 13], [20, 21]), SPECIAL, max_length=7)
+                assert finetune._longest_first(len_a, len_b, budget) == one_at_a_time(len_a, len_b, budget)
+    row = finetune._join(([10, 11, 12, 13], [20, 21]), SPECIAL, max_length=7)
     assert row.tolist() == [2, 10, 11, 3, 20, 21, 3]
-    assert evaluate._join(([10, 11, 12, 13],), SPECIAL, max_length=4).tolist() == [2, 10, 11, 3]
+    assert finetune._join(([10, 11, 12, 13],), SPECIAL, max_length=4).tolist() == [2, 10, 11, 3]

@@ -1,4 +1,4 @@
-"""Fine-tuning tasks and metrics (stages/glue.py): hand-computed scores, both local GLUE layouts,
+"""Fine-tuning tasks and metrics (stages/glue.py, stages/metrics.py): hand-computed scores, both local GLUE layouts,
 custom CSV/JSON-lines tasks, the held-out topics, and the errors bad input gets."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from stages import StageError, glue
+from stages import StageError, glue, metrics
 from stages.evaluate import Config, TaskConfig
 
 # ----------------------------------------------------------------------------------------- metrics
@@ -14,36 +14,36 @@ from stages.evaluate import Config, TaskConfig
 
 def test_accuracy_and_binary_f1_by_hand():
     pred, gold = np.array([1, 1, 0, 1, 0]), np.array([1, 0, 0, 1, 1])
-    assert glue.accuracy(pred, gold) == pytest.approx(3 / 5)
+    assert metrics.accuracy(pred, gold) == pytest.approx(3 / 5)
     # TP = 2, FP = 1, FN = 1: F1 = 2TP / (2TP + FP + FN) = 4/6
-    assert glue.f1(pred, gold) == pytest.approx(4 / 6)
-    assert glue.f1(np.zeros(3, int), np.zeros(3, int)) == 0.0  # no positive anywhere
+    assert metrics.f1(pred, gold) == pytest.approx(4 / 6)
+    assert metrics.f1(np.zeros(3, int), np.zeros(3, int)) == 0.0  # no positive anywhere
 
 
 def test_macro_f1_by_hand():
     pred, gold = np.array([0, 0, 0, 1, 2]), np.array([0, 0, 1, 1, 1])
     # class 0: TP 2, FP 1 -> 0.8; class 1: TP 1, FN 2 -> 0.5; class 2: FP 1 -> 0
-    assert glue.macro_f1(pred, gold) == pytest.approx((0.8 + 0.5 + 0.0) / 3)
+    assert metrics.macro_f1(pred, gold) == pytest.approx((0.8 + 0.5 + 0.0) / 3)
 
 
 def test_matthews_by_hand():
     pred, gold = np.array([1, 1, 0, 1, 0, 0]), np.array([1, 0, 0, 1, 1, 0])
     # TP 2, TN 2, FP 1, FN 1: (4 - 1) / sqrt(3 * 3 * 3 * 3)
-    assert glue.matthews(pred, gold) == pytest.approx(1 / 3)
+    assert metrics.matthews(pred, gold) == pytest.approx(1 / 3)
     # three classes: correct 5 of 6, true counts (2, 2, 2), predicted (2, 1, 3):
     # (5*6 - 12) / sqrt((36 - 14) * (36 - 12))
-    three = glue.matthews(np.array([0, 0, 1, 2, 2, 2]), np.array([0, 0, 1, 1, 2, 2]))
+    three = metrics.matthews(np.array([0, 0, 1, 2, 2, 2]), np.array([0, 0, 1, 1, 2, 2]))
     assert three == pytest.approx(18 / np.sqrt(22 * 24))
-    assert glue.matthews(np.ones(4, int), np.array([0, 1, 0, 1])) == 0.0  # constant prediction
+    assert metrics.matthews(np.ones(4, int), np.array([0, 1, 0, 1])) == 0.0  # constant prediction
 
 
 def test_pearson_spearman_and_tied_ranks_by_hand():
     x, y = np.array([1.0, 2, 3, 4]), np.array([2.0, 4, 5, 9])
-    assert glue.pearson(x, y) == pytest.approx(11 / np.sqrt(5 * 26))
-    assert glue.pearson(np.ones(4), y) == 0.0
-    np.testing.assert_array_equal(glue.rank(np.array([3.0, 1, 3, 2])), [3.5, 1, 3.5, 2])
+    assert metrics.pearson(x, y) == pytest.approx(11 / np.sqrt(5 * 26))
+    assert metrics.pearson(np.ones(4), y) == 0.0
+    np.testing.assert_array_equal(metrics.rank(np.array([3.0, 1, 3, 2])), [3.5, 1, 3.5, 2])
     # ranks (1, 2.5, 2.5, 4) and (1, 3, 2, 4): 4.5 / sqrt(4.5 * 5)
-    spearman = glue.spearman(np.array([1.0, 2, 2, 3]), np.array([1.0, 3, 2, 4]))
+    spearman = metrics.spearman(np.array([1.0, 2, 2, 3]), np.array([1.0, 3, 2, 4]))
     assert spearman == pytest.approx(4.5 / np.sqrt(4.5 * 5))
 
 
@@ -55,17 +55,17 @@ def test_glue_average_counts_mnli_twice_and_uses_main_scores():
         "mrpc/test": {"f1": 0.9, "accuracy": 0.1},
         "stsb/test": {"spearman": 0.6, "pearson": 0.0},
     }
-    assert glue.glue_average(scores) == pytest.approx((0.4 + 0.8 + 0.7 + 0.9 + 0.6) / 5)
+    assert metrics.glue_average(scores) == pytest.approx((0.4 + 0.8 + 0.7 + 0.9 + 0.6) / 5)
 
 
 def test_majority_baseline_predicts_the_commonest_training_class():
     train = glue.Examples([("a",)] * 3, np.array([1, 1, 0]))
     test = glue.Examples([("b",)] * 4, np.array([0, 1, 1, 1]))
     task = glue.Task("t", ("accuracy", "f1", "matthews"), ("no", "yes"), train, {"test": test})
-    assert glue.majority_baseline(task, test) == {"accuracy": 0.75, "f1": pytest.approx(6 / 7), "matthews": 0.0}
+    assert metrics.majority_baseline(task, test) == {"accuracy": 0.75, "f1": pytest.approx(6 / 7), "matthews": 0.0}
     regression = glue.Task("r", ("pearson",), (), glue.Examples([("a",)] * 2, np.array([1.0, 3.0])),
                            {"test": glue.Examples([("b",)] * 2, np.array([0.0, 5.0]))})
-    assert glue.majority_baseline(regression, regression.tests["test"]) == {"pearson": 0.0}
+    assert metrics.majority_baseline(regression, regression.tests["test"]) == {"pearson": 0.0}
 
 
 # ------------------------------------------------------------------------------- GLUE, both layouts

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from stages import StageError, Upstream, checkpoint, pretrain
+from stages import StageError, Upstream, checkpoint, pretrain, training
 from stages.batches import MaskSpec, Prefetcher, mask_tokens, read_sequences
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -104,8 +104,8 @@ def test_masking_picks_exactly_k_non_special_positions():
 
 
 def test_ramp_reaches_the_target_batch_at_the_ramp_fraction():
-    assert [pretrain._n_micro(p, 0.5, 4) for p in (0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.9)] == [1, 1, 2, 3, 4, 4, 4]
-    assert pretrain._n_micro(0.0, 0.0, 4) == 4
+    assert [training.micro_steps(p, 0.5, 4) for p in (0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.9)] == [1, 1, 2, 3, 4, 4, 4]
+    assert training.micro_steps(0.0, 0.0, 4) == 4
 
 
 def test_checkpoints_are_renamed_into_place_and_pruned(tmp_path):
@@ -178,7 +178,7 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoin
 
     monkeypatch.setattr(model, "make_accumulate_step", diverging_at_step_3)
     config = small(log_every_steps=2, checkpoint_every_steps=1, keep_checkpoints=5)
-    with pytest.raises(pretrain.DivergedError, match=r"not finite at step 3; last good checkpoint: .*step-2"):
+    with pytest.raises(training.DivergedError, match=r"not finite at step 3; last good checkpoint: .*step-2"):
         pretrain.run(config, {"pack": pack}, tmp_path / "out", make_ctx())
     assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["step-1", "step-2"]
     assert not (tmp_path / "out" / "params.safetensors").exists()

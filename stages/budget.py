@@ -1,0 +1,66 @@
+"""The budget clock and what the ranks of a torchrun job must agree on.
+
+Progress through the budget drives the lr schedule and the batch ramp, and decides when training
+stops, so under torchrun every rank must read the same progress: rank 0's clock is the one that
+counts, and rank 0's newest checkpoint is the one every rank resumes from.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+
+def progress(budget: Any, state: dict, elapsed_s: float) -> float:
+    """How much of `budget` (a `pretrain.Budget`) is spent, in [0, 1+): the largest fraction of any limit."""
+    spent = [0.0]
+    if budget.hours is not None:
+        spent.append(elapsed_s / (3600 * budget.hours))
+    if budget.steps is not None:
+        spent.append(state["step"] / budget.steps)
+    if budget.tokens is not None:
+        spent.append(state["tokens_seen"] / budget.tokens)
+    return max(spent)
+
+
+class Clock:
+    """Budget seconds: those carried over from a checkpoint plus this process's. `agreed()` is rank
+    0's reading on every rank, so that with a time budget all ranks take the same number of steps."""
+
+    def __init__(self, before_s: float, agree: bool, device: Any):
+        self.before_s, self.agree, self.device = before_s, agree, device
+        self.started = time.perf_counter()
+
+    def local(self) -> float:
+        return self.before_s + time.perf_counter() - self.started
+
+    def agreed(self) -> float:
+        if not self.agree:
+            return self.local()
+        import torch
+        import torch.distributed as dist
+
+        reading = torch.tensor([self.local()], dtype=torch.float64, device=self.device)
+        dist.broadcast(reading, src=0)
+        return reading.item()
+
+
+def agree_on(path: Path | None, world_size: int) -> Path | None:
+    """Rank 0's value of `path` on every rank."""
+    if world_size == 1:
+        return path
+    import torch.distributed as dist
+
+    box = [None if path is None else str(path)]
+    dist.broadcast_object_list(box, src=0)
+    return None if box[0] is None else Path(box[0])
+
+
+def mean_over_ranks(values: list[float], world_size: int, device: Any) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return (t / world_size).tolist()

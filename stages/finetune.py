@@ -1,0 +1,216 @@
+"""Fine-tuning for the evaluate stage: a task's examples as padded batches, the fine-tune loop per
+seed, and the scores of its predictions.
+
+Every task and seed starts from the pretrained params with a fresh head. Every batch has `batch_size`
+rows (short batches are filled with zero-weight rows) and is padded to the smallest length bucket
+that fits it, so the compiled step and prediction each compile at most once per bucket and nothing
+recompiles from step to step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from stages import Context, StageError, Upstream
+
+
+def load_task(task_cfg: Any, index: int, tokenize: Upstream):
+    from stages import glue
+
+    where = f"evaluate.tasks[{index}]"
+    if task_cfg.kind == "glue":
+        return glue.load_glue(task_cfg.name, task_cfg.path, where)
+    if task_cfg.kind == "custom":
+        return glue.load_custom(task_cfg.name, task_cfg.path, task_cfg.text_fields, task_cfg.label_field,
+                                task_cfg.metrics, where)
+    heldout = tokenize.outputs.get("heldout")
+    if heldout is None:
+        raise StageError(
+            f"{where}: kind 'heldout-topic' needs the tokenize stage's held-out articles, and it kept none "
+            "(give tokenize labelled documents to hold out, or drop this task)"
+        )
+    return glue.load_topics(task_cfg.name, tokenize.dir / heldout, task_cfg.test_fraction)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A task's examples as token ids: ragged rows, their lengths, and the labels."""
+
+    train: tuple[list, Any, Any]  # (rows, lengths, labels)
+    tests: dict[str, tuple[list, Any, Any]]
+
+
+def encode(task, tokenizer, special: dict, max_length: int) -> Encoded:
+    import numpy as np
+
+    def split(examples) -> tuple[list, Any, Any]:
+        if not examples.texts:
+            raise StageError(f"task {task.name}: a split has no examples")
+        columns = [tokenizer.encode([t[i] for t in examples.texts]) for i in range(len(examples.texts[0]))]
+        rows = [_join(parts, special, max_length) for parts in zip(*columns)]
+        return rows, np.array([len(r) for r in rows]), examples.labels
+
+    return Encoded(split(task.train), {name: split(test) for name, test in task.tests.items()})
+
+
+def _join(parts: tuple[list[int], ...], special: dict, max_length: int):
+    """[CLS] a [SEP] or [CLS] a [SEP] b [SEP], cut to `max_length` the way BERT does ("longest first")."""
+    import numpy as np
+
+    budget = max_length - 1 - len(parts)
+    if len(parts) == 1:
+        a, b = parts[0][:budget], None
+    else:
+        a, b = parts
+        keep_a, keep_b = _longest_first(len(a), len(b), budget)
+        a, b = a[:keep_a], b[:keep_b]
+    row = [special["cls"], *a, special["sep"]] + ([] if b is None else [*b, special["sep"]])
+    return np.asarray(row, dtype=np.int64)
+
+
+def _longest_first(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
+    """Lengths after removing tokens one at a time from the longer text (the second on ties)."""
+    if len_a + len_b <= budget:
+        return len_a, len_b
+    if min(len_a, len_b) <= budget // 2:
+        return (len_a, budget - len_a) if len_a <= len_b else (budget - len_b, len_b)
+    return (budget + 1) // 2, budget // 2
+
+
+def finetune_task(tuner: Tuner, task_cfg: Any, task, data: Encoded, ctx: Context) -> dict:
+    """Fine-tune and score every seed of one task; the medians, the baseline and the time it took."""
+    import numpy as np
+
+    from stages.metrics import majority_baseline, score
+
+    began = time.perf_counter()
+    config = tuner.config
+    epochs, lr = config.setting(task_cfg, "epochs"), config.setting(task_cfg, "lr")
+    seeds = [ctx.seed + i for i in range(config.setting(task_cfg, "seeds"))]
+    scores: dict[str, dict[str, list[float]]] = {t: {m: [] for m in task.metrics} for t in task.tests}
+    train_loss = []
+    for seed in seeds:
+        params, loss = tuner.train(task.num_outputs, data.train, epochs, lr, seed)
+        train_loss.append(loss)
+        for test, (rows, lengths, labels) in data.tests.items():
+            outputs = tuner.outputs(params, rows, lengths)
+            predictions = outputs[:, 0] if task.regression else outputs.argmax(-1)
+            for metric, value in score(task.metrics, predictions, labels).items():
+                scores[test][metric].append(value)
+        ctx.log.info("finetuned", task=task.name, seed=seed, train_loss=round(loss, 4),
+                     **{f"{t}_{m}": round(v[-1], 4) for t, ms in scores.items() for m, v in ms.items()})
+    result = {
+        "kind": task_cfg.kind,
+        "metrics": list(task.metrics),
+        "labels": list(task.label_names),
+        "train_examples": len(data.train[0]),
+        "test_examples": {t: len(rows) for t, (rows, _, _) in data.tests.items()},
+        "epochs": epochs,
+        "lr": lr,
+        "max_length": config.setting(task_cfg, "max_length"),
+        "seeds": seeds,
+        "train_loss": train_loss,
+        "scores": scores,
+        "median": {t: {m: float(np.median(v)) for m, v in ms.items()} for t, ms in scores.items()},
+        "baseline": {t: majority_baseline(task, test) for t, test in task.tests.items()},
+        "time_s": round(time.perf_counter() - began, 3),
+    }
+    ctx.log.info("task", task=task.name, median=result["median"], baseline=result["baseline"],
+                 time_s=result["time_s"])
+    return result
+
+
+@dataclass(frozen=True)
+class Tuner:
+    """What every fine-tune of a run shares: pretrained params, the compiled steps, batch making."""
+
+    config: Any  # evaluate.Config
+    cfg: Any  # model.ModelConfig
+    params: dict  # pretrained, on the device
+    special: dict
+    device: Any
+    step: Callable  # (params, opt_state, batch, lr) -> (params, opt_state, metrics)
+    predict: Callable  # (params, batch) -> logits
+
+    @classmethod
+    def make(cls, config: Any, cfg, params: dict, special: dict, device, autocast) -> Tuner:
+        import model
+        from model.classifier import make_classify_eval_step, make_finetune_step
+
+        # cramming's fine-tuning AdamW: betas (0.9, 0.98), eps 1e-6, no gradient clipping.
+        opt_cfg = model.OptimizerConfig(lr=config.lr, eps=1e-6, weight_decay=config.weight_decay, clip_norm=0.0)
+        kw = dict(pooling=config.pooling, compile=config.compile, backend=config.backend, autocast_dtype=autocast)
+        return cls(config, cfg, params, special, device, make_finetune_step(cfg, opt_cfg, **kw),
+                   make_classify_eval_step(cfg, **kw))
+
+    def train(self, num_outputs: int, train, epochs: int, lr: float, seed: int):
+        """Params fine-tuned from the pretrained ones with a fresh head, and the last epoch's mean loss."""
+        import numpy as np
+        import torch
+
+        import model
+        from model.classifier import init_head
+
+        rows, lengths, labels = train
+        size = self.config.batch_size
+        head = init_head(self.cfg, num_outputs, seed)
+        params = {**self.params, **{k: v.to(self.device) for k, v in head.items()}}
+        opt_state = model.adamw_init(params)
+        rng = np.random.default_rng(seed)
+        steps_per_epoch = math.ceil(len(rows) / size)
+        total = steps_per_epoch * epochs
+        for epoch in range(epochs):
+            order = rng.permutation(len(rows))
+            losses = []
+            for i in range(steps_per_epoch):
+                batch = self.batch(rows, lengths, labels, order[i * size:(i + 1) * size], size)
+                progress = (epoch * steps_per_epoch + i) / total
+                lr_now = torch.tensor(lr * model.lr_schedule("cosine", progress, warmup=self.config.warmup),
+                                      device=self.device)
+                params, opt_state, metrics = self.step(params, opt_state, batch, lr_now)
+                losses.append(metrics["loss"])
+        return params, float(torch.stack(losses).mean())
+
+    def outputs(self, params: dict, rows: list, lengths):
+        """Model outputs [N, num_outputs] for every row, in the rows' order."""
+        import numpy as np
+
+        size = self.config.eval_batch_size
+        order = np.argsort(lengths, kind="stable")  # similar lengths together: less padding
+        no_labels = np.zeros(len(rows), dtype=np.int64)
+        outputs = []
+        for start in range(0, len(rows), size):
+            batch = self.batch(rows, lengths, no_labels, order[start:start + size], size)
+            logits = self.predict(params, {k: batch[k] for k in ("input_ids", "attention_mask")})
+            outputs.append(logits[: len(order[start:start + size])].cpu().numpy())
+        unsorted = np.empty_like(order)
+        unsorted[order] = np.arange(len(order))
+        return np.concatenate(outputs)[unsorted]
+
+    def batch(self, rows: list, lengths, labels, index, size: int) -> dict:
+        """`size` rows padded to the bucket of the longest; rows past `len(index)` are weightless fillers."""
+        import numpy as np
+        import torch
+
+        pad, cls, sep = self.special["pad"], self.special["cls"], self.special["sep"]
+        length = bucket(int(lengths[index].max()), self.config.buckets)
+        ids = np.full((size, length), pad, dtype=np.int64)
+        ids[:, :2] = cls, sep  # fillers are [CLS] [SEP]: no row is all padding, which attention cannot take
+        mask = np.zeros((size, length), dtype=bool)
+        mask[:, :2] = True
+        for row, i in enumerate(index):
+            ids[row, : lengths[i]] = rows[i]
+            mask[row, : lengths[i]] = True
+        padded_labels = np.zeros(size, dtype=labels.dtype)
+        padded_labels[: len(index)] = labels[index]
+        weights = np.zeros(size, dtype=np.float32)
+        weights[: len(index)] = 1.0
+        arrays = {"input_ids": ids, "attention_mask": mask, "labels": padded_labels, "weights": weights}
+        return {k: torch.from_numpy(v).to(self.device) for k, v in arrays.items()}
+
+
+def bucket(length: int, buckets: tuple[int, ...]) -> int:
+    return next(b for b in buckets if b >= length)

@@ -1,0 +1,159 @@
+"""What pretraining reports while it runs: interval metrics, `metrics.jsonl`, the progress bar, MFU
+and peak memory. Nothing here decides anything about training."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from stages.budget import mean_over_ranks
+
+# The fields of the per-step console line (metrics.jsonl keeps every field of a record).
+LOGGED = ("step", "loss", "accuracy", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_mem_gb", "data_wait")
+
+
+class MetricsLog:
+    """`metrics.jsonl`: one JSON record per log step. `write` is the one place a record goes out."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def write(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def truncate(self, step: int) -> None:
+        """Drop the lines a killed run wrote after its last checkpoint (all of them on a fresh start)."""
+        if not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+            except json.JSONDecodeError:  # the half-written last line of a killed run
+                pass
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+
+class Interval:
+    """The per-step metrics since the last log line, kept on the device until they are needed."""
+
+    def __init__(self, state: dict, wait_s: float, rows: list[list[float]] = ()):
+        self.rows = list(rows)  # [loss, accuracy, grad_norm] per step, fetched (some from a checkpoint)
+        self.pending: list = []  # the same, still on the device
+        self.first_step = state["step"] + 1 - len(self.rows)
+        self.tokens = state["tokens_seen"]
+        self.started = time.perf_counter()
+        self.wait_s = wait_s
+
+    def add(self, row) -> None:
+        self.pending.append(row)
+
+    def first_bad_step(self) -> int | None:
+        for i, row in enumerate(self.fetch()):
+            if not all(math.isfinite(v) for v in row):
+                return self.first_step + i
+        return None
+
+    def close(self, state: dict, wait_s: float, world_size: int, device) -> dict[str, Any]:
+        rows = self.fetch()
+        loss = sum(r[0] for r in rows) / len(rows)
+        accuracy = sum(r[1] for r in rows) / len(rows)
+        if world_size > 1:  # every rank reaches each log step, so a collective is safe here
+            loss, accuracy = mean_over_ranks([loss, accuracy], world_size, device)
+        seconds = time.perf_counter() - self.started
+        return {
+            "loss": loss,
+            "accuracy": accuracy,
+            "grad_norm": rows[-1][2],
+            "tokens_per_s": (state["tokens_seen"] - self.tokens) / seconds,
+            "data_wait": (wait_s - self.wait_s) / seconds,
+            "bad_step": self.first_bad_step(),
+        }
+
+    def fetch(self) -> list[list[float]]:
+        import torch
+
+        if self.pending:
+            self.rows += torch.stack(self.pending).tolist()
+            self.pending = []
+        return self.rows
+
+
+class ProgressBar:
+    """A progress bar against the budget with ETA, for people: rank 0, in a terminal only."""
+
+    def __init__(self, enabled: bool):
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
+
+        console = Console(stderr=True)
+        self.bar = Progress(
+            TextColumn("pretrain"),
+            BarColumn(),
+            TaskProgressColumn(),
+            TextColumn("{task.fields[info]}"),
+            console=console,
+            disable=not (enabled and console.is_terminal),
+        )
+        self.task = self.bar.add_task("pretrain", total=1.0, info="")
+
+    def __enter__(self) -> ProgressBar:
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.stop()
+
+    def update(self, r: dict) -> None:
+        p, elapsed = r["progress"], r["elapsed_s"]
+        eta = elapsed * (1 - p) / p if p > 0 else float("nan")
+        mfu = "" if r["mfu"] is None else f"  mfu {100 * r['mfu']:.1f}%"
+        info = (f"step {r['step']}  loss {r['loss']:.3f}  {r['tokens_per_s']:,.0f} tok/s{mfu}  "
+                f"ETA {duration(max(eta, 0.0))}")
+        self.bar.update(self.task, completed=min(p, 1.0), info=info)
+
+
+def duration(seconds: float) -> str:
+    if math.isnan(seconds):
+        return "?"
+    minutes, s = divmod(int(seconds), 60)
+    h, m = divmod(minutes, 60)
+    return f"{h}:{m:02d}:{s:02d}"
+
+
+def short(value: Any) -> Any:
+    """Four significant digits: what a person reads in a log line (metrics.jsonl keeps them all)."""
+    return float(f"{value:.4g}") if isinstance(value, float) else value
+
+
+def peak_memory_gb(device) -> float:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kilobytes on Linux
+
+
+@functools.cache
+def peak_flops(device) -> float:
+    """The device's peak FLOP/s; on a CPU it is measured, which takes seconds, so once per process."""
+    from model import peak_flops as measure
+
+    return measure(device)
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, device, world_size: int) -> float:
+    """Model FLOPs utilisation (PaLM's convention): against the bf16 dense peak on a GPU, a measured
+    fp32 matmul on a CPU."""
+    return round(flops_per_token * tokens_per_s / (peak_flops(device) * world_size), 5)
