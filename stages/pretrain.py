@@ -50,21 +50,34 @@ class Architecture:
     norm_eps: float | None = None
 
 
+DEFAULT_HOURS = 3.5 / 60  # the budget when no limit is given at all
+
+
 @dataclass(frozen=True)
 class Budget:
-    """Training stops at the first limit reached; a limit left out does not apply."""
+    """Training stops at the first limit reached; a limit left out does not apply.
 
-    hours: float | None = 3.5 / 60
+    With no limit given at all, the budget is `DEFAULT_HOURS` (3.5 minutes). `0` switches a limit off
+    (TOML has no null): `--set pretrain.budget.hours=0` drops a file's time limit, say to replay a
+    token budget. A limit switched off is stored as None, so `0` and leaving it out share a cache key.
+    """
+
+    hours: float | None = None
     steps: int | None = None
     tokens: int | None = None
 
     def __post_init__(self) -> None:
         limits = {"hours": self.hours, "steps": self.steps, "tokens": self.tokens}
         if all(v is None for v in limits.values()):
-            raise ValueError("set at least one of hours, steps, tokens")
+            object.__setattr__(self, "hours", DEFAULT_HOURS)
+            return
         for key, value in limits.items():
-            if value is not None and not value > 0:
-                raise ValueError(f"{key}: {value} must be > 0")
+            if value is not None and value < 0:
+                raise ValueError(f"{key}: {value} must be > 0, or 0 for no {key} limit")
+            if value == 0:
+                object.__setattr__(self, key, None)
+        if all(getattr(self, key) is None for key in limits):
+            raise ValueError("hours, steps, tokens: every limit is 0 (off); keep at least one > 0")
 
 
 @dataclass(frozen=True)
@@ -100,8 +113,8 @@ class Config:
     backend: str = "inductor"
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     log_every_steps: int = 20
-    checkpoint_every_minutes: float | None = 10.0
-    checkpoint_every_steps: int | None = None
+    checkpoint_every_minutes: float = 10.0  # 0: off (the end of training still writes one)
+    checkpoint_every_steps: int = 0  # 0: off
     keep_checkpoints: int = 2
     val_blocks: int = 256  # held-out blocks for the loss before and after training; 0: skip
     prefetch: int = 4  # microbatches read ahead
@@ -113,12 +126,13 @@ class Config:
             "log_every_steps": self.log_every_steps,
             "keep_checkpoints": self.keep_checkpoints,
             "prefetch": self.prefetch,
-            "checkpoint_every_minutes": self.checkpoint_every_minutes,
-            "checkpoint_every_steps": self.checkpoint_every_steps,
         }
         for key, value in positive.items():
-            if value is not None and not value > 0:
+            if not value > 0:
                 raise ValueError(f"{key}: {value} must be > 0")
+        for key in ("checkpoint_every_minutes", "checkpoint_every_steps"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key}: {getattr(self, key)} must be > 0, or 0 for off")
         if self.batch_size % self.microbatch:
             raise ValueError(f"batch_size: {self.batch_size} must be a multiple of microbatch ({self.microbatch})")
         if not 0 <= self.ramp <= 1:

@@ -194,8 +194,9 @@ def micro_steps(progress: float, ramp: float, target: int) -> int:
 
 
 def checkpoint_due(config: Any, step: int, last_saved_at: float) -> bool:
-    by_steps = config.checkpoint_every_steps is not None and step % config.checkpoint_every_steps == 0
-    by_time = config.checkpoint_every_minutes is not None and (
+    """Whether a checkpoint is due by `checkpoint_every_steps` or `checkpoint_every_minutes` (0: off)."""
+    by_steps = config.checkpoint_every_steps > 0 and step % config.checkpoint_every_steps == 0
+    by_time = config.checkpoint_every_minutes > 0 and (
         time.perf_counter() - last_saved_at >= 60 * config.checkpoint_every_minutes
     )
     return by_steps or by_time

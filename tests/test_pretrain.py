@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from stages import StageError, Upstream, checkpoint, pretrain, training
 from stages.batches import MaskSpec, Prefetcher, mask_tokens, read_sequences
+from stages.budget import progress as budget_progress
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -43,13 +44,13 @@ def pack(tmp_path) -> Upstream:
 def small(**kw) -> pretrain.Config:
     defaults = dict(
         model=pretrain.Architecture(hidden=32, layers=1, heads=2, intermediate=64),
-        budget=pretrain.Budget(hours=None, steps=6),
+        budget=pretrain.Budget(steps=6),
         microbatch=8,
         batch_size=8,
         ramp=0.0,
         compile=False,
         log_every_steps=1,
-        checkpoint_every_minutes=None,
+        checkpoint_every_minutes=0,
         val_blocks=16,
     )
     return pretrain.Config(**{**defaults, **kw})
@@ -124,9 +125,9 @@ def test_checkpoints_are_renamed_into_place_and_pruned(tmp_path):
 @pytest.mark.parametrize(
     "budget, steps",
     [
-        (pretrain.Budget(hours=None, steps=5), 5),
-        (pretrain.Budget(hours=None, tokens=3 * 8 * SEQ + 1), 4),  # stops at the first step past it
-        (pretrain.Budget(hours=None, steps=50, tokens=2 * 8 * SEQ), 2),  # the first limit wins
+        (pretrain.Budget(steps=5), 5),
+        (pretrain.Budget(tokens=3 * 8 * SEQ + 1), 4),  # stops at the first step past it
+        (pretrain.Budget(steps=50, tokens=2 * 8 * SEQ), 2),  # the first limit wins
     ],
 )
 def test_budget_by_steps_and_tokens(pack, tmp_path, make_ctx, budget, steps):
@@ -148,7 +149,7 @@ def test_budget_by_time_counts_training_not_compiling(pack, tmp_path, make_ctx):
 
 def test_ramp_grows_accumulation_without_recompiling(pack, tmp_path, make_ctx):
     config = small(
-        budget=pretrain.Budget(hours=None, steps=8), batch_size=32, ramp=0.5, compile=True, backend="aot_eager"
+        budget=pretrain.Budget(steps=8), batch_size=32, ramp=0.5, compile=True, backend="aot_eager"
     )
     with torch._dynamo.config.patch(error_on_recompile=True):
         out = pretrain.run(config, {"pack": pack}, tmp_path / "out", make_ctx())
@@ -194,8 +195,48 @@ def test_bad_config_and_data_are_stage_errors(pack, tmp_path, make_ctx):
     np.save(pack.path("val"), np.zeros((4, SEQ + 1), dtype=np.uint16))
     with pytest.raises(StageError, match=r"val.npy: shape \(4, 33\)"):
         pretrain.run(small(), {"pack": pack}, tmp_path / "d", make_ctx())
-    with pytest.raises(ValueError, match="set at least one of hours, steps, tokens"):
-        pretrain.Budget(hours=None)
+    with pytest.raises(ValueError, match="every limit is 0"):
+        pretrain.Budget(hours=0, steps=0)
+
+
+def load_pretrain(tmp_path, toml: str, *overrides: str) -> pretrain.Config:
+    """The pretrain section of a pipeline file, as `cram run` reads it."""
+    from pipeline.config import load
+
+    path = tmp_path / "pipeline.toml"
+    path.write_text(toml)
+    return load(path, {"pretrain": pretrain.Config}, list(overrides)).stages["pretrain"]
+
+
+def test_a_steps_or_tokens_budget_from_toml_has_no_hidden_time_limit(tmp_path):
+    for limit in ("steps = 100000", "tokens = 1_000_000_000"):
+        budget = load_pretrain(tmp_path, f"[pretrain.budget]\n{limit}\n").budget
+        assert budget.hours is None
+        ten_hours = 36000.0
+        assert budget_progress(budget, {"step": 1, "tokens_seen": 128}, ten_hours) < 1
+    # No limit at all: the 3.5-minute default; 0 drops a limit the file sets (as a replay needs).
+    assert load_pretrain(tmp_path, "[pretrain]\n").budget == pretrain.Budget(hours=pretrain.DEFAULT_HOURS)
+    replay = load_pretrain(tmp_path, "[pretrain.budget]\nhours = 24.0\n",
+                           "pretrain.budget.hours=0", "pretrain.budget.tokens=5000")
+    assert replay.budget == pretrain.Budget(tokens=5000) and replay.budget.hours is None
+
+
+def test_checkpoint_every_minutes_switches_off_from_toml(tmp_path, pack, make_ctx):
+    from pipeline.config import ConfigError
+
+    config = load_pretrain(tmp_path, "[pretrain]\ncheckpoint_every_minutes = 0\n")
+    assert config.checkpoint_every_minutes == 0
+    assert not training.checkpoint_due(config, step=10**6, last_saved_at=time.perf_counter() - 10**6)
+    on = load_pretrain(tmp_path, "[pretrain]\ncheckpoint_every_minutes = 0.0001\n")
+    assert training.checkpoint_due(on, step=1, last_saved_at=time.perf_counter() - 1)
+    with pytest.raises(ConfigError, match="checkpoint_every_minutes: -1.0 must be > 0, or 0 for off"):
+        load_pretrain(tmp_path, "[pretrain]\ncheckpoint_every_minutes = -1.0\n")
+    with pytest.raises(ConfigError, match="hours: -1.0 must be > 0, or 0 for no hours limit"):
+        load_pretrain(tmp_path, "[pretrain.budget]\nhours = -1.0\n")
+    # Off for real: a run writes only the final checkpoint however long it takes.
+    run_config = small(checkpoint_every_minutes=0, budget=pretrain.Budget(steps=3))
+    pretrain.run(run_config, {"pack": pack}, tmp_path / "out", make_ctx())
+    assert [p.name for p in (tmp_path / "out" / "checkpoints").iterdir()] == ["step-3"]
 
 
 # --- real processes: SIGKILL and resume, 2-rank data parallelism ---------------------------------
@@ -264,7 +305,7 @@ def kill_when_hanging(proc: subprocess.Popen, out_dir: Path) -> None:
 @pytest.mark.slow
 def test_resume_after_sigkill_is_bit_identical(pack, tmp_path, make_ctx):
     config = small(
-        budget=pretrain.Budget(hours=None, steps=10),
+        budget=pretrain.Budget(steps=10),
         batch_size=16,
         ramp=0.5,
         compile=True,
@@ -304,7 +345,7 @@ def free_port() -> int:
 def test_two_gloo_ranks_match_one_process_on_the_same_global_batch(pack, tmp_path, make_ctx):
     # 2 ranks x microbatch 8 and 1 rank x 2 accumulated microbatches of 8 see the same sequences,
     # masked alike; only the order of summing the gradients differs.
-    config = small(batch_size=16, budget=pretrain.Budget(hours=None, steps=4), compile=True, backend="aot_eager")
+    config = small(batch_size=16, budget=pretrain.Budget(steps=4), compile=True, backend="aot_eager")
     alone = pretrain.run(config, {"pack": pack}, tmp_path / "alone", make_ctx())
 
     out_dir = tmp_path / "ranks"
