@@ -229,6 +229,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         "num_params": model.num_params(params),
     }
     ctx.log.info("trained", **figures)
+    ctx.metrics.log(state["step"], figures, prefix="final/")
     return {**outputs, **figures}
 
 
@@ -346,6 +347,7 @@ def _train(config: Config, ctx: Context, steps: _Steps, params: dict, opt_state:
         }
         with open(metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        ctx.metrics.log(state["step"], record)
         # One line per log step (torchtitan's): what a job log or a console without the bar shows.
         ctx.log.info("step", **{k: _short(record[k]) for k in _LOGGED})
         bar.update(record)
