@@ -8,7 +8,8 @@
     cram status runs/default                     one table: stage, status, key, duration, figures
     cram inspect runs/default pretrain           config, outputs and log tail of a stage
     cram inspect runs/default --plot curves.png  loss, lr, tokens/s, grad norm against tokens seen
-    cram compare runs/a runs/b [--plot loss.png] differing config keys, then each stage's figures
+    cram compare 'runs/lr*' --sort mlm_loss [--out t.md] [--plot loss.png]   one row per run: config keys
+                                                 that differ, headline figures, best first
     cram export runs/default --to out/default [--format transformers] [--force]
     cram ls runs                                 every run with its newest stage
 
@@ -27,6 +28,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from pipeline import compare as comparing
 from pipeline import config as cfg
 from pipeline import curves, logs, rundir, runner
 from pipeline import export as exporting
@@ -175,34 +177,32 @@ def inspect(
 
 @app.command()
 def compare(
-    run_dirs: List[Path] = typer.Argument(..., help="Two or more run directories."),
+    runs: List[str] = typer.Argument(..., help="Run directories or globs (runs/lr*, quoted or not)."),
+    sort: Optional[str] = typer.Option(None, "--sort", help="Order by this figure, best first (e.g. mlm_loss)."),
+    descending: Optional[bool] = typer.Option(
+        None, "--desc/--asc", help="Order --sort this way (default: losses and times ascending, others descending)."),
+    all_figures: bool = typer.Option(False, "--all", help="Every figure of every stage, not only the headline ones."),
+    out_file: Optional[Path] = typer.Option(None, "--out", help="Also write the table as .csv or .md."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Save the loss curves of all runs as this PNG."),
 ) -> None:
-    """The config keys that differ between runs, then each stage's figures side by side."""
-    if len(run_dirs) < 2:
-        _fail("compare needs at least two run directories")
+    """One row per run: the config keys that differ, then each stage's headline figures."""
     try:
-        diff, figures = curves.config_diff(run_dirs), curves.stage_figures(run_dirs)
+        if out_file is not None:
+            comparing.check_out(out_file)
+        run_dirs = comparing.expand(runs)
+        table = comparing.compare_table(run_dirs, sort=sort, descending=descending, all_figures=all_figures)
         if plot is not None:
             curves.save(curves.plot_losses(run_dirs), plot)
+        if out_file is not None:
+            table.write(out_file)
     except curves.CurvesError as e:
         _fail(str(e))
-    names = [str(d) for d in run_dirs]
-    table = Table(title="config keys that differ", title_justify="left")
-    for column in ("key", *names):
-        table.add_column(column, overflow="fold")
-    for key, values in diff.items():
-        table.add_row(key, *(escape(json.dumps(v)) for v in values))
-    out.print(table if diff else "config: identical")
-    for stage, rows in figures.items():
-        table = Table(title=stage, title_justify="left")
-        for column in ("figure", *names):
-            table.add_column(column, justify="right")
-        for key, values in rows.items():
-            table.add_row(key, *(f"{v:.4g}" if isinstance(v, float) else str(v) for v in values))
-        out.print(table)
-    if plot is not None:
-        out.print(f"loss curves: {plot}")
+    out.print(comparing.rich_table(table))
+    if table.n_config == 0 and len(run_dirs) > 1:
+        out.print("config: identical but for the run name")
+    for path, what in ((out_file, "table"), (plot, "loss curves")):
+        if path is not None:
+            out.print(f"{what}: {path}")
 
 
 @app.command("export")

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from stages import loggers as stage_loggers
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -35,10 +37,12 @@ class RunConfig:
     seed: int = 0
     root: str = "runs"  # relative paths are taken from the current directory
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
+    loggers: tuple[str, ...] = ()  # experiment loggers besides metrics.jsonl: "tensorboard", "wandb"
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device: {self.device!r} is not one of auto, cpu, cuda, cuda:N")
+        stage_loggers.check(self.loggers)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ def plot_run(run_dir: Path) -> Any:
     for ax in axes[1]:
         ax.set_xlabel("tokens seen")
     evaluate = (_stages(run_dir).get("evaluate") or {}).get("outputs") or {}
-    results = "  ".join(f"{k} {v:.4g}" for k, v in evaluate.items() if _is_number(v) and not k.endswith("_time_s"))
+    results = "  ".join(f"{k} {v:.4g}" for k, v in evaluate.items() if is_number(v) and not k.endswith("_time_s"))
     fig.suptitle(f"{run_dir.name}\n{results or 'not evaluated'}", fontsize=10)
     fig.tight_layout()
     return fig
@@ -90,7 +90,7 @@ def stage_figures(run_dirs: list[Path]) -> dict[str, dict[str, list[Any]]]:
     table: dict[str, dict[str, list[Any]]] = {}
     for name in dict.fromkeys(n for s in stages for n in s):
         outputs = [(s.get(name) or {}).get("outputs") or {} for s in stages]
-        keys = dict.fromkeys(k for o in outputs for k, v in o.items() if _is_number(v))
+        keys = dict.fromkeys(k for o in outputs for k, v in o.items() if is_number(v))
         if keys:
             table[name] = {k: [o.get(k, MISSING) for o in outputs] for k in keys}
     return table
@@ -138,5 +138,5 @@ def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -24,6 +24,7 @@ import structlog
 import stages
 from pipeline import config as cfg
 from pipeline import logs, rundir
+from stages import loggers as stage_loggers
 
 _VERSIONED = ("torch", "numpy", "datasets", "sentencepiece", "safetensors", "structlog", "typer")
 
@@ -214,6 +215,8 @@ def _run_step(
             log=log,
             rank=rank,
             world_size=world_size,
+            metrics=stage_loggers.make(config.run.loggers if main else (), run_dir / "logs", run_dir.name, step.name,
+                                       config.to_dict()),
         )
         started = time.perf_counter()
         error: tuple[str, int] | None = None
@@ -227,6 +230,8 @@ def _run_step(
             except Exception as e:  # a stage's own bug or crash: keep the traceback in the log
                 log.error("stage raised", exc_info=True)
                 error = (f"{type(e).__name__}: {e}", 1)
+            finally:
+                ctx.metrics.close()
         error = _agree(error, world_size)
         if error is not None:
             if main:

@@ -23,6 +23,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from stages import loggers
+
 ORDER: tuple[str, ...] = ("tokenize", "pack", "pretrain", "evaluate")
 
 
@@ -51,6 +53,7 @@ class Context:
     log: Any = field(repr=False)  # a structlog logger bound to run and stage
     rank: int = 0
     world_size: int = 1
+    metrics: loggers.Metrics = field(default=loggers.NONE, repr=False)  # `[run] loggers`: TensorBoard, W&B
 
     @property
     def is_main(self) -> bool:

@@ -170,6 +170,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
 
         results["glue"] = {"average": glue_average(glue), "sets": sorted(glue)}
     _write_json(out_dir / "results.json", results)
+    ctx.metrics.log(pretrain.outputs.get("steps", 0), _headline(results))  # at the end of pretraining
     return {"results": "results.json", **_headline(results)}
 
 

@@ -235,6 +235,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         "num_params": model.num_params(params),
     }
     ctx.log.info("trained", **figures)
+    ctx.metrics.log(state["step"], figures, prefix="final/")
     return {**outputs, **figures}
 
 

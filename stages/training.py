@@ -143,6 +143,7 @@ def train(config: Any, ctx: Context, steps: Steps, params: dict, opt_state: dict
             "peak_mem_gb": round(peak_memory_gb(steps.device), 3),
         }
         metrics_log.write(record)
+        ctx.metrics.log(state["step"], record)
         # One line per log step (torchtitan's): what a job log or a console without the bar shows.
         ctx.log.info("step", **{k: short(record[k]) for k in LOGGED})
         bar.update(record)
