@@ -130,7 +130,8 @@ def rich_table(table: Table, title: str | None = None) -> Any:
 
     if title is None:
         order = "descending" if table.descending else "ascending"
-        title = f"{len(table.rows)} runs" + (f", by {table.sort} ({order})" if table.sort else "")
+        title = f"{len(table.rows)} run{'s' if len(table.rows) != 1 else ''}"
+        title += f", by {table.sort} ({order})" if table.sort else ""
     rich = RichTable(title=title, title_justify="left")
     for j, column in enumerate(table.columns):
         config = 0 < j <= table.n_config
