@@ -12,9 +12,12 @@ from pathlib import Path
 
 import fake_stages
 import pytest
-from test_runner import TESTS, _reasons, pipe  # noqa: F401  (pipe is a fixture)
+import test_runner
+from test_runner import TESTS, _reasons
 
 from pipeline import rundir, runner, store
+
+pipe = test_runner.pipe  # the fixture: cram on the fake stages in a temporary folder
 
 
 def _entry(pipe, stage: str) -> Path:
