@@ -291,6 +291,7 @@ def _print_sweep(found: list[sweep.Variant]) -> None:
         diff, figures = curves.config_diff(run_dirs), curves.stage_figures(run_dirs)
     except curves.CurvesError as e:
         _fail(str(e))
+    diff.pop("run.name", None)  # the row says it
     last = list(figures.values())[-1] if figures else {}
     last = {k: v for k, v in last.items() if not k.endswith("_s")}  # timings: not a result
     table = Table(title="sweep", title_justify="left")
@@ -320,9 +321,9 @@ def collect_garbage(
         _fail(str(e))
     verb = "would remove" if dry_run else "removed"
     for item in removed:
-        out.print(f"{verb} {item.path} ({_bytes(item.size)})", highlight=False)
+        out.print(f"{verb} {item.path} ({_bytes(item.size)})", highlight=False, soft_wrap=True)
     for path in busy:
-        out.print(f"kept {path} (being written: its key is locked)", highlight=False)
+        out.print(f"kept {path} (being written: its key is locked)", highlight=False, soft_wrap=True)
     total = sum(g.size for g in removed)
     summary = f"{verb} {len(removed)} store item(s), {_bytes(total)}" if removed else "nothing to remove"
     out.print(summary, highlight=False)
