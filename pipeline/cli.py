@@ -241,7 +241,7 @@ def list_runs(root: Path = typer.Argument(Path("runs"), help="The runs root.")) 
             continue
         newest = max(started, key=lambda k: started[k]["started"])
         r = started[newest]
-        table.add_row(path.name, newest, _styled(r.get("status", "?")), r["started"])
+        table.add_row(path.name, newest, _styled(runner.describe(path, newest, r)[0]), r["started"])
     out.print(table)
 
 
