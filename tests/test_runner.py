@@ -184,6 +184,8 @@ def test_sigkill_mid_stage_leaves_it_not_done_and_it_reruns(pipe, tmp_path):
     assert pipe.manifest()["beta"]["status"] == "running"
     assert not (pipe.run_dir / "beta").exists()
     assert (pipe.run_dir / rundir.LOCK).exists()  # left behind by the dead process
+    status = pipe.cram("status", pipe.run_dir).output
+    assert "killed" in status and "running" not in status  # its pid is gone
     assert _reasons(pipe.run("--dry-run").output)["beta"] == ("run", "incomplete")
     out = pipe.run().output
     assert "stale lock" in out
