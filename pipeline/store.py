@@ -143,8 +143,8 @@ def _adopt(run_dir: Path, stage: str, folder: Path) -> None:
     store = Store.of(run_dir)
     store.root.mkdir(parents=True, exist_ok=True)
     if not isinstance(key, str) or not re.fullmatch(r"[0-9a-f]{64}", key):
-        os.replace(folder, store.root / f"{_DELETING}{stage}-{time.time_ns()}")  # nothing says what it is
-        return
+        raise rundir.RunDirError(f"{folder}: a folder that neither the manifest nor a marker gives a key; "
+                                 "cram did not make it: move it away")
     if read_marker(folder) is None and record.get("status") == "done" and record.get("key") == key:
         write_marker(folder, stage, key, {k: v for k, v in record.items() if k != "attempt"})
     entry = store.entry(stage, key)

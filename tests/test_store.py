@@ -263,3 +263,27 @@ def test_a_copied_run_dir_works_when_copied_with_its_files_and_says_what_is_miss
     assert status.count("missing") == 3 and "does not exist" in status
     pipe.cram("run", pipe.config, "--set", f"run.root='{linked.parent}'")
     assert _calls(linked) == ["alpha", "beta", "gamma"]  # made again in the new root's store
+
+
+def test_a_run_made_before_the_store_is_trusted_and_its_folders_move_into_the_store_when_replaced(pipe):
+    pipe.run()
+    pipe.calls()
+    for stage in ("alpha", "beta", "gamma"):  # the layout before the store: real folders, no marker
+        entry = _entry(pipe, stage)
+        (pipe.run_dir / stage).unlink()
+        shutil.copytree(entry, pipe.run_dir / stage, ignore=shutil.ignore_patterns(store.MARKER))
+    shutil.rmtree(pipe.run_dir.parent / store.STORE)
+    assert _reasons(pipe.run("--dry-run").output) == {s: ("skip", "done") for s in ("alpha", "beta", "gamma")}
+    pipe.run("--set", "beta.value=20")
+    assert pipe.calls() == ["beta", "gamma"]
+    assert (pipe.run_dir / "beta").is_symlink() and (pipe.run_dir / "alpha").is_dir()
+    pipe.run()  # back to the first config: the old folders were kept in the store, under their keys
+    assert pipe.calls() == []
+    assert json.loads((pipe.run_dir / "beta" / "result.json").read_text()) == {"total": 11}
+    stray = pipe.run_dir / "gamma"
+    stray.unlink()
+    stray.mkdir()
+    manifest = rundir.Manifest.load(pipe.run_dir)
+    manifest.put("gamma", {"status": "done"})
+    out = pipe.run(code=2).output
+    assert "cram did not make it: move it away" in out and stray.is_dir()
