@@ -266,9 +266,20 @@ def sweep_runs(
         _fail(str(e))
     failed: list[tuple[str, int]] = []
     for i, (variant, steps) in enumerate(zip(found, plans), 1):
-        todo = [s.name for s in steps if s.action != "skip"]
-        out.rule(f"{i}/{len(found)} {variant.name}: {', '.join(todo) + ' to run' if todo else 'done'}")
-        if not todo:
+        if i > 1:  # planned again: the variants before it may have made some of its stages
+            try:
+                steps = runner.plan(variant.config, modules, variant.run_dir)
+            except (runner.PlanError, rundir.RunDirError) as e:
+                err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+                failed.append((variant.name, 2))
+                continue
+        doing = "; ".join(
+            f"{', '.join(s.name for s in steps if s.action == action)} {what}"
+            for action, what in (("run", "to run"), ("reuse", "from the store"))
+            if any(s.action == action for s in steps)
+        )
+        out.rule(f"{i}/{len(found)} {variant.name}: {doing or 'done'}")
+        if not doing:
             continue
         try:
             _run(variant.config, variant.run_dir, modules, None, None, (), dry_run, show_status=False)

@@ -175,7 +175,7 @@ def describe(run_dir: Path, name: str, record: dict[str, Any]) -> tuple[str, str
     if status == "done" and (missing := store.problem(run_dir / name, record.get("key", ""))):
         return "missing", f"not done: {missing}"
     if status == "running" and _gone(record):
-        status = "killed"
+        return "killed", f"pid {record['pid']} ended without a word (killed); cram resume {run_dir} continues it"
     attempt = record.get("attempt")
     if not isinstance(attempt, dict):
         return status, ""
