@@ -2,7 +2,7 @@
 
     ROOT/.store/<stage>-<key>/             a finished entry: the stage's files and `.cram-entry.json`
     ROOT/.store/<stage>-<key>.partial/     the entry while it is computed (a resumable stage re-enters it)
-    ROOT/.store/<stage>-<key>.lock         pid and host of the process computing or linking that key
+    ROOT/.store/<stage>-<key>.lock         flock'd by the process computing or linking that key
     ROOT/<run>/<stage> -> ../.store/<stage>-<key>   a run's view of the entry it uses (relative symlink)
 
 An entry appears by renaming its finished partial folder, after `.cram-entry.json` (its stage, key,
@@ -12,10 +12,12 @@ files no longer match it is not trusted. Nothing in the store is deleted except 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import shutil
+import socket
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -53,20 +55,15 @@ class Store:
 
     @contextmanager
     def locked(self, stage: str, key: str, log: Any) -> Iterator[None]:
-        """Hold the key's lock for the block, waiting while another live process holds it."""
+        """Hold the key's lock for the block, waiting while another process holds it."""
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.lock(stage, key)
-        told = False
-        while (holder := rundir.acquire(path, log)) is not None:
-            if not told:
-                log.info("waiting for another process computing the same key", lock=str(path),
-                         pid=holder.get("pid"), host=holder.get("host"))
-                told = True
-            time.sleep(0.2)
+        fd = take_lock(path, log, wait=True)
         try:
             yield
         finally:
-            rundir.release(path)
+            path.unlink(missing_ok=True)  # while holding it: see take_lock
+            os.close(fd)
 
     def finish(self, partial: Path, stage: str, key: str, record: dict[str, Any]) -> Path:
         """Mark `partial` complete and rename it into place as the key's entry (under the key's lock).
@@ -80,6 +77,37 @@ class Store:
             os.replace(entry, entry.with_name(f"{entry.name}.retired-{time.time_ns()}"))
         os.replace(partial, entry)
         return entry
+
+
+def take_lock(path: Path, log: Any, wait: bool) -> int | None:
+    """An OS lock (flock) on `path`, as an open descriptor; closing it releases the lock. None when
+    another process holds it and `wait` is false. The kernel drops the lock of a process that dies, so
+    a store lock is never stale and two processes never both hold one; the file says who holds it."""
+    told = False
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not wait:
+                    os.close(fd)
+                    return None
+                if not told:
+                    log.info("waiting for another process computing the same key", lock=str(path),
+                             holder=rundir.read_lock(path))
+                    told = True
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            # The holder removes the file before it lets go: a lock taken on a removed file guards nothing.
+            if path.exists() and os.stat(path).st_ino == os.fstat(fd).st_ino:
+                os.ftruncate(fd, 0)
+                os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": rundir.now()})
+                         .encode())
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
 
 
 def write_marker(folder: Path, stage: str, key: str, record: dict[str, Any]) -> None:
@@ -182,17 +210,19 @@ def collect(root: Path, log: Any, dry_run: bool = False) -> tuple[list[Garbage],
             removed += [_remove(p, dry_run) for p in retired]
             continue
         lock = store.lock(stage, key)
-        holder = rundir.acquire(lock, log) if not dry_run else _live_holder(lock)
-        if holder is not None:
+        fd = take_lock(lock, log, wait=False) if lock.exists() or not dry_run else None
+        if fd is None and lock.exists():
             busy += [p for p in paths if p != lock]
             continue
         try:
             if not dry_run and (stage, key) in references(root):  # linked since the first look
                 continue
             removed += [_remove(p, dry_run) for p in paths if p != lock]
-        finally:
             if not dry_run:
-                rundir.release(lock)
+                lock.unlink()  # while holding it, as `Store.locked` does
+        finally:
+            if fd is not None:
+                os.close(fd)
     return removed, busy
 
 
@@ -236,11 +266,6 @@ def _remove(path: Path, dry_run: bool) -> Garbage:
     else:
         path.unlink(missing_ok=True)
     return garbage
-
-
-def _live_holder(lock: Path) -> dict[str, Any] | None:
-    holder = rundir.read_lock(lock)
-    return holder if holder is not None and rundir.holder_state(holder) == "live" else None
 
 
 def _files(folder: Path) -> Iterator[Path]:

@@ -194,14 +194,22 @@ def test_gc_removes_exactly_what_no_run_refers_to(pipe):
     assert pipe.calls() == []
 
 
+def _hold_lock(path: Path) -> subprocess.Popen:
+    """Another process holding the store lock `path`, as a runner computing that key does."""
+    script = ("import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+              "print('locked', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", script, str(path)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
 def test_gc_keeps_a_key_being_written_and_an_attempt_a_run_may_resume(pipe):
     pipe.run()
     shop = pipe.run_dir.parent / store.STORE
     key = "f" * 64
     (shop / f"beta-{key}.partial").mkdir()
-    writer = subprocess.Popen(["sleep", "60"])
+    writer = _hold_lock(shop / f"beta-{key}.lock")
     try:
-        (shop / f"beta-{key}.lock").write_text(json.dumps({"pid": writer.pid, "host": os.uname().nodename}))
         for args in ((), ("--dry-run",)):
             out = pipe.cram("gc", pipe.run_dir.parent, *args).output
             assert "being written" in out and (shop / f"beta-{key}.partial").is_dir()
@@ -215,7 +223,20 @@ def test_gc_keeps_a_key_being_written_and_an_attempt_a_run_may_resume(pipe):
     manifest.update("beta", attempt=None)
     out = pipe.cram("gc", pipe.run_dir.parent).output
     assert not (shop / f"beta-{key}.partial").exists() and "removed 1 store item(s)" in out
-    assert not (shop / f"beta-{key}.lock").exists()  # the dead writer's lock went with it
+    assert not (shop / f"beta-{key}.lock").exists()  # the killed writer's lock went with it
+
+
+def test_a_store_lock_is_held_by_one_process_and_released_when_it_dies(tmp_path):
+    path = tmp_path / "k.lock"
+    holder = _hold_lock(path)
+    try:
+        assert store.take_lock(path, None, wait=False) is None
+    finally:
+        holder.kill()
+        holder.wait()
+    fd = store.take_lock(path, None, wait=False)  # the kernel let go of the dead holder's lock
+    assert fd is not None and json.loads(path.read_text())["pid"] == os.getpid()
+    os.close(fd)
 
 
 def test_gc_refuses_when_a_manifest_cannot_be_read(pipe):
