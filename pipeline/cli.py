@@ -265,6 +265,7 @@ def sweep_runs(
     except (cfg.ConfigError, rundir.RunDirError, runner.PlanError) as e:
         _fail(str(e))
     failed: list[tuple[str, int]] = []
+    elsewhere: list[str] = []  # variants another process is running: several sweeps can share the work
     for i, (variant, steps) in enumerate(zip(found, plans), 1):
         if i > 1:  # planned again: the variants before it may have made some of its stages
             try:
@@ -278,8 +279,12 @@ def sweep_runs(
             for action, what in (("run", "to run"), ("reuse", "from the store"))
             if any(s.action == action for s in steps)
         )
+        holder = rundir.read_lock(variant.run_dir / rundir.LOCK)
+        if doing and holder is not None and rundir.holder_state(holder) == "live":
+            doing = f"in use by pid {holder['pid']}: left to it (another `cram sweep`?)"
+            elsewhere.append(variant.name)
         out.rule(f"{i}/{len(found)} {variant.name}: {doing or 'done'}")
-        if not doing:
+        if not doing or variant.name in elsewhere:
             continue
         try:
             _run(variant.config, variant.run_dir, modules, None, None, (), dry_run, show_status=False)
@@ -289,6 +294,9 @@ def sweep_runs(
             failed.append((variant.name, e.exit_code))
     if not dry_run:
         _print_sweep(found)
+    if elsewhere:
+        out.print(f"{len(elsewhere)} variant(s) run by another process: {', '.join(elsewhere)}; "
+                  "run this sweep again once it is done to see them finished here", highlight=False)
     if failed:
         _fail(f"{len(failed)} of {len(found)} variants failed: {', '.join(n for n, _ in failed)}", failed[0][1])
 

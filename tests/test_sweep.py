@@ -92,3 +92,14 @@ def test_values_that_name_the_same_get_a_digest(tmp_path):
     assert [v.config.stages["alpha"].tags for v in found] == [("a b",), ("a_b",)]
     with pytest.raises(cfg.ConfigError, match="given twice"):
         sweep.parse_grid(["alpha.value=1", "alpha.value=2"])
+
+
+def test_a_variant_another_process_is_running_is_left_to_it(pipe):
+    busy = pipe.run_dir.parent / NAMES[0]
+    busy.mkdir(parents=True)
+    (busy / ".lock").write_text(test_runner.json.dumps({"pid": test_runner.os.getpid(),
+                                                        "host": test_runner.os.uname().nodename}))
+    out = pipe.cram("sweep", pipe.config, *GRID).output
+    assert f"{NAMES[0]}: in use by pid {test_runner.os.getpid()}" in out
+    assert "1 variant(s) run by another process" in out
+    assert _all_calls(pipe.run_dir.parent) == ["alpha", "beta", "beta", "gamma", "gamma", "gamma"]
