@@ -128,7 +128,7 @@ def acquire(path: Path, log: Any) -> dict[str, Any] | None:
 
 
 def holder_state(holder: dict[str, Any]) -> str:
-    """"live", "dead" (its pid is gone from this host) or "unreadable" (no pid: half-written)."""
+    """Whether a lock's holder is "live", "dead" (its pid is gone from this host) or "unreadable" (no pid)."""
     pid = holder.get("pid")
     if not isinstance(pid, int) or isinstance(pid, bool):
         return "unreadable"

@@ -42,7 +42,7 @@ class Store:
 
     @classmethod
     def of(cls, run_dir: Path) -> "Store":
-        return cls(run_dir.parent / STORE)
+        return cls(Path(os.path.abspath(run_dir)).parent / STORE)  # `cram resume .` too
 
     def entry(self, stage: str, key: str) -> Path:
         return self.root / f"{stage}-{key}"

@@ -308,3 +308,19 @@ def test_a_run_made_before_the_store_is_trusted_and_its_folders_move_into_the_st
     manifest.put("gamma", {"status": "done"})
     out = pipe.run(code=2).output
     assert "cram did not make it: move it away" in out and stray.is_dir()
+
+
+def test_a_forced_rerun_replaces_the_entry_and_leaves_the_old_one_to_gc(pipe):
+    pipe.run()
+    pipe.run("--name", "other")
+    pipe.calls()
+    pipe.run("--force", "beta")
+    assert pipe.calls() == ["beta"]
+    other = pipe.run_dir.parent / "other"
+    assert (other / "beta").resolve() == _entry(pipe, "beta")  # both runs see the new entry
+    assert json.loads((other / "beta" / "result.json").read_text()) == {"total": 11}
+    retired = list((pipe.run_dir.parent / store.STORE).glob("beta-*.retired-*"))
+    assert len(retired) == 1
+    out = pipe.cram("gc", pipe.run_dir.parent).output
+    assert f"removed {retired[0]}" in out and "removed 1 store item(s)" in out
+    assert "missing" not in pipe.cram("status", other).output
