@@ -266,6 +266,7 @@ def sweep_runs(
         _fail(str(e))
     failed: list[tuple[str, int]] = []
     elsewhere: list[str] = []  # variants another process is running: several sweeps can share the work
+    made: dict[str, str] = {}  # with --dry-run: key -> the variant that would compute it
     for i, (variant, steps) in enumerate(zip(found, plans), 1):
         if i > 1:  # planned again: the variants before it may have made some of its stages
             try:
@@ -274,6 +275,10 @@ def sweep_runs(
                 err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
                 failed.append((variant.name, 2))
                 continue
+        if dry_run:  # what an earlier variant will make, this one will link
+            steps = [dataclasses.replace(s, action="reuse", reason=f"made by {made[s.key]}")
+                     if s.action == "run" and s.key in made else s for s in steps]
+            made.update({s.key: variant.name for s in steps if s.action == "run"})
         doing = "; ".join(
             f"{', '.join(s.name for s in steps if s.action == action)} {what}"
             for action, what in (("run", "to run"), ("reuse", "from the store"))
@@ -286,8 +291,11 @@ def sweep_runs(
         out.rule(f"{i}/{len(found)} {variant.name}: {doing or 'done'}")
         if not doing or variant.name in elsewhere:
             continue
+        if dry_run:
+            _print_plan(steps, variant.run_dir)
+            continue
         try:
-            _run(variant.config, variant.run_dir, modules, None, None, (), dry_run, show_status=False)
+            _run(variant.config, variant.run_dir, modules, None, None, (), False, show_status=False)
         except typer.Exit as e:
             if e.exit_code == 130:
                 _fail("sweep interrupted; run the same `cram sweep` command to continue it", 130)

@@ -103,3 +103,12 @@ def test_a_variant_another_process_is_running_is_left_to_it(pipe):
     assert f"{NAMES[0]}: in use by pid {test_runner.os.getpid()}" in out
     assert "1 variant(s) run by another process" in out
     assert _all_calls(pipe.run_dir.parent) == ["alpha", "beta", "beta", "gamma", "gamma", "gamma"]
+
+
+def test_a_dry_run_says_which_variant_makes_each_shared_stage_and_runs_nothing(pipe):
+    out = pipe.cram("sweep", pipe.config, *GRID, "--dry-run").output
+    assert not pipe.run_dir.parent.exists()
+    assert f"2/4 {NAMES[1]}: gamma to run; alpha, beta from the store" in out
+    reasons = test_runner._reasons(out[out.index(f"4/4 {NAMES[3]}"):])
+    assert reasons == {"alpha": ("reuse", f"made by {NAMES[0]}"), "beta": ("reuse", f"made by {NAMES[2]}"),
+                       "gamma": ("run", "new")}
