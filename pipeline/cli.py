@@ -275,15 +275,9 @@ def sweep_runs(
                 err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
                 failed.append((variant.name, 2))
                 continue
-        if dry_run:  # what an earlier variant will make, this one will link
-            steps = [dataclasses.replace(s, action="reuse", reason=f"made by {made[s.key]}")
-                     if s.action == "run" and s.key in made else s for s in steps]
-            made.update({s.key: variant.name for s in steps if s.action == "run"})
-        doing = "; ".join(
-            f"{', '.join(s.name for s in steps if s.action == action)} {what}"
-            for action, what in (("run", "to run"), ("reuse", "from the store"))
-            if any(s.action == action for s in steps)
-        )
+        if dry_run:
+            steps = sweep.made_earlier(steps, made, variant.name)
+        doing = sweep.summary(steps)
         holder = rundir.read_lock(variant.run_dir / rundir.LOCK)
         if doing and holder is not None and rundir.holder_state(holder) == "live":
             doing = f"in use by pid {holder['pid']}: left to it (another `cram sweep`?)"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import config as cfg
-from pipeline import rundir
+from pipeline import rundir, runner
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9.-]+")
 _NAMED_BY_THE_SWEEP = ("run.name", "run.root")
@@ -77,6 +77,24 @@ def variants(
             v.config, run=dataclasses.replace(v.config.run, name=rundir.validate_name(v.name))))
         for v in found
     ]
+
+
+def summary(steps: list[runner.Step]) -> str:
+    """What a variant's plan does, in a line: "pretrain, evaluate to run; tokenize, pack from the store"."""
+    return "; ".join(
+        f"{', '.join(s.name for s in steps if s.action == action)} {what}"
+        for action, what in (("run", "to run"), ("reuse", "from the store"))
+        if any(s.action == action for s in steps)
+    )
+
+
+def made_earlier(steps: list[runner.Step], made: dict[str, str], name: str) -> list[runner.Step]:
+    """For a dry run: a stage an earlier variant would compute is linked, not run (`made`: key -> variant,
+    updated with what this one computes)."""
+    steps = [dataclasses.replace(s, action="reuse", reason=f"made by {made[s.key]}")
+             if s.action == "run" and s.key in made else s for s in steps]
+    made.update({s.key: name for s in steps if s.action == "run"})
+    return steps
 
 
 def _labels(keys: list[str]) -> dict[str, str]:
