@@ -136,7 +136,7 @@ def _print_status(run_dir: Path) -> None:
         table.add_column(column, overflow="fold")
     for stage, r in records.items():
         duration = "" if r.get("duration_s") is None else _seconds(r["duration_s"])
-        state, note = runner.describe(run_dir, stage, r)
+        state, note = runner.describe(run_dir, stage, r, records)
         detail = r.get("error") if state in ("failed", "killed") else _figures(r.get("outputs") or {})
         detail = " ".join(x for x in (detail, note) if x)
         table.add_row(stage, _styled(state), (r.get("key") or "")[:12], duration, escape(detail))

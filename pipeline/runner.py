@@ -168,20 +168,25 @@ def _why_not_done(record: dict[str, Any] | None, key: str, config_hash: str, ups
     return "inputs changed"
 
 
-def describe(run_dir: Path, name: str, record: dict[str, Any]) -> tuple[str, str]:
-    """A stage's status as `cram status` shows it, checked against the files and the processes,
-    and a note on an unfinished attempt kept beside a done result."""
+def describe(run_dir: Path, name: str, record: dict[str, Any], records: dict[str, Any] | None = None
+             ) -> tuple[str, str]:
+    """A stage's status as `cram status` shows it, checked against the files and the processes, and a
+    note on an unfinished attempt kept beside a done result, or on a result made from an upstream
+    result that the run has since replaced (given all the run's `records`)."""
     status = record.get("status", "?")
     if status == "done" and (missing := store.problem(run_dir / name, record.get("key", ""))):
         return "missing", f"not done: {missing}"
+    replaced = [u for u, k in (record.get("upstream_keys") or {}).items()
+                if status == "done" and records and (records.get(u) or {}).get("key") not in (None, k)]
     if status == "running" and _gone(record):
         return "killed", f"pid {record['pid']} ended without a word (killed); cram resume {run_dir} continues it"
+    notes = [f"(made from an earlier {', '.join(replaced)}: re-run to bring it up to date)"] if replaced else []
     attempt = record.get("attempt")
-    if not isinstance(attempt, dict):
-        return status, ""
-    state = "killed" if attempt.get("status") == "running" and _gone(attempt) else attempt.get("status")
-    error = f": {attempt['error']}" if attempt.get("error") else ""
-    return status, f"(a newer attempt, key {str(attempt.get('key'))[:12]}, {state}{error}; this result is kept)"
+    if isinstance(attempt, dict):
+        state = "killed" if attempt.get("status") == "running" and _gone(attempt) else attempt.get("status")
+        error = f": {attempt['error']}" if attempt.get("error") else ""
+        notes.append(f"(a newer attempt, key {str(attempt.get('key'))[:12]}, {state}{error}; this result is kept)")
+    return status, " ".join(notes)
 
 
 def _gone(record: dict[str, Any]) -> bool:

@@ -227,7 +227,7 @@ def collect(root: Path, log: Any, dry_run: bool = False) -> tuple[list[Garbage],
 
 
 def references(root: Path) -> set[tuple[str, str]]:
-    """(stage, key) of everything the run directories under `root` use or may resume."""
+    """(stage, key) of everything the run directories under `root` use, may resume, or were made from."""
     found: set[tuple[str, str]] = set()
     for run_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         if not (run_dir / rundir.MANIFEST).is_file():
@@ -242,6 +242,9 @@ def references(root: Path) -> set[tuple[str, str]]:
             for r in (record, (record or {}).get("attempt")):
                 if isinstance(r, dict) and isinstance(r.get("key"), str):
                     found.add((stage, r["key"]))
+                    # What a result was made from stays as long as the result (evaluate's params).
+                    upstream = r.get("upstream_keys")
+                    found.update((u, k) for u, k in (upstream.items() if isinstance(upstream, dict) else ()))
         for view in run_dir.iterdir():
             if view.is_symlink() and (m := _ITEM.fullmatch(Path(os.readlink(view)).name)):
                 found.add((m["stage"], m["key"]))

@@ -324,3 +324,16 @@ def test_a_forced_rerun_replaces_the_entry_and_leaves_the_old_one_to_gc(pipe):
     out = pipe.cram("gc", pipe.run_dir.parent).output
     assert f"removed {retired[0]}" in out and "removed 1 store item(s)" in out
     assert "missing" not in pipe.cram("status", other).output
+
+
+def test_a_result_kept_after_its_upstream_changed_says_so_and_keeps_what_it_was_made_from(pipe):
+    pipe.run()
+    first_beta = _entry(pipe, "beta")
+    pipe.run("--set", "beta.value=20", "--set", "gamma.fail='crash'", code=1)
+    records = pipe.manifest()
+    assert records["beta"]["outputs"]["total"] == 21 and records["gamma"]["outputs"]["total"] == 111
+    assert records["gamma"]["upstream_keys"]["beta"] == first_beta.name.split("-", 1)[1]
+    status = pipe.cram("status", pipe.run_dir).output
+    assert "made from an earlier beta" in status and "this result is kept" in status
+    pipe.cram("gc", pipe.run_dir.parent)
+    assert first_beta.is_dir()  # the params gamma describes are kept while gamma's record is
