@@ -12,6 +12,8 @@
                                                  that differ, headline figures, best first
     cram export runs/default --to out/default [--format transformers] [--force]
     cram ls runs                                 every run with its newest stage
+    cram sweep pipeline.toml --grid pretrain.optimizer.lr=1e-3,3e-3 [--grid ...] [--set ...]
+    cram gc runs [--dry-run]                     remove store entries that no run refers to
 
 Exit codes: 0 ok, 1 a stage failed, 2 bad usage, config or input, 130 interrupted.
 """
@@ -30,7 +32,7 @@ from rich.table import Table
 
 from pipeline import compare as comparing
 from pipeline import config as cfg
-from pipeline import curves, logs, rundir, runner
+from pipeline import curves, logs, rundir, runner, store, sweep
 from pipeline import export as exporting
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Cram a BERT-style MLM from raw text.")
@@ -83,7 +85,8 @@ def resume(run_dir: Path = typer.Argument(..., help="A run directory.")) -> None
     _run(conf, run_dir, modules, None, None, (), False)
 
 
-def _run(conf: cfg.PipelineConfig, run_dir: Path, modules: list, only, start, force, dry_run: bool) -> None:
+def _run(conf: cfg.PipelineConfig, run_dir: Path, modules: list, only, start, force, dry_run: bool,
+         show_status: bool = True) -> None:
     try:
         steps = runner.plan(conf, modules, run_dir, only=only, start=start, force=force)
     except (runner.PlanError, rundir.RunDirError) as e:
@@ -108,7 +111,7 @@ def _run(conf: cfg.PipelineConfig, run_dir: Path, modules: list, only, start, fo
         _fail(f"{e} (log: {e.log_path})", e.exit_code)
     except KeyboardInterrupt:
         _fail(f"interrupted; continue with: cram resume {run_dir}", 130)
-    if main:
+    if main and show_status:
         _print_status(run_dir)
 
 
@@ -117,7 +120,7 @@ def _print_plan(steps: list[runner.Step], run_dir: Path) -> None:
     for column in ("stage", "action", "reason", "key"):
         table.add_column(column)
     for s in steps:
-        style = "bold green" if s.action == "run" else "dim"
+        style = {"run": "bold green", "reuse": "cyan"}.get(s.action, "dim")
         table.add_row(s.name, f"[{style}]{s.action}[/]", s.reason, s.key[:12])
     out.print(table)
 
@@ -135,8 +138,10 @@ def _print_status(run_dir: Path) -> None:
         table.add_column(column, overflow="fold")
     for stage, r in records.items():
         duration = "" if r.get("duration_s") is None else _seconds(r["duration_s"])
-        detail = r.get("error") if r.get("status") == "failed" else _figures(r.get("outputs") or {})
-        table.add_row(stage, _styled(r.get("status", "?")), (r.get("key") or "")[:12], duration, escape(detail or ""))
+        state, note = runner.describe(run_dir, stage, r, records)
+        detail = r.get("error") if state in ("failed", "killed") else _figures(r.get("outputs") or {})
+        detail = " ".join(x for x in (detail, note) if x)
+        table.add_row(stage, _styled(state), (r.get("key") or "")[:12], duration, escape(detail))
     out.print(table)
 
 
@@ -236,8 +241,121 @@ def list_runs(root: Path = typer.Argument(Path("runs"), help="The runs root.")) 
             continue
         newest = max(started, key=lambda k: started[k]["started"])
         r = started[newest]
-        table.add_row(path.name, newest, _styled(r.get("status", "?")), r["started"])
+        table.add_row(path.name, newest, _styled(runner.describe(path, newest, r)[0]), r["started"])
     out.print(table)
+
+
+@app.command("sweep")
+def sweep_runs(
+    config: Path = typer.Argument(..., help="The pipeline TOML file."),
+    grid: List[str] = typer.Option(..., "--grid", help="KEY=V1,V2,...: a run per value (repeatable)."),
+    overrides: List[str] = typer.Option([], "--set", help="Override a key in every variant: section.key=value."),
+    name: Optional[str] = typer.Option(None, "--name", help="Prefix of the variants' run names (default: [run].name)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print each variant's plan; run nothing."),
+) -> None:
+    """Run every combination of the --grid values as its own run, sharing stages through the store.
+
+    Each variant is named from its overrides (e.g. default-lr_1e-3-layers_4). Re-running the same sweep
+    skips finished variants and resumes an interrupted one; a variant that fails does not stop the others.
+    """
+    modules = runner.default_stages()
+    try:
+        found = sweep.variants(config, runner.config_classes(modules), sweep.parse_grid(grid), overrides, name)
+        plans = [runner.plan(v.config, modules, v.run_dir) for v in found]  # all checked before any runs
+    except (cfg.ConfigError, rundir.RunDirError, runner.PlanError) as e:
+        _fail(str(e))
+    failed: list[tuple[str, int]] = []
+    elsewhere: list[str] = []  # variants another process is running: several sweeps can share the work
+    made: dict[str, str] = {}  # with --dry-run: key -> the variant that would compute it
+    for i, (variant, steps) in enumerate(zip(found, plans), 1):
+        if i > 1:  # planned again: the variants before it may have made some of its stages
+            try:
+                steps = runner.plan(variant.config, modules, variant.run_dir)
+            except (runner.PlanError, rundir.RunDirError) as e:
+                err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+                failed.append((variant.name, 2))
+                continue
+        if dry_run:
+            steps = sweep.made_earlier(steps, made, variant.name)
+        doing = sweep.summary(steps)
+        holder = rundir.read_lock(variant.run_dir / rundir.LOCK)
+        if doing and holder is not None and rundir.holder_state(holder) == "live":
+            doing = f"in use by pid {holder['pid']}: left to it (another `cram sweep`?)"
+            elsewhere.append(variant.name)
+        out.rule(f"{i}/{len(found)} {variant.name}: {doing or 'done'}")
+        if not doing or variant.name in elsewhere:
+            continue
+        if dry_run:
+            _print_plan(steps, variant.run_dir)
+            continue
+        try:
+            _run(variant.config, variant.run_dir, modules, None, None, (), False, show_status=False)
+        except typer.Exit as e:
+            if e.exit_code == 130:
+                _fail("sweep interrupted; run the same `cram sweep` command to continue it", 130)
+            failed.append((variant.name, e.exit_code))
+    if not dry_run:
+        _print_sweep(found)
+    if elsewhere:
+        out.print(f"{len(elsewhere)} variant(s) run by another process: {', '.join(elsewhere)}; "
+                  "run this sweep again once it is done to see them finished here", highlight=False)
+    if failed:
+        _fail(f"{len(failed)} of {len(found)} variants failed: {', '.join(n for n, _ in failed)}", failed[0][1])
+
+
+def _print_sweep(found: list[sweep.Variant]) -> None:
+    """One row per variant: its status, the config keys that differ, the figures of the last stage."""
+    run_dirs = [v.run_dir for v in found if (v.run_dir / rundir.MANIFEST).is_file()]
+    if not run_dirs:
+        return
+    try:
+        diff, figures = curves.config_diff(run_dirs), curves.stage_figures(run_dirs)
+    except curves.CurvesError as e:
+        _fail(str(e))
+    diff.pop("run.name", None)  # the row says it
+    last = list(figures.values())[-1] if figures else {}
+    last = {k: v for k, v in last.items() if not k.endswith("_s")}  # timings: not a result
+    table = Table(title="sweep", title_justify="left")
+    for column in ("run", "status", *diff, *last):
+        table.add_column(column, overflow="fold")
+    for i, run_dir in enumerate(run_dirs):
+        records = _records(run_dir)
+        final = list(records)[-1] if records else None
+        state = runner.describe(run_dir, final, records[final])[0] if final else "-"
+        table.add_row(run_dir.name, _styled(state), *(escape(json.dumps(v[i])) for v in diff.values()),
+                      *(f"{v[i]:.4g}" if isinstance(v[i], float) else str(v[i]) for v in last.values()))
+    out.print(table)
+
+
+@app.command("gc")
+def collect_garbage(
+    root: Path = typer.Argument(Path("runs"), help="The runs root."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="List what would be removed and its size; remove nothing."),
+) -> None:
+    """Remove store entries (and unfinished partials) that no run directory under ROOT refers to."""
+    if not root.is_dir():
+        _fail(f"{root}: no such directory")
+    logs.configure(None)
+    try:
+        removed, busy = store.collect(root, logs.get(), dry_run)
+    except store.StoreError as e:
+        _fail(str(e))
+    verb = "would remove" if dry_run else "removed"
+    for item in removed:
+        out.print(f"{verb} {item.path} ({_bytes(item.size)})", highlight=False, soft_wrap=True)
+    for path in busy:
+        out.print(f"kept {path} (being written: its key is locked)", highlight=False, soft_wrap=True)
+    total = sum(g.size for g in removed)
+    summary = f"{verb} {len(removed)} store item(s), {_bytes(total)}" if removed else "nothing to remove"
+    out.print(summary, highlight=False)
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
 
 
 def _records(run_dir: Path) -> dict[str, Any]:
@@ -277,7 +395,8 @@ def _seconds(s: float) -> str:
 
 
 def _styled(status: str) -> str:
-    colour = {"done": "green", "failed": "red", "running": "yellow", "interrupted": "yellow"}.get(status, "white")
+    colour = {"done": "green", "failed": "red", "running": "yellow", "interrupted": "yellow", "killed": "yellow",
+              "missing": "red"}.get(status, "white")
     return f"[{colour}]{status}[/]"
 
 

@@ -54,8 +54,11 @@ class PipelineConfig:
         return {"run": as_plain(self.run), **{n: as_plain(c) for n, c in self.stages.items()}}
 
 
-def load(path: str | Path, config_classes: dict[str, type], overrides: list[str] = ()) -> PipelineConfig:
-    """Read `path`, apply `--set` overrides, and validate every section."""
+def load(
+    path: str | Path, config_classes: dict[str, type], overrides: list[str] = (), flag: str | None = None
+) -> PipelineConfig:
+    """Read `path`, apply `--set` overrides, and validate every section. `flag` names the overrides in
+    errors (default: `--set 'ITEM'`)."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -68,8 +71,8 @@ def load(path: str | Path, config_classes: dict[str, type], overrides: list[str]
     if not overrides:
         return config
     for item in overrides:
-        _apply_override(raw, item, config_classes)
-    return _validate(raw, config_classes, "--set")
+        _apply_override(raw, item, config_classes, flag or f"--set {item!r}")
+    return _validate(raw, config_classes, flag or "--set")
 
 
 def parse(text: str, config_classes: dict[str, type], source: str = "<string>") -> PipelineConfig:
@@ -162,19 +165,19 @@ def _did_you_mean(name: str, choices: Any) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
-def _apply_override(raw: dict[str, Any], item: str, config_classes: dict[str, type]) -> None:
+def _apply_override(raw: dict[str, Any], item: str, config_classes: dict[str, type], flag: str) -> None:
     dotted, sep, text = item.partition("=")
     parts = dotted.strip().split(".")
     if not sep or len(parts) < 2 or not all(parts):
-        raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. --set pretrain.lr=5e-4")
+        raise ConfigError(f"{flag}: expected section.key=value, e.g. --set pretrain.lr=5e-4")
     sections = ["run", *config_classes]
     if parts[0] not in sections:
-        raise ConfigError(f"--set {item!r}: unknown section [{parts[0]}]{_did_you_mean(parts[0], sections)}")
+        raise ConfigError(f"{flag}: unknown section [{parts[0]}]{_did_you_mean(parts[0], sections)}")
     table = raw
     for part in parts[:-1]:
         table = table.setdefault(part, {})
         if not isinstance(table, dict):
-            raise ConfigError(f"--set {item!r}: '{part}' is a value, not a table")
+            raise ConfigError(f"{flag}: '{part}' is a value, not a table")
     table[parts[-1]] = _parse_value(text.strip())
 
 

@@ -16,7 +16,6 @@ MANIFEST = "manifest.json"
 CONFIG = "config.toml"
 LOCK = ".lock"
 EVENTS = Path("logs") / "events.jsonl"
-PARTIAL = ".partial"
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -69,6 +68,10 @@ class Manifest:
     def stage(self, name: str) -> dict[str, Any] | None:
         return self.data["stages"].get(name)
 
+    def put(self, name: str, record: dict[str, Any]) -> None:
+        self.data["stages"][name] = record
+        self.save()
+
     def update(self, name: str, **fields: Any) -> dict[str, Any]:
         record = self.data["stages"].setdefault(name, {})
         record.update(fields)
@@ -91,41 +94,75 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def acquire(path: Path, log: Any) -> dict[str, Any] | None:
+    """Take the lock file `path`: None when taken, else the live holder's pid, host and since.
+
+    The file appears with its content in one step (written aside, then hard-linked into place), so a
+    lock without a readable pid can only be left by a process killed while writing an older one: it is
+    taken over, as is the lock of a process that is gone.
+    """
+    mine = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": now()})
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(mine)
+    try:
+        while True:
+            try:
+                os.link(tmp, path)
+                return None
+            except FileExistsError:
+                pass
+            holder = read_lock(path)
+            if holder is None:
+                continue  # it vanished between our link and our read: try again
+            state = holder_state(holder)
+            if state == "live":
+                return holder
+            if state == "unreadable":
+                log.warning("taking over a lock without a pid (empty or half-written: its writer was killed)",
+                            lock=str(path))
+            else:
+                log.warning("taking over a stale lock", lock=str(path), dead_pid=holder.get("pid"))
+            path.unlink(missing_ok=True)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def holder_state(holder: dict[str, Any]) -> str:
+    """Whether a lock's holder is "live", "dead" (its pid is gone from this host) or "unreadable" (no pid)."""
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool):
+        return "unreadable"
+    if holder.get("host") != socket.gethostname() or pid_alive(pid):
+        return "live"  # on another host we cannot tell: assume it runs
+    return "dead"
+
+
+def release(path: Path) -> None:
+    if (read_lock(path) or {}).get("pid") == os.getpid():
+        path.unlink(missing_ok=True)
+
+
 @contextmanager
 def locked(run_dir: Path, log: Any) -> Iterator[None]:
     """Hold `RUN_DIR/.lock` for the block; a lock left by a dead process is taken over with a warning."""
     path = run_dir / LOCK
-    mine = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": now()})
-    while True:
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            holder = _read_lock(path)
-            if holder is None:
-                continue  # it vanished between our open and our read: try again
-            same_host = holder.get("host") == socket.gethostname()
-            if not same_host or pid_alive(int(holder.get("pid", -1))):
-                raise RunDirError(
-                    f"{run_dir} is in use by pid {holder.get('pid')} on {holder.get('host')} "
-                    f"since {holder.get('since')}; wait for it, or remove {path} if that process is gone"
-                ) from None
-            log.warning("taking over a stale lock", lock=str(path), dead_pid=holder.get("pid"))
-            path.unlink(missing_ok=True)
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(mine)
-        break
+    holder = acquire(path, log)
+    if holder is not None:
+        raise RunDirError(
+            f"{run_dir} is in use by pid {holder.get('pid')} on {holder.get('host')} "
+            f"since {holder.get('since')}; wait for it, or remove {path} if that process is gone"
+        )
     try:
         yield
     finally:
-        if (_read_lock(path) or {}).get("pid") == os.getpid():
-            path.unlink(missing_ok=True)
+        release(path)
 
 
-def _read_lock(path: Path) -> dict[str, Any] | None:
+def read_lock(path: Path) -> dict[str, Any] | None:
     try:
-        return json.loads(path.read_text() or "{}")
+        holder = json.loads(path.read_text() or "{}")
     except FileNotFoundError:
         return None
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):
         return {}  # half-written by a process killed while writing it: treated as dead
+    return holder if isinstance(holder, dict) else {}

@@ -1,9 +1,12 @@
-"""Plan which stages to run and why, then run them into their run directory.
+"""Plan which stages to run and why, then run them into the stage store and link them into the run.
 
-A stage runs into `RUN_DIR/.partial/<stage>-<key12>/` and is renamed to `RUN_DIR/<stage>/` only when
-its `run` returns; the manifest says `done` only after that rename. Under torchrun every rank plans,
-rank 0 alone holds the lock, writes the manifest and renames; stages with `DISTRIBUTED = True` run on
-every rank, the others on rank 0 while the rest wait.
+A stage runs into `ROOT/.store/<stage>-<key>.partial/` under the key's lock; when its `run` returns the
+folder is renamed to the store entry `ROOT/.store/<stage>-<key>/` and `RUN_DIR/<stage>` is pointed at
+it; the manifest says `done` only after that. A key whose entry is already in the store (made by any
+run under the same root) is linked, not computed. A failed or interrupted attempt never replaces a
+stage's earlier done record: it is kept beside it as `attempt`. Under torchrun every rank plans, rank 0
+alone holds the locks, writes the manifest and links; stages with `DISTRIBUTED = True` run on every
+rank, the others on rank 0 while the rest wait.
 """
 
 from __future__ import annotations
@@ -12,9 +15,11 @@ import json
 import os
 import platform
 import shutil
+import socket
 import subprocess
 import time
-from dataclasses import dataclass
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -23,7 +28,7 @@ import structlog
 
 import stages
 from pipeline import config as cfg
-from pipeline import logs, rundir
+from pipeline import logs, rundir, store
 from stages import loggers as stage_loggers
 
 _VERSIONED = ("torch", "numpy", "datasets", "sentencepiece", "safetensors", "structlog", "typer")
@@ -49,7 +54,7 @@ class Step:
     config_hash: str
     inputs_hash: str | None
     upstream_keys: dict[str, str]
-    action: str  # "run" or "skip"
+    action: str  # "run", "reuse" (link the store's entry) or "skip"
     reason: str
 
 
@@ -75,19 +80,22 @@ def plan(
         if given is not None and given not in names:
             raise PlanError(f"unknown stage '{given}'; stages are: {', '.join(names)}")
     manifest = rundir.Manifest.load(run_dir)
+    stored = store.Store.of(run_dir)
     keys: dict[str, str] = {}
     steps: list[Step] = []
+    selected: dict[str, bool] = {}
     for i, module in enumerate(modules):
         stage_config = config.stages[module.NAME]
+        keyed = keyed_config(module, stage_config)
         upstream = {u: keys[u] for u in module.UPSTREAM}
-        config_hash = cfg.digest({"version": module.VERSION, "config": stage_config, "seed": config.run.seed})
+        config_hash = cfg.digest({"version": module.VERSION, "config": keyed, "seed": config.run.seed})
         # A stage that reads files outside the run (a corpus) says what of them its output depends on.
         inputs_hash = cfg.digest(module.fingerprint(stage_config)) if hasattr(module, "fingerprint") else None
         key = cfg.digest(
             {
                 "stage": module.NAME,
                 "version": module.VERSION,
-                "config": stage_config,
+                "config": keyed,
                 "seed": config.run.seed,
                 "upstream": upstream,
                 "inputs": inputs_hash,
@@ -96,28 +104,63 @@ def plan(
         keys[module.NAME] = key
         record = manifest.stage(module.NAME)
         done = _is_done(record, key, run_dir / module.NAME)
-        selected = (only is None or module.NAME == only) and (start is None or i >= names.index(start))
-        if not selected:
-            action, reason = "skip", "done" if done else "not selected"
-        elif module.NAME in force or start is not None:
+        in_store = not done and store.problem(stored.entry(module.NAME, key), key) is None
+        chosen = (only is None or module.NAME == only) and (start is None or i >= names.index(start))
+        selected[module.NAME] = chosen
+        if chosen and (module.NAME in force or start is not None):
             action, reason = "run", "forced"
         elif done:
             action, reason = "skip", "done"
-        else:
+        elif in_store:
+            action, reason = "reuse", "in store"
+        elif chosen:
             action, reason = "run", _why_not_done(record, key, config_hash, upstream)
+        else:
+            action, reason = "skip", "not selected"
         steps.append(Step(module.NAME, module, key, config_hash, inputs_hash, upstream, action, reason))
+    steps = _link_only_what_is_needed(steps, selected)
     _check_upstream_done(steps)
     return steps
 
 
-def _is_done(record: dict[str, Any] | None, key: str, out_dir: Path) -> bool:
-    return bool(record) and record.get("status") == "done" and record.get("key") == key and out_dir.is_dir()
+def keyed_config(module: ModuleType, stage_config: Any) -> dict[str, Any]:
+    """The stage's config as its cache key sees it: without the fields its `NOT_IN_KEY` names (dotted
+    paths such as "log_every_steps"), which change how a stage reports, not what it computes."""
+    plain = cfg.as_plain(stage_config)
+    for dotted in getattr(module, "NOT_IN_KEY", ()):
+        *parents, leaf = dotted.split(".")
+        table = plain
+        for part in parents:
+            table = table.get(part) or {}
+        table.pop(leaf, None)
+    return plain
+
+
+def _link_only_what_is_needed(steps: list[Step], selected: dict[str, bool]) -> list[Step]:
+    """A stage left out by --only/--from is linked from the store only when a chosen stage reads it."""
+    needed: set[str] = set()
+    for i in reversed(range(len(steps))):
+        step = steps[i]
+        if step.action == "reuse" and not selected[step.name] and step.name not in needed:
+            steps[i] = replace(step, action="skip", reason="not selected")
+        elif step.action != "skip":
+            needed.update(step.module.UPSTREAM)
+    return steps
+
+
+def _is_done(record: dict[str, Any] | None, key: str, view: Path) -> bool:
+    return (
+        bool(record) and record.get("status") == "done" and record.get("key") == key
+        and store.problem(view, key) is None
+    )
 
 
 def _why_not_done(record: dict[str, Any] | None, key: str, config_hash: str, upstream: dict[str, str]) -> str:
     if not record or "key" not in record:
         return "new"
     if record["key"] == key:
+        return "files missing" if record.get("status") == "done" else "incomplete"
+    if (record.get("attempt") or {}).get("key") == key:
         return "incomplete"
     if record.get("config_hash") != config_hash:
         return "config changed"
@@ -126,10 +169,38 @@ def _why_not_done(record: dict[str, Any] | None, key: str, config_hash: str, ups
     return "inputs changed"
 
 
+def describe(run_dir: Path, name: str, record: dict[str, Any], records: dict[str, Any] | None = None
+             ) -> tuple[str, str]:
+    """A stage's status as `cram status` shows it, checked against the files and the processes, and a
+    note on an unfinished attempt kept beside a done result, or on a result made from an upstream
+    result that the run has since replaced (given all the run's `records`)."""
+    status = record.get("status", "?")
+    if status == "done" and (missing := store.problem(run_dir / name, record.get("key", ""))):
+        return "missing", f"not done: {missing}"
+    replaced = [u for u, k in (record.get("upstream_keys") or {}).items()
+                if status == "done" and records and (records.get(u) or {}).get("key") not in (None, k)]
+    if status == "running" and _gone(record):
+        return "killed", f"pid {record['pid']} ended without a word (killed); cram resume {run_dir} continues it"
+    notes = [f"(made from an earlier {', '.join(replaced)}: re-run to bring it up to date)"] if replaced else []
+    attempt = record.get("attempt")
+    if isinstance(attempt, dict):
+        state = "killed" if attempt.get("status") == "running" and _gone(attempt) else attempt.get("status")
+        error = f": {attempt['error']}" if attempt.get("error") else ""
+        notes.append(f"(a newer attempt, key {str(attempt.get('key'))[:12]}, {state}{error}; this result is kept)")
+    return status, " ".join(notes)
+
+
+def _gone(record: dict[str, Any]) -> bool:
+    """A record says running, but its process on this host has ended (killed: it could not say)."""
+    pid = record.get("pid")
+    here = socket.gethostname()
+    return isinstance(pid, int) and record.get("host", here) == here and not rundir.pid_alive(pid)
+
+
 def _check_upstream_done(steps: list[Step]) -> None:
     by_name = {s.name: s for s in steps}
     for step in steps:
-        if step.action != "run":
+        if step.action == "skip":
             continue
         for name in step.module.UPSTREAM:
             up = by_name[name]
@@ -148,7 +219,7 @@ def execute(
     rank: int = 0,
     world_size: int = 1,
 ) -> dict[str, Any]:
-    """Run the steps marked `run`, in order. Returns the manifest's stage records."""
+    """Run (or link from the store) the steps not marked `skip`, in order. Returns the manifest's records."""
     main = rank == 0
     log = logs.get(run=run_dir.name)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -173,18 +244,67 @@ def _run_step(
     world_size: int,
 ) -> None:
     main = rank == 0
-    resumable = getattr(step.module, "RESUMABLE", False)
-    on_this_rank = main or getattr(step.module, "DISTRIBUTED", False)
-    partial = run_dir / rundir.PARTIAL / f"{step.name}-{step.key[:12]}"
-    log_path = run_dir / rundir.EVENTS
+    stored = store.Store.of(run_dir)
     structlog.contextvars.bind_contextvars(stage=step.name)
     log = logs.get(run=run_dir.name)
     try:
+        with ExitStack() as held:
+            if main:  # held until the entry is linked: no other process computes this key meanwhile
+                held.enter_context(stored.locked(step.name, step.key, log))
+            entry = stored.entry(step.name, step.key)
+            # Looked at again under the lock: another process may have finished (or gc removed) it.
+            reuse = main and step.reason != "forced" and store.problem(entry, step.key) is None
+            if _from_rank_0(reuse, world_size):
+                if main:
+                    _reuse(step, run_dir, entry, manifest, log)
+                _barrier(world_size)
+                return
+            _compute(config, step, run_dir, stored, manifest, rank, world_size, log)
+    finally:
+        structlog.contextvars.unbind_contextvars("stage")
+
+
+def _reuse(step: Step, run_dir: Path, entry: Path, manifest: rundir.Manifest, log: Any) -> None:
+    record = (store.read_marker(entry) or {}).get("record") or {}
+    store.link(run_dir, step.name, entry)
+    manifest.put(step.name, {**record, "status": "done", "reused": rundir.now()})
+    log.info("reused from the store", key=step.key[:12], entry=str(entry))
+
+
+def _compute(
+    config: cfg.PipelineConfig,
+    step: Step,
+    run_dir: Path,
+    stored: store.Store,
+    manifest: rundir.Manifest,
+    rank: int,
+    world_size: int,
+    log: Any,
+) -> None:
+    main = rank == 0
+    resumable = getattr(step.module, "RESUMABLE", False)
+    on_this_rank = main or getattr(step.module, "DISTRIBUTED", False)
+    partial = stored.partial(step.name, step.key)
+    log_path = run_dir / rundir.EVENTS
+    attempt: dict[str, Any] = {}
+    keep = False  # the record is a done result this attempt must not replace unless it succeeds
+
+    def save() -> None:
+        if keep:
+            manifest.update(step.name, attempt=attempt)
+        else:
+            manifest.put(step.name, dict(attempt))
+
+    try:
         if main:
-            _clear_partials(run_dir, step.name, keep=partial if resumable and step.reason != "forced" else None)
+            previous = manifest.stage(step.name) or {}
+            intact = store.problem(run_dir / step.name, previous.get("key", "")) is None
+            keep = previous.get("status") == "done" and intact
+            _mention_other_partial(previous, step, stored, log)
+            if partial.exists() and not (resumable and step.reason != "forced"):
+                shutil.rmtree(partial)
             partial.mkdir(parents=True, exist_ok=True)
-            manifest.update(
-                step.name,
+            attempt.update(
                 key=step.key,
                 config_hash=step.config_hash,
                 inputs_hash=step.inputs_hash,
@@ -197,9 +317,11 @@ def _run_step(
                 outputs={},
                 error=None,
                 pid=os.getpid(),
+                host=socket.gethostname(),
                 git_commit=_git_commit(),
                 versions=_versions(),
             )
+            save()
             log.info("start", reason=step.reason, key=step.key[:12], dir=str(partial))
         _barrier(world_size)
         # Other ranks read the manifest rank 0 has written, which holds the upstream outputs.
@@ -235,45 +357,35 @@ def _run_step(
         error = _agree(error, world_size)
         if error is not None:
             if main:
-                manifest.update(step.name, status="failed", ended=rundir.now(), error=error[0],
-                                duration_s=round(time.perf_counter() - started, 3))
-                log.error("failed", error=error[0])
+                attempt.update(status="failed", ended=rundir.now(), error=error[0],
+                               duration_s=round(time.perf_counter() - started, 3))
+                save()
+                log.error("failed", error=error[0], **({"kept": "the earlier result"} if keep else {}))
             raise StageFailed(step.name, error[0], error[1], log_path)
         if main:
-            _put_in_place(partial, run_dir / step.name)
             duration = round(time.perf_counter() - started, 3)
-            manifest.update(step.name, status="done", ended=rundir.now(), duration_s=duration,
-                            outputs=outputs, pid=None)
+            record = {**attempt, "status": "done", "ended": rundir.now(), "duration_s": duration,
+                      "outputs": outputs, "pid": None}
+            entry = stored.finish(partial, step.name, step.key, record)
+            store.link(run_dir, step.name, entry)
+            manifest.put(step.name, record)
             log.info("done", duration_s=duration)
         _barrier(world_size)
     except KeyboardInterrupt:
-        if main and (manifest.stage(step.name) or {}).get("status") == "running":
-            manifest.update(step.name, status="interrupted", ended=rundir.now(), error="interrupted (Ctrl-C)")
+        if main and attempt.get("status") == "running":
+            attempt.update(status="interrupted", ended=rundir.now(), error="interrupted (Ctrl-C)")
+            save()
             log.warning("interrupted")
         raise
-    finally:
-        structlog.contextvars.unbind_contextvars("stage")
 
 
-def _clear_partials(run_dir: Path, stage: str, keep: Path | None) -> None:
-    """Remove this stage's leftover partial folders, except the one a resumable stage re-enters."""
-    root = run_dir / rundir.PARTIAL
-    if not root.is_dir():
-        return
-    for path in root.glob(f"{stage}-*"):
-        if path != keep:
-            shutil.rmtree(path)
-
-
-def _put_in_place(partial: Path, final: Path) -> None:
-    """Swap `partial` in as `final`; the old `final` is moved aside first, then deleted."""
-    old = None
-    if final.exists():
-        old = partial.parent / f"{final.name}.old-{os.getpid()}"
-        os.replace(final, old)
-    os.replace(partial, final)
-    if old is not None:
-        shutil.rmtree(old)
+def _mention_other_partial(previous: dict[str, Any], step: Step, stored: store.Store, log: Any) -> None:
+    """Say where an unfinished attempt with another key is kept: nothing is dropped without a word."""
+    for record in (previous, previous.get("attempt") or {}):
+        key = record.get("key")
+        if record.get("status") != "done" and key and key != step.key and stored.partial(step.name, key).is_dir():
+            log.warning("an unfinished attempt with another config is kept; return to that config to continue it, "
+                        "or remove it with cram gc", partial=str(stored.partial(step.name, key)))
 
 
 def _barrier(world_size: int) -> None:
@@ -281,6 +393,16 @@ def _barrier(world_size: int) -> None:
         import torch.distributed as dist
 
         dist.barrier()
+
+
+def _from_rank_0(value: bool, world_size: int) -> bool:
+    if world_size == 1:
+        return value
+    import torch.distributed as dist
+
+    shared = [value]
+    dist.broadcast_object_list(shared, src=0)
+    return bool(shared[0])
 
 
 def _agree(error: tuple[str, int] | None, world_size: int) -> tuple[str, int] | None:

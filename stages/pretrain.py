@@ -30,6 +30,9 @@ VERSION = "3"
 UPSTREAM = ("pack",)
 RESUMABLE = True
 DISTRIBUTED = True  # the runner calls `run` on every rank
+# How often it logs and checkpoints changes what it reports, not what it computes: not in the cache key,
+# so changing them keeps a finished result and resumes an interrupted one.
+NOT_IN_KEY = ("log_every_steps", "checkpoint_every_minutes", "checkpoint_every_steps", "keep_checkpoints")
 
 
 @dataclass(frozen=True)

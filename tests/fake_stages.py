@@ -2,8 +2,9 @@
 
 Each adds its `value` to the totals of its upstream stages and appends its name to
 `RUN_DIR/calls.log`, so a test can see which stages ran. `fail` makes a stage fail on purpose;
-the environment variables FAKE_HANG=<stage> and FAKE_INTERRUPT=<stage> make that stage hang, or act as
-if Ctrl-C were pressed, after writing part of its output (without changing the stage's key).
+the environment variables FAKE_HANG=<stage>, FAKE_SLOW=<stage> and FAKE_INTERRUPT=<stage> make that stage
+hang, take 3 s, or act as if Ctrl-C were pressed, after writing part of its output (without changing
+the stage's key).
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def _make(name: str, upstream: tuple[str, ...], resumable: bool = False, distrib
         attempts.write_text(str(int(attempts.read_text()) + 1 if attempts.exists() else 1))
         if os.environ.get("FAKE_HANG") == name:
             time.sleep(120)
+        if os.environ.get("FAKE_SLOW") == name:
+            time.sleep(3)
         if os.environ.get("FAKE_INTERRUPT") == name:
             raise KeyboardInterrupt  # what Ctrl-C raises
         if config.fail == "input":

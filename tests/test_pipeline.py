@@ -82,7 +82,7 @@ def test_a_killed_pretrain_resumes_from_its_checkpoint(tmp_path):
                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     run_dir = tmp_path / "runs" / "killed"
     deadline = time.time() + 120
-    while not list((run_dir / ".partial").glob("pretrain-*/checkpoints/step-10")):
+    while not list((run_dir.parent / ".store").glob("pretrain-*.partial/checkpoints/step-10")):
         assert proc.poll() is None and time.time() < deadline, "pretrain never reached its second checkpoint"
         time.sleep(0.1)
     proc.send_signal(signal.SIGKILL)

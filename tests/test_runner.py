@@ -14,7 +14,7 @@ import fake_stages
 import pytest
 from typer.testing import CliRunner
 
-from pipeline import cli, rundir, runner
+from pipeline import cli, rundir, runner, store
 
 TESTS = Path(__file__).parent
 REPO = TESTS.parent
@@ -59,7 +59,8 @@ def test_first_run_runs_all_then_everything_is_a_cache_hit(pipe):
     assert [s["status"] for s in stages.values()] == ["done"] * 3
     assert stages["gamma"]["outputs"]["total"] == 111
     assert json.loads((pipe.run_dir / "gamma" / "result.json").read_text()) == {"total": 111}
-    assert not any((pipe.run_dir / rundir.PARTIAL).iterdir())
+    assert not list((pipe.run_dir.parent / store.STORE).glob("*.partial"))
+    assert (pipe.run_dir / "gamma").is_symlink()  # the run's view of its store entry
     pipe.run()
     assert pipe.calls() == []
 
@@ -158,9 +159,9 @@ def _start_hanging_in_beta(pipe, tmp_path) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-c", script, str(TESTS), str(pipe.config)], env=env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    partial = pipe.run_dir / rundir.PARTIAL
+    partial = pipe.run_dir.parent / store.STORE
     deadline = time.time() + 60
-    while not list(partial.glob("beta-*/attempts")):
+    while not list(partial.glob("beta-*.partial/attempts")):
         assert proc.poll() is None and time.time() < deadline, "the runner never reached beta"
         time.sleep(0.05)
     return proc
@@ -183,6 +184,8 @@ def test_sigkill_mid_stage_leaves_it_not_done_and_it_reruns(pipe, tmp_path):
     assert pipe.manifest()["beta"]["status"] == "running"
     assert not (pipe.run_dir / "beta").exists()
     assert (pipe.run_dir / rundir.LOCK).exists()  # left behind by the dead process
+    status = pipe.cram("status", pipe.run_dir).output
+    assert "killed" in status and "running" not in status  # its pid is gone
     assert _reasons(pipe.run("--dry-run").output)["beta"] == ("run", "incomplete")
     out = pipe.run().output
     assert "stale lock" in out

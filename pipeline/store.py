@@ -1,0 +1,277 @@
+"""The stage store: every finished stage's outputs once per runs root, by cache key.
+
+    ROOT/.store/<stage>-<key>/             a finished entry: the stage's files and `.cram-entry.json`
+    ROOT/.store/<stage>-<key>.partial/     the entry while it is computed (a resumable stage re-enters it)
+    ROOT/.store/<stage>-<key>.lock         flock'd by the process computing or linking that key
+    ROOT/<run>/<stage> -> ../.store/<stage>-<key>   a run's view of the entry it uses (relative symlink)
+
+An entry appears by renaming its finished partial folder, after `.cram-entry.json` (its stage, key,
+outputs and every file with its size) is written into it; an entry whose marker is missing or whose
+files no longer match it is not trusted. Nothing in the store is deleted except by `collect` (`cram gc`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import socket
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from pipeline import rundir
+
+STORE = ".store"
+MARKER = ".cram-entry.json"
+_ITEM = re.compile(r"(?P<stage>[A-Za-z0-9_]+)-(?P<key>[0-9a-f]{64})(?P<kind>|\.partial|\.lock|\.retired-\d+)")
+_DELETING = ".deleting-"
+
+
+class StoreError(Exception):
+    """The store cannot be collected safely (a run directory that cannot be read); exit code 2."""
+
+
+@dataclass(frozen=True)
+class Store:
+    root: Path  # ROOT/.store
+
+    @classmethod
+    def of(cls, run_dir: Path) -> "Store":
+        return cls(Path(os.path.abspath(run_dir)).parent / STORE)  # `cram resume .` too
+
+    def entry(self, stage: str, key: str) -> Path:
+        return self.root / f"{stage}-{key}"
+
+    def partial(self, stage: str, key: str) -> Path:
+        return self.root / f"{stage}-{key}.partial"
+
+    def lock(self, stage: str, key: str) -> Path:
+        return self.root / f"{stage}-{key}.lock"
+
+    @contextmanager
+    def locked(self, stage: str, key: str, log: Any) -> Iterator[None]:
+        """Hold the key's lock for the block, waiting while another process holds it."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.lock(stage, key)
+        fd = take_lock(path, log, wait=True)
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)  # while holding it: see take_lock
+            os.close(fd)
+
+    def finish(self, partial: Path, stage: str, key: str, record: dict[str, Any]) -> Path:
+        """Mark `partial` complete and rename it into place as the key's entry (under the key's lock).
+
+        An entry already there (a forced re-run, or one found broken) is renamed aside first and left
+        for `cram gc`: runs may still read from it.
+        """
+        write_marker(partial, stage, key, record)
+        entry = self.entry(stage, key)
+        if entry.exists():
+            os.replace(entry, entry.with_name(f"{entry.name}.retired-{time.time_ns()}"))
+        os.replace(partial, entry)
+        return entry
+
+
+def take_lock(path: Path, log: Any, wait: bool) -> int | None:
+    """An OS lock (flock) on `path`, as an open descriptor; closing it releases the lock. None when
+    another process holds it and `wait` is false. The kernel drops the lock of a process that dies, so
+    a store lock is never stale and two processes never both hold one; the file says who holds it."""
+    told = False
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not wait:
+                    os.close(fd)
+                    return None
+                if not told:
+                    log.info("waiting for another process computing the same key", lock=str(path),
+                             holder=rundir.read_lock(path))
+                    told = True
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            # The holder removes the file before it lets go: a lock taken on a removed file guards nothing.
+            if path.exists() and os.stat(path).st_ino == os.fstat(fd).st_ino:
+                os.ftruncate(fd, 0)
+                os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": rundir.now()})
+                         .encode())
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+def write_marker(folder: Path, stage: str, key: str, record: dict[str, Any]) -> None:
+    """`record` is the manifest record of the run that made the entry: a run that reuses the entry copies
+    it (outputs, versions, git commit), so its manifest says how the files were made."""
+    files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(_files(folder)) if p.name != MARKER}
+    marker = {"stage": stage, "key": key, "record": record, "files": files}
+    rundir.write_atomic(folder / MARKER, json.dumps(marker, indent=1) + "\n")
+
+
+def read_marker(folder: Path) -> dict[str, Any] | None:
+    try:
+        marker = json.loads((folder / MARKER).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def problem(folder: Path, key: str) -> str | None:
+    """Why the stage output at `folder` (a run's `<stage>` link or a store entry) cannot be trusted for
+    `key`, or None when it can. A real folder without a marker was made before the store existed:
+    it is trusted as it was then."""
+    if folder.is_symlink() and not folder.exists():
+        return f"{folder} points to {os.readlink(folder)}, which does not exist"
+    if not folder.is_dir():
+        return f"{folder} does not exist"
+    if not (folder / MARKER).exists() and not folder.is_symlink():
+        return None
+    marker = read_marker(folder)
+    if marker is None:
+        return f"{folder / MARKER} is missing or unreadable"
+    if marker.get("key") != key:
+        return f"{folder} holds key {str(marker.get('key'))[:12]}, not {key[:12]}"
+    for name, size in (marker.get("files") or {}).items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path} was deleted"
+        if path.stat().st_size != size:
+            return f"{path} has {path.stat().st_size} bytes, {size} when it was written"
+    return None
+
+
+def link(run_dir: Path, stage: str, entry: Path) -> None:
+    """Point `RUN_DIR/<stage>` at `entry`, replacing the previous link in one step.
+
+    A real folder there (a run made before the store, or copied with `cp -rL`) is moved into the
+    store under the key it was made with, so changing a config never deletes an earlier result.
+    """
+    view = run_dir / stage
+    if view.is_dir() and not view.is_symlink():
+        _adopt(run_dir, stage, view)
+    tmp = run_dir / f".{stage}.{os.getpid()}.link"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(os.path.relpath(entry, run_dir))
+    os.replace(tmp, view)
+
+
+def _adopt(run_dir: Path, stage: str, folder: Path) -> None:
+    record = rundir.Manifest.load(run_dir).stage(stage) or {}
+    key = (read_marker(folder) or {}).get("key") or record.get("key")
+    store = Store.of(run_dir)
+    store.root.mkdir(parents=True, exist_ok=True)
+    if not isinstance(key, str) or not re.fullmatch(r"[0-9a-f]{64}", key):
+        raise rundir.RunDirError(f"{folder}: a folder that neither the manifest nor a marker gives a key; "
+                                 "cram did not make it: move it away")
+    if read_marker(folder) is None and record.get("status") == "done" and record.get("key") == key:
+        write_marker(folder, stage, key, {k: v for k, v in record.items() if k != "attempt"})
+    entry = store.entry(stage, key)
+    os.replace(folder, entry if not entry.exists() else entry.with_name(f"{entry.name}.retired-{time.time_ns()}"))
+
+
+@dataclass(frozen=True)
+class Garbage:
+    path: Path
+    size: int
+
+
+def collect(root: Path, log: Any, dry_run: bool = False) -> tuple[list[Garbage], list[Path]]:
+    """Remove what under `ROOT/.store` no run directory of ROOT refers to: (removed, skipped in use).
+
+    A run refers to the key of each stage record (and of a record's unfinished attempt) and to what
+    its `<stage>` links point at. An entry whose key lock is held is being written or linked: skipped.
+    Each removal happens under the key's lock, after the references are read again.
+    """
+    store = Store(root / STORE)
+    if not store.root.is_dir():
+        return [], []
+    removed: list[Garbage] = []
+    busy: list[Path] = []
+    groups: dict[tuple[str, str], list[Path]] = {}
+    for path in sorted(store.root.iterdir()):
+        if path.name.startswith(_DELETING):  # a removal that was cut short
+            removed.append(_remove(path, dry_run))
+        elif m := _ITEM.fullmatch(path.name):
+            groups.setdefault((m["stage"], m["key"]), []).append(path)
+    referenced = references(root)
+    for (stage, key), paths in groups.items():
+        retired = [p for p in paths if ".retired-" in p.name]
+        if (stage, key) in referenced:
+            removed += [_remove(p, dry_run) for p in retired]
+            continue
+        lock = store.lock(stage, key)
+        fd = take_lock(lock, log, wait=False) if lock.exists() or not dry_run else None
+        if fd is None and lock.exists():
+            busy += [p for p in paths if p != lock]
+            continue
+        try:
+            if not dry_run and (stage, key) in references(root):  # linked since the first look
+                continue
+            removed += [_remove(p, dry_run) for p in paths if p != lock]
+            if not dry_run:
+                lock.unlink()  # while holding it, as `Store.locked` does
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return removed, busy
+
+
+def references(root: Path) -> set[tuple[str, str]]:
+    """(stage, key) of everything the run directories under `root` use, may resume, or were made from."""
+    found: set[tuple[str, str]] = set()
+    for run_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        if not (run_dir / rundir.MANIFEST).is_file():
+            continue
+        try:
+            records = rundir.Manifest.load(run_dir).data.get("stages", {})
+        except rundir.RunDirError as e:
+            raise StoreError(f"{e}; nothing was removed, as what that run uses is unknown") from None
+        if not isinstance(records, dict):
+            raise StoreError(f"{run_dir / rundir.MANIFEST}: no 'stages' table; nothing was removed")
+        for stage, record in records.items():
+            for r in (record, (record or {}).get("attempt")):
+                if isinstance(r, dict) and isinstance(r.get("key"), str):
+                    found.add((stage, r["key"]))
+                    # What a result was made from stays as long as the result (evaluate's params).
+                    upstream = r.get("upstream_keys")
+                    found.update((u, k) for u, k in (upstream.items() if isinstance(upstream, dict) else ()))
+        for view in run_dir.iterdir():
+            if view.is_symlink() and (m := _ITEM.fullmatch(Path(os.readlink(view)).name)):
+                found.add((m["stage"], m["key"]))
+    return found
+
+
+def size_of(path: Path) -> int:
+    if path.is_symlink() or path.is_file():
+        return path.lstat().st_size
+    return sum(p.lstat().st_size for p in _files(path))
+
+
+def _remove(path: Path, dry_run: bool) -> Garbage:
+    garbage = Garbage(path, size_of(path))
+    if dry_run:
+        return garbage
+    if path.is_dir() and not path.is_symlink():
+        # Renamed first, so that a removal cut short leaves no folder that looks like an entry.
+        doomed = path if path.name.startswith(_DELETING) else path.with_name(f"{_DELETING}{path.name}")
+        os.replace(path, doomed)
+        shutil.rmtree(doomed)
+    else:
+        path.unlink(missing_ok=True)
+    return garbage
+
+
+def _files(folder: Path) -> Iterator[Path]:
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            yield Path(dirpath) / name
