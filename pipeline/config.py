@@ -57,6 +57,10 @@ def load(path: str | Path, config_classes: dict[str, type], overrides: list[str]
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: a directory; give the pipeline's TOML file, e.g. {path / 'pipeline.toml'}") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     # Validate the file alone first, so an error names the file rather than an override.
@@ -135,6 +139,9 @@ def _convert(tp: Any, value: Any, key: str, source: str) -> Any:
         return {k: _convert(args[1] if args else Any, v, f"{key}.{k}", source) for k, v in value.items()}
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    # TOML reads nan and inf as floats; no setting means either, and a nan lr would cost a whole run.
+    if tp is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{source}: {key}: {value!r} is not allowed; expected a finite number")
     if tp in (int, float, str, bool) and type(value) is tp:
         return value
     raise ConfigError(f"{source}: {key}: expected {_type_name(tp)}, got {value!r}")

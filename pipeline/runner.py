@@ -106,7 +106,20 @@ def plan(
             action, reason = "run", _why_not_done(record, key, config_hash, upstream)
         steps.append(Step(module.NAME, module, key, config_hash, inputs_hash, upstream, action, reason))
     _check_upstream_done(steps)
+    _validate(config, steps)
     return steps
+
+
+def _validate(config: cfg.PipelineConfig, steps: list[Step]) -> None:
+    """Each stage's own checks (its optional `validate`), before any stage runs: a bad pretrain or
+    evaluate setting fails now, not after the stages before it. A done stage passed them when it ran."""
+    for step in steps:
+        check = getattr(step.module, "validate", None)
+        if check is not None and step.reason != "done":
+            try:
+                check(config.stages[step.name], config)
+            except stages.StageError as e:
+                raise PlanError(str(e)) from None
 
 
 def _is_done(record: dict[str, Any] | None, key: str, out_dir: Path) -> bool:

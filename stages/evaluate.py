@@ -24,6 +24,7 @@ from typing import Any, Callable, Literal
 
 from stages import Context, StageError, Upstream
 from stages import device as devices
+from stages import progress
 from stages.glue import GLUE, METRICS, REGRESSION_METRICS
 
 NAME = "evaluate"
@@ -130,6 +131,45 @@ class Config:
         """The task's own `key` (epochs, seeds, lr or max_length), or the stage's when it has none."""
         own = getattr(task, key)
         return getattr(self, key) if own is None else own
+
+
+def fingerprint(config: Config) -> list[list[Any]]:
+    """What the runner adds to this stage's key besides the config: path, size and modification
+    time of every file a task reads from disk (a custom task's folder, a local GLUE folder), so that
+    editing a task's data re-runs the stage. A folder that is missing now is left to `validate`."""
+    files = []
+    for task in config.tasks:
+        root = Path(task.path).expanduser()
+        if task.kind != "heldout-topic" and task.path and root.is_dir():
+            files += [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(root.rglob("*")) if f.is_file()]
+    return files
+
+
+def validate(config: Config, pipeline: Any) -> None:
+    """What `run` would reject about the tasks before it fine-tunes anything, checked by the runner
+    before the first stage runs: the device, each task's files (read in full: fields, labels,
+    encoding), and a held-out-topic task that the tokenize stage's settings leave without articles."""
+    devices.check(pipeline.run.device)
+    tokenize, pack = pipeline.stages.get("tokenize"), pipeline.stages.get("pack")
+    for i, task in enumerate(config.tasks):
+        where = f"evaluate.tasks[{i}]"
+        max_length = config.setting(task, "max_length")
+        if pack is not None and _bucket(max_length, config.buckets) > pack.seq_len:
+            raise StageError(f"{where}: max_length {max_length} pads to {_bucket(max_length, config.buckets)}, "
+                             f"beyond pack.seq_len = {pack.seq_len}, the model's positions")
+        if task.kind != "heldout-topic":
+            _load_task(task, i, None)
+        elif tokenize is not None and tokenize.heldout_fraction == 0:
+            raise StageError(f"{where}: kind 'heldout-topic' classifies the articles tokenize holds out, and "
+                             "tokenize.heldout_fraction = 0 holds out none; raise it or drop this task")
+        elif tokenize is not None and not _has_labels(tokenize.corpus):
+            raise StageError(f"{where}: kind 'heldout-topic' needs labelled documents, and the corpus has no "
+                             "labels (tokenize.corpus.label_field, or text files); drop this task or add labels")
+
+
+def _has_labels(corpus: Any) -> bool:
+    plain_text = corpus.kind in ("files", "package") and corpus.format == "text"
+    return bool(corpus.label_field) and not plain_text
 
 
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
@@ -323,7 +363,7 @@ def _finetune_task(tuner: _Tuner, task_cfg: TaskConfig, task, data: _Encoded, ct
     scores: dict[str, dict[str, list[float]]] = {t: {m: [] for m in task.metrics} for t in task.tests}
     train_loss = []
     for seed in seeds:
-        params, loss = tuner.train(task.num_outputs, data.train, epochs, lr, seed)
+        params, loss = tuner.train(task.num_outputs, data.train, epochs, lr, seed, f"{task.name} seed {seed}")
         train_loss.append(loss)
         for test, (rows, lengths, labels) in data.tests.items():
             outputs = tuner.outputs(params, rows, lengths)
@@ -376,7 +416,7 @@ class _Tuner:
         return cls(config, cfg, params, special, device, make_finetune_step(cfg, opt_cfg, **kw),
                    make_classify_eval_step(cfg, **kw))
 
-    def train(self, num_outputs: int, train, epochs: int, lr: float, seed: int):
+    def train(self, num_outputs: int, train, epochs: int, lr: float, seed: int, label: str = "fine-tune"):
         """Params fine-tuned from the pretrained ones with a fresh head, and the last epoch's mean loss."""
         import numpy as np
         import torch
@@ -395,7 +435,7 @@ class _Tuner:
         for epoch in range(epochs):
             order = rng.permutation(len(rows))
             losses = []
-            for i in range(steps_per_epoch):
+            for i in progress.track(range(steps_per_epoch), label, total, done=epoch * steps_per_epoch):
                 batch = self.batch(rows, lengths, labels, order[i * size:(i + 1) * size], size)
                 progress = (epoch * steps_per_epoch + i) / total
                 lr_now = torch.tensor(lr * model.lr_schedule("cosine", progress, warmup=self.config.warmup),

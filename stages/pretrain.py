@@ -141,6 +141,23 @@ class Config:
             raise ValueError(f"val_blocks: {self.val_blocks} must be >= 0")
 
 
+def validate(config: Config, pipeline: Any) -> None:
+    """What `run` would reject before training, checked by the runner before the first stage runs:
+    the model preset and overrides (at the vocab size and sequence length that tokenize and pack
+    are set to make), the optimizer, the schedule and its arguments, and the device."""
+    import model
+    from stages.tokenize import SPECIAL_IDS
+
+    tokenize, pack = pipeline.stages.get("tokenize"), pipeline.stages.get("pack")
+    preset = model.PRESETS.get(config.model.preset)
+    vocab_size = tokenize.vocab_size if tokenize is not None else getattr(preset, "vocab_size", 0)
+    seq_len = pack.seq_len if pack is not None else getattr(preset, "max_seq_len", 0)
+    _model_config(model, config.model, vocab_size, seq_len, SPECIAL_IDS["pad"])
+    _optimizer_config(model, config)
+    _check_schedule(model, config)
+    devices.check(pipeline.run.device)
+
+
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
     import numpy as np
     import torch
@@ -154,10 +171,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     seq_len, special = int(pack.outputs["seq_len"]), pack.outputs["special_ids"]
     _check_data(train, val, seq_len, pack)
     cfg = _model_config(model, config.model, int(pack.outputs["vocab_size"]), seq_len, special["pad"])
-    try:
-        opt_cfg = model.OptimizerConfig(**dataclasses.asdict(config.optimizer))
-    except ValueError as e:
-        raise StageError(f"pretrain.{e}") from None
+    opt_cfg = _optimizer_config(model, config)
     _check_schedule(model, config)
     if config.batch_size % (ctx.world_size * config.microbatch):
         raise StageError(f"pretrain.batch_size: {config.batch_size} must be a multiple of microbatch x ranks "
@@ -600,6 +614,13 @@ def _model_config(model, arch: Architecture, vocab_size: int, seq_len: int, pad_
         )
     except (TypeError, ValueError) as e:
         raise StageError(f"pretrain.model: {e}") from None
+
+
+def _optimizer_config(model, config: Config):
+    try:
+        return model.OptimizerConfig(**dataclasses.asdict(config.optimizer))
+    except ValueError as e:
+        raise StageError(f"pretrain.{e}") from None
 
 
 def _check_schedule(model, config: Config) -> None:
