@@ -58,7 +58,8 @@ def load(path: str | Path, config_classes: dict[str, type], overrides: list[str]
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
     except IsADirectoryError:
-        raise ConfigError(f"{path}: a directory; give the pipeline's TOML file, e.g. {path / 'pipeline.toml'}") from None
+        raise ConfigError(f"{path}: a directory; give the pipeline's TOML file, e.g. {path / 'pipeline.toml'}") \
+            from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:

@@ -8,9 +8,10 @@ cram's format: `params.safetensors` (cram's parameter names), `model.json` (the 
 `tokenizer.model` (sentencepiece), `special_ids.json` and a `README.md` model card.
 The transformers format holds what `AutoModelForMaskedLM.from_pretrained` and
 `AutoTokenizer.from_pretrained` read: `config.json`, `model.safetensors`, `tokenizer.json`,
-`tokenizer_config.json`, and the same card. Both hold `.cram-export`, the marker by which `--force`
-knows a folder it may replace: an earlier export, never a run, the runs folder or anything else. It exists only for the ModernBERT layout (see
+`tokenizer_config.json`, and the same card. It exists only for the ModernBERT layout (see
 `transformers_blockers`); building its tokenizer needs `tokenizers` and `protobuf`.
+Both formats hold `.cram-export`, the marker by which `--force` knows a folder it may replace: an
+earlier export, never a run, the runs folder or anything else.
 """
 
 from __future__ import annotations

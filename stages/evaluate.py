@@ -24,8 +24,8 @@ from typing import Any, Callable, Literal
 
 from stages import Context, StageError, Upstream
 from stages import device as devices
-from stages import progress
 from stages.glue import GLUE, METRICS, REGRESSION_METRICS
+from stages.progress import track
 
 NAME = "evaluate"
 VERSION = "2"
@@ -435,7 +435,7 @@ class _Tuner:
         for epoch in range(epochs):
             order = rng.permutation(len(rows))
             losses = []
-            for i in progress.track(range(steps_per_epoch), label, total, done=epoch * steps_per_epoch):
+            for i in track(range(steps_per_epoch), label, total, done=epoch * steps_per_epoch):
                 batch = self.batch(rows, lengths, labels, order[i * size:(i + 1) * size], size)
                 progress = (epoch * steps_per_epoch + i) / total
                 lr_now = torch.tensor(lr * model.lr_schedule("cosine", progress, warmup=self.config.warmup),
