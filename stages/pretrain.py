@@ -181,12 +181,15 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     autocast = devices.autocast_dtype(config.precision, device)
 
     # Continue from the newest checkpoint (the one rank 0 sees, on every rank), or start afresh.
-    resume_from = _agree_on(checkpoint.latest(out_dir / "checkpoints"), ctx)
+    resume_from = _agree_on(checkpoint.latest(out_dir / "checkpoints", ctx.log), ctx)
     if resume_from is None:
         params = model.init(cfg, ctx.seed)
         opt_state, state = model.adamw_init(params), _fresh_state(ctx.seed)
     else:
-        params, opt_state, state = checkpoint.load(resume_from)
+        try:
+            params, opt_state, state = checkpoint.load(resume_from)
+        except checkpoint.CheckpointError as e:
+            raise StageError(str(e)) from None
         if state["seed"] != ctx.seed:
             raise StageError(f"{resume_from}: saved with seed {state['seed']}, the run has seed {ctx.seed}")
         ctx.log.info("resume", checkpoint=str(resume_from), step=state["step"], elapsed_s=state["elapsed_s"])
