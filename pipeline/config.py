@@ -110,6 +110,9 @@ def _convert(tp: Any, value: Any, key: str, source: str) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is Any:
         return value
+    # TOML reads nan and inf as numbers; no setting means either, and a nan lr would cost a whole run.
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{source}: {key}: {value!r} is not allowed; expected a finite number")
     if dataclasses.is_dataclass(tp):
         return build(tp, value, key, source)
     if origin is Literal:
@@ -140,9 +143,6 @@ def _convert(tp: Any, value: Any, key: str, source: str) -> Any:
         return {k: _convert(args[1] if args else Any, v, f"{key}.{k}", source) for k, v in value.items()}
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    # TOML reads nan and inf as floats; no setting means either, and a nan lr would cost a whole run.
-    if tp is float and isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{source}: {key}: {value!r} is not allowed; expected a finite number")
     if tp in (int, float, str, bool) and type(value) is tp:
         return value
     raise ConfigError(f"{source}: {key}: expected {_type_name(tp)}, got {value!r}")
