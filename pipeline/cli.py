@@ -168,7 +168,10 @@ def inspect(
     if stage is not None and stage not in records:
         _fail(f"{run_dir}: no stage '{stage}' in the manifest (it has: {', '.join(records) or 'none'})")
     saved = run_dir / rundir.CONFIG
-    conf = cfg.tomllib.loads(saved.read_text()) if saved.is_file() else {}
+    try:
+        conf = cfg.tomllib.loads(saved.read_text(encoding="utf-8")) if saved.is_file() else {}
+    except (OSError, UnicodeDecodeError, cfg.tomllib.TOMLDecodeError) as e:
+        _fail(f"{saved}: not a readable config ({e})")
     for name in [stage] if stage else list(records):
         r = records[name]
         out.rule(f"{name}: {r.get('status')}")

@@ -153,7 +153,10 @@ def _glue_from_tsv(name: str, spec: GlueSpec, folder: Path) -> Task:
         path = folder / file_name
         if not path.is_file():
             raise StageError(f"{path}: missing; the GLUE TSV layout of {name} has it")
-        texts, labels = _read_tsv(path, spec.tsv_text, spec.tsv_label)
+        try:
+            texts, labels = _read_tsv(path, spec.tsv_text, spec.tsv_label)
+        except UnicodeDecodeError as e:
+            raise StageError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
         labels = [_tsv_label(v, spec.labels, path) for v in labels]
         return _check_labels(texts, labels, spec.labels, str(path))
 

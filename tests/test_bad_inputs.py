@@ -201,6 +201,9 @@ CASES = [
     ("task one class", one_class, RUN, "holds one class only"),
     ("task not utf-8", rewrite("tasks/train.csv", "text,label\ncaf\xe9 ok,1\nbad,0\n".encode("latin-1")), RUN,
      "tasks/train.csv: not UTF-8"),
+    ("glue tsv not utf-8", rewrite("glue/SST-2/train.tsv", "sentence\tlabel\ncaf\xe9\t1\n".encode("latin-1")),
+     [*RUN, *tasks(kind='"glue"', name='"sst2"', path='"glue"', text_fields="[]", metrics="[]")],
+     "glue/SST-2/train.tsv: not UTF-8"),
     ("task no test file", remove("tasks/test.csv"), RUN, "has no test|dev|validation.csv or .jsonl"),
     ("task unseen label", rewrite("tasks/test.csv", "text,label\ncat sat,7\n"), RUN, "label '7' of field 'label'"),
     ("task empty", rewrite("tasks/train.csv", "text,label\n"), RUN, "tasks/train.csv: no records"),
@@ -233,6 +236,7 @@ CASES = [
     ("log unwritable", log_folder_is_a_file, RUN, "cannot write the run's log"),
     ("live lock", live_lock, [*RUN, *FORCE_EVAL], "is in use by pid"),
     ("inspect stage", nothing, ["inspect", "runs/base", "train"], "no stage 'train' in the manifest"),
+    ("inspect config", rewrite("runs/base/config.toml", "[run"), ["inspect", "runs/base"], "not a readable config"),
     ("inspect plot folder", nothing, ["inspect", "runs/base", "--plot", "missing/curves.png"],
      "the folder missing does not exist"),
     # export targets and sources
