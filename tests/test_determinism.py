@@ -53,8 +53,7 @@ def test_inductor_runs_and_resumes_agree_within_tolerance(pack, tmp_path, make_c
     for name in ("a", "b"):
         torch._dynamo.reset()  # a fresh compile each run, as in a new process
         pretrain.run(config, {"pack": pack}, tmp_path / name, make_ctx())
-    _resume_from(tmp_path / "a", 3, tmp_path / "resumed")
-    torch._dynamo.reset()
+    _resume_from(tmp_path / "a", 3, tmp_path / "resumed")  # a resume of run a, compiled as run b was
     pretrain.run(config, {"pack": pack}, tmp_path / "resumed", make_ctx())
     final = tmp_path / "a" / "params.safetensors"
     for other in ("b", "resumed"):
