@@ -193,6 +193,14 @@ CASES = [
     ("unknown key", nothing, [*RUN, *sets(**{"pretrain.lr": "1e-3"})], "unknown key 'lr'"),
     ("unknown section", rewrite("pipeline.toml", PIPELINE + "\n[pretrian]\n"), RUN, "unknown section [pretrian]"),
     ("bad --set", nothing, [*RUN, "--set", "lr"], "expected section.key=value"),
+    # the corpus: found before the first stage runs
+    ("corpus missing", nothing, [*RUN, *sets(**{"tokenize.corpus.paths": '["nope/*.jsonl"]'})],
+     "tokenize.corpus.paths: 'nope/*.jsonl' matches no file"),
+    ("corpus no paths", nothing, [*RUN, *sets(**{"tokenize.corpus.paths": "[]"})], 'kind = "files" needs at least'),
+    ("corpus format", nothing, [*RUN, *sets(**{"tokenize.corpus.format": '"xml"'})], "format: 'xml' is not allowed"),
+    ("corpus package", nothing, [*RUN, *sets(**{"tokenize.corpus.kind": '"package"', "tokenize.corpus.package":
+                                                '"no-such-package"'})], "'no-such-package' is not installed"),
+    ("corpus text field", nothing, [*RUN, *sets(**{"tokenize.corpus.text_field": '""'})], "text_field: must name"),
     # evaluate's tasks: their files are read before the first stage runs
     ("task folder", nothing, [*RUN, *tasks(path='"nope"')], "evaluate.tasks[0].path: nope is not a directory"),
     ("task label column", nothing, [*RUN, *tasks(label_field='"sentiment"')], "has no field 'sentiment'"),
