@@ -22,6 +22,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from stages import StageError
+
 PARAMS = "params.safetensors"
 OPTIMIZER = "optimizer.safetensors"
 STATE = "state.json"
@@ -49,7 +51,7 @@ def save(root: Path, step: int, params: dict, opt_state: dict, state: dict[str, 
     return final
 
 
-class CheckpointError(Exception):
+class CheckpointError(StageError):
     """A checkpoint file that is missing, unreadable or not what its checksum says; names the file."""
 
 
@@ -99,14 +101,7 @@ def load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], 
         state = json.loads((path / STATE).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path / STATE}: unreadable ({e})") from None
-    return _read_checked(path / PARAMS), _read_checked(path / OPTIMIZER), state
-
-
-def _read_checked(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return read_tensors(path)
-    except Exception as e:  # safetensors raises its own SafetensorError, or OSError, or a JSON error
-        raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+    return read_tensors(path / PARAMS), read_tensors(path / OPTIMIZER), state
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -121,10 +116,14 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of `path` in the order they were written: the steps iterate over dicts (the
-    global gradient norm sums in that order), so bit-identical resumes need the same order back."""
-    with safe_open(str(path), framework="pt") as f:
-        names = json.loads((f.metadata() or {}).get(_ORDER, "null")) or list(f.keys())
-        return {name: f.get_tensor(name) for name in names}
+    global gradient norm sums in that order), so bit-identical resumes need the same order back.
+    CheckpointError names a file that is missing or cannot be read."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            names = json.loads((f.metadata() or {}).get(_ORDER, "null")) or list(f.keys())
+            return {name: f.get_tensor(name) for name in names}
+    except Exception as e:  # safetensors raises its own SafetensorError, or OSError, or a JSON error
+        raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
 
 
 def _complete(root: Path) -> list[Path]:

@@ -218,9 +218,9 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
 
 def _load_checkpoint(pretrain: Upstream, tokenize: Upstream):
     import sentencepiece as spm
-    from safetensors.torch import load_file
 
     from model import ModelConfig
+    from stages.checkpoint import read_tensors
 
     config_path = pretrain.path("model_config")
     try:
@@ -233,7 +233,7 @@ def _load_checkpoint(pretrain: Upstream, tokenize: Upstream):
             f"{config_path}: vocab_size {cfg.vocab_size} does not match the tokenizer's "
             f"{tokenizer.get_piece_size()} pieces ({tokenize.path('tokenizer')})"
         )
-    params = load_file(pretrain.path("params"))
+    params = read_tensors(pretrain.path("params"))
     embedding = params.get("embed.tokens.weight")
     if embedding is None or tuple(embedding.shape) != (cfg.vocab_size, cfg.hidden):
         shape = None if embedding is None else list(embedding.shape)

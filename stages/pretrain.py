@@ -186,10 +186,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         params = model.init(cfg, ctx.seed)
         opt_state, state = model.adamw_init(params), _fresh_state(ctx.seed)
     else:
-        try:
-            params, opt_state, state = checkpoint.load(resume_from)
-        except checkpoint.CheckpointError as e:
-            raise StageError(str(e)) from None
+        params, opt_state, state = checkpoint.load(resume_from)
         if state["seed"] != ctx.seed:
             raise StageError(f"{resume_from}: saved with seed {state['seed']}, the run has seed {ctx.seed}")
         ctx.log.info("resume", checkpoint=str(resume_from), step=state["step"], elapsed_s=state["elapsed_s"])

@@ -325,3 +325,12 @@ def test_a_single_long_document_is_named_as_such(ws):
     assert result.exit_code == 0, result.output
     result = cram(*RUN, "--only", "pack", *args)
     assert result.exit_code == 2 and "one document of" in result.output and "too few" not in result.output
+
+
+def test_damaged_final_params_are_named_when_evaluate_reads_them(ws):
+    params = ws / "runs" / "base" / "pretrain" / "params.safetensors"
+    params.write_bytes(params.read_bytes()[:100])
+    result = cram(*RUN, *FORCE_EVAL)
+    assert result.exit_code == 2, result.output
+    error = result.output.strip().splitlines()[-1]
+    assert error.startswith("error: stage 'evaluate' failed") and "pretrain/params.safetensors: unreadable" in error
