@@ -147,7 +147,7 @@ def fingerprint(config: Config) -> list[list[Any]]:
 
 def validate(config: Config, pipeline: Any) -> None:
     """What `run` would reject about the tasks before it fine-tunes anything, checked by the runner
-    before the first stage runs: the device, each task's files (read in full: fields, labels,
+    before the first stage runs: the device, each local task's files (read in full: fields, labels,
     encoding), and a held-out-topic task that the tokenize stage's settings leave without articles."""
     devices.check(pipeline.run.device)
     tokenize, pack = pipeline.stages.get("tokenize"), pipeline.stages.get("pack")
@@ -158,7 +158,8 @@ def validate(config: Config, pipeline: Any) -> None:
             raise StageError(f"{where}: max_length {max_length} pads to {_bucket(max_length, config.buckets)}, "
                              f"beyond pack.seq_len = {pack.seq_len}, the model's positions")
         if task.kind != "heldout-topic":
-            _load_task(task, i, None)
+            if task.path:  # GLUE from the hub is fetched when the stage runs, not to check a config
+                _load_task(task, i, None)
         elif tokenize is not None and tokenize.heldout_fraction == 0:
             raise StageError(f"{where}: kind 'heldout-topic' classifies the articles tokenize holds out, and "
                              "tokenize.heldout_fraction = 0 holds out none; raise it or drop this task")

@@ -334,3 +334,13 @@ def test_damaged_final_params_are_named_when_evaluate_reads_them(ws):
     assert result.exit_code == 2, result.output
     error = result.output.strip().splitlines()[-1]
     assert error.startswith("error: stage 'evaluate' failed") and "pretrain/params.safetensors: unreadable" in error
+
+
+def test_the_shipped_configs_pass_validation_offline(tmp_path, monkeypatch):
+    """GLUE from the hub is fetched when evaluate runs, not to check a config: a dry run stays offline."""
+    monkeypatch.chdir(tmp_path)
+    repo = Path(__file__).resolve().parents[1]
+    for config in (repo / "pipeline.toml", repo / "configs" / "crammed-bert.toml"):
+        result = cram("run", str(config), "--dry-run")
+        assert result.exit_code == 0, result.output
+        assert result.output.count(" run ") == 4, result.output
