@@ -60,6 +60,9 @@ def run(
     overrides: List[str] = typer.Option([], "--set", help="Override a key: section.key=value (repeatable)."),
 ) -> None:
     """Run the pipeline of CONFIG: every stage that is not done, in order."""
+    if only is not None and start is not None:
+        _fail(f"--only {only} and --from {start} do not combine: --only runs one stage, "
+              "--from re-runs a stage and every stage after it")
     modules = runner.default_stages()
     try:
         conf = cfg.load(config, runner.config_classes(modules), overrides)
@@ -87,6 +90,9 @@ def resume(run_dir: Path = typer.Argument(..., help="A run directory.")) -> None
 
 def _run(conf: cfg.PipelineConfig, run_dir: Path, modules: list, only, start, force, dry_run: bool,
          show_status: bool = True) -> None:
+    blocking = next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        _fail(f"{blocking}: a file, where the run directory {run_dir} needs a folder (see run.root and run.name)")
     try:
         steps = runner.plan(conf, modules, run_dir, only=only, start=start, force=force)
     except (runner.PlanError, rundir.RunDirError) as e:
@@ -96,7 +102,10 @@ def _run(conf: cfg.PipelineConfig, run_dir: Path, modules: list, only, start, fo
         return
     rank, world_size = runner.init_distributed(conf.run.device)
     main = rank == 0
-    logs.configure(run_dir / rundir.EVENTS if main else None, console=main)
+    try:
+        logs.configure(run_dir / rundir.EVENTS if main else None, console=main)
+    except OSError as e:
+        _fail(f"{run_dir}: cannot write the run's log ({e.strerror}: {e.filename})")
     log = logs.get(run=run_dir.name)
     try:
         if main:
@@ -107,6 +116,8 @@ def _run(conf: cfg.PipelineConfig, run_dir: Path, modules: list, only, start, fo
             runner.execute(conf, steps, run_dir, "", rank, world_size)
     except rundir.RunDirError as e:
         _fail(str(e))
+    except OSError as e:  # the run directory itself: read-only, full, or gone; a stage's own errors are StageFailed
+        _fail(f"{run_dir}: cannot write the run ({e.strerror}: {e.filename})")
     except runner.StageFailed as e:
         _fail(f"{e} (log: {e.log_path})", e.exit_code)
     except KeyboardInterrupt:
@@ -149,12 +160,13 @@ def _print_status(run_dir: Path) -> None:
 def inspect(
     run_dir: Path = typer.Argument(..., help="A run directory."),
     stage: Optional[str] = typer.Argument(None, help="A stage; all stages when left out."),
-    lines: int = typer.Option(15, "--lines", help="How many log events to show."),
+    lines: int = typer.Option(15, "--lines", min=0, help="How many log events to show (0: none)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Also save the pretraining curves as this PNG."),
 ) -> None:
     """The resolved config, a stage's outputs and figures, and its log tail."""
     records = _records(run_dir)
     if plot is not None:
+        _check_plot_path(plot)
         try:
             curves.save(curves.plot_run(run_dir), plot)
         except curves.CurvesError as e:
@@ -163,7 +175,10 @@ def inspect(
     if stage is not None and stage not in records:
         _fail(f"{run_dir}: no stage '{stage}' in the manifest (it has: {', '.join(records) or 'none'})")
     saved = run_dir / rundir.CONFIG
-    conf = cfg.tomllib.loads(saved.read_text()) if saved.is_file() else {}
+    try:
+        conf = cfg.tomllib.loads(saved.read_text(encoding="utf-8")) if saved.is_file() else {}
+    except (OSError, UnicodeDecodeError, cfg.tomllib.TOMLDecodeError) as e:
+        _fail(f"{saved}: not a readable config ({e})")
     for name in [stage] if stage else list(records):
         r = records[name]
         out.rule(f"{name}: {r.get('status')}")
@@ -191,6 +206,8 @@ def compare(
     plot: Optional[Path] = typer.Option(None, "--plot", help="Save the loss curves of all runs as this PNG."),
 ) -> None:
     """One row per run: the config keys that differ, then each stage's headline figures."""
+    if plot is not None:
+        _check_plot_path(plot)
     try:
         if out_file is not None:
             comparing.check_out(out_file)
@@ -233,8 +250,14 @@ def list_runs(root: Path = typer.Argument(Path("runs"), help="The runs root.")) 
     table = Table(title=str(root), title_justify="left")
     for column in ("run", "newest stage", "status", "started"):
         table.add_column(column)
+    unreadable = []
     for path in sorted(p for p in root.iterdir() if (p / rundir.MANIFEST).is_file()):
-        records = rundir.Manifest.load(path).data.get("stages", {})
+        try:
+            records = rundir.Manifest.load(path).data.get("stages", {})
+        except rundir.RunDirError as e:  # one bad run must not hide the others
+            table.add_row(path.name, "-", "[red]unreadable manifest[/]", "-")
+            unreadable.append(str(e))
+            continue
         started = {k: r for k, r in records.items() if r.get("started")}
         if not started:
             table.add_row(path.name, "-", "-", "-")
@@ -243,6 +266,8 @@ def list_runs(root: Path = typer.Argument(Path("runs"), help="The runs root.")) 
         r = started[newest]
         table.add_row(path.name, newest, _styled(runner.describe(path, newest, r)[0]), r["started"])
     out.print(table)
+    for message in unreadable:
+        err.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 @app.command("sweep")
@@ -367,9 +392,14 @@ def _records(run_dir: Path) -> dict[str, Any]:
         _fail(str(e))
 
 
+def _check_plot_path(plot: Path) -> None:
+    if not plot.parent.is_dir():
+        _fail(f"--plot {plot}: the folder {plot.parent} does not exist; create it or choose another path")
+
+
 def _log_tail(run_dir: Path, stage: str, n: int) -> list[str]:
     path = run_dir / rundir.EVENTS
-    if not path.is_file():
+    if n == 0 or not path.is_file():
         return []
     shown = []
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():

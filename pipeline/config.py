@@ -64,6 +64,11 @@ def load(
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: a directory; give the pipeline's TOML file, e.g. {path / 'pipeline.toml'}") \
+            from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     # Validate the file alone first, so an error names the file rather than an override.
@@ -112,6 +117,9 @@ def _convert(tp: Any, value: Any, key: str, source: str) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is Any:
         return value
+    # TOML reads nan and inf as numbers; no setting means either, and a nan lr would cost a whole run.
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{source}: {key}: {value!r} is not allowed; expected a finite number")
     if dataclasses.is_dataclass(tp):
         return build(tp, value, key, source)
     if origin is Literal:

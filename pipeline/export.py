@@ -10,6 +10,8 @@ The transformers format holds what `AutoModelForMaskedLM.from_pretrained` and
 `AutoTokenizer.from_pretrained` read: `config.json`, `model.safetensors`, `tokenizer.json`,
 `tokenizer_config.json`, and the same card. It exists only for the ModernBERT layout (see
 `transformers_blockers`); building its tokenizer needs `tokenizers` and `protobuf`.
+Both formats hold `.cram-export`, the marker by which `--force` knows a folder it may replace: an
+earlier export, never a run, the runs folder or anything else.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 from pipeline import rundir
 
 FORMATS = ("cram", "transformers")
+MARKER = ".cram-export"  # in every export: `--force` replaces a folder only when it holds this file
 # What a ModernBERT layer stack needs of cram's ModelConfig; every other field maps whatever its value.
 MODERNBERT_LAYOUT = {
     "position": "rope",
@@ -58,17 +61,20 @@ def export(run_dir: Path, to: Path, fmt: str = "cram", force: bool = False) -> P
     cfg = _model_config(run["pretrain_dir"] / run["pretrain"]["model_config"])
     if fmt == "transformers" and (blockers := transformers_blockers(cfg)):
         raise ExportError(f"{run_dir}: the model does not map onto transformers' ModernBERT; set {', '.join(blockers)}")
-    _check_target(to, force)
-    tmp = to.parent / f".{to.name}.tmp-{os.getpid()}"
+    target = _check_target(run_dir, to, force)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
+        tmp.mkdir(parents=True)
         if fmt == "cram":
             _write_cram(run, tmp)
         else:
             _write_transformers(run, cfg, tmp)
         (tmp / "README.md").write_text(model_card(run_dir, fmt), encoding="utf-8")
-        _replace_dir(tmp, to)
+        (tmp / MARKER).write_text(json.dumps({"run": str(run_dir.resolve()), "format": fmt}) + "\n")
+        _replace_dir(tmp, target)
+    except OSError as e:
+        raise ExportError(f"--to {to}: cannot write the export: {e}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return to
@@ -248,6 +254,11 @@ def _finished_run(run_dir: Path) -> dict[str, Any]:
                 f"run it first: cram resume {run_dir}"
             )
         run[stage], run[f"{stage}_dir"] = record["outputs"], run_dir / stage
+    for stage, key in (("tokenize", "tokenizer"), ("pretrain", "params"), ("pretrain", "model_config")):
+        path = run[f"{stage}_dir"] / str(run[stage].get(key))
+        if not path.is_file():
+            raise ExportError(f"{path}: missing, though stage {stage} is done; re-run it: "
+                              f"cram run {run_dir / rundir.CONFIG} --force {stage}")
     return run
 
 
@@ -261,11 +272,32 @@ def _model_config(path: Path) -> Any:
         raise ExportError(f"{path}: not a readable model config ({e})") from None
 
 
-def _check_target(to: Path, force: bool) -> None:
-    if to.exists() and not to.is_dir():
+def _check_target(run_dir: Path, to: Path, force: bool) -> Path:
+    """TO resolved, once it is known to be safe to write: never a run, the runs folder or what holds
+    them, never inside them, and, when it exists and is not empty, an earlier export to replace."""
+    target, run = to.resolve(), run_dir.resolve()
+    runs_root = run.parent
+    if target == runs_root or runs_root in target.parents:
+        raise ExportError(f"--to {to}: inside the runs folder {runs_root} (it holds run {run_dir.name}); "
+                          "export to a folder outside it")
+    if target in runs_root.parents or target == Path.cwd().resolve() or target in Path.cwd().resolve().parents:
+        raise ExportError(f"--to {to}: holds the runs folder {runs_root} or the current directory; "
+                          "name a new folder for the export, e.g. --to exports/" + run_dir.name)
+    inside = next((p for p in target.parents if (p / rundir.MANIFEST).is_file()), None)
+    if inside is not None:
+        raise ExportError(f"--to {to}: inside the run directory {inside}; export to a folder outside it")
+    if target.exists() and not target.is_dir():
         raise ExportError(f"--to {to}: exists and is not a directory")
-    if to.is_dir() and any(to.iterdir()) and not force:
-        raise ExportError(f"--to {to}: not empty; pass --force to replace it")
+    if target.is_dir() and any(target.iterdir()):
+        if not (target / MARKER).is_file():
+            raise ExportError(f"--to {to}: not empty and not an earlier export (no {MARKER}); "
+                              "--force replaces only an earlier export: choose a new or empty folder")
+        if not force:
+            raise ExportError(f"--to {to}: holds an earlier export; pass --force to replace it")
+        run_inside = next(target.rglob(rundir.MANIFEST), None)
+        if run_inside is not None:
+            raise ExportError(f"--to {to}: holds a run directory ({run_inside.parent}); not replacing it")
+    return target
 
 
 def _replace_dir(new: Path, to: Path) -> None:

@@ -63,6 +63,12 @@ class Manifest:
             data = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
             raise RunDirError(f"{path}: not valid JSON ({e}); move it away to start the run afresh") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise RunDirError(f"{path}: cannot be read ({e})") from None
+        stages = data.get("stages") if isinstance(data, dict) else None
+        if not isinstance(stages, dict) or not all(isinstance(r, dict) for r in stages.values()):
+            raise RunDirError(f'{path}: not a cram manifest (expected {{"stages": {{name: record}}}}); '
+                              "move it away to start the run afresh")
         return cls(path, data)
 
     def stage(self, name: str) -> dict[str, Any] | None:

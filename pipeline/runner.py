@@ -120,7 +120,20 @@ def plan(
         steps.append(Step(module.NAME, module, key, config_hash, inputs_hash, upstream, action, reason))
     steps = _link_only_what_is_needed(steps, selected)
     _check_upstream_done(steps)
+    _validate(config, steps)
     return steps
+
+
+def _validate(config: cfg.PipelineConfig, steps: list[Step]) -> None:
+    """Each stage's own checks (its optional `validate`), before any stage runs: a bad pretrain or
+    evaluate setting fails now, not after the stages before it. A done stage passed them when it ran."""
+    for step in steps:
+        check = getattr(step.module, "validate", None)
+        if check is not None and step.reason not in ("done", "in store"):
+            try:
+                check(config.stages[step.name], config)
+            except stages.StageError as e:
+                raise PlanError(str(e)) from None
 
 
 def keyed_config(module: ModuleType, stage_config: Any) -> dict[str, Any]:

@@ -1,12 +1,16 @@
 """Training checkpoints: `checkpoints/step-N/` with params and optimizer state as safetensors plus
-`state.json` (counters, budget and data position).
+`state.json` (counters, budget and data position), and `checksums.json`: the sha256 of each of the three.
 
 A checkpoint is written into a temporary folder and renamed into place, so a folder named `step-N`
 is always complete; what a killed write leaves behind is never read and is removed by the next save.
+What happens to a complete one later (a full disk, a bad copy, an edit) is caught by its checksums:
+`latest` passes over a checkpoint whose files do not match, with a warning naming the file, moves it
+aside as `step-N.corrupt` (kept, never read again) and returns the newest intact one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -18,9 +22,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from stages import StageError
+
 PARAMS = "params.safetensors"
 OPTIMIZER = "optimizer.safetensors"
 STATE = "state.json"
+CHECKSUMS = "checksums.json"
 _NAME = re.compile(r"step-(\d+)")
 _TEMP_PREFIX = ".tmp-"
 _ORDER = "cram.order"  # safetensors metadata key: the dict's key order (the format sorts names)
@@ -35,10 +42,8 @@ def save(root: Path, step: int, params: dict, opt_state: dict, state: dict[str, 
     tmp.mkdir(parents=True)
     write_tensors(tmp / PARAMS, params)
     write_tensors(tmp / OPTIMIZER, opt_state)
-    with open(tmp / STATE, "w", encoding="utf-8") as f:
-        json.dump(state, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_json(tmp / STATE, state)
+    _write_json(tmp / CHECKSUMS, {name: _sha256(tmp / name) for name in (PARAMS, OPTIMIZER, STATE)})
     if final.exists():  # the same step saved again (a resumed run that had nothing left to do)
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -46,15 +51,56 @@ def save(root: Path, step: int, params: dict, opt_state: dict, state: dict[str, 
     return final
 
 
-def latest(root: Path) -> Path | None:
-    """The newest complete checkpoint under `root`, or None."""
-    found = _complete(root)
-    return found[-1] if found else None
+class CheckpointError(StageError):
+    """A checkpoint file that is missing, unreadable or not what its checksum says; names the file."""
+
+
+def latest(root: Path, log: Any = None) -> Path | None:
+    """The newest complete checkpoint under `root` whose files match their checksums, or None.
+
+    With `log`, each newer one that does not match is reported as a warning and moved aside."""
+    for path in reversed(_complete(root)):
+        try:
+            verify(path)
+            return path
+        except CheckpointError as e:
+            if log is not None:
+                aside = path.with_name(f"{path.name}.corrupt")
+                try:
+                    os.replace(path, aside)  # another rank may have moved it already
+                except OSError:
+                    pass
+                log.warning("corrupt checkpoint skipped", error=str(e), moved_to=str(aside))
+    return None
+
+
+def verify(path: Path) -> None:
+    """Raise CheckpointError naming the first file of checkpoint `path` that is missing or does not
+    match its checksum. A checkpoint written before checksums existed is checked by reading it."""
+    sums_path = path / CHECKSUMS
+    if not sums_path.is_file():
+        load(path)
+        return
+    try:
+        sums = json.loads(sums_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{sums_path}: unreadable ({e})") from None
+    for name in (PARAMS, OPTIMIZER, STATE):
+        if not isinstance(sums, dict) or name not in sums:
+            raise CheckpointError(f"{sums_path}: no checksum for {name}")
+        if not (path / name).is_file():
+            raise CheckpointError(f"{path / name}: missing")
+        if _sha256(path / name) != sums[name]:
+            raise CheckpointError(f"{path / name}: does not match its checksum in {CHECKSUMS} (truncated or changed)")
 
 
 def load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
-    """(params, optimizer state, state) of a checkpoint, tensors on the CPU."""
-    state = json.loads((path / STATE).read_text(encoding="utf-8"))
+    """(params, optimizer state, state) of a checkpoint, tensors on the CPU; CheckpointError names
+    a file that cannot be read."""
+    try:
+        state = json.loads((path / STATE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path / STATE}: unreadable ({e})") from None
     return read_tensors(path / PARAMS), read_tensors(path / OPTIMIZER), state
 
 
@@ -70,10 +116,14 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of `path` in the order they were written: the steps iterate over dicts (the
-    global gradient norm sums in that order), so bit-identical resumes need the same order back."""
-    with safe_open(str(path), framework="pt") as f:
-        names = json.loads((f.metadata() or {}).get(_ORDER, "null")) or list(f.keys())
-        return {name: f.get_tensor(name) for name in names}
+    global gradient norm sums in that order), so bit-identical resumes need the same order back.
+    CheckpointError names a file that is missing or cannot be read."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            names = json.loads((f.metadata() or {}).get(_ORDER, "null")) or list(f.keys())
+            return {name: f.get_tensor(name) for name in names}
+    except Exception as e:  # safetensors raises its own SafetensorError, or OSError, or a JSON error
+        raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
 
 
 def _complete(root: Path) -> list[Path]:
@@ -88,3 +138,18 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(old)
     for leftover in root.glob(f"{_TEMP_PREFIX}*"):
         shutil.rmtree(leftover)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()

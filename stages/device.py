@@ -20,6 +20,13 @@ def resolve(name: str) -> Any:
     return torch.device(name)
 
 
+def check(name: str) -> None:
+    """Raise StageError when `run.device` names CUDA and there is none; torch is imported only then,
+    so that validating a config that asks for no GPU stays cheap."""
+    if name.startswith("cuda"):
+        resolve(name)
+
+
 def autocast_dtype(precision: str, device: Any) -> Any:
     """bf16 autocast (fp32 master weights) for "bf16", and for "auto" on CUDA; None means fp32.
 

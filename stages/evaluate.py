@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from stages import Context, StageError, Upstream
 from stages import device as devices
+from stages.finetune import bucket, load_task
 from stages.glue import GLUE
 from stages.metrics import METRICS, REGRESSION_METRICS
 
@@ -130,10 +131,50 @@ class Config:
         return getattr(self, key) if own is None else own
 
 
+def fingerprint(config: Config) -> list[list[Any]]:
+    """What the runner adds to this stage's key besides the config: path, size and modification
+    time of every file a task reads from disk (a custom task's folder, a local GLUE folder), so that
+    editing a task's data re-runs the stage. A folder that is missing now is left to `validate`."""
+    files = []
+    for task in config.tasks:
+        root = Path(task.path).expanduser()
+        if task.kind != "heldout-topic" and task.path and root.is_dir():
+            files += [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(root.rglob("*")) if f.is_file()]
+    return files
+
+
+def validate(config: Config, pipeline: Any) -> None:
+    """What `run` would reject about the tasks before it fine-tunes anything, checked by the runner
+    before the first stage runs: the device, each local task's files (read in full: fields, labels,
+    encoding), and a held-out-topic task that the tokenize stage's settings leave without articles."""
+    devices.check(pipeline.run.device)
+    tokenize, pack = pipeline.stages.get("tokenize"), pipeline.stages.get("pack")
+    for i, task in enumerate(config.tasks):
+        where = f"evaluate.tasks[{i}]"
+        max_length = config.setting(task, "max_length")
+        if pack is not None and bucket(max_length, config.buckets) > pack.seq_len:
+            raise StageError(f"{where}: max_length {max_length} pads to {bucket(max_length, config.buckets)}, "
+                             f"beyond pack.seq_len = {pack.seq_len}, the model's positions")
+        if task.kind != "heldout-topic":
+            if task.path:  # GLUE from the hub is fetched when the stage runs, not to check a config
+                load_task(task, i, None)
+        elif tokenize is not None and tokenize.heldout_fraction == 0:
+            raise StageError(f"{where}: kind 'heldout-topic' classifies the articles tokenize holds out, and "
+                             "tokenize.heldout_fraction = 0 holds out none; raise it or drop this task")
+        elif tokenize is not None and not _has_labels(tokenize.corpus):
+            raise StageError(f"{where}: kind 'heldout-topic' needs labelled documents, and the corpus has no "
+                             "labels (tokenize.corpus.label_field, or text files); drop this task or add labels")
+
+
+def _has_labels(corpus: Any) -> bool:
+    plain_text = corpus.kind in ("files", "package") and corpus.format == "text"
+    return bool(corpus.label_field) and not plain_text
+
+
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
     import torch
 
-    from stages.finetune import Tuner, bucket, encode, finetune_task, load_task
+    from stages.finetune import Tuner, encode, finetune_task
 
     tokenize, pack, pretrain = inputs["tokenize"], inputs["pack"], inputs["pretrain"]
     cfg, params, tokenizer = _load_checkpoint(pretrain, tokenize)
@@ -179,9 +220,9 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
 
 def _load_checkpoint(pretrain: Upstream, tokenize: Upstream):
     import sentencepiece as spm
-    from safetensors.torch import load_file
 
     from model import ModelConfig
+    from stages.checkpoint import read_tensors
 
     config_path = pretrain.path("model_config")
     try:
@@ -194,7 +235,7 @@ def _load_checkpoint(pretrain: Upstream, tokenize: Upstream):
             f"{config_path}: vocab_size {cfg.vocab_size} does not match the tokenizer's "
             f"{tokenizer.get_piece_size()} pieces ({tokenize.path('tokenizer')})"
         )
-    params = load_file(pretrain.path("params"))
+    params = read_tensors(pretrain.path("params"))
     embedding = params.get("embed.tokens.weight")
     if embedding is None or tuple(embedding.shape) != (cfg.vocab_size, cfg.hidden):
         shape = None if embedding is None else list(embedding.shape)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from stages import Context, StageError, Upstream
+from stages.progress import track
 
 
 def load_task(task_cfg: Any, index: int, tokenize: Upstream):
@@ -93,7 +94,7 @@ def finetune_task(tuner: Tuner, task_cfg: Any, task, data: Encoded, ctx: Context
     scores: dict[str, dict[str, list[float]]] = {t: {m: [] for m in task.metrics} for t in task.tests}
     train_loss = []
     for seed in seeds:
-        params, loss = tuner.train(task.num_outputs, data.train, epochs, lr, seed)
+        params, loss = tuner.train(task.num_outputs, data.train, epochs, lr, seed, f"{task.name} seed {seed}")
         train_loss.append(loss)
         for test, (rows, lengths, labels) in data.tests.items():
             outputs = tuner.outputs(params, rows, lengths)
@@ -146,7 +147,7 @@ class Tuner:
         return cls(config, cfg, params, special, device, make_finetune_step(cfg, opt_cfg, **kw),
                    make_classify_eval_step(cfg, **kw))
 
-    def train(self, num_outputs: int, train, epochs: int, lr: float, seed: int):
+    def train(self, num_outputs: int, train, epochs: int, lr: float, seed: int, label: str = "fine-tune"):
         """Params fine-tuned from the pretrained ones with a fresh head, and the last epoch's mean loss."""
         import numpy as np
         import torch
@@ -165,7 +166,7 @@ class Tuner:
         for epoch in range(epochs):
             order = rng.permutation(len(rows))
             losses = []
-            for i in range(steps_per_epoch):
+            for i in track(range(steps_per_epoch), label, total, done=epoch * steps_per_epoch):
                 batch = self.batch(rows, lengths, labels, order[i * size:(i + 1) * size], size)
                 progress = (epoch * steps_per_epoch + i) / total
                 lr_now = torch.tensor(lr * model.lr_schedule("cosine", progress, warmup=self.config.warmup),

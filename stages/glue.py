@@ -153,7 +153,10 @@ def _glue_from_tsv(name: str, spec: GlueSpec, folder: Path) -> Task:
         path = folder / file_name
         if not path.is_file():
             raise StageError(f"{path}: missing; the GLUE TSV layout of {name} has it")
-        texts, labels = _read_tsv(path, spec.tsv_text, spec.tsv_label)
+        try:
+            texts, labels = _read_tsv(path, spec.tsv_text, spec.tsv_label)
+        except UnicodeDecodeError as e:
+            raise StageError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
         labels = [_tsv_label(v, spec.labels, path) for v in labels]
         return _check_labels(texts, labels, spec.labels, str(path))
 
@@ -221,6 +224,9 @@ def load_custom(
         return Task(name, tuple(metrics), (), _float_labels(train_texts, train_labels, train_file),
                     {"test": _float_labels(test_texts, test_labels, test_file)})
     names = _ordered_names({str(v) for v in train_labels})
+    if len(names) < 2:
+        raise StageError(f"{train_file}: field {label_field!r} holds one class only ({names[0]!r}); a classifier "
+                         "needs two or more (for a regression, choose the metrics pearson or spearman)")
     unseen = sorted({str(v) for v in test_labels} - set(names))
     if unseen:
         raise StageError(
@@ -244,21 +250,10 @@ def _find_split(folder: Path, stems: Sequence[str], where: str) -> Path:
 
 
 def _read_records(path: Path, text_fields: Sequence[str], label_field: str):
-    if path.suffix == ".csv":
-        with path.open(encoding="utf-8-sig", newline="") as f:
-            records = list(csv.DictReader(f))
-    else:
-        with path.open(encoding="utf-8") as f:
-            records = []
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise StageError(f"{path}:{n}: not JSON: {e.msg}") from None
-                    if not isinstance(record, dict):
-                        raise StageError(f"{path}:{n}: not a JSON object (one record per line)")
-                    records.append(record)
+    try:
+        records = _parse_records(path)
+    except UnicodeDecodeError as e:
+        raise StageError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
     texts, labels = [], []
     for n, record in enumerate(records, 1):
         missing = next((k for k in (*text_fields, label_field) if k not in record or record[k] is None), None)
@@ -269,6 +264,24 @@ def _read_records(path: Path, text_fields: Sequence[str], label_field: str):
     if not texts:
         raise StageError(f"{path}: no records")
     return texts, labels
+
+
+def _parse_records(path: Path) -> list[dict]:
+    if path.suffix == ".csv":
+        with path.open(encoding="utf-8-sig", newline="") as f:
+            return list(csv.DictReader(f))
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise StageError(f"{path}:{n}: not JSON: {e.msg}") from None
+                if not isinstance(record, dict):
+                    raise StageError(f"{path}:{n}: not a JSON object (one record per line)")
+                records.append(record)
+    return records
 
 
 def _float_labels(texts, labels, path: Path) -> Examples:

@@ -198,6 +198,11 @@ def _validation_split(order: Any, offsets: Any, config: Config, wrap: int) -> tu
         n_val = int(np.searchsorted(sizes, config.seq_len)) + 1
     if n_val >= len(order):
         total = int(sizes[-1]) if len(order) else 0
+        if len(order) == 1 and total >= 2 * config.seq_len:  # enough tokens: it is the documents that are few
+            raise StageError(
+                f"tokenize.corpus: one document of {total} tokens; pack keeps whole documents apart for "
+                "validation, so it needs two or more (split the text, e.g. tokenize.corpus.text_unit = \"paragraph\")"
+            )
         raise StageError(
             f"tokenize.corpus: {len(order)} documents ({total} tokens with boundaries) are too few for one "
             f"validation block and one training block of pack.seq_len = {config.seq_len}"

@@ -144,6 +144,22 @@ class Config:
             raise ValueError(f"val_blocks: {self.val_blocks} must be >= 0")
 
 
+def validate(config: Config, pipeline: Any) -> None:
+    """What `run` would reject before training, checked by the runner before the first stage runs:
+    the model preset and overrides (at the vocab size and sequence length that tokenize and pack
+    are set to make), the schedule and its arguments, and the device."""
+    import model
+    from stages.tokenize import SPECIAL_IDS
+
+    tokenize, pack = pipeline.stages.get("tokenize"), pipeline.stages.get("pack")
+    preset = model.PRESETS.get(config.model.preset)
+    vocab_size = tokenize.vocab_size if tokenize is not None else getattr(preset, "vocab_size", 0)
+    seq_len = pack.seq_len if pack is not None else getattr(preset, "max_seq_len", 0)
+    _model_config(model, config.model, vocab_size, seq_len, SPECIAL_IDS["pad"])
+    _check_schedule(model, config)
+    devices.check(pipeline.run.device)
+
+
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
     import numpy as np
     import torch
@@ -170,7 +186,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     autocast = devices.autocast_dtype(config.precision, device)
 
     # Continue from the newest checkpoint (the one rank 0 sees, on every rank), or start afresh.
-    resume_from = agree_on(checkpoint.latest(out_dir / "checkpoints"), ctx.world_size)
+    resume_from = agree_on(checkpoint.latest(out_dir / "checkpoints", ctx.log), ctx.world_size)
     if resume_from is None:
         params = model.init(cfg, ctx.seed)
         opt_state, state = model.adamw_init(params), fresh_state(ctx.seed)

@@ -123,6 +123,13 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     return outputs
 
 
+def validate(config: Config, pipeline: Any) -> None:
+    """Checked by the runner before any stage runs: the local corpus can be found."""
+    unavailable = next((entry[1] for entry in corpus.fingerprint(config.corpus) if entry[0] == "unavailable"), None)
+    if unavailable is not None:
+        raise StageError(unavailable)
+
+
 def fingerprint(config: Config) -> list[list[Any]]:
     """What the runner adds to this stage's key besides the config: the local corpus files' stats."""
     return corpus.fingerprint(config.corpus)

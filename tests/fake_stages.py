@@ -41,8 +41,13 @@ value = 100
 @dataclass(frozen=True)
 class Config:
     value: int = 1
-    fail: Literal["", "input", "crash"] = ""
+    fail: Literal["", "input", "crash", "validate"] = ""  # validate: rejected by the stage's `validate`
     tags: tuple[str, ...] = ()
+
+
+def validate(config: Config, pipeline) -> None:
+    if config.fail == "validate":
+        raise StageError(f"value: {config.value} is refused before any stage runs")
 
 
 def _make(name: str, upstream: tuple[str, ...], resumable: bool = False, distributed: bool = False):
@@ -79,7 +84,7 @@ def _make(name: str, upstream: tuple[str, ...], resumable: bool = False, distrib
     module.DISTRIBUTED = distributed
     if not upstream:  # the first stage reads a file outside the run, as tokenize reads a corpus
         module.fingerprint = lambda config: Path("input.txt").read_text() if Path("input.txt").exists() else None
-    module.Config, module.run = Config, run
+    module.Config, module.run, module.validate = Config, run, validate
     return module
 
 

@@ -54,7 +54,7 @@ def sp_model(tmp_path_factory):
 
 def fake_run(root, sp_model, cfg=MODERNBERT, pretrain_status="done"):
     """A run directory holding just what export reads: manifest, config, tokenizer, params, model.json."""
-    run = root / "run"
+    run = root / "runs" / "run"
     (run / "tokenize").mkdir(parents=True)
     (run / "pretrain").mkdir()
     (run / "tokenize" / "tokenizer.model").write_bytes(sp_model.read_bytes())
@@ -81,6 +81,7 @@ def test_cram_export_loads_back_and_fine_tunes(tmp_path, sp_model):
     run, params = fake_run(tmp_path, sp_model)
     out = export(run, tmp_path / "export")
     assert sorted(p.name for p in out.iterdir()) == [
+        ".cram-export",
         "README.md",
         "model.json",
         "params.safetensors",
@@ -112,10 +113,16 @@ def test_export_refuses_bad_input_and_replaces_only_with_force(tmp_path, sp_mode
     target = tmp_path / "export"
     target.mkdir()
     (target / "keep.txt").write_text("mine")
-    with pytest.raises(ExportError, match="not empty; pass --force"):
-        export(run, target)
-    export(run, target, force=True)
-    assert not (target / "keep.txt").exists() and (target / "params.safetensors").is_file()
+    for force in (False, True):  # a folder that is not an earlier export is never replaced
+        with pytest.raises(ExportError, match="not empty and not an earlier export"):
+            export(run, target, force=force)
+    assert (target / "keep.txt").read_text() == "mine"
+    export(run, tmp_path / "again")
+    with pytest.raises(ExportError, match="holds an earlier export; pass --force"):
+        export(run, tmp_path / "again")
+    (tmp_path / "again" / "stale.txt").write_text("from an older export")
+    export(run, tmp_path / "again", force=True)
+    assert not (tmp_path / "again" / "stale.txt").exists() and (tmp_path / "again" / "params.safetensors").is_file()
     with pytest.raises(ExportError, match="--format onnx: allowed cram, transformers"):
         export(run, tmp_path / "other", fmt="onnx")
     with pytest.raises(ExportError, match="no model.json; is it a cram-format export"):
@@ -180,3 +187,36 @@ def test_transformers_export_matches_cram_logits_and_tokens(tmp_path, sp_model):
     before, after = SENTENCES[3].split("[MASK]")
     masked = tokenizer(SENTENCES[3], add_special_tokens=False)["input_ids"]
     assert masked == [*sp.encode(before), special["mask"], *sp.encode(after)]
+
+
+@pytest.mark.parametrize(
+    "target, message",
+    [
+        ("runs/run", "inside the runs folder"),
+        ("runs/run/pretrain", "inside the runs folder"),
+        ("runs", "inside the runs folder"),
+        ("runs/other-run", "inside the runs folder"),
+        (".", "holds the runs folder"),
+        ("..", "holds the runs folder"),
+        ("elsewhere/run2/sub", "inside the run directory"),
+    ],
+)
+def test_export_never_touches_a_run_or_the_runs_folder(tmp_path, sp_model, monkeypatch, target, message):
+    run, _ = fake_run(tmp_path, sp_model)
+    other = tmp_path / "elsewhere" / "run2"
+    other.mkdir(parents=True)
+    (other / "manifest.json").write_text('{"stages": {}}')
+    monkeypatch.chdir(tmp_path)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    result = CliRunner().invoke(cli.app, ["export", "runs/run", "--to", target, "--force"])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_export_names_a_missing_params_file(tmp_path, sp_model):
+    run, _ = fake_run(tmp_path, sp_model)
+    (run / "pretrain" / "params.safetensors").unlink()
+    result = CliRunner().invoke(cli.app, ["export", str(run), "--to", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "params.safetensors: missing, though stage pretrain is done" in result.output
+    assert not (tmp_path / "out").exists()

@@ -169,7 +169,6 @@ def test_tokenize_then_pack_on_the_default_corpus_through_cram(tmp_path, monkeyp
         assert again[stage]["started"] == manifest[stage]["started"]  # not run again
 
     bad = ("--set", 'tokenize.corpus.file="data/nope.json"', "--set", 'run.name="bad"', "--only", "tokenize")
-    cram(*bad, code=2)
-    record = json.loads((tmp_path / "runs/bad/manifest.json").read_text())["stages"]["tokenize"]
-    assert record["status"] == "failed" and not (tmp_path / "runs/bad/tokenize").exists()
+    assert "data/nope.json" in cram(*bad, code=2)
+    assert not (tmp_path / "runs/bad").exists()  # refused before any stage ran (tokenize's `validate`)
 

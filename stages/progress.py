@@ -1,0 +1,26 @@
+"""Progress bars for people: on stderr, in a terminal only (logs and CI output stay plain)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, TypeVar
+
+T = TypeVar("T")
+
+
+def track(items: Iterable[T], label: str, total: int, done: int = 0, console: Any = None) -> Iterator[T]:
+    """Yield `items`, drawing a bar "label [====    ] 40%" of `done` + items so far out of `total`.
+
+    A loop that runs in parts (epochs) passes the part's start as `done`, so the bar shows the
+    whole loop. The bar is removed once the items are spent, or the loop is left early.
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    console = console or Console(stderr=True)
+    bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                   console=console, transient=True, disable=not console.is_terminal)
+    task = bar.add_task(label, total=total, completed=done)
+    with bar:
+        for item in items:
+            yield item
+            bar.advance(task)

@@ -1,0 +1,75 @@
+"""Checkpoints that survive corruption: checksums written with each, verified before a resume, the
+damaged file named, and the newest intact checkpoint used instead."""
+
+import json
+
+import pytest
+import structlog
+import torch
+
+from stages import checkpoint
+
+
+def _save_three(root):
+    for step in (1, 2, 3):
+        tensors = {"w": torch.full((64, 64), float(step)), "b": torch.zeros(3)}
+        checkpoint.save(root, step, tensors, {"m.w": torch.ones(2)}, {"step": step}, keep=3)
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _garbage(path):  # 4 KB of noise in the middle: the file still parses, its numbers are wrong
+    data = bytearray(path.read_bytes())
+    data[-4096 - 8 : -8] = bytes((i * 37) % 251 for i in range(4096))
+    path.write_bytes(bytes(data))
+
+
+def test_each_checkpoint_has_checksums_of_its_files(tmp_path):
+    _save_three(tmp_path)
+    sums = json.loads((tmp_path / "step-3" / checkpoint.CHECKSUMS).read_text())
+    assert sorted(sums) == sorted([checkpoint.PARAMS, checkpoint.OPTIMIZER, checkpoint.STATE])
+    checkpoint.verify(tmp_path / "step-3")
+
+
+@pytest.mark.parametrize(
+    "damage, file",
+    [
+        (_truncate, checkpoint.PARAMS),
+        (_garbage, checkpoint.PARAMS),
+        (_truncate, checkpoint.OPTIMIZER),
+        (_truncate, checkpoint.STATE),
+        (lambda p: p.write_text('{"step": 4}'), checkpoint.STATE),
+        (lambda p: p.unlink(), checkpoint.PARAMS),
+    ],
+)
+def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_is_used(tmp_path, damage, file):
+    _save_three(tmp_path)
+    damage(tmp_path / "step-3" / file)
+    with pytest.raises(checkpoint.CheckpointError, match=f"step-3/{file}"):
+        checkpoint.verify(tmp_path / "step-3")
+    with structlog.testing.capture_logs() as logs:
+        found = checkpoint.latest(tmp_path, structlog.get_logger())
+    assert found == tmp_path / "step-2"
+    assert [e["event"] for e in logs] == ["corrupt checkpoint skipped"] and file in logs[0]["error"]
+    assert (tmp_path / "step-3.corrupt" / checkpoint.STATE).exists()  # kept for a look, never read again
+    params, _, state = checkpoint.load(found)
+    assert state == {"step": 2} and torch.equal(params["w"], torch.full((64, 64), 2.0))
+
+
+def test_every_checkpoint_corrupt_means_a_fresh_start(tmp_path):
+    _save_three(tmp_path)
+    for step in (1, 2, 3):
+        _truncate(tmp_path / f"step-{step}" / checkpoint.PARAMS)
+    assert checkpoint.latest(tmp_path) is None
+
+
+def test_a_checkpoint_without_checksums_is_checked_by_reading_it(tmp_path):
+    _save_three(tmp_path)
+    (tmp_path / "step-3" / checkpoint.CHECKSUMS).unlink()
+    (tmp_path / "step-2" / checkpoint.CHECKSUMS).unlink()
+    _truncate(tmp_path / "step-3" / checkpoint.PARAMS)
+    with pytest.raises(checkpoint.CheckpointError, match="step-3/params.safetensors: unreadable"):
+        checkpoint.load(tmp_path / "step-3")
+    assert checkpoint.latest(tmp_path) == tmp_path / "step-2"
