@@ -182,12 +182,16 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         out_dir.mkdir(parents=True, exist_ok=True)
         MetricsLog(out_dir / "metrics.jsonl").truncate(state["step"])
 
+    compiled = dict(compile=config.compile, backend=config.backend)
+    reduce_grads = model.make_grad_all_reduce(ctx.world_size) if ctx.world_size > 1 else None
+    # One microbatch per step (no ramp to grow): the whole step is one graph. Otherwise two graphs,
+    # accumulate (per microbatch) and apply (per step), since a graph cannot loop over a varying count.
+    single = config.batch_size == ctx.world_size * config.microbatch
     steps = Steps(
-        accumulate=model.make_accumulate_step(
-            cfg, compile=config.compile, backend=config.backend, autocast_dtype=autocast),
-        apply=model.make_apply_step(
-            config.optimizer, compile=config.compile, backend=config.backend,
-            reduce_grads=model.make_grad_all_reduce(ctx.world_size) if ctx.world_size > 1 else None),
+        whole=model.make_train_step(cfg, config.optimizer, autocast_dtype=autocast, reduce_grads=reduce_grads,
+                                    **compiled) if single else None,
+        accumulate=None if single else model.make_accumulate_step(cfg, autocast_dtype=autocast, **compiled),
+        apply=None if single else model.make_apply_step(config.optimizer, reduce_grads=reduce_grads, **compiled),
         spec=spec,
         generator=torch.Generator(device=device),
         device=device,
@@ -227,6 +231,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         "val_loss_end": val_loss(params) if config.val_blocks else None,
         "steps": state["step"],
         "tokens_seen": state["tokens_seen"],
+        "flops_seen": flops_per_token * state["tokens_seen"],  # model FLOPs: a budget that carries across hardware
         "wall_s": round(state["elapsed_s"], 3),
         "compile_s": round(compile_s, 3),
         "tokens_per_s": round(tokens_per_s, 1),

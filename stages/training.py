@@ -23,8 +23,12 @@ class DivergedError(RuntimeError):
 
 @dataclass
 class Steps:
-    """The compiled steps, and what turns a prefetched microbatch into their input on the device."""
+    """The compiled steps, and what turns a prefetched microbatch into their input on the device.
 
+    `whole` (one graph: forward, backward, clipping, AdamW) when every step is one microbatch;
+    otherwise `accumulate` per microbatch and `apply` per step (two graphs)."""
+
+    whole: Any
     accumulate: Any
     apply: Any
     spec: Any
@@ -45,8 +49,24 @@ class Steps:
         # A pageable host-to-device copy would wait for the GPU to drain; a pinned one does not.
         return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
+    def step(self, params: dict, opt_state: dict, data, n_micro: int, lr: float) -> tuple[dict, dict, Any]:
+        """One optimizer step over `n_micro` microbatches from `data`: (params, opt_state, [loss, accuracy,
+        grad_norm] on the device)."""
+        import torch
+
+        if self.whole is not None:
+            params, opt_state, m = self.whole(params, opt_state, self.batch(data.next()), self.scalar(lr))
+            return params, opt_state, torch.stack([m["loss"], m["accuracy"], m["grad_norm"]])
+        grads = {k: torch.zeros_like(v) for k, v in params.items()}
+        loss = accuracy = 0.0
+        for _ in range(n_micro):
+            grads, m = self.accumulate(params, grads, self.batch(data.next()))
+            loss, accuracy = loss + m["loss"], accuracy + m["accuracy"]
+        params, opt_state, m = self.apply(params, opt_state, grads, self.scalar(n_micro), self.scalar(lr))
+        return params, opt_state, torch.stack([loss / n_micro, accuracy / n_micro, m["grad_norm"]])
+
     def warm_up(self, params: dict, opt_state: dict, train, microbatch: int) -> float:
-        """Compile both steps on a throwaway batch, before the budget clock starts; return seconds.
+        """Compile the steps on a throwaway batch, before the budget clock starts; return seconds.
 
         The steps are pure functions, so discarding their results leaves the training state as it was.
         """
@@ -56,10 +76,13 @@ class Steps:
 
         began = time.perf_counter()
         ids = torch.from_numpy(read_sequences(train, 0, 0, microbatch, {}))
-        grads = {k: torch.zeros_like(v) for k, v in params.items()}
-        grads, _ = self.accumulate(params, grads, self.batch(Microbatch(ids, 0, 0)))
-        _, _, metrics = self.apply(params, opt_state, grads, self.scalar(1.0), self.scalar(0.0))
-        float(metrics["grad_norm"])  # wait for the device
+
+        class Once:
+            def next(self) -> Microbatch:
+                return Microbatch(ids, 0, 0)
+
+        _, _, row = self.step(params, opt_state, Once(), 1, 0.0)
+        row.tolist()  # wait for the device
         return time.perf_counter() - began
 
 
@@ -84,8 +107,6 @@ def train(config: Any, ctx: Context, steps: Steps, params: dict, opt_state: dict
           out_dir: Path, last_saved: int, flops_per_token: float) -> tuple[dict, dict]:
     """Step until the budget of `config` (a `pretrain.Config`) is spent, logging and checkpointing
     (the last checkpoint is the end). Returns the final (params, opt_state); `state` is updated in place."""
-    import torch
-
     import model
     from stages import checkpoint
     from stages.batches import Prefetcher
@@ -94,7 +115,6 @@ def train(config: Any, ctx: Context, steps: Steps, params: dict, opt_state: dict
     target_micro = config.batch_size // (ctx.world_size * config.microbatch)
     clock = Clock(state["elapsed_s"], agree=ctx.world_size > 1 and config.budget.hours is not None,
                   device=steps.device)
-    zeros = {k: torch.zeros_like(v) for k, v in params.items()}
     last_saved_at = time.perf_counter()
     metrics_log = MetricsLog(out_dir / "metrics.jsonl")
     lr = batch = 0.0
@@ -161,12 +181,8 @@ def train(config: Any, ctx: Context, steps: Steps, params: dict, opt_state: dict
         while (spent := progress(config.budget, state, clock.agreed())) < 1:
             n_micro = micro_steps(spent, config.ramp, target_micro)
             lr = config.optimizer.lr * model.lr_schedule(config.schedule, spent, **config.schedule_args)
-            grads, loss, accuracy = zeros, 0.0, 0.0
-            for _ in range(n_micro):
-                grads, m = steps.accumulate(params, grads, steps.batch(data.next()))
-                loss, accuracy = loss + m["loss"], accuracy + m["accuracy"]
-            params, opt_state, m = steps.apply(params, opt_state, grads, steps.scalar(n_micro), steps.scalar(lr))
-            interval.add(torch.stack([loss / n_micro, accuracy / n_micro, m["grad_norm"]]))
+            params, opt_state, row = steps.step(params, opt_state, data, n_micro, lr)
+            interval.add(row)
             batch = n_micro * ctx.world_size * config.microbatch
             state["step"] += 1
             state["sequences"] += batch

@@ -157,6 +157,19 @@ def test_ramp_grows_accumulation_without_recompiling(pack, tmp_path, make_ctx):
     assert out["tokens_seen"] == (8 + 16 + 24 + 5 * 32) * SEQ
 
 
+def test_one_microbatch_per_step_trains_as_one_graph(pack, tmp_path, make_ctx):
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    config = small(budget=pretrain.Budget(steps=3), compile=True, backend="aot_eager")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = pretrain.run(config, {"pack": pack}, tmp_path / "out", make_ctx())
+    assert counters["stats"]["unique_graphs"] - before == 1 and out["steps"] == 3
+    # The same steps through accumulate + apply (two graphs) give the same params.
+    eager = pretrain.run(small(budget=pretrain.Budget(steps=3)), {"pack": pack}, tmp_path / "eager", make_ctx())
+    assert eager["final_loss"] == pytest.approx(out["final_loss"], rel=1e-4)
+
+
 def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(
     pack, tmp_path, make_ctx, monkeypatch
 ):
@@ -164,13 +177,13 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoin
 
     real = model.make_accumulate_step
 
-    def diverging_at_step_3(*args, **kw):
+    def diverging_at_step_3(*args, **kw):  # two microbatches a step: accumulate + apply
         accumulate, calls = real(*args, **kw), []
 
         def step(params, grads, batch):
             grads, out = accumulate(params, grads, batch)
             calls.append(1)
-            if len(calls) == 3:
+            if len(calls) == 5:  # the first microbatch of step 3
                 grads = {k: g * float("nan") for k, g in grads.items()}
                 out = {**out, "loss": out["loss"] * float("nan")}
             return grads, out
@@ -178,7 +191,7 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoin
         return step
 
     monkeypatch.setattr(model, "make_accumulate_step", diverging_at_step_3)
-    config = small(log_every_steps=2, checkpoint_every_steps=1, keep_checkpoints=5)
+    config = small(log_every_steps=2, checkpoint_every_steps=1, keep_checkpoints=5, batch_size=16)
     with pytest.raises(training.DivergedError, match=r"not finite at step 3; last good checkpoint: .*step-2"):
         pretrain.run(config, {"pack": pack}, tmp_path / "out", make_ctx())
     assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["step-1", "step-2"]
