@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from stages import Context, StageError, Upstream
+from stages.device import to_device
 
 
 def load_task(task_cfg: Any, index: int, tokenize: Upstream):
@@ -168,8 +169,8 @@ class Tuner:
             for i in range(steps_per_epoch):
                 batch = self.batch(rows, lengths, labels, order[i * size:(i + 1) * size], size)
                 progress = (epoch * steps_per_epoch + i) / total
-                lr_now = torch.tensor(lr * model.lr_schedule("cosine", progress, warmup=self.config.warmup),
-                                      device=self.device)
+                lr_now = to_device(torch.tensor(lr * model.lr_schedule("cosine", progress, warmup=self.config.warmup),
+                                                dtype=torch.float32), self.device)
                 params, opt_state, metrics = self.step(params, opt_state, batch, lr_now)
                 losses.append(metrics["loss"])
         return params, float(torch.stack(losses).mean())
@@ -177,6 +178,7 @@ class Tuner:
     def outputs(self, params: dict, rows: list, lengths):
         """Model outputs [N, num_outputs] for every row, in the rows' order."""
         import numpy as np
+        import torch
 
         size = self.config.eval_batch_size
         order = np.argsort(lengths, kind="stable")  # similar lengths together: less padding
@@ -185,10 +187,10 @@ class Tuner:
         for start in range(0, len(rows), size):
             batch = self.batch(rows, lengths, no_labels, order[start:start + size], size)
             logits = self.predict(params, {k: batch[k] for k in ("input_ids", "attention_mask")})
-            outputs.append(logits[: len(order[start:start + size])].cpu().numpy())
+            outputs.append(logits[: len(order[start:start + size])])
         unsorted = np.empty_like(order)
         unsorted[order] = np.arange(len(order))
-        return np.concatenate(outputs)[unsorted]
+        return torch.cat(outputs).cpu().numpy()[unsorted]  # one host sync, after the last batch
 
     def batch(self, rows: list, lengths, labels, index, size: int) -> dict:
         """`size` rows padded to the bucket of the longest; rows past `len(index)` are weightless fillers."""
@@ -209,7 +211,7 @@ class Tuner:
         weights = np.zeros(size, dtype=np.float32)
         weights[: len(index)] = 1.0
         arrays = {"input_ids": ids, "attention_mask": mask, "labels": padded_labels, "weights": weights}
-        return {k: torch.from_numpy(v).to(self.device) for k, v in arrays.items()}
+        return {k: to_device(torch.from_numpy(v), self.device) for k, v in arrays.items()}
 
 
 def bucket(length: int, buckets: tuple[int, ...]) -> int:

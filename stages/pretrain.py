@@ -118,6 +118,8 @@ class Config:
     keep_checkpoints: int = 2
     val_blocks: int = 256  # held-out blocks for the loss before and after training; 0: skip
     prefetch: int = 4  # microbatches read ahead
+    # torchrun with an hours budget: rank 0's clock is broadcast every this many steps, extrapolated between
+    clock_sync_every_steps: int = 10
 
     def __post_init__(self) -> None:
         positive = {
@@ -126,6 +128,7 @@ class Config:
             "log_every_steps": self.log_every_steps,
             "keep_checkpoints": self.keep_checkpoints,
             "prefetch": self.prefetch,
+            "clock_sync_every_steps": self.clock_sync_every_steps,
         }
         for key, value in positive.items():
             if not value > 0:

@@ -45,9 +45,9 @@ class Steps:
     def scalar(self, value: float):
         import torch
 
-        t = torch.tensor(value, dtype=torch.float32)
-        # A pageable host-to-device copy would wait for the GPU to drain; a pinned one does not.
-        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+        from stages.device import to_device
+
+        return to_device(torch.tensor(value, dtype=torch.float32), self.device)
 
     def step(self, params: dict, opt_state: dict, data, n_micro: int, lr: float) -> tuple[dict, dict, Any]:
         """One optimizer step over `n_micro` microbatches from `data`: (params, opt_state, [loss, accuracy,
@@ -114,7 +114,7 @@ def train(config: Any, ctx: Context, steps: Steps, params: dict, opt_state: dict
     seq_len = data_blocks.shape[1]
     target_micro = config.batch_size // (ctx.world_size * config.microbatch)
     clock = Clock(state["elapsed_s"], agree=ctx.world_size > 1 and config.budget.hours is not None,
-                  device=steps.device)
+                  device=steps.device, every=config.clock_sync_every_steps)
     last_saved_at = time.perf_counter()
     metrics_log = MetricsLog(out_dir / "metrics.jsonl")
     lr = batch = 0.0
@@ -178,7 +178,7 @@ def train(config: Any, ctx: Context, steps: Steps, params: dict, opt_state: dict
         pin=steps.device.type == "cuda",
     ) as data, ProgressBar(ctx.is_main) as bar:
         interval = Interval(state, data.wait_s, rows=state["unlogged"])
-        while (spent := progress(config.budget, state, clock.agreed())) < 1:
+        while (spent := progress(config.budget, state, clock.agreed(state["step"]))) < 1:
             n_micro = micro_steps(spent, config.ramp, target_micro)
             lr = config.optimizer.lr * model.lr_schedule(config.schedule, spent, **config.schedule_args)
             params, opt_state, row = steps.step(params, opt_state, data, n_micro, lr)

@@ -375,3 +375,17 @@ def test_two_gloo_ranks_match_one_process_on_the_same_global_batch(pack, tmp_pat
     assert losses == pytest.approx([m["loss"] for m in metrics(tmp_path / "alone")], rel=1e-5)
     assert [m["batch_size"] for m in metrics(out_dir)] == [16] * 4
     assert alone["tokens_seen"] == 4 * 16 * SEQ
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_on_a_time_budget_agree_when_to_stop(pack, tmp_path):
+    # The clock is agreed every 4 steps and extrapolated alike in between: both ranks take the same
+    # steps (a rank stepping alone would hang in the gradient all-reduce) and end.
+    config = small(batch_size=16, budget=pretrain.Budget(hours=2 / 3600), clock_sync_every_steps=4)
+    out_dir = tmp_path / "ranks"
+    job = {"config": config, "inputs": {"pack": pack}, "out_dir": str(out_dir)}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    procs = [start_worker(tmp_path, job, {**env, "RANK": str(rank)}) for rank in (0, 1)]
+    for proc in procs:
+        assert proc.wait(timeout=180) == 0, proc.stderr.read().decode()[-3000:]
+    assert metrics(out_dir)[-1]["progress"] >= 1.0
