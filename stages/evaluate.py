@@ -94,6 +94,8 @@ class Config:
     max_length: int = 128  # tokens per example, [CLS] and [SEP]s included; longer texts are cut
     buckets: tuple[int, ...] = (32, 64, 128)  # padded batch lengths: one compiled graph each, at most
     pooling: Literal["first", "mean"] = "first"
+    head_width: int = 1024  # the classifier head's dense layer (cramming's); 0: the model's hidden size
+    dropout: float = 0.1  # fine-tuning only: embeddings, attention, hidden and the head (cramming's)
     seeds: int = 5
     eval_batch_size: int = 128
     mlm: bool = True  # the held-out masked-LM loss and accuracy
@@ -110,6 +112,8 @@ class Config:
                 raise ValueError(f"{key}: {getattr(self, key)} must be >= 1")
         if not self.lr > 0 or self.weight_decay < 0:
             raise ValueError(f"lr, weight_decay: {self.lr}, {self.weight_decay} must be > 0 and >= 0")
+        if self.head_width < 0 or not 0 <= self.dropout < 1:
+            raise ValueError(f"head_width, dropout: {self.head_width}, {self.dropout} must be >= 0 and in [0, 1)")
         if not 0 <= self.warmup < 1:
             raise ValueError(f"warmup: {self.warmup} must be in [0, 1)")
         if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 3:

@@ -9,6 +9,7 @@ recompiles from step to step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -144,8 +145,10 @@ class Tuner:
         # cramming's fine-tuning AdamW: betas (0.9, 0.98), eps 1e-6, no gradient clipping.
         opt_cfg = model.OptimizerConfig(lr=config.lr, eps=1e-6, weight_decay=config.weight_decay, clip_norm=0.0)
         kw = dict(pooling=config.pooling, compile=config.compile, backend=config.backend, autocast_dtype=autocast)
-        return cls(config, cfg, params, special, device, make_finetune_step(cfg, opt_cfg, **kw),
-                   make_classify_eval_step(cfg, **kw))
+        # Dropout (cramming's 0.1) in the fine-tune step only; prediction sees the whole network.
+        training = dataclasses.replace(cfg, dropout=config.dropout)
+        return cls(config, cfg, params, special, device, make_finetune_step(training, opt_cfg, **kw),
+                   make_classify_eval_step(dataclasses.replace(cfg, dropout=0.0), **kw))
 
     def train(self, num_outputs: int, train, epochs: int, lr: float, seed: int):
         """Params fine-tuned from the pretrained ones with a fresh head, and the last epoch's mean loss."""
@@ -157,7 +160,8 @@ class Tuner:
 
         rows, lengths, labels = train
         size = self.config.batch_size
-        head = init_head(self.cfg, num_outputs, seed)
+        head = init_head(self.cfg, num_outputs, seed, width=self.config.head_width)
+        torch.manual_seed(seed)  # dropout's masks: a seed's fine-tune is the same wherever it runs
         params = {**self.params, **{k: v.to(self.device) for k, v in head.items()}}
         opt_state = model.adamw_init(params)
         rng = np.random.default_rng(seed)
