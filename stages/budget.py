@@ -1,4 +1,4 @@
-"""The budget clock and what the ranks of a torchrun job must agree on.
+"""The budget clock and what the ranks of a torchrun job must agree on (or share).
 
 Progress through the budget drives the lr schedule and the batch ramp, and decides when training
 stops, so under torchrun every rank must read the same progress: rank 0's clock is the one that
@@ -80,3 +80,14 @@ def mean_over_ranks(values: list[float], world_size: int, device: Any) -> list[f
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return (t / world_size).tolist()
+
+
+def all_gather(obj: Any, world_size: int) -> list[Any]:
+    """Every rank's `obj` (picklable), on every rank."""
+    if world_size == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, obj)
+    return gathered

@@ -82,47 +82,62 @@ def _longest_first(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
     return (budget + 1) // 2, budget // 2
 
 
-def finetune_task(tuner: Tuner, task_cfg: Any, task, data: Encoded, ctx: Context) -> dict:
-    """Fine-tune and score every seed of one task; the medians, the baseline and the time it took."""
-    import numpy as np
-
-    from stages.metrics import majority_baseline, score
+def finetune_seed(tuner: Tuner, task_cfg: Any, task, data: Encoded, seed: int, ctx: Context) -> dict:
+    """Fine-tune one seed of one task from the pretrained params and score it on each test set."""
+    from stages.metrics import score
 
     began = time.perf_counter()
     config = tuner.config
     epochs, lr = config.setting(task_cfg, "epochs"), config.setting(task_cfg, "lr")
-    seeds = [ctx.seed + i for i in range(config.setting(task_cfg, "seeds"))]
-    scores: dict[str, dict[str, list[float]]] = {t: {m: [] for m in task.metrics} for t in task.tests}
-    train_loss = []
-    for seed in seeds:
-        params, loss = tuner.train(task.num_outputs, data.train, epochs, lr, seed)
-        train_loss.append(loss)
-        for test, (rows, lengths, labels) in data.tests.items():
-            outputs = tuner.outputs(params, rows, lengths)
-            predictions = outputs[:, 0] if task.regression else outputs.argmax(-1)
-            for metric, value in score(task.metrics, predictions, labels).items():
-                scores[test][metric].append(value)
-        ctx.log.info("finetuned", task=task.name, seed=seed, train_loss=round(loss, 4),
-                     **{f"{t}_{m}": round(v[-1], 4) for t, ms in scores.items() for m, v in ms.items()})
+    params, loss = tuner.train(task.num_outputs, data.train, epochs, lr, seed)
+    scores = {}
+    for test, (rows, lengths, labels) in data.tests.items():
+        outputs = tuner.outputs(params, rows, lengths)
+        scores[test] = score(task.metrics, outputs[:, 0] if task.regression else outputs.argmax(-1), labels)
+    ctx.log.info("finetuned", task=task.name, seed=seed, train_loss=round(loss, 4),
+                 **{f"{t}_{m}": round(v, 4) for t, ms in scores.items() for m, v in ms.items()})
+    return {"train_loss": loss, "scores": scores, "time_s": time.perf_counter() - began}
+
+
+def task_result(config: Any, task_cfg: Any, task, data: Encoded, seeds: list[int], runs: list[dict],
+                ctx: Context) -> dict:
+    """A task's results from its seeds' runs (in seed order): per-seed scores, medians, the baseline."""
+    import numpy as np
+
+    from stages.metrics import majority_baseline
+
+    scores = {t: {m: [r["scores"][t][m] for r in runs] for m in task.metrics} for t in task.tests}
     result = {
         "kind": task_cfg.kind,
         "metrics": list(task.metrics),
         "labels": list(task.label_names),
         "train_examples": len(data.train[0]),
         "test_examples": {t: len(rows) for t, (rows, _, _) in data.tests.items()},
-        "epochs": epochs,
-        "lr": lr,
+        "epochs": config.setting(task_cfg, "epochs"),
+        "lr": config.setting(task_cfg, "lr"),
         "max_length": config.setting(task_cfg, "max_length"),
         "seeds": seeds,
-        "train_loss": train_loss,
+        "train_loss": [r["train_loss"] for r in runs],
         "scores": scores,
         "median": {t: {m: float(np.median(v)) for m, v in ms.items()} for t, ms in scores.items()},
         "baseline": {t: majority_baseline(task, test) for t, test in task.tests.items()},
-        "time_s": round(time.perf_counter() - began, 3),
+        "time_s": round(sum(r["time_s"] for r in runs), 3),  # fine-tuning time, summed over seeds
     }
     ctx.log.info("task", task=task.name, median=result["median"], baseline=result["baseline"],
                  time_s=result["time_s"])
     return result
+
+
+def share_out(costs: list[float], world_size: int) -> list[int]:
+    """The rank of each job: the costliest first, each to the least loaded rank (a greedy balance that
+    keeps the ranks' finishing times close, so the gather at the end waits little). Same on every rank."""
+    load = [0.0] * world_size
+    owner = [0] * len(costs)
+    for job in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owner[job] = rank
+        load[rank] += costs[job]
+    return owner
 
 
 @dataclass(frozen=True)
