@@ -118,6 +118,11 @@ class Config:
     keep_checkpoints: int = 2
     val_blocks: int = 256  # held-out blocks for the loss before and after training; 0: skip
     prefetch: int = 4  # microbatches read ahead
+    # Before the budget clock: this many steps compiled and eagerly from the same state on the same
+    # batches; a relative difference in loss, accuracy or gradient norm above the tolerance stops the
+    # stage before it spends the budget on a miscompiled step. 0: off (and off when compile is false).
+    canary_steps: int = 2
+    canary_tolerance: float = 0.02
     # torchrun with an hours budget: rank 0's clock is broadcast every this many steps, extrapolated between
     clock_sync_every_steps: int = 10
 
@@ -133,6 +138,9 @@ class Config:
         for key, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{key}: {value} must be > 0")
+        if self.canary_steps < 0 or not self.canary_tolerance > 0:
+            raise ValueError(f"canary_steps, canary_tolerance: {self.canary_steps}, {self.canary_tolerance} "
+                             "must be >= 0 and > 0")
         for key in ("checkpoint_every_minutes", "checkpoint_every_steps"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key}: {getattr(self, key)} must be > 0, or 0 for off")
@@ -153,7 +161,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     from stages.budget import agree_on, progress
     from stages.heldout import MASK_SEED, heldout_mlm
     from stages.telemetry import MetricsLog, mfu, peak_flops
-    from stages.training import Steps, fresh_state, train
+    from stages.training import CanaryError, Steps, canary, fresh_state, train
 
     pack = inputs["pack"]
     blocks = np.load(pack.path("train"), mmap_mode="r")
@@ -185,20 +193,24 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         out_dir.mkdir(parents=True, exist_ok=True)
         MetricsLog(out_dir / "metrics.jsonl").truncate(state["step"])
 
-    compiled = dict(compile=config.compile, backend=config.backend)
     reduce_grads = model.make_grad_all_reduce(ctx.world_size) if ctx.world_size > 1 else None
     # One microbatch per step (no ramp to grow): the whole step is one graph. Otherwise two graphs,
     # accumulate (per microbatch) and apply (per step), since a graph cannot loop over a varying count.
     single = config.batch_size == ctx.world_size * config.microbatch
-    steps = Steps(
-        whole=model.make_train_step(cfg, config.optimizer, autocast_dtype=autocast, reduce_grads=reduce_grads,
-                                    **compiled) if single else None,
-        accumulate=None if single else model.make_accumulate_step(cfg, autocast_dtype=autocast, **compiled),
-        apply=None if single else model.make_apply_step(config.optimizer, reduce_grads=reduce_grads, **compiled),
-        spec=spec,
-        generator=torch.Generator(device=device),
-        device=device,
-    )
+
+    def make_steps(compile: bool) -> Steps:
+        how = dict(compile=compile, backend=config.backend)
+        return Steps(
+            whole=model.make_train_step(cfg, config.optimizer, autocast_dtype=autocast, reduce_grads=reduce_grads,
+                                        **how) if single else None,
+            accumulate=None if single else model.make_accumulate_step(cfg, autocast_dtype=autocast, **how),
+            apply=None if single else model.make_apply_step(config.optimizer, reduce_grads=reduce_grads, **how),
+            spec=spec,
+            generator=torch.Generator(device=device),
+            device=device,
+        )
+
+    steps = make_steps(config.compile)
     # Two forward passes over a few hundred blocks are not worth a compile.
     evaluate = model.make_eval_step(cfg, compile=False, autocast_dtype=autocast)
 
@@ -209,9 +221,21 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
 
     if ctx.is_main and config.val_blocks and state["val_loss_start"] is None:
         state["val_loss_start"] = val_loss(params)
-    compile_s = 0.0
+    compile_s, canary_diff = 0.0, None
     if config.compile and progress(config.budget, state, state["elapsed_s"]) < 1:
         compile_s = steps.warm_up(params, opt_state, blocks, config.microbatch)
+        if config.canary_steps:
+            # One microbatch a step, as the ramp starts; at the peak lr, so that the updates compound.
+            canary_diff = canary(steps, make_steps(False), params, opt_state, blocks, seed=ctx.seed,
+                                 microbatch=config.microbatch, n_micro=1, steps=config.canary_steps,
+                                 lr=config.optimizer.lr, rank=ctx.rank, world_size=ctx.world_size)
+            ctx.log.info("canary", steps=config.canary_steps, max_relative_diff=canary_diff)
+            if not canary_diff <= config.canary_tolerance:
+                raise CanaryError(
+                    f"pretrain: compile canary: the compiled step ({config.backend}) differs from eager by "
+                    f"{canary_diff:.3g} (relative) over {config.canary_steps} steps, above canary_tolerance "
+                    f"{config.canary_tolerance}; nothing was trained. Try another pretrain.backend, "
+                    "pretrain.compile = false, or canary_steps = 0 to train anyway")
     flops_per_token = model.flops_per_token(cfg, spec.per_sequence / seq_len)
     if ctx.is_main:
         peak_flops(device)  # measured on a CPU, which takes seconds: before the budget clock starts
@@ -237,6 +261,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         "flops_seen": flops_per_token * state["tokens_seen"],  # model FLOPs: a budget that carries across hardware
         "wall_s": round(state["elapsed_s"], 3),
         "compile_s": round(compile_s, 3),
+        "canary_diff": canary_diff,
         "tokens_per_s": round(tokens_per_s, 1),
         "mfu": mfu(flops_per_token, tokens_per_s, device, ctx.world_size),
         "data_wait": round(state["data_wait_s"] / state["elapsed_s"], 4) if state["elapsed_s"] else 0.0,

@@ -86,6 +86,41 @@ class Steps:
         return time.perf_counter() - began
 
 
+class CanaryError(RuntimeError):
+    """The compiled steps disagree with the same steps run eagerly."""
+
+
+def canary(compiled: Steps, eager: Steps, params: dict, opt_state: dict, blocks, *, seed: int, microbatch: int,
+           n_micro: int, steps: int, lr: float, rank: int, world_size: int) -> float:
+    """The largest relative difference of loss, accuracy and gradient norm over `steps` optimizer steps
+    run compiled and eagerly from the same state on the same batches (the stream's first), at `lr`, so
+    that updates compound. Agreed over ranks: every rank gets the worst of all."""
+    import torch
+
+    from stages.batches import Microbatch, mask_seed, read_sequences
+    from stages.budget import all_gather
+
+    class Replay:
+        def __init__(self) -> None:
+            self.first = rank * microbatch
+
+        def next(self) -> Microbatch:
+            ids = torch.from_numpy(read_sequences(blocks, seed, self.first, microbatch, {}))
+            micro = Microbatch(ids, self.first, mask_seed(seed, self.first))
+            self.first += world_size * microbatch
+            return micro
+
+    worst = 0.0
+    state_c = state_e = (params, opt_state)
+    data_c, data_e = Replay(), Replay()
+    for _ in range(steps):
+        *state_c, row_c = compiled.step(*state_c, data_c, n_micro, lr)
+        *state_e, row_e = eager.step(*state_e, data_e, n_micro, lr)
+        diff = ((row_c.double() - row_e.double()).abs() / row_e.double().abs().clamp(min=1e-6)).max()
+        worst = max(worst, float(diff) if torch.isfinite(diff) else float("inf"))
+    return max(all_gather(worst, world_size))
+
+
 def fresh_state(seed: int) -> dict[str, Any]:
     # The seed and the data position are the whole random state: batches and masks derive from them.
     return {

@@ -2,6 +2,7 @@
 SIGKILL, and data parallelism over 2 gloo processes. A 1-layer, 32-wide model on random tokens keeps
 each run to a second or two."""
 
+import dataclasses
 import json
 import os
 import pickle
@@ -389,3 +390,32 @@ def test_two_gloo_ranks_on_a_time_budget_agree_when_to_stop(pack, tmp_path):
     for proc in procs:
         assert proc.wait(timeout=180) == 0, proc.stderr.read().decode()[-3000:]
     assert metrics(out_dir)[-1]["progress"] >= 1.0
+
+
+def test_compile_canary_passes_a_sound_step_and_stops_a_miscompiled_one(pack, tmp_path, make_ctx, monkeypatch):
+    import model
+
+    config = small(budget=pretrain.Budget(steps=2), compile=True, backend="aot_eager")
+    out = pretrain.run(config, {"pack": pack}, tmp_path / "sound", make_ctx())
+    assert out["canary_diff"] is not None and out["canary_diff"] < 1e-4
+
+    real = model.make_train_step
+
+    def miscompiled(*args, compile=True, **kw):
+        step = real(*args, compile=compile, **kw)
+        if not compile:
+            return step
+
+        def wrong(params, opt_state, batch, lr):  # a numerics bug: the loss comes out 5% high
+            params, opt_state, m = step(params, opt_state, batch, lr)
+            return params, opt_state, {**m, "loss": m["loss"] * 1.05}
+
+        return wrong
+
+    monkeypatch.setattr(model, "make_train_step", miscompiled)
+    with pytest.raises(training.CanaryError, match=r"compile canary: .* differs from eager by 0\.05 .*nothing was"):
+        pretrain.run(config, {"pack": pack}, tmp_path / "broken", make_ctx())
+    assert not (tmp_path / "broken" / "checkpoints").exists()
+    # Off: trains anyway.
+    off = pretrain.run(dataclasses.replace(config, canary_steps=0), {"pack": pack}, tmp_path / "off", make_ctx())
+    assert off["canary_diff"] is None and off["steps"] == 2
