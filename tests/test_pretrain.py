@@ -334,9 +334,10 @@ def test_resume_after_sigkill_is_bit_identical(pack, tmp_path, make_ctx):
     # First kill: while writing the checkpoint of step 4 (step 2's is complete; one file of step 4's is).
     kill_when_hanging(start_worker(tmp_path, {**job, "hang": ("write_tensors", 4)}), out_dir)
     assert [p.name for p in (out_dir / "checkpoints").iterdir() if p.name.startswith("step-")] == ["step-2"]
-    # Second kill: in step 8, after a resume from step 2 and a checkpoint at step 6. The 12th
-    # masking is step 8's second microbatch (1 for compiling, then 1 + 2 + 2 + 2 + 2 + 2).
-    kill_when_hanging(start_worker(tmp_path, {**job, "hang": ("mask_tokens", 12)}), out_dir)
+    # Second kill: in step 8, after a resume from step 2 and a checkpoint at step 6. The 16th
+    # masking is step 8's second microbatch (1 for compiling, 4 for the canary's 2 steps compiled and
+    # eager, then 1 + 2 + 2 + 2 + 2 + 2).
+    kill_when_hanging(start_worker(tmp_path, {**job, "hang": ("mask_tokens", 16)}), out_dir)
     assert checkpoint.latest(out_dir / "checkpoints").name == "step-6"
     resumed = pretrain.run(config, {"pack": pack}, out_dir, make_ctx())
 
