@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from model.config import OptimizerConfig
+from model.config import ModelConfig, OptimizerConfig
 from stages import Context, StageError, Upstream
 from stages import device as devices
 
@@ -32,22 +33,20 @@ RESUMABLE = True
 DISTRIBUTED = True  # the runner calls `run` on every rank
 
 
-@dataclass(frozen=True)
-class Architecture:
-    """A preset of `model.PRESETS` plus overrides; vocab size and sequence length come from the data."""
-
-    preset: str = "tiny"
-    hidden: int | None = None
-    layers: int | None = None
-    heads: int | None = None
-    intermediate: int | None = None
-    position: Literal["sinusoidal", "learned", "rope"] | None = None
-    rope_theta: float | None = None
-    glu: bool | None = None
-    head_transform: bool | None = None
-    embedding_norm: bool | None = None
-    first_attn_norm: bool | None = None
-    norm_eps: float | None = None
+# vocab_size, max_seq_len and pad_id come from the data; dropout is fine-tuning's (evaluate's).
+_NOT_CONFIGURED_HERE = ("vocab_size", "max_seq_len", "pad_id", "dropout")
+# `[pretrain.model]`: a preset of `model.PRESETS` and overrides of any other `ModelConfig` field (None:
+# the preset's). Made from ModelConfig's fields, so an architecture option is never copied by hand.
+Architecture = dataclasses.make_dataclass(
+    "Architecture",
+    [("preset", str, field(default="tiny"))] + [
+        (f.name, typing.Optional[typing.get_type_hints(ModelConfig)[f.name]], field(default=None))
+        for f in dataclasses.fields(ModelConfig) if f.name not in _NOT_CONFIGURED_HERE
+    ],
+    frozen=True,
+)
+Architecture.__module__ = __name__  # pickled by name (torchrun workers, tests)
+Architecture.__doc__ = "A preset of `model.PRESETS` plus overrides of its `ModelConfig` fields (None: the preset's)."
 
 
 DEFAULT_HOURS = 3.5 / 60  # the budget when no limit is given at all
@@ -161,7 +160,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     from stages.budget import agree_on, progress
     from stages.heldout import MASK_SEED, heldout_mlm
     from stages.telemetry import MetricsLog, mfu, peak_flops
-    from stages.training import CanaryError, Steps, canary, fresh_state, train
+    from stages.training import Steps, canary, fresh_state, train
 
     pack = inputs["pack"]
     blocks = np.load(pack.path("train"), mmap_mode="r")
@@ -225,17 +224,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     if config.compile and progress(config.budget, state, state["elapsed_s"]) < 1:
         compile_s = steps.warm_up(params, opt_state, blocks, config.microbatch)
         if config.canary_steps:
-            # One microbatch a step, as the ramp starts; at the peak lr, so that the updates compound.
-            canary_diff = canary(steps, make_steps(False), params, opt_state, blocks, seed=ctx.seed,
-                                 microbatch=config.microbatch, n_micro=1, steps=config.canary_steps,
-                                 lr=config.optimizer.lr, rank=ctx.rank, world_size=ctx.world_size)
-            ctx.log.info("canary", steps=config.canary_steps, max_relative_diff=canary_diff)
-            if not canary_diff <= config.canary_tolerance:
-                raise CanaryError(
-                    f"pretrain: compile canary: the compiled step ({config.backend}) differs from eager by "
-                    f"{canary_diff:.3g} (relative) over {config.canary_steps} steps, above canary_tolerance "
-                    f"{config.canary_tolerance}; nothing was trained. Try another pretrain.backend, "
-                    "pretrain.compile = false, or canary_steps = 0 to train anyway")
+            canary_diff = canary(config, ctx, steps, make_steps(False), params, opt_state, blocks)
     flops_per_token = model.flops_per_token(cfg, spec.per_sequence / seq_len)
     if ctx.is_main:
         peak_flops(device)  # measured on a CPU, which takes seconds: before the budget clock starts

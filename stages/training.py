@@ -90,11 +90,12 @@ class CanaryError(RuntimeError):
     """The compiled steps disagree with the same steps run eagerly."""
 
 
-def canary(compiled: Steps, eager: Steps, params: dict, opt_state: dict, blocks, *, seed: int, microbatch: int,
-           n_micro: int, steps: int, lr: float, rank: int, world_size: int) -> float:
-    """The largest relative difference of loss, accuracy and gradient norm over `steps` optimizer steps
-    run compiled and eagerly from the same state on the same batches (the stream's first), at `lr`, so
-    that updates compound. Agreed over ranks: every rank gets the worst of all."""
+def canary(config: Any, ctx: Context, compiled: Steps, eager: Steps, params: dict, opt_state: dict,
+           blocks) -> float:
+    """Run `config.canary_steps` optimizer steps compiled and eagerly from the same state on the same
+    batches (the stream's first, one microbatch a step as the ramp starts, at the peak lr so that
+    updates compound); raise `CanaryError` when loss, accuracy or gradient norm differ by more than
+    `config.canary_tolerance` (relative). Returns the largest difference, the worst over all ranks."""
     import torch
 
     from stages.batches import Microbatch, mask_seed, read_sequences
@@ -102,23 +103,31 @@ def canary(compiled: Steps, eager: Steps, params: dict, opt_state: dict, blocks,
 
     class Replay:
         def __init__(self) -> None:
-            self.first = rank * microbatch
+            self.first = ctx.rank * config.microbatch
 
         def next(self) -> Microbatch:
-            ids = torch.from_numpy(read_sequences(blocks, seed, self.first, microbatch, {}))
-            micro = Microbatch(ids, self.first, mask_seed(seed, self.first))
-            self.first += world_size * microbatch
+            ids = torch.from_numpy(read_sequences(blocks, ctx.seed, self.first, config.microbatch, {}))
+            micro = Microbatch(ids, self.first, mask_seed(ctx.seed, self.first))
+            self.first += ctx.world_size * config.microbatch
             return micro
 
     worst = 0.0
     state_c = state_e = (params, opt_state)
     data_c, data_e = Replay(), Replay()
-    for _ in range(steps):
-        *state_c, row_c = compiled.step(*state_c, data_c, n_micro, lr)
-        *state_e, row_e = eager.step(*state_e, data_e, n_micro, lr)
+    for _ in range(config.canary_steps):
+        *state_c, row_c = compiled.step(*state_c, data_c, 1, config.optimizer.lr)
+        *state_e, row_e = eager.step(*state_e, data_e, 1, config.optimizer.lr)
         diff = ((row_c.double() - row_e.double()).abs() / row_e.double().abs().clamp(min=1e-6)).max()
         worst = max(worst, float(diff) if torch.isfinite(diff) else float("inf"))
-    return max(all_gather(worst, world_size))
+    worst = max(all_gather(worst, ctx.world_size))  # every rank decides alike
+    ctx.log.info("canary", steps=config.canary_steps, max_relative_diff=worst)
+    if not worst <= config.canary_tolerance:
+        raise CanaryError(
+            f"pretrain: compile canary: the compiled step ({config.backend}) differs from eager by {worst:.3g} "
+            f"(relative) over {config.canary_steps} steps, above canary_tolerance {config.canary_tolerance}; "
+            "nothing was trained. Try another pretrain.backend, pretrain.compile = false, or canary_steps = 0 "
+            "to train anyway")
+    return worst
 
 
 def fresh_state(seed: int) -> dict[str, Any]:

@@ -420,3 +420,17 @@ def test_compile_canary_passes_a_sound_step_and_stops_a_miscompiled_one(pack, tm
     # Off: trains anyway.
     off = pretrain.run(dataclasses.replace(config, canary_steps=0), {"pack": pack}, tmp_path / "off", make_ctx())
     assert off["canary_diff"] is None and off["steps"] == 2
+
+
+def test_model_section_offers_every_architecture_field_and_checks_types(tmp_path):
+    from model import ModelConfig
+    from pipeline.config import ConfigError
+
+    fields = {f.name for f in dataclasses.fields(pretrain.Architecture)}
+    assert fields == {"preset"} | {f.name for f in dataclasses.fields(ModelConfig)} - {
+        "vocab_size", "max_seq_len", "pad_id", "dropout"}
+    config = load_pretrain(tmp_path, '[pretrain.model]\npreset = "small"\nposition = "rope"\nglu = false\n')
+    assert (config.model.preset, config.model.position, config.model.glu, config.model.hidden) == (
+        "small", "rope", False, None)
+    with pytest.raises(ConfigError, match="pretrain.model.position: expected .* got 'bogus'"):
+        load_pretrain(tmp_path, '[pretrain.model]\nposition = "bogus"\n')
