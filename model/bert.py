@@ -78,6 +78,7 @@ def encode(
     rope = _rope_tables(S, cfg.head_dim, cfg.rope_theta, x.device) if cfg.position == "rope" else None
     if cfg.embedding_norm:
         x = _norm(x, params["embed.norm.weight"], cfg)
+    x = _dropout(x, cfg)
     # Key-padding mask broadcast over heads and queries: a padded key is never attended to.
     mask = None if attention_mask is None else attention_mask[:, None, None, :]
     for i in range(cfg.layers):
@@ -129,8 +130,8 @@ def _attention(
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, S, head_dim]
     if rope is not None:
         q, k = _rotate(q, *rope), _rotate(k, *rope)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return F.linear(out.transpose(1, 2).reshape(B, S, H), params[p + "attn.out.weight"])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=cfg.dropout)
+    return _dropout(F.linear(out.transpose(1, 2).reshape(B, S, H), params[p + "attn.out.weight"]), cfg)
 
 
 def _feed_forward(params: dict[str, Tensor], p: str, cfg: ModelConfig, x: Tensor) -> Tensor:
@@ -140,7 +141,12 @@ def _feed_forward(params: dict[str, Tensor], p: str, cfg: ModelConfig, x: Tensor
         h = F.gelu(h) * gate
     else:
         h = F.gelu(h)
-    return F.linear(h, params[p + "ffn.down.weight"])
+    return _dropout(F.linear(h, params[p + "ffn.down.weight"]), cfg)
+
+
+def _dropout(x: Tensor, cfg: ModelConfig) -> Tensor:
+    """cramming's fine-tuning dropout (embeddings, attention output, feed-forward output); none when 0."""
+    return F.dropout(x, cfg.dropout) if cfg.dropout else x
 
 
 def _sinusoids(length: int, dim: int, device: torch.device) -> Tensor:

@@ -2,7 +2,8 @@
 
 Pure functions over the same flat `dict[str, Tensor]` as the encoder: the head's tensors join the
 pretrained ones under `classifier.`, so one AdamW state covers encoder and head. The head is
-cramming's GLUE head (and BERT's pooler): pool, dense + tanh, then a linear layer to the outputs.
+cramming's GLUE head (and BERT's pooler): pool, dense + tanh (+ dropout), then a linear layer to the
+outputs. Dropout is `cfg.dropout`: give the fine-tune step a config with it and prediction one without.
 
 Batches for the steps:
     input_ids       [B, S] int64
@@ -27,14 +28,15 @@ Pooling = Literal["first", "mean"]
 POOLINGS: tuple[str, ...] = ("first", "mean")
 
 
-def init_head(cfg: ModelConfig, num_outputs: int, seed: int) -> dict[str, Tensor]:
-    """Fresh fp32 CPU head parameters: `num_outputs` classes, or 1 for regression."""
+def init_head(cfg: ModelConfig, num_outputs: int, seed: int, width: int | None = None) -> dict[str, Tensor]:
+    """Fresh fp32 CPU head parameters: `num_outputs` classes, or 1 for regression; the dense layer has
+    `width` outputs (cramming: 1024; None: the hidden size, as BERT's pooler)."""
     gen = torch.Generator().manual_seed(seed)
-    H = cfg.hidden
+    H, W = cfg.hidden, width or cfg.hidden
     return {
-        "classifier.dense.weight": torch.randn(H, H, generator=gen) * INIT_STD,
-        "classifier.dense.bias": torch.zeros(H),
-        "classifier.out.weight": torch.randn(num_outputs, H, generator=gen) * INIT_STD,
+        "classifier.dense.weight": torch.randn(W, H, generator=gen) * INIT_STD,
+        "classifier.dense.bias": torch.zeros(W),
+        "classifier.out.weight": torch.randn(num_outputs, W, generator=gen) * INIT_STD,
         "classifier.out.bias": torch.zeros(num_outputs),
     }
 
@@ -54,9 +56,12 @@ def classify(
     attention_mask: Tensor,
     pooling: Pooling = "first",
 ) -> Tensor:
-    """Logits [B, num_outputs] (fp32) of the head over the encoder."""
+    """Logits [B, num_outputs] (fp32) of the head over the encoder; `cfg.dropout` applies in the encoder
+    and after the head's dense layer (cramming's fine-tuning), so predict with a `cfg` without it."""
     pooled = pool(encode(params, cfg, input_ids, attention_mask), attention_mask, pooling)
     x = torch.tanh(F.linear(pooled, params["classifier.dense.weight"], params["classifier.dense.bias"]))
+    if cfg.dropout:
+        x = F.dropout(x, cfg.dropout)
     return F.linear(x, params["classifier.out.weight"], params["classifier.out.bias"]).float()
 
 

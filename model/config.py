@@ -52,6 +52,7 @@ class ModelConfig:
     first_attn_norm: bool = True  # False: the first block's attention reads the embeddings unnormalised
     norm_eps: float = 1e-12
     pad_id: int = 0
+    dropout: float = 0.0  # hidden, attention and embedding dropout: cramming fine-tunes with 0.1, pretrains without
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "hidden", "layers", "heads", "intermediate", "max_seq_len"):
@@ -69,6 +70,8 @@ class ModelConfig:
             raise ValueError(f"model.intermediate={self.intermediate}: a GLU splits it in halves, so it must be even")
         if not 0 <= self.pad_id < self.vocab_size:
             raise ValueError(f"model.pad_id={self.pad_id}: must be a token id below vocab_size={self.vocab_size}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"model.dropout={self.dropout}: must be in [0, 1)")
         if self.norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("model.norm_eps and model.rope_theta: must be positive")
 

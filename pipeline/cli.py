@@ -190,9 +190,20 @@ def inspect(
         out.print(cfg.to_toml({name: conf.get(name, {})}).strip(), highlight=False, markup=False)
         out.print("[bold]outputs[/]")
         out.print_json(json.dumps(r.get("outputs") or {}))
+        if replay := _replay_budget(name, r.get("outputs") or {}):
+            out.print(f"[bold]same token budget elsewhere[/]: {replay}", highlight=False)
         out.print(f"[bold]log tail[/] ({run_dir / rundir.EVENTS})")
         for event in _log_tail(run_dir, name, lines):
             out.print(event, highlight=False, markup=False)
+
+
+def _replay_budget(stage: str, outputs: dict) -> str:
+    """The overrides that train a finished pretrain's token count again on any hardware: a time budget
+    buys different tokens on another machine, a token budget does not."""
+    if stage != "pretrain" or not outputs.get("tokens_seen"):
+        return ""
+    limits = {"tokens": outputs["tokens_seen"], "hours": 0, "steps": 0}  # 0: no such limit
+    return " ".join(f"--set pretrain.budget.{k}={v}" for k, v in limits.items())
 
 
 @app.command()

@@ -177,7 +177,7 @@ def _apply_override(raw: dict[str, Any], item: str, config_classes: dict[str, ty
     dotted, sep, text = item.partition("=")
     parts = dotted.strip().split(".")
     if not sep or len(parts) < 2 or not all(parts):
-        raise ConfigError(f"{flag}: expected section.key=value, e.g. --set pretrain.lr=5e-4")
+        raise ConfigError(f"{flag}: expected section.key=value, e.g. --set pretrain.optimizer.lr=5e-4")
     sections = ["run", *config_classes]
     if parts[0] not in sections:
         raise ConfigError(f"{flag}: unknown section [{parts[0]}]{_did_you_mean(parts[0], sections)}")

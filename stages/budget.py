@@ -1,4 +1,4 @@
-"""The budget clock and what the ranks of a torchrun job must agree on.
+"""The budget clock and what the ranks of a torchrun job must agree on (or share).
 
 Progress through the budget drives the lr schedule and the batch ramp, and decides when training
 stops, so under torchrun every rank must read the same progress: rank 0's clock is the one that
@@ -25,25 +25,41 @@ def progress(budget: Any, state: dict, elapsed_s: float) -> float:
 
 
 class Clock:
-    """Budget seconds: those carried over from a checkpoint plus this process's. `agreed()` is rank
-    0's reading on every rank, so that with a time budget all ranks take the same number of steps."""
+    """Budget seconds: those carried over from a checkpoint plus this process's.
 
-    def __init__(self, before_s: float, agree: bool, device: Any):
-        self.before_s, self.agree, self.device = before_s, agree, device
+    `agreed(step)` is the reading every rank acts on, so that with a time budget all ranks take the
+    same steps at the same lr. Rank 0's clock is broadcast once every `every` steps (a broadcast and a
+    host sync each time); in between, every rank extrapolates alike from the last two agreed readings
+    (seconds per step), so the ranks never disagree and the hot path holds no collective.
+    """
+
+    def __init__(self, before_s: float, agree: bool, device: Any, every: int = 1):
+        self.before_s, self.agree, self.device, self.every = before_s, agree, device, every
         self.started = time.perf_counter()
+        self.synced_step: int | None = None
+        self.synced_s = before_s
+        self.per_step_s = 0.0
+        self.syncs = 0
 
     def local(self) -> float:
         return self.before_s + time.perf_counter() - self.started
 
-    def agreed(self) -> float:
+    def agreed(self, step: int) -> float:
         if not self.agree:
             return self.local()
+        if self.synced_step is not None and step - self.synced_step < self.every:
+            return self.synced_s + (step - self.synced_step) * self.per_step_s
         import torch
         import torch.distributed as dist
 
         reading = torch.tensor([self.local()], dtype=torch.float64, device=self.device)
         dist.broadcast(reading, src=0)
-        return reading.item()
+        now = reading.item()
+        self.syncs += 1
+        if self.synced_step is not None and step > self.synced_step:
+            self.per_step_s = (now - self.synced_s) / (step - self.synced_step)
+        self.synced_step, self.synced_s = step, now
+        return now
 
 
 def agree_on(path: Path | None, world_size: int) -> Path | None:
@@ -64,3 +80,14 @@ def mean_over_ranks(values: list[float], world_size: int, device: Any) -> list[f
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return (t / world_size).tolist()
+
+
+def all_gather(obj: Any, world_size: int) -> list[Any]:
+    """Every rank's `obj` (picklable), on every rank."""
+    if world_size == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, obj)
+    return gathered

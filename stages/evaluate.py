@@ -29,6 +29,7 @@ NAME = "evaluate"
 VERSION = "3"
 UPSTREAM = ("tokenize", "pack", "pretrain")
 RESUMABLE = False
+DISTRIBUTED = True  # under torchrun every rank fine-tunes a share of the (task, seed) pairs
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,8 @@ class Config:
     max_length: int = 128  # tokens per example, [CLS] and [SEP]s included; longer texts are cut
     buckets: tuple[int, ...] = (32, 64, 128)  # padded batch lengths: one compiled graph each, at most
     pooling: Literal["first", "mean"] = "first"
+    head_width: int = 1024  # the classifier head's dense layer (cramming's); 0: the model's hidden size
+    dropout: float = 0.1  # fine-tuning only: embeddings, attention, hidden and the head (cramming's)
     seeds: int = 5
     eval_batch_size: int = 128
     mlm: bool = True  # the held-out masked-LM loss and accuracy
@@ -111,6 +114,8 @@ class Config:
                 raise ValueError(f"{key}: {getattr(self, key)} must be >= 1")
         if not self.lr > 0 or self.weight_decay < 0:
             raise ValueError(f"lr, weight_decay: {self.lr}, {self.weight_decay} must be > 0 and >= 0")
+        if self.head_width < 0 or not 0 <= self.dropout < 1:
+            raise ValueError(f"head_width, dropout: {self.head_width}, {self.dropout} must be >= 0 and in [0, 1)")
         if not 0 <= self.warmup < 1:
             raise ValueError(f"warmup: {self.warmup} must be in [0, 1)")
         if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 3:
@@ -174,7 +179,8 @@ def _has_labels(corpus: Any) -> bool:
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
     import torch
 
-    from stages.finetune import Tuner, encode, finetune_task
+    from stages.budget import all_gather
+    from stages.finetune import Tuner, encode, finetune_seed, share_out, task_result
 
     tokenize, pack, pretrain = inputs["tokenize"], inputs["pack"], inputs["pretrain"]
     cfg, params, tokenizer = _load_checkpoint(pretrain, tokenize)
@@ -185,25 +191,66 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
             raise StageError(f"evaluate.{key}: {max_length} pads to {bucket(max_length, config.buckets)}, "
                              f"beyond the model's {cfg.max_seq_len} positions")
     special = tokenize.outputs["special_ids"]
-    # Load and tokenize every task before training any: a bad task fails the stage at once.
-    tasks = [(tc, load_task(tc, i, tokenize)) for i, tc in enumerate(config.tasks)]
-    encoded = [encode(task, tokenizer, special, config.setting(tc, "max_length")) for tc, task in tasks]
+    seeds = [[ctx.seed + k for k in range(config.setting(tc, "seeds"))] for tc in config.tasks]
+    jobs = [(i, seed) for i, task_seeds in enumerate(seeds) for seed in task_seeds]
 
-    device = devices.resolve(ctx.device)
-    autocast = devices.autocast_dtype(config.precision, device)
-    params = {k: v.to(device) for k, v in params.items()}
-    tuner = Tuner.make(config, cfg, params, special, device, autocast)
+    def work() -> tuple[dict | None, dict[int, dict], tuple[list, list]]:
+        """This rank's share: the masked-LM numbers (rank 0) and its (task, seed) fine-tunes."""
+        # Load and tokenize every task before training any: a bad task fails the stage at once.
+        tasks = [(tc, load_task(tc, i, tokenize)) for i, tc in enumerate(config.tasks)]
+        encoded = [encode(task, tokenizer, special, config.setting(tc, "max_length")) for tc, task in tasks]
+        costs = [len(encoded[i].train[0]) * config.setting(config.tasks[i], "epochs") for i, _ in jobs]
+        owner = share_out(costs, ctx.world_size)
+        device = devices.resolve(ctx.device)
+        autocast = devices.autocast_dtype(config.precision, device)
+        on_device = {k: v.to(device) for k, v in params.items()}
+        tuner = Tuner.make(config, cfg, on_device, special, device, autocast)
+        mlm, runs = None, {}
+        # Tasks share the compiled steps, so tasks with the same head shape share graphs; each head shape
+        # may add one per bucket. Past dynamo's default limit of 8 graphs it would fall back to eager
+        # silently: the limit is raised to what the tasks can need, and hitting it is an error.
+        limit = max(8, len(config.buckets) * len(tasks))
+        with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
+            if config.mlm and ctx.is_main:
+                masking = pretrain.outputs["masking"]
+                mlm = _evaluate_mlm(config, cfg, on_device, pack, masking, special, device, autocast, ctx)
+            for j, (i, seed) in enumerate(jobs):
+                if owner[j] == ctx.rank:
+                    runs[j] = finetune_seed(tuner, tasks[i][0], tasks[i][1], encoded[i], seed, ctx)
+        return mlm, runs, (tasks, encoded)
+
+    if ctx.world_size == 1:
+        mlm, runs, (tasks, encoded) = work()
+    else:
+        # Under torchrun every rank fine-tunes its share of the (task, seed) pairs; the one collective
+        # is this gather at the end, which waits only for the slowest rank's last job. A rank's failure
+        # is gathered too, so no rank is left waiting for one that gave up.
+        failure = None
+        try:
+            mlm, runs, (tasks, encoded) = work()
+        except StageError as e:
+            failure, mlm, runs = (str(e), True), None, {}
+        except Exception as e:  # reported by every rank below; the traceback stays in this rank's log
+            ctx.log.error("evaluate raised", exc_info=True)
+            failure, mlm, runs = (f"rank {ctx.rank}: {type(e).__name__}: {e}", False), None, {}
+        shared = all_gather((failure, mlm, runs), ctx.world_size)
+        failures = [f for f, _, _ in shared if f is not None]
+        if failures:
+            message, bad_input = failures[0]
+            raise StageError(message) if bad_input else RuntimeError(message)
+        mlm = shared[0][1]
+        runs = {j: r for _, _, rank_runs in shared for j, r in rank_runs.items()}
+    if not ctx.is_main:
+        return {"results": "results.json"}  # rank 0 writes them
+
     results: dict[str, Any] = {}
-    # Tasks share the compiled steps, so tasks with the same head shape share graphs; each head shape
-    # may add one per bucket. Past dynamo's default limit of 8 graphs it would fall back to eager
-    # silently: the limit is raised to what the tasks can need, and hitting it is an error.
-    limit = max(8, len(config.buckets) * len(tasks))
-    with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
-        if config.mlm:
-            masking = pretrain.outputs["masking"]
-            results["mlm"] = _evaluate_mlm(config, cfg, params, pack, masking, special, device, autocast, ctx)
-        results["tasks"] = {task.name: finetune_task(tuner, tc, task, data, ctx)
-                            for (tc, task), data in zip(tasks, encoded)}
+    if mlm is not None:
+        results["mlm"] = mlm
+    results["tasks"] = {
+        task.name: task_result(config, tc, task, encoded[i], seeds[i],
+                               [runs[j] for j, (t, _) in enumerate(jobs) if t == i], ctx)
+        for i, (tc, task) in enumerate(tasks)
+    }
     glue = {f"{name}/{test}": r["median"][test]
             for name, r in results["tasks"].items() if r["kind"] == "glue" for test in r["median"]}
     if glue:

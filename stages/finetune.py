@@ -9,12 +9,14 @@ recompiles from step to step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from stages import Context, StageError, Upstream
+from stages.device import to_device
 from stages.progress import track
 
 
@@ -81,47 +83,62 @@ def _longest_first(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
     return (budget + 1) // 2, budget // 2
 
 
-def finetune_task(tuner: Tuner, task_cfg: Any, task, data: Encoded, ctx: Context) -> dict:
-    """Fine-tune and score every seed of one task; the medians, the baseline and the time it took."""
-    import numpy as np
-
-    from stages.metrics import majority_baseline, score
+def finetune_seed(tuner: Tuner, task_cfg: Any, task, data: Encoded, seed: int, ctx: Context) -> dict:
+    """Fine-tune one seed of one task from the pretrained params and score it on each test set."""
+    from stages.metrics import score
 
     began = time.perf_counter()
     config = tuner.config
     epochs, lr = config.setting(task_cfg, "epochs"), config.setting(task_cfg, "lr")
-    seeds = [ctx.seed + i for i in range(config.setting(task_cfg, "seeds"))]
-    scores: dict[str, dict[str, list[float]]] = {t: {m: [] for m in task.metrics} for t in task.tests}
-    train_loss = []
-    for seed in seeds:
-        params, loss = tuner.train(task.num_outputs, data.train, epochs, lr, seed, f"{task.name} seed {seed}")
-        train_loss.append(loss)
-        for test, (rows, lengths, labels) in data.tests.items():
-            outputs = tuner.outputs(params, rows, lengths)
-            predictions = outputs[:, 0] if task.regression else outputs.argmax(-1)
-            for metric, value in score(task.metrics, predictions, labels).items():
-                scores[test][metric].append(value)
-        ctx.log.info("finetuned", task=task.name, seed=seed, train_loss=round(loss, 4),
-                     **{f"{t}_{m}": round(v[-1], 4) for t, ms in scores.items() for m, v in ms.items()})
+    params, loss = tuner.train(task.num_outputs, data.train, epochs, lr, seed, f"{task.name} seed {seed}")
+    scores = {}
+    for test, (rows, lengths, labels) in data.tests.items():
+        outputs = tuner.outputs(params, rows, lengths)
+        scores[test] = score(task.metrics, outputs[:, 0] if task.regression else outputs.argmax(-1), labels)
+    ctx.log.info("finetuned", task=task.name, seed=seed, train_loss=round(loss, 4),
+                 **{f"{t}_{m}": round(v, 4) for t, ms in scores.items() for m, v in ms.items()})
+    return {"train_loss": loss, "scores": scores, "time_s": time.perf_counter() - began}
+
+
+def task_result(config: Any, task_cfg: Any, task, data: Encoded, seeds: list[int], runs: list[dict],
+                ctx: Context) -> dict:
+    """A task's results from its seeds' runs (in seed order): per-seed scores, medians, the baseline."""
+    import numpy as np
+
+    from stages.metrics import majority_baseline
+
+    scores = {t: {m: [r["scores"][t][m] for r in runs] for m in task.metrics} for t in task.tests}
     result = {
         "kind": task_cfg.kind,
         "metrics": list(task.metrics),
         "labels": list(task.label_names),
         "train_examples": len(data.train[0]),
         "test_examples": {t: len(rows) for t, (rows, _, _) in data.tests.items()},
-        "epochs": epochs,
-        "lr": lr,
+        "epochs": config.setting(task_cfg, "epochs"),
+        "lr": config.setting(task_cfg, "lr"),
         "max_length": config.setting(task_cfg, "max_length"),
         "seeds": seeds,
-        "train_loss": train_loss,
+        "train_loss": [r["train_loss"] for r in runs],
         "scores": scores,
         "median": {t: {m: float(np.median(v)) for m, v in ms.items()} for t, ms in scores.items()},
         "baseline": {t: majority_baseline(task, test) for t, test in task.tests.items()},
-        "time_s": round(time.perf_counter() - began, 3),
+        "time_s": round(sum(r["time_s"] for r in runs), 3),  # fine-tuning time, summed over seeds
     }
     ctx.log.info("task", task=task.name, median=result["median"], baseline=result["baseline"],
                  time_s=result["time_s"])
     return result
+
+
+def share_out(costs: list[float], world_size: int) -> list[int]:
+    """The rank of each job: the costliest first, each to the least loaded rank (a greedy balance that
+    keeps the ranks' finishing times close, so the gather at the end waits little). Same on every rank."""
+    load = [0.0] * world_size
+    owner = [0] * len(costs)
+    for job in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owner[job] = rank
+        load[rank] += costs[job]
+    return owner
 
 
 @dataclass(frozen=True)
@@ -144,8 +161,10 @@ class Tuner:
         # cramming's fine-tuning AdamW: betas (0.9, 0.98), eps 1e-6, no gradient clipping.
         opt_cfg = model.OptimizerConfig(lr=config.lr, eps=1e-6, weight_decay=config.weight_decay, clip_norm=0.0)
         kw = dict(pooling=config.pooling, compile=config.compile, backend=config.backend, autocast_dtype=autocast)
-        return cls(config, cfg, params, special, device, make_finetune_step(cfg, opt_cfg, **kw),
-                   make_classify_eval_step(cfg, **kw))
+        # Dropout (cramming's 0.1) in the fine-tune step only; prediction sees the whole network.
+        training = dataclasses.replace(cfg, dropout=config.dropout)
+        return cls(config, cfg, params, special, device, make_finetune_step(training, opt_cfg, **kw),
+                   make_classify_eval_step(dataclasses.replace(cfg, dropout=0.0), **kw))
 
     def train(self, num_outputs: int, train, epochs: int, lr: float, seed: int, label: str = "fine-tune"):
         """Params fine-tuned from the pretrained ones with a fresh head, and the last epoch's mean loss."""
@@ -157,7 +176,8 @@ class Tuner:
 
         rows, lengths, labels = train
         size = self.config.batch_size
-        head = init_head(self.cfg, num_outputs, seed)
+        head = init_head(self.cfg, num_outputs, seed, width=self.config.head_width)
+        torch.manual_seed(seed)  # dropout's masks: a seed's fine-tune is the same wherever it runs
         params = {**self.params, **{k: v.to(self.device) for k, v in head.items()}}
         opt_state = model.adamw_init(params)
         rng = np.random.default_rng(seed)
@@ -169,8 +189,8 @@ class Tuner:
             for i in track(range(steps_per_epoch), label, total, done=epoch * steps_per_epoch):
                 batch = self.batch(rows, lengths, labels, order[i * size:(i + 1) * size], size)
                 progress = (epoch * steps_per_epoch + i) / total
-                lr_now = torch.tensor(lr * model.lr_schedule("cosine", progress, warmup=self.config.warmup),
-                                      device=self.device)
+                lr_now = to_device(torch.tensor(lr * model.lr_schedule("cosine", progress, warmup=self.config.warmup),
+                                                dtype=torch.float32), self.device)
                 params, opt_state, metrics = self.step(params, opt_state, batch, lr_now)
                 losses.append(metrics["loss"])
         return params, float(torch.stack(losses).mean())
@@ -178,6 +198,7 @@ class Tuner:
     def outputs(self, params: dict, rows: list, lengths):
         """Model outputs [N, num_outputs] for every row, in the rows' order."""
         import numpy as np
+        import torch
 
         size = self.config.eval_batch_size
         order = np.argsort(lengths, kind="stable")  # similar lengths together: less padding
@@ -186,10 +207,10 @@ class Tuner:
         for start in range(0, len(rows), size):
             batch = self.batch(rows, lengths, no_labels, order[start:start + size], size)
             logits = self.predict(params, {k: batch[k] for k in ("input_ids", "attention_mask")})
-            outputs.append(logits[: len(order[start:start + size])].cpu().numpy())
+            outputs.append(logits[: len(order[start:start + size])])
         unsorted = np.empty_like(order)
         unsorted[order] = np.arange(len(order))
-        return np.concatenate(outputs)[unsorted]
+        return torch.cat(outputs).cpu().numpy()[unsorted]  # one host sync, after the last batch
 
     def batch(self, rows: list, lengths, labels, index, size: int) -> dict:
         """`size` rows padded to the bucket of the longest; rows past `len(index)` are weightless fillers."""
@@ -210,7 +231,7 @@ class Tuner:
         weights = np.zeros(size, dtype=np.float32)
         weights[: len(index)] = 1.0
         arrays = {"input_ids": ids, "attention_mask": mask, "labels": padded_labels, "weights": weights}
-        return {k: torch.from_numpy(v).to(self.device) for k, v in arrays.items()}
+        return {k: to_device(torch.from_numpy(v), self.device) for k, v in arrays.items()}
 
 
 def bucket(length: int, buckets: tuple[int, ...]) -> int:

@@ -22,11 +22,12 @@ def heldout_mlm(evaluate: Callable, params: dict, blocks, spec: Any, *, seed: in
     """
     import torch
 
+    from stages.device import to_device
+
     sums = []
     for first in range(0, len(blocks), batch_size):
         batch = mask_blocks(blocks[first:first + batch_size], first, spec, seed)
-        if device.type == "cuda":
-            batch = {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+        batch = {k: to_device(v, device) for k, v in batch.items()}
         step = evaluate if len(batch["input_ids"]) == batch_size or tail is None else tail
         with torch.no_grad():
             metrics = step(params, batch)

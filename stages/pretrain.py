@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from model.config import OptimizerConfig
+from model.config import ModelConfig, OptimizerConfig
 from stages import Context, StageError, Upstream
 from stages import device as devices
 
@@ -35,22 +36,20 @@ DISTRIBUTED = True  # the runner calls `run` on every rank
 NOT_IN_KEY = ("log_every_steps", "checkpoint_every_minutes", "checkpoint_every_steps", "keep_checkpoints")
 
 
-@dataclass(frozen=True)
-class Architecture:
-    """A preset of `model.PRESETS` plus overrides; vocab size and sequence length come from the data."""
-
-    preset: str = "tiny"
-    hidden: int | None = None
-    layers: int | None = None
-    heads: int | None = None
-    intermediate: int | None = None
-    position: Literal["sinusoidal", "learned", "rope"] | None = None
-    rope_theta: float | None = None
-    glu: bool | None = None
-    head_transform: bool | None = None
-    embedding_norm: bool | None = None
-    first_attn_norm: bool | None = None
-    norm_eps: float | None = None
+# vocab_size, max_seq_len and pad_id come from the data; dropout is fine-tuning's (evaluate's).
+_NOT_CONFIGURED_HERE = ("vocab_size", "max_seq_len", "pad_id", "dropout")
+# `[pretrain.model]`: a preset of `model.PRESETS` and overrides of any other `ModelConfig` field (None:
+# the preset's). Made from ModelConfig's fields, so an architecture option is never copied by hand.
+Architecture = dataclasses.make_dataclass(
+    "Architecture",
+    [("preset", str, field(default="tiny"))] + [
+        (f.name, typing.Optional[typing.get_type_hints(ModelConfig)[f.name]], field(default=None))
+        for f in dataclasses.fields(ModelConfig) if f.name not in _NOT_CONFIGURED_HERE
+    ],
+    frozen=True,
+)
+Architecture.__module__ = __name__  # pickled by name (torchrun workers, tests)
+Architecture.__doc__ = "A preset of `model.PRESETS` plus overrides of its `ModelConfig` fields (None: the preset's)."
 
 
 DEFAULT_HOURS = 3.5 / 60  # the budget when no limit is given at all
@@ -121,6 +120,13 @@ class Config:
     keep_checkpoints: int = 2
     val_blocks: int = 256  # held-out blocks for the loss before and after training; 0: skip
     prefetch: int = 4  # microbatches read ahead
+    # Before the budget clock: this many steps compiled and eagerly from the same state on the same
+    # batches; a relative difference in loss, accuracy or gradient norm above the tolerance stops the
+    # stage before it spends the budget on a miscompiled step. 0: off (and off when compile is false).
+    canary_steps: int = 2
+    canary_tolerance: float = 0.02
+    # torchrun with an hours budget: rank 0's clock is broadcast every this many steps, extrapolated between
+    clock_sync_every_steps: int = 10
 
     def __post_init__(self) -> None:
         positive = {
@@ -129,10 +135,14 @@ class Config:
             "log_every_steps": self.log_every_steps,
             "keep_checkpoints": self.keep_checkpoints,
             "prefetch": self.prefetch,
+            "clock_sync_every_steps": self.clock_sync_every_steps,
         }
         for key, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{key}: {value} must be > 0")
+        if self.canary_steps < 0 or not self.canary_tolerance > 0:
+            raise ValueError(f"canary_steps, canary_tolerance: {self.canary_steps}, {self.canary_tolerance} "
+                             "must be >= 0 and > 0")
         for key in ("checkpoint_every_minutes", "checkpoint_every_steps"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key}: {getattr(self, key)} must be > 0, or 0 for off")
@@ -169,7 +179,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     from stages.budget import agree_on, progress
     from stages.heldout import MASK_SEED, heldout_mlm
     from stages.telemetry import MetricsLog, mfu, peak_flops
-    from stages.training import Steps, fresh_state, train
+    from stages.training import Steps, canary, fresh_state, train
 
     pack = inputs["pack"]
     blocks = np.load(pack.path("train"), mmap_mode="r")
@@ -201,16 +211,24 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         out_dir.mkdir(parents=True, exist_ok=True)
         MetricsLog(out_dir / "metrics.jsonl").truncate(state["step"])
 
-    steps = Steps(
-        accumulate=model.make_accumulate_step(
-            cfg, compile=config.compile, backend=config.backend, autocast_dtype=autocast),
-        apply=model.make_apply_step(
-            config.optimizer, compile=config.compile, backend=config.backend,
-            reduce_grads=model.make_grad_all_reduce(ctx.world_size) if ctx.world_size > 1 else None),
-        spec=spec,
-        generator=torch.Generator(device=device),
-        device=device,
-    )
+    reduce_grads = model.make_grad_all_reduce(ctx.world_size) if ctx.world_size > 1 else None
+    # One microbatch per step (no ramp to grow): the whole step is one graph. Otherwise two graphs,
+    # accumulate (per microbatch) and apply (per step), since a graph cannot loop over a varying count.
+    single = config.batch_size == ctx.world_size * config.microbatch
+
+    def make_steps(compile: bool) -> Steps:
+        how = dict(compile=compile, backend=config.backend)
+        return Steps(
+            whole=model.make_train_step(cfg, config.optimizer, autocast_dtype=autocast, reduce_grads=reduce_grads,
+                                        **how) if single else None,
+            accumulate=None if single else model.make_accumulate_step(cfg, autocast_dtype=autocast, **how),
+            apply=None if single else model.make_apply_step(config.optimizer, reduce_grads=reduce_grads, **how),
+            spec=spec,
+            generator=torch.Generator(device=device),
+            device=device,
+        )
+
+    steps = make_steps(config.compile)
     # Two forward passes over a few hundred blocks are not worth a compile.
     evaluate = model.make_eval_step(cfg, compile=False, autocast_dtype=autocast)
 
@@ -221,9 +239,11 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
 
     if ctx.is_main and config.val_blocks and state["val_loss_start"] is None:
         state["val_loss_start"] = val_loss(params)
-    compile_s = 0.0
+    compile_s, canary_diff = 0.0, None
     if config.compile and progress(config.budget, state, state["elapsed_s"]) < 1:
         compile_s = steps.warm_up(params, opt_state, blocks, config.microbatch)
+        if config.canary_steps:
+            canary_diff = canary(config, ctx, steps, make_steps(False), params, opt_state, blocks)
     flops_per_token = model.flops_per_token(cfg, spec.per_sequence / seq_len)
     if ctx.is_main:
         peak_flops(device)  # measured on a CPU, which takes seconds: before the budget clock starts
@@ -246,8 +266,10 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         "val_loss_end": val_loss(params) if config.val_blocks else None,
         "steps": state["step"],
         "tokens_seen": state["tokens_seen"],
+        "flops_seen": flops_per_token * state["tokens_seen"],  # model FLOPs: a budget that carries across hardware
         "wall_s": round(state["elapsed_s"], 3),
         "compile_s": round(compile_s, 3),
+        "canary_diff": canary_diff,
         "tokens_per_s": round(tokens_per_s, 1),
         "mfu": mfu(flops_per_token, tokens_per_s, device, ctx.world_size),
         "data_wait": round(state["data_wait_s"] / state["elapsed_s"], 4) if state["elapsed_s"] else 0.0,

@@ -23,8 +23,12 @@ class DivergedError(RuntimeError):
 
 @dataclass
 class Steps:
-    """The compiled steps, and what turns a prefetched microbatch into their input on the device."""
+    """The compiled steps, and what turns a prefetched microbatch into their input on the device.
 
+    `whole` (one graph: forward, backward, clipping, AdamW) when every step is one microbatch;
+    otherwise `accumulate` per microbatch and `apply` per step (two graphs)."""
+
+    whole: Any
     accumulate: Any
     apply: Any
     spec: Any
@@ -41,12 +45,28 @@ class Steps:
     def scalar(self, value: float):
         import torch
 
-        t = torch.tensor(value, dtype=torch.float32)
-        # A pageable host-to-device copy would wait for the GPU to drain; a pinned one does not.
-        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+        from stages.device import to_device
+
+        return to_device(torch.tensor(value, dtype=torch.float32), self.device)
+
+    def step(self, params: dict, opt_state: dict, data, n_micro: int, lr: float) -> tuple[dict, dict, Any]:
+        """One optimizer step over `n_micro` microbatches from `data`: (params, opt_state, [loss, accuracy,
+        grad_norm] on the device)."""
+        import torch
+
+        if self.whole is not None:
+            params, opt_state, m = self.whole(params, opt_state, self.batch(data.next()), self.scalar(lr))
+            return params, opt_state, torch.stack([m["loss"], m["accuracy"], m["grad_norm"]])
+        grads = {k: torch.zeros_like(v) for k, v in params.items()}
+        loss = accuracy = 0.0
+        for _ in range(n_micro):
+            grads, m = self.accumulate(params, grads, self.batch(data.next()))
+            loss, accuracy = loss + m["loss"], accuracy + m["accuracy"]
+        params, opt_state, m = self.apply(params, opt_state, grads, self.scalar(n_micro), self.scalar(lr))
+        return params, opt_state, torch.stack([loss / n_micro, accuracy / n_micro, m["grad_norm"]])
 
     def warm_up(self, params: dict, opt_state: dict, train, microbatch: int) -> float:
-        """Compile both steps on a throwaway batch, before the budget clock starts; return seconds.
+        """Compile the steps on a throwaway batch, before the budget clock starts; return seconds.
 
         The steps are pure functions, so discarding their results leaves the training state as it was.
         """
@@ -56,11 +76,58 @@ class Steps:
 
         began = time.perf_counter()
         ids = torch.from_numpy(read_sequences(train, 0, 0, microbatch, {}))
-        grads = {k: torch.zeros_like(v) for k, v in params.items()}
-        grads, _ = self.accumulate(params, grads, self.batch(Microbatch(ids, 0, 0)))
-        _, _, metrics = self.apply(params, opt_state, grads, self.scalar(1.0), self.scalar(0.0))
-        float(metrics["grad_norm"])  # wait for the device
+
+        class Once:
+            def next(self) -> Microbatch:
+                return Microbatch(ids, 0, 0)
+
+        _, _, row = self.step(params, opt_state, Once(), 1, 0.0)
+        row.tolist()  # wait for the device
         return time.perf_counter() - began
+
+
+class CanaryError(RuntimeError):
+    """The compiled steps disagree with the same steps run eagerly."""
+
+
+def canary(config: Any, ctx: Context, compiled: Steps, eager: Steps, params: dict, opt_state: dict,
+           blocks) -> float:
+    """Run `config.canary_steps` optimizer steps compiled and eagerly from the same state on the same
+    batches (the stream's first, one microbatch a step as the ramp starts, at the peak lr so that
+    updates compound); raise `CanaryError` when loss, accuracy or gradient norm differ by more than
+    `config.canary_tolerance` (relative). Returns the largest difference, the worst over all ranks."""
+    import torch
+
+    from stages.batches import Microbatch, mask_seed, read_sequences
+    from stages.budget import all_gather
+
+    class Replay:
+        def __init__(self) -> None:
+            self.first = ctx.rank * config.microbatch
+
+        def next(self) -> Microbatch:
+            ids = torch.from_numpy(read_sequences(blocks, ctx.seed, self.first, config.microbatch, {}))
+            micro = Microbatch(ids, self.first, mask_seed(ctx.seed, self.first))
+            self.first += ctx.world_size * config.microbatch
+            return micro
+
+    worst = 0.0
+    state_c = state_e = (params, opt_state)
+    data_c, data_e = Replay(), Replay()
+    for _ in range(config.canary_steps):
+        *state_c, row_c = compiled.step(*state_c, data_c, 1, config.optimizer.lr)
+        *state_e, row_e = eager.step(*state_e, data_e, 1, config.optimizer.lr)
+        diff = ((row_c.double() - row_e.double()).abs() / row_e.double().abs().clamp(min=1e-6)).max()
+        worst = max(worst, float(diff) if torch.isfinite(diff) else float("inf"))
+    worst = max(all_gather(worst, ctx.world_size))  # every rank decides alike
+    ctx.log.info("canary", steps=config.canary_steps, max_relative_diff=worst)
+    if not worst <= config.canary_tolerance:
+        raise CanaryError(
+            f"pretrain: compile canary: the compiled step ({config.backend}) differs from eager by {worst:.3g} "
+            f"(relative) over {config.canary_steps} steps, above canary_tolerance {config.canary_tolerance}; "
+            "nothing was trained. Try another pretrain.backend, pretrain.compile = false, or canary_steps = 0 "
+            "to train anyway")
+    return worst
 
 
 def fresh_state(seed: int) -> dict[str, Any]:
@@ -84,8 +151,6 @@ def train(config: Any, ctx: Context, steps: Steps, params: dict, opt_state: dict
           out_dir: Path, last_saved: int, flops_per_token: float) -> tuple[dict, dict]:
     """Step until the budget of `config` (a `pretrain.Config`) is spent, logging and checkpointing
     (the last checkpoint is the end). Returns the final (params, opt_state); `state` is updated in place."""
-    import torch
-
     import model
     from stages import checkpoint
     from stages.batches import Prefetcher
@@ -93,8 +158,7 @@ def train(config: Any, ctx: Context, steps: Steps, params: dict, opt_state: dict
     seq_len = data_blocks.shape[1]
     target_micro = config.batch_size // (ctx.world_size * config.microbatch)
     clock = Clock(state["elapsed_s"], agree=ctx.world_size > 1 and config.budget.hours is not None,
-                  device=steps.device)
-    zeros = {k: torch.zeros_like(v) for k, v in params.items()}
+                  device=steps.device, every=config.clock_sync_every_steps)
     last_saved_at = time.perf_counter()
     metrics_log = MetricsLog(out_dir / "metrics.jsonl")
     lr = batch = 0.0
@@ -159,15 +223,11 @@ def train(config: Any, ctx: Context, steps: Steps, params: dict, opt_state: dict
         pin=steps.device.type == "cuda",
     ) as data, ProgressBar(ctx.is_main) as bar:
         interval = Interval(state, data.wait_s, rows=state["unlogged"])
-        while (spent := progress(config.budget, state, clock.agreed())) < 1:
+        while (spent := progress(config.budget, state, clock.agreed(state["step"]))) < 1:
             n_micro = micro_steps(spent, config.ramp, target_micro)
             lr = config.optimizer.lr * model.lr_schedule(config.schedule, spent, **config.schedule_args)
-            grads, loss, accuracy = zeros, 0.0, 0.0
-            for _ in range(n_micro):
-                grads, m = steps.accumulate(params, grads, steps.batch(data.next()))
-                loss, accuracy = loss + m["loss"], accuracy + m["accuracy"]
-            params, opt_state, m = steps.apply(params, opt_state, grads, steps.scalar(n_micro), steps.scalar(lr))
-            interval.add(torch.stack([loss / n_micro, accuracy / n_micro, m["grad_norm"]]))
+            params, opt_state, row = steps.step(params, opt_state, data, n_micro, lr)
+            interval.add(row)
             batch = n_micro * ctx.world_size * config.microbatch
             state["step"] += 1
             state["sequences"] += batch

@@ -1,5 +1,7 @@
 """The classification head and its compiled fine-tune / eval steps (model/classifier.py)."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -111,3 +113,31 @@ def test_finetune_step_learns_a_toy_task():
 def test_unknown_pooling_is_rejected():
     with pytest.raises(ValueError, match="pooling"):
         make_finetune_step(CFG, OPT, pooling="max", compile=False)
+
+
+def test_finetune_dropout_is_random_inside_one_graph_and_prediction_has_none():
+    dropped = dataclasses.replace(CFG, dropout=0.1)
+    params = {**model.init(CFG, 0), **init_head(CFG, 3, 1, width=48)}
+    assert params["classifier.dense.weight"].shape == (48, CFG.hidden)  # cramming's head is wider (1024)
+    step = make_finetune_step(dropped, OPT, backend="aot_eager")
+    predict = make_classify_eval_step(CFG, backend="aot_eager")
+    state, batch, lr = (params, model.adamw_init(params)), toy_batch(), torch.tensor(0.0)
+    before = counters["stats"]["unique_graphs"]
+    torch.manual_seed(0)
+    losses = [step(*state, batch, lr)[2]["loss"] for _ in range(3)]  # lr 0: the params stay put
+    torch.manual_seed(0)
+    again = step(*state, batch, lr)[2]["loss"]
+    logits = [predict(params, batch) for _ in range(2)]
+    assert counters["stats"]["unique_graphs"] - before == 2
+    assert len({float(x) for x in losses}) == 3  # fresh dropout masks every step, same graph
+    assert float(again) == float(losses[0])  # ... drawn from torch's seeded generator
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+    no_dropout = make_finetune_step(CFG, OPT, compile=False)
+    assert float(no_dropout(*state, batch, lr)[2]["loss"]) == float(no_dropout(*state, batch, lr)[2]["loss"])
+
+
+def test_pretraining_has_no_dropout_and_evaluate_defaults_are_crammings():
+    from stages.evaluate import Config
+
+    assert model.ModelConfig().dropout == 0.0 and all(p.dropout == 0.0 for p in model.PRESETS.values())
+    assert (Config().dropout, Config().head_width) == (0.1, 1024)

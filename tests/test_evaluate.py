@@ -4,7 +4,9 @@ repeatable masked-LM numbers and bad input."""
 import dataclasses
 import io
 import json
+import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from stages.evaluate import Config, TaskConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+REPO = Path(__file__).resolve().parents[1]
 SPECIAL = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 TOPICS = {
     "Sports": "ball goal team match player league coach",
@@ -193,3 +196,83 @@ def test_pairs_are_cut_longest_first_like_bert():
     row = finetune._join(([10, 11, 12, 13], [20, 21]), SPECIAL, max_length=7)
     assert row.tolist() == [2, 10, 11, 3, 20, 21, 3]
     assert finetune._join(([10, 11, 12, 13],), SPECIAL, max_length=4).tolist() == [2, 10, 11, 3]
+
+
+EVALUATE_WORKER = """
+import json, os, pickle, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+import structlog
+import torch.distributed as dist
+from stages import Context, evaluate
+
+job = pickle.loads(Path(sys.argv[1]).read_bytes())
+dist.init_process_group("gloo")
+if os.environ.get("FAIL_ON_RANK") == str(dist.get_rank()):
+    import stages.finetune
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+    stages.finetune.finetune_seed = broken
+ctx = Context(seed=3, device="cpu", run_dir=Path(job["out_dir"]).parent, log=structlog.get_logger(),
+              rank=dist.get_rank(), world_size=dist.get_world_size())
+out = evaluate.run(job["config"], job["inputs"], Path(job["out_dir"]), ctx)
+Path(job["out_dir"], f"rank{ctx.rank}.json").write_text(json.dumps(out))
+"""
+
+
+def without_times(results: dict) -> dict:
+    return {**results, "mlm": {k: v for k, v in results["mlm"].items() if k != "time_s"},
+            "tasks": {n: {k: v for k, v in t.items() if k != "time_s"} for n, t in results["tasks"].items()}}
+
+
+@pytest.mark.slow
+def test_under_torchrun_ranks_share_the_seeds_and_match_one_process(upstream, tmp_path, make_ctx):
+    import pickle
+    import subprocess
+    import sys
+
+    from stages.finetune import share_out
+
+    assert sorted(share_out([5, 1, 4, 2, 3, 3], 2)) == [0, 0, 0, 1, 1, 1]  # 9 and 9: balanced
+    tasks = [TaskConfig(lr=3e-3, epochs=1), TaskConfig(kind="glue", name="sst2", path=str(upstream["root"] / "glue"))]
+    config = Config(tasks=tasks, epochs=1, seeds=3, max_length=32, buckets=(32,), compile=False, mlm_batch_size=16)
+    _, alone = run_stage(config, upstream["inputs"], tmp_path, make_ctx)
+
+    out_dir = tmp_path / "ranks"
+    out_dir.mkdir()
+    job = tmp_path / "job.pkl"
+    job.write_bytes(pickle.dumps({"config": config, "inputs": upstream["inputs"], "out_dir": str(out_dir)}))
+    (tmp_path / "worker.py").write_text(EVALUATE_WORKER)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29531",
+         str(tmp_path / "worker.py"), str(job), str(REPO)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = json.loads((out_dir / "results.json").read_text())
+    assert without_times(ranks) == without_times(alone)
+    assert json.loads((out_dir / "rank1.json").read_text()) == {"results": "results.json"}
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_failing_rank_fails_every_rank_without_hanging(upstream, tmp_path):
+    import pickle
+    import subprocess
+    import sys
+
+    config = Config(tasks=[TaskConfig(epochs=1)], seeds=2, max_length=32, buckets=(32,), compile=False)
+    out_dir = tmp_path / "ranks"
+    out_dir.mkdir()
+    job = tmp_path / "job.pkl"
+    job.write_bytes(pickle.dumps({"config": config, "inputs": upstream["inputs"], "out_dir": str(out_dir)}))
+    (tmp_path / "worker.py").write_text(EVALUATE_WORKER)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+         str(tmp_path / "worker.py"), str(job), str(REPO)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "FAIL_ON_RANK": "1"},
+    )
+    # Rank 1 fails in its first fine-tune; rank 0 learns it at the gather and fails alike.
+    assert result.returncode != 0 and result.stderr.count("rank 1: RuntimeError: injected") >= 2
+    assert not (out_dir / "results.json").exists()

@@ -61,6 +61,11 @@ def test_fresh_cached_and_changed_runs(tmp_path, monkeypatch):
     assert results["mlm"]["loss"] > 0 and "topic" in results["tasks"]
     status = cram("status", str(run_dir))
     assert status.count("done") == 4 and "val_loss_end=" in status
+    # The budget carries across hardware: tokens, steps and FLOPs are recorded, and inspect prints the
+    # overrides that replay the same token budget (the time limit dropped).
+    assert trained["flops_seen"] > 0 and trained["tokens_seen"] == 12 * 32 * 128
+    replay = f"--set pretrain.budget.tokens={trained['tokens_seen']} --set pretrain.budget.hours=0"
+    assert replay in cram("inspect", str(run_dir), "pretrain")
 
     cram("run", str(REPO / "pipeline.toml"), *overrides(tmp_path / "runs"))
     assert manifest(run_dir) == first  # all cached: nothing ran, nothing was rewritten

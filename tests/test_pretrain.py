@@ -2,6 +2,7 @@
 SIGKILL, and data parallelism over 2 gloo processes. A 1-layer, 32-wide model on random tokens keeps
 each run to a second or two."""
 
+import dataclasses
 import json
 import os
 import pickle
@@ -157,6 +158,19 @@ def test_ramp_grows_accumulation_without_recompiling(pack, tmp_path, make_ctx):
     assert out["tokens_seen"] == (8 + 16 + 24 + 5 * 32) * SEQ
 
 
+def test_one_microbatch_per_step_trains_as_one_graph(pack, tmp_path, make_ctx):
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    config = small(budget=pretrain.Budget(steps=3), compile=True, backend="aot_eager")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = pretrain.run(config, {"pack": pack}, tmp_path / "out", make_ctx())
+    assert counters["stats"]["unique_graphs"] - before == 1 and out["steps"] == 3
+    # The same steps through accumulate + apply (two graphs) give the same params.
+    eager = pretrain.run(small(budget=pretrain.Budget(steps=3)), {"pack": pack}, tmp_path / "eager", make_ctx())
+    assert eager["final_loss"] == pytest.approx(out["final_loss"], rel=1e-4)
+
+
 def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(
     pack, tmp_path, make_ctx, monkeypatch
 ):
@@ -164,13 +178,13 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoin
 
     real = model.make_accumulate_step
 
-    def diverging_at_step_3(*args, **kw):
+    def diverging_at_step_3(*args, **kw):  # two microbatches a step: accumulate + apply
         accumulate, calls = real(*args, **kw), []
 
         def step(params, grads, batch):
             grads, out = accumulate(params, grads, batch)
             calls.append(1)
-            if len(calls) == 3:
+            if len(calls) == 5:  # the first microbatch of step 3
                 grads = {k: g * float("nan") for k, g in grads.items()}
                 out = {**out, "loss": out["loss"] * float("nan")}
             return grads, out
@@ -178,7 +192,7 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoin
         return step
 
     monkeypatch.setattr(model, "make_accumulate_step", diverging_at_step_3)
-    config = small(log_every_steps=2, checkpoint_every_steps=1, keep_checkpoints=5)
+    config = small(log_every_steps=2, checkpoint_every_steps=1, keep_checkpoints=5, batch_size=16)
     with pytest.raises(training.DivergedError, match=r"not finite at step 3; last good checkpoint: .*step-2"):
         pretrain.run(config, {"pack": pack}, tmp_path / "out", make_ctx())
     assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["step-1", "step-2"]
@@ -320,9 +334,10 @@ def test_resume_after_sigkill_is_bit_identical(pack, tmp_path, make_ctx):
     # First kill: while writing the checkpoint of step 4 (step 2's is complete; one file of step 4's is).
     kill_when_hanging(start_worker(tmp_path, {**job, "hang": ("write_tensors", 4)}), out_dir)
     assert [p.name for p in (out_dir / "checkpoints").iterdir() if p.name.startswith("step-")] == ["step-2"]
-    # Second kill: in step 8, after a resume from step 2 and a checkpoint at step 6. The 12th
-    # masking is step 8's second microbatch (1 for compiling, then 1 + 2 + 2 + 2 + 2 + 2).
-    kill_when_hanging(start_worker(tmp_path, {**job, "hang": ("mask_tokens", 12)}), out_dir)
+    # Second kill: in step 8, after a resume from step 2 and a checkpoint at step 6. The 16th
+    # masking is step 8's second microbatch (1 for compiling, 4 for the canary's 2 steps compiled and
+    # eager, then 1 + 2 + 2 + 2 + 2 + 2).
+    kill_when_hanging(start_worker(tmp_path, {**job, "hang": ("mask_tokens", 16)}), out_dir)
     assert checkpoint.latest(out_dir / "checkpoints").name == "step-6"
     resumed = pretrain.run(config, {"pack": pack}, out_dir, make_ctx())
 
@@ -362,3 +377,60 @@ def test_two_gloo_ranks_match_one_process_on_the_same_global_batch(pack, tmp_pat
     assert losses == pytest.approx([m["loss"] for m in metrics(tmp_path / "alone")], rel=1e-5)
     assert [m["batch_size"] for m in metrics(out_dir)] == [16] * 4
     assert alone["tokens_seen"] == 4 * 16 * SEQ
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_on_a_time_budget_agree_when_to_stop(pack, tmp_path):
+    # The clock is agreed every 4 steps and extrapolated alike in between: both ranks take the same
+    # steps (a rank stepping alone would hang in the gradient all-reduce) and end.
+    config = small(batch_size=16, budget=pretrain.Budget(hours=2 / 3600), clock_sync_every_steps=4)
+    out_dir = tmp_path / "ranks"
+    job = {"config": config, "inputs": {"pack": pack}, "out_dir": str(out_dir)}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    procs = [start_worker(tmp_path, job, {**env, "RANK": str(rank)}) for rank in (0, 1)]
+    for proc in procs:
+        assert proc.wait(timeout=180) == 0, proc.stderr.read().decode()[-3000:]
+    assert metrics(out_dir)[-1]["progress"] >= 1.0
+
+
+def test_compile_canary_passes_a_sound_step_and_stops_a_miscompiled_one(pack, tmp_path, make_ctx, monkeypatch):
+    import model
+
+    config = small(budget=pretrain.Budget(steps=2), compile=True, backend="aot_eager")
+    out = pretrain.run(config, {"pack": pack}, tmp_path / "sound", make_ctx())
+    assert out["canary_diff"] is not None and out["canary_diff"] < 1e-4
+
+    real = model.make_train_step
+
+    def miscompiled(*args, compile=True, **kw):
+        step = real(*args, compile=compile, **kw)
+        if not compile:
+            return step
+
+        def wrong(params, opt_state, batch, lr):  # a numerics bug: the loss comes out 5% high
+            params, opt_state, m = step(params, opt_state, batch, lr)
+            return params, opt_state, {**m, "loss": m["loss"] * 1.05}
+
+        return wrong
+
+    monkeypatch.setattr(model, "make_train_step", miscompiled)
+    with pytest.raises(training.CanaryError, match=r"compile canary: .* differs from eager by 0\.05 .*nothing was"):
+        pretrain.run(config, {"pack": pack}, tmp_path / "broken", make_ctx())
+    assert not (tmp_path / "broken" / "checkpoints").exists()
+    # Off: trains anyway.
+    off = pretrain.run(dataclasses.replace(config, canary_steps=0), {"pack": pack}, tmp_path / "off", make_ctx())
+    assert off["canary_diff"] is None and off["steps"] == 2
+
+
+def test_model_section_offers_every_architecture_field_and_checks_types(tmp_path):
+    from model import ModelConfig
+    from pipeline.config import ConfigError
+
+    fields = {f.name for f in dataclasses.fields(pretrain.Architecture)}
+    assert fields == {"preset"} | {f.name for f in dataclasses.fields(ModelConfig)} - {
+        "vocab_size", "max_seq_len", "pad_id", "dropout"}
+    config = load_pretrain(tmp_path, '[pretrain.model]\npreset = "small"\nposition = "rope"\nglu = false\n')
+    assert (config.model.preset, config.model.position, config.model.glu, config.model.hidden) == (
+        "small", "rope", False, None)
+    with pytest.raises(ConfigError, match="pretrain.model.position: expected .* got 'bogus'"):
+        load_pretrain(tmp_path, '[pretrain.model]\nposition = "bogus"\n')
