@@ -51,7 +51,7 @@ class Config:
     # else a random sample spread over the corpus (sentencepiece holds its input in memory: ~5 bytes a character).
     tokenizer_max_chars: int = 100_000_000
     max_line_chars: int = 2000  # longer lines are cut before training: sentencepiece skips them
-    num_proc: int | None = None  # processes reading and encoding; None: the machine's cores, at most 8
+    num_proc: int | None = None  # processes (cores) reading and encoding; None: the machine's cores, at most 8
     batch_size: int = 1000  # documents per encoding call
 
     def __post_init__(self) -> None:
@@ -270,7 +270,9 @@ def _encode_shard(job: tuple[Path, Path, bytes]) -> tuple[int, int]:
     import sentencepiece as spm
 
     text_path, tokens_path, model = job
-    sp = spm.SentencePieceProcessor(model_proto=model)
+    # One thread: a process per core scales; sentencepiece's own threads share one process's GIL-bound
+    # conversion of the ids to Python lists.
+    sp = spm.SentencePieceProcessor(model_proto=model, num_threads=1)
     n_tokens = n_unk = 0
     with shards.ShardWriter(tokens_path, shards.TOKENS) as out:
         for batch in shards.read_batches(text_path):
