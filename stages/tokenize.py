@@ -36,6 +36,7 @@ RESUMABLE = False
 SPECIAL_IDS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 _PIECES = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
 _MAX_PROCS = 8  # beyond this, reading the corpus, not encoding, is what limits a machine
+SHARD_BYTES = 16 << 20  # training text per shard of the encoding pass (and of the `tokens` output)
 
 
 @dataclass(frozen=True)
@@ -75,14 +76,14 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     for folder in (scratch, out_dir / "tokens", out_dir / "heldout"):
         folder.mkdir()
     units = corpus.units(config.corpus, num_proc)
-    jobs = [(unit, i, config, scratch, out_dir / "heldout") for i, unit in enumerate(units)]
+    jobs = [(unit, i, config, scratch, out_dir / "heldout", SHARD_BYTES) for i, unit in enumerate(units)]
     parts = _parallel(_split_unit, jobs, num_proc)
     totals = {key: sum(part[key] for part in parts) for key in ("documents", "heldout", "characters", "bytes")}
     if totals["documents"] + totals["heldout"] == 0:
         raise StageError(f"tokenize.corpus: {_source(config.corpus)}: the corpus is empty (no document with text)")
     if totals["documents"] == 0:
         raise StageError(f"tokenize.heldout_fraction: {config.heldout_fraction} leaves no training document")
-    text_shards = [part["text"] for part in parts if part["text"]]
+    text_shards = [path for part in parts for path in part["text"]]
     heldout_shards = [part["heldout_shard"] for part in parts if part["heldout_shard"]]
     if heldout_shards:
         shards.finish_folder(out_dir / "heldout", heldout_shards, shards.DOCUMENTS)
@@ -100,7 +101,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     t0 = time.perf_counter()
     jobs = [(text, out_dir / "tokens" / f"data-{i:05d}.arrow", model) for i, text in enumerate(text_shards)]
     counts = _parallel(_encode_shard, jobs, num_proc)
-    shards.finish_folder(out_dir / "tokens", [path.name for path, _, _ in jobs], shards.TOKENS)
+    shards.finish_folder(out_dir / "tokens", [tokens.name for _, tokens, _ in jobs], shards.TOKENS)
     encode_s = time.perf_counter() - t0
     shutil.rmtree(scratch)
     n_tokens, n_unk = sum(c[0] for c in counts), sum(c[1] for c in counts)
@@ -235,31 +236,42 @@ def _parallel(work: Callable[[Any], Any], jobs: list[Any], num_proc: int) -> lis
 
 
 def _split_unit(job: tuple) -> dict[str, Any]:
-    """One pass over one corpus unit: the held-out split, the training documents' text to a scratch
-    shard, the held-out documents to a shard of the `heldout` output, and their sizes."""
+    """One pass over one corpus unit: the held-out split, the training documents' text to scratch
+    shards of at most ~SHARD_BYTES each (the units of the encoding pass), the held-out documents to
+    a shard of the `heldout` output, and their sizes."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    unit, index, config, scratch, heldout_dir = job
-    name = f"data-{index:05d}.arrow"
-    counts = {"documents": 0, "heldout": 0, "characters": 0, "bytes": 0}
-    with shards.ShardWriter(scratch / name, shards.TEXT) as train, \
-            shards.ShardWriter(heldout_dir / name, shards.DOCUMENTS) as heldout:
+    unit, index, config, scratch, heldout_dir, max_shard_bytes = job
+    counts: dict[str, Any] = {"documents": 0, "heldout": 0, "characters": 0, "bytes": 0, "text": []}
+    train, shard_bytes = None, 0
+    with shards.ShardWriter(heldout_dir / f"data-{index:05d}.arrow", shards.DOCUMENTS) as heldout:
         for batch in corpus.documents(unit, config.corpus, config.batch_size):
             flags = [is_heldout(t, x, config.heldout_fraction) for t, x in zip(batch["title"], batch["text"])]
             held = [i for i, f in enumerate(flags) if f]
             if held:
                 heldout.write({key: [values[i] for i in held] for key, values in batch.items()})
             texts = pa.array([text for text, f in zip(batch["text"], flags) if not f], type=pa.string())
+            if len(texts) == 0:
+                continue
+            if train is None or shard_bytes >= max_shard_bytes:
+                if train is not None:
+                    train.close()
+                train = shards.ShardWriter(scratch / f"data-{index:05d}-{len(counts['text']):04d}.arrow", shards.TEXT)
+                counts["text"].append(train.path)
+                shard_bytes = 0
             train.write({"text": texts})
+            n_bytes = pc.sum(pc.binary_length(texts)).as_py() or 0
+            counts["documents"] += len(texts)
             counts["characters"] += pc.sum(pc.utf8_length(texts)).as_py() or 0
-            counts["bytes"] += pc.sum(pc.binary_length(texts)).as_py() or 0
-        counts["documents"], counts["heldout"] = train.rows, heldout.rows
-    for writer in (train, heldout):
-        if writer.rows == 0:
-            writer.path.unlink()
-    counts["text"] = train.path if train.rows else None
-    counts["heldout_shard"] = name if heldout.rows else None
+            counts["bytes"] += n_bytes
+            shard_bytes += n_bytes
+        if train is not None:
+            train.close()
+    counts["heldout"] = heldout.rows
+    counts["heldout_shard"] = heldout.path.name if heldout.rows else None
+    if not heldout.rows:
+        heldout.path.unlink()
     return counts
 
 

@@ -121,9 +121,10 @@ def test_unigram_and_two_processes_over_many_units_give_the_same_outputs_as_one(
     path, _ = corpus
     unigram = dict(model_type="unigram", vocab_size=200)
     one_dir, one = run(config(path, **unigram, num_proc=1), tmp_path, make_ctx, "one")
-    monkeypatch.setattr(tokenize.corpus, "UNIT_BYTES", 5000)  # ~12 units, read and encoded by 2 processes
-    two_dir, two = run(config(path, **unigram, num_proc=2, batch_size=50), tmp_path, make_ctx, "two")
-    assert len(list((two_dir / "tokens").glob("*.arrow"))) > 5 and two["num_proc"] == 2
+    monkeypatch.setattr(tokenize.corpus, "UNIT_BYTES", 8000)  # ~8 units, read and encoded by 2 processes
+    monkeypatch.setattr(tokenize, "SHARD_BYTES", 1000)  # each unit's training text in several shards
+    two_dir, two = run(config(path, **unigram, num_proc=2, batch_size=5), tmp_path, make_ctx, "two")
+    assert len(list((two_dir / "tokens").glob("*.arrow"))) > 20 and two["num_proc"] == 2
     for output in ("tokens", "heldout"):
         a, b = (datasets.load_from_disk(str(d / output)) for d in (one_dir, two_dir))
         assert a.to_dict() == b.to_dict()
