@@ -241,7 +241,7 @@ def _byte_range_documents(unit: Unit, config: CorpusConfig, batch_size: int) -> 
             record = json.loads(line)
             problem = _record_problem(record, config)
         except json.JSONDecodeError as e:
-            problem = f"not valid JSON ({e.msg} at column {e.colno}); a truncated or broken line?"
+            problem = f"not valid JSON ({e.msg}: column {e.colno}); a truncated or broken line?"
         if problem:  # line numbers are counted only when an error needs one
             raise StageError(f"{path}:{_line_number(path, unit.start) + i}: {problem}")
         records.append(_fields(record, config, ""))
