@@ -15,18 +15,13 @@ import glob
 import json
 import os
 import re
-import socket
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal
-from urllib.parse import urlparse
 
-from stages import StageError
+from stages import StageError, hub
 
 _WHERE = "tokenize.corpus"
-_HUB_PROBE_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -98,8 +93,8 @@ def units(config: CorpusConfig, parallel: int = 1) -> list[Unit]:
         _check_text_column(ds.column_names, config, config.paths[0])
         names = _label_names(ds.features, config)
         return [Unit("arrow", f["filename"], label_names=names) for f in ds.cache_files]
-    offline = _hub_offline()
-    ds = _load_hub(config, offline)
+    offline = hub.offline()
+    ds = hub.load(config.name, config.subset, config.split, offline, _hub_where(config))
     names = _label_names(ds.features, config)
     shards = max(1, min(ds.num_shards, 4 * parallel))
     return [Unit("hub", config.name, i, shards, names, offline) for i in range(shards)]
@@ -410,13 +405,18 @@ def _arrow_documents(unit: Unit, config: CorpusConfig) -> Iterator[dict[str, lis
 
 
 def _hub_documents(unit: Unit, config: CorpusConfig, batch_size: int) -> Iterator[dict[str, list[str]]]:
-    ds = _load_hub(config, unit.offline).shard(num_shards=unit.stop, index=unit.start, contiguous=True)
-    where = f"{_WHERE}.name: hub dataset '{config.name}'"
+    where = _hub_where(config)
+    ds = hub.load(config.name, config.subset, config.split, unit.offline, where)
+    ds = ds.shard(num_shards=unit.stop, index=unit.start, contiguous=True)
     try:
         for batch in ds.iter(batch_size=batch_size):
             yield _standardise(batch, config, unit.label_names, where)
     except (ConnectionError, FileNotFoundError, OSError) as e:
         raise StageError(f"{where}: reading shard {unit.start} of {unit.stop} failed: {e}") from None
+
+
+def _hub_where(config: CorpusConfig) -> str:
+    return f"{_WHERE}.name: hub dataset '{config.name}'"
 
 
 def _check_text_column(names: list[str] | None, config: CorpusConfig, source: str) -> None:
@@ -463,80 +463,3 @@ def _load_disk(config: CorpusConfig) -> Any:
             raise StageError(f"{_WHERE}.split: '{config.split}' is not in {path}; splits are: {', '.join(ds)}")
         ds = ds[config.split]
     return ds
-
-
-def _hub_offline() -> bool:
-    """Whether to treat the hub as offline. Offline, loading fails at once instead of retrying for
-    ~25 s: unless the user said HF_HUB_OFFLINE / HF_DATASETS_OFFLINE, a 2 s probe of the hub host
-    decides, and when it fails the hub is put in offline mode, where a copy in the local cache still
-    loads."""
-    offline = _env_flag("HF_HUB_OFFLINE") or _env_flag("HF_DATASETS_OFFLINE")
-    if not offline and not _hub_reachable():
-        os.environ["HF_HUB_OFFLINE"] = "1"  # later hub calls in this process fail fast too
-        offline = True
-    return offline
-
-
-def _load_hub(config: CorpusConfig, offline: bool) -> Any:
-    """A hub dataset as an `IterableDataset`: streamed when online; offline, the copy in the local
-    cache (memory-mapped Arrow files), read in shards all the same."""
-    import datasets
-
-    where = f"{_WHERE}.name: hub dataset '{config.name}'"
-    try:
-        with _offline_mode(offline):
-            if not offline:
-                return datasets.load_dataset(config.name, config.subset, split=config.split, streaming=True)
-            cached = datasets.load_dataset(config.name, config.subset, split=config.split)
-            return cached.to_iterable_dataset(num_shards=max(1, min(64, len(cached))))
-    except (ConnectionError, FileNotFoundError) as e:
-        if offline:
-            raise StageError(
-                f"{where} is not in the local cache and the hub is offline (HF_HUB_OFFLINE=1 or no "
-                f"network); download it once online, or use a local corpus ({type(e).__name__})"
-            ) from None
-        raise StageError(f"{where} could not be loaded: {e}") from None
-    except ValueError as e:  # datasets' answer to an unknown subset or split
-        raise StageError(f"{where}: {e}") from None
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
-
-
-def _hub_reachable() -> bool:
-    """A TCP connection to the hub host within 2 s. Run in a daemon thread because name
-    resolution has no time-out of its own."""
-    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    host, port = endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443)
-    answered, reached = threading.Event(), threading.Event()
-
-    def probe() -> None:
-        try:
-            socket.create_connection((host, port), timeout=_HUB_PROBE_TIMEOUT_S).close()
-            reached.set()
-        except OSError:
-            pass
-        answered.set()
-
-    threading.Thread(target=probe, daemon=True).start()
-    answered.wait(_HUB_PROBE_TIMEOUT_S)
-    return reached.is_set()
-
-
-@contextmanager
-def _offline_mode(offline: bool) -> Iterator[None]:
-    """Offline mode for one load call. The libraries read HF_HUB_OFFLINE when first imported, so
-    when they were imported before the probe their flags are switched too, and switched back."""
-    if not offline:
-        yield
-        return
-    import datasets.config
-    import huggingface_hub.constants
-
-    saved = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
-    datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from stages import StageError, corpus
+from stages import StageError, corpus, hub
 from stages.corpus import CorpusConfig, documents, package_file, units
 
 
@@ -219,7 +219,7 @@ def test_a_hub_dataset_streamed_or_from_the_cache_on_a_local_stand_in(tmp_path, 
         records = [{"content": f"Shard {shard} doc {i}.", "name": f"{shard}-{i}"} for i in range(25)]
         (folder / f"part-{shard}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         expected += [r["content"] for r in records]
-    monkeypatch.setattr(corpus, "_hub_offline", lambda: not streamed)
+    monkeypatch.setattr(hub, "offline", lambda: not streamed)
     cfg = CorpusConfig(kind="hub", name=str(folder), text_field="content", title_field="name", label_field=None)
     assert len(units(cfg, parallel=2)) > 1
     docs = read(cfg)
