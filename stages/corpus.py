@@ -1,8 +1,12 @@
 """Corpus sources for the tokenize stage: local files, a file shipped in a package, a `datasets`
-folder on disk, or a dataset on the Hugging Face hub.
+folder on disk, or a dataset on the Hugging Face hub, read as a stream.
 
-Every source gives the same thing: a `datasets.Dataset` with string columns `text`, `title` and
-`label` ("" where the source has none), one row per non-empty document.
+Every source is cut into `Unit`s that separate processes can read side by side (byte ranges of
+text and JSON-lines files cut between documents, parquet row groups, `datasets` shards, hub
+shards); `documents` gives a unit's non-empty documents in batches of string columns `text`,
+`title` and `label` ("" where the source has none). Nothing holds more than one unit's documents
+(~16 MB of text) at a time, except a `format = "json"` file, which is one JSON document and is
+read whole: use JSON lines for big corpora.
 """
 
 from __future__ import annotations
@@ -11,18 +15,13 @@ import glob
 import json
 import os
 import re
-import socket
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal
-from urllib.parse import urlparse
 
-from stages import StageError
+from stages import StageError, hub
 
 _WHERE = "tokenize.corpus"
-_HUB_PROBE_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -65,30 +64,60 @@ class CorpusConfig:
             raise ValueError("text_field: must name the field that holds the text")
 
 
-def read(config: CorpusConfig) -> Any:
-    """Every document of the configured source as a `datasets.Dataset` (text, title, label)."""
-    import datasets
+@dataclass(frozen=True)
+class Unit:
+    """A piece of the corpus that one process reads on its own, start to end, in a bounded memory.
 
+    kind "bytes": bytes [start, stop) of a text or JSON-lines file, cut between documents;
+    "json": a whole JSON file (a JSON document cannot be read in pieces); "parquet": row groups
+    [start, stop) of a parquet file; "arrow": one shard of a `datasets` folder; "hub": shard `start`
+    of `stop` of a streamed hub dataset.
+    """
+
+    kind: Literal["bytes", "json", "parquet", "arrow", "hub"]
+    source: str
+    start: int = 0
+    stop: int = 0
+    label_names: tuple[str, ...] | None = None  # a class-label column's names (arrow, hub)
+    offline: bool = False  # hub: decided once by the main process, so workers do not probe again
+
+
+def units(config: CorpusConfig, parallel: int = 1) -> list[Unit]:
+    """The configured corpus as units, in document order. Reads only file metadata and the few
+    bytes around each cut. `parallel`: how many processes will read a hub dataset's shards."""
     if config.kind in ("files", "package"):
         files = _expand(config.paths) if config.kind == "files" else [package_file(config.package, config.file)]
-        columns: dict[str, list[str]] = {"text": [], "title": [], "label": []}
-        for path in files:
-            for text, title, label in _read_file(path, config):
-                columns["text"].append(text)
-                columns["title"].append(title)
-                columns["label"].append(label)
-        docs = datasets.Dataset.from_dict(columns)
-        source = ", ".join(str(f) for f in files)
-    elif config.kind == "disk":
-        docs = _standardise(_load_disk(config), config, config.paths[0])
-        source = config.paths[0]
+        return [unit for path in files for unit in _file_units(path, config)]
+    if config.kind == "disk":
+        ds = _load_disk(config)
+        _check_text_column(ds.column_names, config, config.paths[0])
+        names = _label_names(ds.features, config)
+        return [Unit("arrow", f["filename"], label_names=names) for f in ds.cache_files]
+    offline = hub.offline()
+    ds = hub.load(config.name, config.subset, config.split, offline, _hub_where(config))
+    names = _label_names(ds.features, config)
+    shards = max(1, min(ds.num_shards, 4 * parallel))
+    return [Unit("hub", config.name, i, shards, names, offline) for i in range(shards)]
+
+
+def documents(unit: Unit, config: CorpusConfig, batch_size: int = 1000) -> Iterator[dict[str, list[str]]]:
+    """The non-empty documents of one unit, in batches of string columns text, title and label."""
+    if unit.kind == "bytes":
+        batches = _byte_range_documents(unit, config, batch_size)
+    elif unit.kind == "json":
+        batches = _batched(_json_documents(Path(unit.source), config), batch_size)
+    elif unit.kind == "parquet":
+        batches = _parquet_documents(unit, config, batch_size)
+    elif unit.kind == "arrow":
+        batches = _arrow_documents(unit, config)
     else:
-        docs = _standardise(_load_hub(config), config, config.name)
-        source = config.name
-    docs = docs.filter(lambda batch: [bool(t.strip()) for t in batch["text"]], batched=True)
-    if len(docs) == 0:
-        raise StageError(f"{_WHERE}: {source}: the corpus is empty (no document with text)")
-    return docs
+        batches = _hub_documents(unit, config, batch_size)
+    for batch in batches:
+        keep = [i for i, text in enumerate(batch["text"]) if text.strip()]
+        if len(keep) < len(batch["text"]):
+            batch = {name: [values[i] for i in keep] for name, values in batch.items()}
+        if keep:
+            yield batch
 
 
 def fingerprint(config: CorpusConfig) -> list[list[Any]]:
@@ -141,51 +170,155 @@ def _expand(patterns: tuple[str, ...]) -> list[Path]:
     return files
 
 
-def _read_file(path: Path, config: CorpusConfig) -> Iterator[tuple[str, str, str]]:
-    """(text, title, label) of each document in one file."""
+# Text and JSON-lines files are cut into units of about this many bytes, each at a document boundary.
+UNIT_BYTES = 16 << 20
+_PARAGRAPH_BREAK = re.compile(rb"\n[ \t\r\f\v]*\n")
+_LINE_BREAK = re.compile(rb"\n")
+
+
+def _file_units(path: Path, config: CorpusConfig) -> list[Unit]:
     if config.format == "parquet":
-        yield from _parquet_records(path, config)
-        return
-    content = _decode(path, config.encoding_errors)
-    if config.format == "text":
-        for text in _text_documents(content, config.text_unit):
-            yield text, "", ""
-    elif config.format == "jsonl":
-        for line_no, line in enumerate(content.splitlines(), 1):
-            if line.strip():
-                yield _fields(_parse_json(line, f"{path}:{line_no}"), config, f"{path}:{line_no}")
-    else:
-        data = _parse_json(content, str(path))
-        if isinstance(data, dict):
-            for key, record in data.items():
-                text, title, label = _fields(record, config, f"{path}: key {key!r}")
-                yield text, title or str(key), label
-        elif isinstance(data, list):
-            for i, record in enumerate(data):
-                yield _fields(record, config, f"{path}: item {i}")
-        else:
-            raise StageError(f"{path}: a json corpus must be a list of records or an object of records")
+        return _parquet_units(path, config)
+    if config.format == "json" or (config.format == "text" and config.text_unit == "file"):
+        return [Unit("json" if config.format == "json" else "bytes", str(path), 0, path.stat().st_size)]
+    boundary = _PARAGRAPH_BREAK if config.format == "text" and config.text_unit == "paragraph" else _LINE_BREAK
+    size, cuts = path.stat().st_size, [0]
+    with _open(path) as f:
+        while cuts[-1] + UNIT_BYTES < size:
+            cut = _next_boundary(f, cuts[-1] + UNIT_BYTES, boundary)
+            if cut >= size:
+                break
+            cuts.append(cut)
+    cuts.append(size)
+    return [Unit("bytes", str(path), a, b) for a, b in zip(cuts, cuts[1:])]
 
 
-def _decode(path: Path, errors: str) -> str:
-    raw = path.read_bytes()
+def _next_boundary(f: Any, at: int, boundary: re.Pattern) -> int:
+    """The offset just after the first document boundary at or after `at` (the file's size if none)."""
+    window = 1 << 20
+    while True:
+        f.seek(at)
+        chunk = f.read(window)
+        found = boundary.search(chunk)
+        if found:
+            return at + found.end()
+        if len(chunk) < window:
+            return at + len(chunk)
+        # A boundary may straddle the window's end: search again from its last newline.
+        at += max(chunk.rfind(b"\n"), 1)
+
+
+def _byte_range_documents(unit: Unit, config: CorpusConfig, batch_size: int) -> Iterator[dict[str, list[str]]]:
+    path = Path(unit.source)
+    with _open(path) as f:
+        f.seek(unit.start)
+        raw = f.read(unit.stop - unit.start)
+    if len(raw) < unit.stop - unit.start:
+        raise StageError(f"{path}: the file changed while it was read (it is shorter than {unit.stop:,} bytes)")
     try:
-        return raw.decode("utf-8", errors=errors)
+        content = raw.decode("utf-8", errors=config.encoding_errors)
     except UnicodeDecodeError as e:
+        at = unit.start + e.start
         raise StageError(
-            f"{path}: byte {e.start} is not valid UTF-8; fix the file or set "
+            f"{path}:{_line_number(path, at)}: byte {at:,} is not valid UTF-8; fix the file or set "
             f'{_WHERE}.encoding_errors = "replace"'
         ) from None
+    del raw
+    if config.format == "text":
+        for texts in _batched(_text_documents(content, config.text_unit), batch_size):
+            yield {"text": texts, "title": [""] * len(texts), "label": [""] * len(texts)}
+        return
+    records = []
+    for i, line in enumerate(content.split("\n")):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            problem = _record_problem(record, config)
+        except json.JSONDecodeError as e:
+            problem = f"not valid JSON ({e.msg}: column {e.colno}); a truncated or broken line?"
+        if problem:  # line numbers are counted only when an error needs one
+            raise StageError(f"{path}:{_line_number(path, unit.start) + i}: {problem}")
+        records.append(_fields(record, config, ""))
+        if len(records) == batch_size:
+            yield _columns(records)
+            records = []
+    if records:
+        yield _columns(records)
 
 
-def _text_documents(content: str, unit: str) -> list[str]:
+def _open(path: Path) -> Any:
+    try:
+        return open(path, "rb")
+    except FileNotFoundError:
+        raise StageError(f"{path}: the file vanished while the corpus was read (moved or deleted?)") from None
+
+
+def _line_number(path: Path, offset: int) -> int:
+    """The 1-based number of the line holding byte `offset` (read again: only errors need it)."""
+    lines = 1
+    with open(path, "rb") as f:
+        while offset > 0:
+            chunk = f.read(min(offset, 1 << 20))
+            if not chunk:
+                break
+            lines += chunk.count(b"\n")
+            offset -= len(chunk)
+    return lines
+
+
+def _text_documents(content: str, unit: str) -> Iterator[str]:
     if unit == "file":
-        parts = [content]
+        parts: Any = [content]
     elif unit == "line":
         parts = content.splitlines()
     else:
-        parts = re.split(r"\n[ \t\r\f\v]*\n", content)
-    return [p.strip() for p in parts if p.strip()]
+        parts = _PARAGRAPH_BREAK_TEXT.split(content)
+    return (p.strip() for p in parts if p.strip())
+
+
+_PARAGRAPH_BREAK_TEXT = re.compile(_PARAGRAPH_BREAK.pattern.decode())
+
+
+def _json_documents(path: Path, config: CorpusConfig) -> Iterator[tuple[str, str, str]]:
+    """The records of a JSON file: a list of records, or an object of key -> record."""
+    with _open(path) as f:
+        raw = f.read()
+    try:
+        content = raw.decode("utf-8", errors=config.encoding_errors)
+    except UnicodeDecodeError as e:
+        raise StageError(
+            f"{path}:{_line_number(path, e.start)}: byte {e.start:,} is not valid UTF-8; fix the file or set "
+            f'{_WHERE}.encoding_errors = "replace"'
+        ) from None
+    data = _parse_json(content, str(path))
+    del raw, content
+    if isinstance(data, dict):
+        for key, record in data.items():
+            text, title, label = _fields(record, config, f"{path}: key {key!r}")
+            yield text, title or str(key), label
+    elif isinstance(data, list):
+        for i, record in enumerate(data):
+            yield _fields(record, config, f"{path}: item {i}")
+    else:
+        raise StageError(f"{path}: a json corpus must be a list of records or an object of records")
+
+
+def _batched(rows: Iterator[Any], batch_size: int) -> Iterator[Any]:
+    """Rows in lists of batch_size; (text, title, label) rows become column batches."""
+    batch: list[Any] = []
+    for row in rows:
+        batch.append(row)
+        if len(batch) == batch_size:
+            yield _columns(batch) if isinstance(row, tuple) else batch
+            batch = []
+    if batch:
+        yield _columns(batch) if isinstance(batch[0], tuple) else batch
+
+
+def _columns(records: list[tuple[str, str, str]]) -> dict[str, list[str]]:
+    texts, titles, labels = zip(*records)
+    return {"text": list(texts), "title": list(titles), "label": list(labels)}
 
 
 def _parse_json(text: str, where: str) -> Any:
@@ -196,38 +329,22 @@ def _parse_json(text: str, where: str) -> Any:
 
 
 def _fields(record: Any, config: CorpusConfig, where: str) -> tuple[str, str, str]:
-    if not isinstance(record, dict):
-        raise StageError(f"{where}: expected a record (JSON object), got {type(record).__name__}")
-    if config.text_field not in record:
-        raise StageError(
-            f"{where}: no text field '{config.text_field}' ({_WHERE}.text_field); "
-            f"fields are: {', '.join(map(str, record)) or 'none'}"
-        )
+    problem = _record_problem(record, config)
+    if problem:
+        raise StageError(f"{where}: {problem}")
     text = record[config.text_field]
     title = record.get(config.title_field) if config.title_field else None
     label = record.get(config.label_field) if config.label_field else None
     return _as_text(text), _as_text(title), _label(label, config.unlabeled)
 
 
-def _parquet_records(path: Path, config: CorpusConfig) -> Iterator[tuple[str, str, str]]:
-    import pyarrow.parquet as pq
-
-    try:
-        names = pq.read_schema(path).names
-    except Exception as e:  # pyarrow raises its own error types for a file that is not parquet
-        raise StageError(f"{path}: not a readable parquet file ({e})") from None
-    if config.text_field not in names:
-        raise StageError(
-            f"{path}: no text column '{config.text_field}' ({_WHERE}.text_field); columns are: {', '.join(names)}"
-        )
-    wanted = [c for c in (config.text_field, config.title_field, config.label_field) if c in names]
-    table = pq.read_table(path, columns=list(dict.fromkeys(wanted))).to_pydict()
-    rows = len(table[config.text_field])
-    empty = [None] * rows
-    titles = table.get(config.title_field, empty) if config.title_field else empty
-    labels = table.get(config.label_field, empty) if config.label_field else empty
-    for text, title, label in zip(table[config.text_field], titles, labels):
-        yield _as_text(text), _as_text(title), _label(label, config.unlabeled)
+def _record_problem(record: Any, config: CorpusConfig) -> str | None:
+    if not isinstance(record, dict):
+        return f"expected a record (JSON object), got {type(record).__name__}"
+    if config.text_field not in record:
+        return (f"no text field '{config.text_field}' ({_WHERE}.text_field); "
+                f"fields are: {', '.join(map(str, record)) or 'none'}")
+    return None
 
 
 def _as_text(value: Any) -> str:
@@ -239,32 +356,96 @@ def _label(value: Any, unlabeled: tuple[str, ...]) -> str:
     return "" if text in unlabeled else text
 
 
-def _standardise(ds: Any, config: CorpusConfig, source: str) -> Any:
-    """A dataset from disk or the hub reduced to string columns text, title, label."""
-    if config.text_field not in ds.column_names:
+def _parquet_units(path: Path, config: CorpusConfig) -> list[Unit]:
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.read_metadata(path)
+    except FileNotFoundError:
+        raise StageError(f"{path}: the file vanished while the corpus was read (moved or deleted?)") from None
+    except Exception as e:  # pyarrow raises its own error types for a file that is not parquet
+        raise StageError(f"{path}: not a readable parquet file ({e})") from None
+    _check_text_column(meta.schema.names, config, str(path))
+    # Row groups are parquet's unit of reading: a few together make a unit of a few million rows at most.
+    units, first, rows = [], 0, 0
+    for group in range(meta.num_row_groups):
+        rows += meta.row_group(group).num_rows
+        if rows >= 100_000 or group == meta.num_row_groups - 1:
+            units.append(Unit("parquet", str(path), first, group + 1))
+            first, rows = group + 1, 0
+    return units
+
+
+def _parquet_documents(unit: Unit, config: CorpusConfig, batch_size: int) -> Iterator[dict[str, list[str]]]:
+    import pyarrow.parquet as pq
+
+    path = Path(unit.source)
+    try:
+        file = pq.ParquetFile(path)
+        names = file.schema_arrow.names
+        fields = (config.text_field, config.title_field, config.label_field)
+        wanted = list(dict.fromkeys(c for c in fields if c in names))
+        for batch in file.iter_batches(batch_size, row_groups=range(unit.start, unit.stop), columns=wanted):
+            yield _standardise(batch.to_pydict(), config, None, str(path))
+    except FileNotFoundError:
+        raise StageError(f"{path}: the file vanished while the corpus was read (moved or deleted?)") from None
+    except OSError as e:  # a truncated or corrupt file
+        raise StageError(f"{path}: row groups {unit.start}-{unit.stop - 1} are not readable ({e})") from None
+
+
+def _arrow_documents(unit: Unit, config: CorpusConfig) -> Iterator[dict[str, list[str]]]:
+    from stages.shards import read_batches
+
+    path = Path(unit.source)
+    try:
+        for batch in read_batches(path):
+            yield _standardise(batch.to_pydict(), config, unit.label_names, str(path))
+    except FileNotFoundError:
+        raise StageError(f"{path}: the file vanished while the corpus was read (moved or deleted?)") from None
+
+
+def _hub_documents(unit: Unit, config: CorpusConfig, batch_size: int) -> Iterator[dict[str, list[str]]]:
+    where = _hub_where(config)
+    ds = hub.load(config.name, config.subset, config.split, unit.offline, where)
+    ds = ds.shard(num_shards=unit.stop, index=unit.start, contiguous=True)
+    try:
+        for batch in ds.iter(batch_size=batch_size):
+            yield _standardise(batch, config, unit.label_names, where)
+    except (ConnectionError, FileNotFoundError, OSError) as e:
+        raise StageError(f"{where}: reading shard {unit.start} of {unit.stop} failed: {e}") from None
+
+
+def _hub_where(config: CorpusConfig) -> str:
+    return f"{_WHERE}.name: hub dataset '{config.name}'"
+
+
+def _check_text_column(names: list[str] | None, config: CorpusConfig, source: str) -> None:
+    if names is not None and config.text_field not in names:
         raise StageError(
-            f"{source}: no text column '{config.text_field}' ({_WHERE}.text_field); "
-            f"columns are: {', '.join(ds.column_names)}"
+            f"{source}: no text column '{config.text_field}' ({_WHERE}.text_field); columns are: {', '.join(names)}"
         )
-    # Class-label columns hold ints: keep their names, which is what a label means downstream.
-    label_names = getattr(ds.features.get(config.label_field or ""), "names", None)
 
-    def columns(batch: dict[str, list]) -> dict[str, list[str]]:
-        rows = len(batch[config.text_field])
-        titles = batch.get(config.title_field or "", [None] * rows)
-        labels = batch.get(config.label_field or "", [None] * rows)
-        if label_names is not None:
-            labels = [None if v is None or v < 0 else label_names[v] for v in labels]
-        return {
-            "_text": [_as_text(t) for t in batch[config.text_field]],
-            "_title": [_as_text(t) for t in titles],
-            "_label": [_label(v, config.unlabeled) for v in labels],
-        }
 
-    # New names first, then renamed: a source column already called "text" or "label" would
-    # otherwise keep its old type (a class label casts the names back to ints).
-    ds = ds.map(columns, batched=True, remove_columns=ds.column_names)
-    return ds.rename_columns({"_text": "text", "_title": "title", "_label": "label"})
+def _label_names(features: Any, config: CorpusConfig) -> tuple[str, ...] | None:
+    """A class-label column holds ints: its names are what a label means downstream."""
+    names = getattr((features or {}).get(config.label_field or ""), "names", None)
+    return tuple(names) if names is not None else None
+
+
+def _standardise(batch: dict[str, list], config: CorpusConfig, label_names: tuple[str, ...] | None,
+                 source: str) -> dict[str, list[str]]:
+    """A batch of source columns reduced to string columns text, title, label."""
+    _check_text_column(list(batch), config, source)
+    rows = len(batch[config.text_field])
+    titles = batch.get(config.title_field or "", [None] * rows)
+    labels = batch.get(config.label_field or "", [None] * rows)
+    if label_names is not None:
+        labels = [None if v is None or v < 0 else label_names[v] for v in labels]
+    return {
+        "text": [_as_text(t) for t in batch[config.text_field]],
+        "title": [_as_text(t) for t in titles],
+        "label": [_label(v, config.unlabeled) for v in labels],
+    }
 
 
 def _load_disk(config: CorpusConfig) -> Any:
@@ -282,70 +463,3 @@ def _load_disk(config: CorpusConfig) -> Any:
             raise StageError(f"{_WHERE}.split: '{config.split}' is not in {path}; splits are: {', '.join(ds)}")
         ds = ds[config.split]
     return ds
-
-
-def _load_hub(config: CorpusConfig) -> Any:
-    """Load a hub dataset. Offline it fails at once instead of retrying for ~25 s: unless the
-    user said HF_HUB_OFFLINE / HF_DATASETS_OFFLINE, a 2 s probe of the hub host decides, and when
-    it fails the hub is put in offline mode, where a copy in the local cache still loads."""
-    offline = _env_flag("HF_HUB_OFFLINE") or _env_flag("HF_DATASETS_OFFLINE")
-    if not offline and not _hub_reachable():
-        os.environ["HF_HUB_OFFLINE"] = "1"  # later hub calls in this process fail fast too
-        offline = True
-    import datasets
-
-    where = f"{_WHERE}.name: hub dataset '{config.name}'"
-    try:
-        with _offline_mode(offline):
-            return datasets.load_dataset(config.name, config.subset, split=config.split)
-    except (ConnectionError, FileNotFoundError) as e:
-        if offline:
-            raise StageError(
-                f"{where} is not in the local cache and the hub is offline (HF_HUB_OFFLINE=1 or no "
-                f"network); download it once online, or use a local corpus ({type(e).__name__})"
-            ) from None
-        raise StageError(f"{where} could not be loaded: {e}") from None
-    except ValueError as e:  # datasets' answer to an unknown subset or split
-        raise StageError(f"{where}: {e}") from None
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
-
-
-def _hub_reachable() -> bool:
-    """A TCP connection to the hub host within 2 s. Run in a daemon thread because name
-    resolution has no time-out of its own."""
-    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    host, port = endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443)
-    answered, reached = threading.Event(), threading.Event()
-
-    def probe() -> None:
-        try:
-            socket.create_connection((host, port), timeout=_HUB_PROBE_TIMEOUT_S).close()
-            reached.set()
-        except OSError:
-            pass
-        answered.set()
-
-    threading.Thread(target=probe, daemon=True).start()
-    answered.wait(_HUB_PROBE_TIMEOUT_S)
-    return reached.is_set()
-
-
-@contextmanager
-def _offline_mode(offline: bool) -> Iterator[None]:
-    """Offline mode for one load call. The libraries read HF_HUB_OFFLINE when first imported, so
-    when they were imported before the probe their flags are switched too, and switched back."""
-    if not offline:
-        yield
-        return
-    import datasets.config
-    import huggingface_hub.constants
-
-    saved = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
-    datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved

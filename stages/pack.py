@@ -4,24 +4,33 @@ Documents are de-duplicated (optional), shuffled with the run seed and split int
 training documents; each split is concatenated with boundary tokens and cut into blocks of
 `seq_len` tokens, its last partial block dropped, so no batch ever holds padding. Each split is
 one `.npy` array [blocks, seq_len]: pretraining reads a batch as one slice of a memory map.
+
+Out of core, in two streaming passes: the first reads the token shards a batch at a time into one
+flat scratch file of ids and keeps only each document's length and hash (16 bytes a document); the
+second gathers the shuffled documents a chunk of ~4M tokens at a time from that file, memory-mapped
+(its pages dropped from RSS every ~256 MB read), and appends each chunk to the `.npy` file. Memory
+grows with the number of documents (~50 bytes each), not with the number of tokens.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from stages import Context, StageError, Upstream
+from stages import Context, StageError, Upstream, shards
 
 NAME = "pack"
-VERSION = "1"
+VERSION = "1"  # the out-of-core pack writes the same bytes as the in-memory one did
 UPSTREAM = ("tokenize",)
 RESUMABLE = False
 
 _UINT16_LIMIT = 1 << 16
+CHUNK_TOKENS = 1 << 22  # tokens gathered and written at a time
+RESIDENT_BYTES = 256 << 20  # pages of the memory-mapped ids read before they are dropped from RSS
 
 
 @dataclass(frozen=True)
@@ -42,33 +51,38 @@ class Config:
 
 
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
-    import datasets  # noqa: F401  (imported before the clock starts: figures time the packing)
     import numpy as np
+    import pyarrow.compute  # noqa: F401  (imported before the clock starts: figures time the packing)
 
     started = time.perf_counter()
     upstream = inputs["tokenize"]
     vocab_size, special_ids = upstream.outputs["vocab_size"], upstream.outputs["special_ids"]
     dtype = _dtype(config.dtype, vocab_size)
-    ids, offsets = read_documents(upstream.path("tokens"))
-    n_documents, n_tokens = len(offsets) - 1, len(ids)
+    scratch = out_dir / "ids.scratch"
+    lengths, keys = flatten(upstream.path("tokens"), scratch, dtype, vocab_size)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    n_documents, n_tokens = len(lengths), int(offsets[-1])
 
-    # Empty documents would add only boundary tokens.
-    nonempty = nonempty_documents(offsets)
-    keep = unique_documents(ids, offsets) if config.dedup else nonempty
-    order = keep[np.random.default_rng(ctx.seed).permutation(len(keep))]
-    prefix = [special_ids["cls"]] if config.boundary == "cls-sep" else []
-    suffix = [special_ids["sep"]]
-    n_val, val_len = _validation_split(order, offsets, config, len(prefix) + len(suffix))
-    # The validation documents come first in `order`: one concatenation, cut in two.
-    flat = concatenate(ids, offsets, order, prefix, suffix, dtype)
-    blocks = {"train": to_blocks(flat[val_len:], config.seq_len), "val": to_blocks(flat[:val_len], config.seq_len)}
-    if len(blocks["train"]) == 0:
-        raise StageError(
-            f"tokenize.corpus: {n_tokens} tokens in {len(keep)} documents are too few for one training "
-            f"block of pack.seq_len = {config.seq_len} after validation takes its share; use a bigger corpus"
-        )
-    for name, array in blocks.items():
-        np.save(out_dir / f"{name}.npy", array)
+    with MappedIds(scratch, dtype, n_tokens) as ids:
+        # Empty documents would add only boundary tokens.
+        nonempty = nonempty_documents(offsets)
+        keep = unique_documents(ids, offsets, keys) if config.dedup else nonempty
+        order = keep[np.random.default_rng(ctx.seed).permutation(len(keep))]
+        prefix = [special_ids["cls"]] if config.boundary == "cls-sep" else []
+        suffix = [special_ids["sep"]]
+        n_val, val_len = _validation_split(order, offsets, config, len(prefix) + len(suffix))
+        total = int((offsets[order + 1] - offsets[order]).sum()) + len(order) * (len(prefix) + len(suffix))
+        if (total - val_len) // config.seq_len == 0:
+            raise StageError(
+                f"tokenize.corpus: {n_tokens} tokens in {len(keep)} documents are too few for one training "
+                f"block of pack.seq_len = {config.seq_len} after validation takes its share; use a bigger corpus"
+            )
+        shapes = {
+            split: write_blocks(out_dir / f"{split}.npy", ids, offsets, docs, prefix, suffix, config.seq_len)
+            for split, docs in (("val", order[:n_val]), ("train", order[n_val:]))
+        }
+    scratch.unlink()
     seconds = time.perf_counter() - started
     outputs = {
         "train": "train.npy",
@@ -79,8 +93,8 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         "special_ids": dict(special_ids),
         "dtype": np.dtype(dtype).name,
         "boundary": config.boundary,
-        "train_blocks": len(blocks["train"]),
-        "val_blocks": len(blocks["val"]),
+        "train_blocks": shapes["train"][0],
+        "val_blocks": shapes["val"][0],
         "train_documents": len(order) - n_val,
         "val_documents": n_val,
         "documents": n_documents,
@@ -89,51 +103,158 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         "seconds": round(seconds, 4),
         "tokens_per_s": round(n_tokens / seconds),
     }
-    shapes = {name: list(array.shape) for name, array in blocks.items()}
+    shapes = {"train": list(shapes["train"]), "val": list(shapes["val"])}
     (out_dir / "pack.json").write_text(json.dumps({**outputs, "shapes": shapes}, indent=1))
     ctx.log.info("packed", **{k: v for k, v in outputs.items() if isinstance(v, (int, float))})
     return outputs
 
 
-def read_documents(path: Path) -> tuple[Any, Any]:
-    """Every document's token ids as one flat int array and document offsets into it
-    (document i is ids[offsets[i]:offsets[i + 1]]), straight from the arrow data."""
-    import datasets
+def flatten(tokens: Path, scratch: Path, dtype: Any, vocab_size: int) -> tuple[Any, Any]:
+    """Pass one: every document's ids, in order, appended to the flat file `scratch` as `dtype`;
+    returns each document's length and a hash of its ids (`unique_documents`' keys)."""
     import numpy as np
     import pyarrow.compute as pc
 
-    column = datasets.load_from_disk(str(path)).data.column("input_ids")
-    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return pc.list_flatten(column).to_numpy(zero_copy_only=False), offsets
+    # uint64 values, so that the per-document sums need no cast of every token.
+    table = np.random.default_rng(0).integers(0, 2**32, size=vocab_size, dtype=np.uint32).astype(np.uint64)
+    lengths, keys = [], []
+    with open(scratch, "wb") as out:
+        for path in shards.shard_files(tokens):
+            for batch in shards.read_batches(path, ("input_ids",)):
+                column = batch.column(0)
+                n = pc.fill_null(pc.list_value_length(column), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+                ids = column.flatten().to_numpy(zero_copy_only=False)
+                if len(ids) and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
+                    raise StageError(f"{path}: token ids outside [0, vocab_size = {vocab_size}): "
+                                     f"the tokenize output is not from this tokenizer; re-run tokenize")
+                ids.astype(dtype, copy=False).tofile(out)
+                lengths.append(n)
+                keys.append(_document_hashes(table[ids], n))
+    return np.concatenate(lengths or [np.zeros(0, np.int64)]), np.concatenate(keys or [np.zeros(0, np.uint64)])
 
 
-def unique_documents(ids: Any, offsets: Any) -> Any:
+def _document_hashes(values: Any, lengths: Any) -> Any:
+    """A hash of each document's multiset of ids: the sum of a random value per id, and the length.
+    Vectorised; collisions (e.g. the same ids in another order) are told apart by comparing ids."""
+    import numpy as np
+
+    sums = np.zeros(len(lengths), dtype=np.uint64)
+    nonempty = lengths > 0
+    starts = (np.cumsum(lengths) - lengths)[nonempty]
+    with np.errstate(over="ignore"):  # the hash wraps around 2**64 on purpose
+        if len(starts):
+            # Segments run from one non-empty document's start to the next's: empty ones add nothing.
+            sums[nonempty] = np.add.reduceat(values, starts)
+        return sums + lengths.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+
+
+class MappedIds:
+    """The flat scratch file of ids as a read-only array over a memory map. A memory map's pages
+    count in the process's RSS until they are dropped, and a pass over a 10 GB file would "use"
+    10 GB: `touched(n)` drops the pages read so far (the page cache keeps them) once about
+    RESIDENT_BYTES have been read since the last drop. Dropping after every chunk would cost a page
+    fault per document read, a third of pack's time on a small corpus."""
+
+    def __init__(self, path: Path, dtype: Any, count: int):
+        self.path, self.dtype, self.count = path, dtype, count
+        self._read = 0
+
+    def __enter__(self) -> MappedIds:
+        import numpy as np
+
+        self._file = open(self.path, "rb")
+        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if self.count else None
+        self.array = np.frombuffer(self._map, self.dtype, self.count) if self._map else np.zeros(0, self.dtype)
+        return self
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.array[index]
+
+    def touched(self, tokens: int) -> None:
+        # Scattered documents touch whole pages: count twice the bytes read.
+        self._read += 2 * tokens * self.array.itemsize
+        if self._read >= RESIDENT_BYTES and self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED)
+            self._read = 0
+
+    def __exit__(self, *exc: Any) -> None:
+        del self.array
+        try:
+            if self._map is not None:
+                self._map.close()
+        except BufferError:
+            pass  # a view into the map is still alive (an exception's traceback): it closes with the view
+        self._file.close()
+
+
+def write_blocks(path: Path, ids: MappedIds, offsets: Any, docs: Any, prefix: list[int], suffix: list[int],
+                 seq_len: int) -> tuple[int, int]:
+    """Pass two, for one split: the documents `docs`, in that order, each wrapped in prefix and
+    suffix tokens, cut into rows of seq_len (the remainder that does not fill a row is dropped) and
+    written to the `.npy` file `path` a chunk at a time. Returns the array's shape.
+
+    The file is written with plain writes after its header, not through `open_memmap`: the pages
+    of a writable memory map stay in the process's RSS until it is closed."""
+    import numpy as np
+
+    lengths = offsets[docs + 1] - offsets[docs]
+    ends = np.cumsum(lengths + len(prefix) + len(suffix))
+    shape = (int(ends[-1]) // seq_len if len(docs) else 0, seq_len)
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(ids.dtype)), "fortran_order": False, "shape": shape}
+    remaining = shape[0] * seq_len
+    with open(path, "wb") as out:
+        np.lib.format.write_array_header_1_0(out, header)
+        first = 0
+        while remaining > 0:
+            # The documents that end within CHUNK_TOKENS of this chunk's start (at least one).
+            start = int(ends[first - 1]) if first else 0
+            last = max(first + 1, int(np.searchsorted(ends, start + CHUNK_TOKENS, side="right")))
+            chunk = wrapped(ids, offsets, docs[first:last], prefix, suffix)[:remaining]
+            chunk.tofile(out)
+            remaining -= len(chunk)
+            first = last
+            ids.touched(len(chunk))
+    return shape
+
+
+def wrapped(ids: MappedIds, offsets: Any, docs: Any, prefix: list[int], suffix: list[int]) -> Any:
+    """The documents `docs`, in that order, each wrapped in prefix and suffix tokens, as one flat
+    array: a gather and two scatters, no Python work per token or per document."""
+    import numpy as np
+
+    starts, lengths = offsets[docs], offsets[docs + 1] - offsets[docs]
+    wrap = len(prefix) + len(suffix)
+    out = np.empty(int(lengths.sum()) + wrap * len(docs), dtype=ids.dtype)
+    at = np.cumsum(lengths + wrap) - (lengths + wrap)  # where each wrapped document starts
+    body = np.ones(len(out), dtype=bool)
+    for k, token in enumerate(prefix):
+        out[at + k] = token
+        body[at + k] = False
+    for k, token in enumerate(suffix):
+        out[at + len(prefix) + lengths + k] = token
+        body[at + len(prefix) + lengths + k] = False
+    out[body] = ids[gather_runs(starts, lengths)]
+    return out
+
+
+def unique_documents(ids: MappedIds, offsets: Any, keys: Any) -> Any:
     """Indices of the non-empty documents, without exact duplicates (same ids): each is kept at
-    its first occurrence.
-
-    A hash of each document's multiset of ids (vectorised) finds candidates; candidates are then
-    compared id for id, so a hash collision never removes a distinct document."""
+    its first occurrence. Documents with equal hashes (`keys`) are compared id for id, so a hash
+    collision never removes a distinct document."""
     import numpy as np
 
     docs = nonempty_documents(offsets)
-    starts, lengths = offsets[docs], offsets[docs + 1] - offsets[docs]
-    table = np.random.default_rng(0).integers(0, 2**32, size=int(ids.max(initial=0)) + 1, dtype=np.uint32)
-    with np.errstate(over="ignore"):  # the hash wraps around 2**64 on purpose
-        # Segments run from one non-empty document's start to the next's: empty ones add nothing.
-        sums = np.add.reduceat(table[ids], starts, dtype=np.uint64) if len(docs) else np.zeros(0, np.uint64)
-        keys = sums + lengths.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-    _, first, inverse, counts = np.unique(keys, return_index=True, return_inverse=True, return_counts=True)
+    _, first, inverse, counts = np.unique(keys[docs], return_index=True, return_inverse=True, return_counts=True)
     keep = np.zeros(len(docs), dtype=bool)
     keep[first] = True
     for group in np.flatnonzero(counts > 1):
         kept: list[Any] = []
         for i in np.flatnonzero(inverse == group):
-            doc = ids[starts[i] : starts[i] + lengths[i]]
+            doc = ids[offsets[docs[i]] : offsets[docs[i] + 1]]
             keep[i] = not any(np.array_equal(doc, other) for other in kept)
             if keep[i]:
                 kept.append(doc)
+            ids.touched(len(doc))
     return docs[keep]
 
 
@@ -141,26 +262,6 @@ def nonempty_documents(offsets: Any) -> Any:
     import numpy as np
 
     return np.flatnonzero(offsets[1:] > offsets[:-1])
-
-
-def concatenate(ids: Any, offsets: Any, docs: Any, prefix: list[int], suffix: list[int], dtype: Any) -> Any:
-    """The documents `docs`, in that order, each wrapped in prefix and suffix tokens, as one flat
-    array: a single gather, no Python work per token or per document."""
-    import numpy as np
-
-    # The boundary tokens are appended to the ids, so that every piece of the output (prefix,
-    # document, suffix) is a run of consecutive entries in one source array.
-    specials = np.asarray(prefix + suffix, dtype=ids.dtype)
-    source = np.concatenate([ids, specials])
-    special_at = len(ids) + np.arange(len(specials))
-    runs = len(specials) + 1
-    run_starts = np.empty((len(docs), runs), dtype=np.int64)
-    run_lengths = np.ones((len(docs), runs), dtype=np.int64)
-    run_starts[:, : len(prefix)] = special_at[: len(prefix)]
-    run_starts[:, len(prefix)] = offsets[docs]
-    run_lengths[:, len(prefix)] = offsets[docs + 1] - offsets[docs]
-    run_starts[:, len(prefix) + 1 :] = special_at[len(prefix) :]
-    return source[gather_runs(run_starts.ravel(), run_lengths.ravel())].astype(dtype, copy=False)
 
 
 def gather_runs(starts: Any, lengths: Any) -> Any:
@@ -179,12 +280,6 @@ def gather_runs(starts: Any, lengths: Any) -> Any:
     steps[0] = starts[0]
     steps[first[1:]] = starts[1:] - (starts[:-1] + lengths[:-1] - 1)
     return np.cumsum(steps, out=steps)  # in place: a second array this size costs more than the sum
-
-
-def to_blocks(flat: Any, seq_len: int) -> Any:
-    """Rows of seq_len tokens; the remainder that does not fill a row is dropped."""
-    usable = len(flat) // seq_len * seq_len
-    return flat[:usable].reshape(-1, seq_len)
 
 
 def _validation_split(order: Any, offsets: Any, config: Config, wrap: int) -> tuple[int, int]:

@@ -4,31 +4,39 @@ remaining (training) documents and write every training document as token ids.
 Held-out documents are chosen by a hash of their title (of their text when untitled), so the same
 documents are held out whatever the seed or the tokenizer settings; their text never reaches the
 tokenizer's training data or the `tokens` output that pretraining reads.
+
+Three passes, each streaming and each but the second spread over `num_proc` processes, one corpus
+unit (`corpus.units`) at a time: read (standardise, split off the held-out documents, count) into
+shards of training text; train the tokenizer on a sample of at most `tokenizer_max_chars`; encode
+each text shard into a shard of the `tokens` folder. Memory stays at a few units per process
+whatever the corpus size; the `tokens` and `heldout` outputs are ordinary `datasets` folders.
 """
 
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 import os
 import re
-import tempfile
+import shutil
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal
 
-from stages import Context, StageError, Upstream, corpus
-from stages.corpus import CorpusConfig, read
+from stages import Context, StageError, Upstream, corpus, shards
+from stages.corpus import CorpusConfig
 
 NAME = "tokenize"
-VERSION = "1"
+VERSION = "2"  # 2: streamed, parallel read and encode; a big corpus's tokenizer sample spans the corpus
 UPSTREAM: tuple[str, ...] = ()
 RESUMABLE = False
 
 # Fixed ids, so the model and the evaluation can name them without reading the tokenizer.
 SPECIAL_IDS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 _PIECES = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
+_MAX_PROCS = 8  # beyond this, reading the corpus, not encoding, is what limits a machine
+SHARD_BYTES = 16 << 20  # training text per shard of the encoding pass (and of the `tokens` output)
 
 
 @dataclass(frozen=True)
@@ -40,9 +48,11 @@ class Config:
     lowercase: bool = False
     normalization: Literal["nmt_nfkc", "nfkc", "identity"] = "nmt_nfkc"  # sentencepiece's rules
     character_coverage: float = 0.9995  # the rarest characters beyond this share become [UNK]
-    tokenizer_max_chars: int = 100_000_000  # the tokenizer trains on the first this many characters
+    # The tokenizer trains on at most this many characters: all training documents when they fit,
+    # else a random sample spread over the corpus (sentencepiece holds its input in memory: ~5 bytes a character).
+    tokenizer_max_chars: int = 100_000_000
     max_line_chars: int = 2000  # longer lines are cut before training: sentencepiece skips them
-    num_proc: int = 1  # processes for encoding; each encodes its batches on all cores already
+    num_proc: int | None = None  # processes (cores) reading and encoding; None: the machine's cores, at most 8
     batch_size: int = 1000  # documents per encoding call
 
     def __post_init__(self) -> None:
@@ -55,69 +65,69 @@ class Config:
         if not 0.9 <= self.character_coverage <= 1.0:
             raise ValueError(f"character_coverage: {self.character_coverage} must be in [0.9, 1]")
         for key in ("tokenizer_max_chars", "max_line_chars", "num_proc", "batch_size"):
-            if getattr(self, key) < 1:
+            if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ValueError(f"{key}: {getattr(self, key)} must be at least 1")
 
 
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
-    import datasets
-
     started = time.perf_counter()
-    with _quiet_progress_bars():
-        docs = read(config.corpus)
-        train, heldout = split_heldout(docs, config.heldout_fraction)
-        if len(train) == 0:
-            raise StageError(f"tokenize.heldout_fraction: {config.heldout_fraction} leaves no training document")
-        read_s = time.perf_counter() - started
-        ctx.log.info("corpus read", documents=len(docs), heldout=len(heldout), seconds=round(read_s, 2))
+    num_proc = config.num_proc or min(_cpus(), _MAX_PROCS)
+    scratch = out_dir / "scratch"  # the training documents' text, between the read and the encoding
+    for folder in (scratch, out_dir / "tokens", out_dir / "heldout"):
+        folder.mkdir()
+    units = corpus.units(config.corpus, num_proc)
+    jobs = [(unit, i, config, scratch, out_dir / "heldout", SHARD_BYTES) for i, unit in enumerate(units)]
+    parts = _parallel(_split_unit, jobs, num_proc)
+    totals = {key: sum(part[key] for part in parts) for key in ("documents", "heldout", "characters", "bytes")}
+    if totals["documents"] + totals["heldout"] == 0:
+        raise StageError(f"tokenize.corpus: {_source(config.corpus)}: the corpus is empty (no document with text)")
+    if totals["documents"] == 0:
+        raise StageError(f"tokenize.heldout_fraction: {config.heldout_fraction} leaves no training document")
+    text_shards = [path for part in parts for path in part["text"]]
+    heldout_shards = [part["heldout_shard"] for part in parts if part["heldout_shard"]]
+    if heldout_shards:
+        shards.finish_folder(out_dir / "heldout", heldout_shards, shards.DOCUMENTS)
+    else:
+        (out_dir / "heldout").rmdir()
+    read_s = time.perf_counter() - started
+    ctx.log.info("corpus read", documents=totals["documents"], heldout=totals["heldout"], units=len(units),
+                 num_proc=num_proc, seconds=round(read_s, 2))
 
-        t0 = time.perf_counter()
-        model = train_tokenizer(_training_lines(train, config), config)
-        (out_dir / "tokenizer.model").write_bytes(model)
-        train_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    model = train_tokenizer(_training_lines(text_shards, totals["characters"], config), config)
+    (out_dir / "tokenizer.model").write_bytes(model)
+    train_s = time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))})
-        # The encoded shards go to a scratch folder inside out_dir rather than the datasets cache,
-        # and only the final copy is kept.
-        with tempfile.TemporaryDirectory(dir=out_dir) as scratch:
-            tokens = train.map(
-                _Encoder(model, config.num_proc),
-                batched=True,
-                batch_size=config.batch_size,
-                num_proc=config.num_proc if config.num_proc > 1 else None,
-                remove_columns=train.column_names,
-                features=features,
-                cache_file_name=str(Path(scratch) / "tokens.arrow"),
-            )
-            encode_s = time.perf_counter() - t0
-            tokens.save_to_disk(str(out_dir / "tokens"))
-            n_tokens, n_unk = _count_tokens(tokens, SPECIAL_IDS["unk"])
-        if len(heldout):
-            heldout.save_to_disk(str(out_dir / "heldout"))
-    characters, n_bytes = _text_size(train)
+    t0 = time.perf_counter()
+    jobs = [(text, out_dir / "tokens" / f"data-{i:05d}.arrow", model) for i, text in enumerate(text_shards)]
+    counts = _parallel(_encode_shard, jobs, num_proc)
+    shards.finish_folder(out_dir / "tokens", [tokens.name for _, tokens, _ in jobs], shards.TOKENS)
+    encode_s = time.perf_counter() - t0
+    shutil.rmtree(scratch)
+    n_tokens, n_unk = sum(c[0] for c in counts), sum(c[1] for c in counts)
     seconds = time.perf_counter() - started
     outputs = {
         "tokenizer": "tokenizer.model",
         "tokens": "tokens",
-        "heldout": "heldout" if len(heldout) else None,
+        "heldout": "heldout" if heldout_shards else None,
         "vocab_size": config.vocab_size,
         "special_ids": dict(SPECIAL_IDS),
         "model_type": config.model_type,
         "normalization": _rule_name(config),
         "lowercase": config.lowercase,
-        "documents": len(train),
-        "heldout_documents": len(heldout),
-        "characters": characters,
-        "text_mb": round(n_bytes / 1e6, 3),
+        "documents": totals["documents"],
+        "heldout_documents": totals["heldout"],
+        "characters": totals["characters"],
+        "text_mb": round(totals["bytes"] / 1e6, 3),
         "total_tokens": n_tokens,
-        "tokens_per_char": round(n_tokens / max(characters, 1), 4),
+        "tokens_per_char": round(n_tokens / max(totals["characters"], 1), 4),
         "unk_fraction": round(n_unk / max(n_tokens, 1), 6),
+        "num_proc": num_proc,
         "read_seconds": round(read_s, 3),
         "train_seconds": round(train_s, 3),
         "encode_seconds": round(encode_s, 3),
         "seconds": round(seconds, 3),
-        "mb_per_s": round(n_bytes / 1e6 / encode_s, 2),  # encoding alone, the part that scales
+        "mb_per_s": round(totals["bytes"] / 1e6 / encode_s, 2),  # encoding alone, the part that scales
     }
     ctx.log.info("tokenized", **{k: v for k, v in outputs.items() if isinstance(v, (int, float))})
     return outputs
@@ -140,17 +150,6 @@ def is_heldout(title: str, text: str, fraction: float) -> bool:
     none) mapped to [0, 1), below `fraction`."""
     key = (title or text).encode("utf-8")
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") / 2**64 < fraction
-
-
-def split_heldout(docs: Any, fraction: float) -> tuple[Any, Any]:
-    """(training, held-out) documents."""
-
-    def flags(batch: dict[str, list[str]]) -> list[bool]:
-        return [is_heldout(title, text, fraction) for title, text in zip(batch["title"], batch["text"])]
-
-    train = docs.filter(lambda batch: [not f for f in flags(batch)], batched=True)
-    heldout = docs.filter(flags, batched=True)
-    return train, heldout
 
 
 def train_tokenizer(lines: Iterator[str], config: Config) -> bytes:
@@ -194,17 +193,28 @@ def train_tokenizer(lines: Iterator[str], config: Config) -> bytes:
     return model.getvalue()
 
 
-def _training_lines(train: Any, config: Config) -> Iterator[str]:
-    """The training documents' lines, long ones cut at a space, up to tokenizer_max_chars."""
+def _training_lines(text_shards: list[Path], characters: int, config: Config) -> Iterator[str]:
+    """Lines of a sample of the training documents, long ones cut at a space, up to
+    tokenizer_max_chars: every document when they fit, else a random share of them (fixed seed)
+    spread over the whole corpus, not just its first files."""
+    import numpy as np
+
+    from stages.shards import read_batches
+
     budget = config.tokenizer_max_chars
-    for batch in train.iter(batch_size=config.batch_size):
-        for text in batch["text"]:
-            for line in text.splitlines():
-                for piece in _cut(line.strip(), config.max_line_chars):
-                    yield piece
-                    budget -= len(piece)
-                    if budget <= 0:
-                        return
+    share = min(1.0, budget / max(characters, 1))
+    rng = np.random.default_rng(0)
+    for path in text_shards:
+        for batch in read_batches(path):
+            texts = batch.column("text").to_pylist()
+            chosen = rng.random(len(texts)) < share
+            for text in (t for t, keep in zip(texts, chosen) if keep):
+                for line in text.splitlines():
+                    for piece in _cut(line.strip(), config.max_line_chars):
+                        yield piece
+                        budget -= len(piece)
+                        if budget <= 0:
+                            return
 
 
 def _cut(line: str, limit: int) -> Iterator[str]:
@@ -223,59 +233,80 @@ def _rule_name(config: Config) -> str:
     return config.normalization + ("_cf" if config.lowercase else "")
 
 
-class _Encoder:
-    """The `datasets.map` function: text -> input_ids. Holds the model as bytes so that it pickles
-    to worker processes; each loads its own processor on first use."""
-
-    def __init__(self, model: bytes, num_proc: int):
-        self.model = model
-        self.threads = max(1, _cpus() // num_proc)
-        self._sp = None
-
-    def __call__(self, batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
-        if self._sp is None:
-            import sentencepiece as spm
-
-            self._sp = spm.SentencePieceProcessor(model_proto=self.model)
-        return {"input_ids": self._sp.encode(batch["text"], num_threads=self.threads)}
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_sp": None}
+def _parallel(work: Callable[[Any], Any], jobs: list[Any], num_proc: int) -> list[Any]:
+    """work(job) for each job, in `num_proc` processes (in this one when 1); results in job order."""
+    if num_proc == 1 or len(jobs) <= 1:
+        return [work(job) for job in jobs]
+    # forkserver: workers start clean, not as forks of a process that may hold threads and locks.
+    with multiprocessing.get_context("forkserver").Pool(min(num_proc, len(jobs))) as pool:
+        return pool.map(work, jobs, chunksize=1)
 
 
-def _count_tokens(tokens: Any, unk_id: int) -> tuple[int, int]:
+def _split_unit(job: tuple) -> dict[str, Any]:
+    """One pass over one corpus unit: the held-out split, the training documents' text to scratch
+    shards of at most ~SHARD_BYTES each (the units of the encoding pass), the held-out documents to
+    a shard of the `heldout` output, and their sizes."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
-    ids = pc.list_flatten(tokens.data.column("input_ids"))
-    return len(ids), int(pc.sum(pc.equal(ids, unk_id)).as_py() or 0)
+    unit, index, config, scratch, heldout_dir, max_shard_bytes = job
+    counts: dict[str, Any] = {"documents": 0, "heldout": 0, "characters": 0, "bytes": 0, "text": []}
+    train, shard_bytes = None, 0
+    with shards.ShardWriter(heldout_dir / f"data-{index:05d}.arrow", shards.DOCUMENTS) as heldout:
+        for batch in corpus.documents(unit, config.corpus, config.batch_size):
+            flags = [is_heldout(t, x, config.heldout_fraction) for t, x in zip(batch["title"], batch["text"])]
+            held = [i for i, f in enumerate(flags) if f]
+            if held:
+                heldout.write({key: [values[i] for i in held] for key, values in batch.items()})
+            texts = pa.array([text for text, f in zip(batch["text"], flags) if not f], type=pa.string())
+            if len(texts) == 0:
+                continue
+            if train is None or shard_bytes >= max_shard_bytes:
+                if train is not None:
+                    train.close()
+                train = shards.ShardWriter(scratch / f"data-{index:05d}-{len(counts['text']):04d}.arrow", shards.TEXT)
+                counts["text"].append(train.path)
+                shard_bytes = 0
+            train.write({"text": texts})
+            n_bytes = pc.sum(pc.binary_length(texts)).as_py() or 0
+            counts["documents"] += len(texts)
+            counts["characters"] += pc.sum(pc.utf8_length(texts)).as_py() or 0
+            counts["bytes"] += n_bytes
+            shard_bytes += n_bytes
+        if train is not None:
+            train.close()
+    counts["heldout"] = heldout.rows
+    counts["heldout_shard"] = heldout.path.name if heldout.rows else None
+    if not heldout.rows:
+        heldout.path.unlink()
+    return counts
 
 
-def _text_size(docs: Any) -> tuple[int, int]:
-    """(characters, UTF-8 bytes) of the documents' text."""
+def _encode_shard(job: tuple[Path, Path, bytes]) -> tuple[int, int]:
+    """Encode one shard of training text into a shard of token ids; (tokens, unknown tokens)."""
+    import pyarrow as pa
     import pyarrow.compute as pc
+    import sentencepiece as spm
 
-    characters = n_bytes = 0
-    for batch in docs.with_format("arrow").iter(batch_size=10_000):
-        text = batch["text"]
-        characters += pc.sum(pc.utf8_length(text)).as_py() or 0
-        n_bytes += pc.sum(pc.binary_length(text)).as_py() or 0
-    return characters, n_bytes
+    text_path, tokens_path, model = job
+    # One thread: a process per core scales; sentencepiece's own threads share one process's GIL-bound
+    # conversion of the ids to Python lists.
+    sp = spm.SentencePieceProcessor(model_proto=model, num_threads=1)
+    n_tokens = n_unk = 0
+    with shards.ShardWriter(tokens_path, shards.TOKENS) as out:
+        for batch in shards.read_batches(text_path):
+            ids = pa.array(sp.encode(batch.column("text").to_pylist()), type=pa.list_(pa.int32()))
+            out.write({"input_ids": ids})
+            n_tokens += len(ids.values)
+            n_unk += pc.sum(pc.equal(ids.values, SPECIAL_IDS["unk"])).as_py() or 0
+    return n_tokens, n_unk
+
+
+def _source(config: CorpusConfig) -> str:
+    if config.kind == "files":
+        return ", ".join(config.paths)
+    return {"package": f"{config.package}/{config.file}", "disk": config.paths[0], "hub": config.name}[config.kind]
 
 
 def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-@contextmanager
-def _quiet_progress_bars() -> Iterator[None]:
-    """No datasets progress bars inside the stage (the runner logs progress); the previous
-    setting comes back afterwards."""
-    from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
-
-    was_disabled = are_progress_bars_disabled()
-    disable_progress_bars()
-    try:
-        yield
-    finally:
-        if not was_disabled:
-            enable_progress_bars()

