@@ -30,11 +30,13 @@ class Clock:
     `agreed(step)` is the reading every rank acts on, so that with a time budget all ranks take the
     same steps at the same lr. Rank 0's clock is broadcast once every `every` steps (a broadcast and a
     host sync each time); in between, every rank extrapolates alike from the last two agreed readings
-    (seconds per step), so the ranks never disagree and the hot path holds no collective.
+    (seconds per step), so the ranks never disagree and the hot path holds no collective. An
+    extrapolation that reaches `end_s` (the time budget) is checked by a real reading before anyone
+    stops: a slow stretch would otherwise end training early.
     """
 
-    def __init__(self, before_s: float, agree: bool, device: Any, every: int = 1):
-        self.before_s, self.agree, self.device, self.every = before_s, agree, device, every
+    def __init__(self, before_s: float, agree: bool, device: Any, every: int = 1, end_s: float | None = None):
+        self.before_s, self.agree, self.device, self.every, self.end_s = before_s, agree, device, every, end_s
         self.started = time.perf_counter()
         self.synced_step: int | None = None
         self.synced_s = before_s
@@ -48,7 +50,9 @@ class Clock:
         if not self.agree:
             return self.local()
         if self.synced_step is not None and step - self.synced_step < self.every:
-            return self.synced_s + (step - self.synced_step) * self.per_step_s
+            estimate = self.synced_s + (step - self.synced_step) * self.per_step_s
+            if self.end_s is None or estimate < self.end_s:
+                return estimate
         import torch
         import torch.distributed as dist
 

@@ -158,7 +158,8 @@ def train(config: Any, ctx: Context, steps: Steps, params: dict, opt_state: dict
     seq_len = data_blocks.shape[1]
     target_micro = config.batch_size // (ctx.world_size * config.microbatch)
     clock = Clock(state["elapsed_s"], agree=ctx.world_size > 1 and config.budget.hours is not None,
-                  device=steps.device, every=config.clock_sync_every_steps)
+                  device=steps.device, every=config.clock_sync_every_steps,
+                  end_s=None if config.budget.hours is None else 3600 * config.budget.hours)
     last_saved_at = time.perf_counter()
     metrics_log = MetricsLog(out_dir / "metrics.jsonl")
     lr = batch = 0.0

@@ -1,6 +1,7 @@
 """Shared test set-up: offline hub, isolated caches, and a hand-made stage context."""
 
 import os
+import socket
 import tempfile
 from pathlib import Path
 
@@ -40,3 +41,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def free_port():
+    """A TCP port free now on the loopback, for a torchrun rendezvous: a fixed one clashes with any other
+    job on the machine that uses it (seen as a rank aborting)."""
+    def find() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    return find

@@ -226,7 +226,7 @@ def without_times(results: dict) -> dict:
 
 
 @pytest.mark.slow
-def test_under_torchrun_ranks_share_the_seeds_and_match_one_process(upstream, tmp_path, make_ctx):
+def test_under_torchrun_ranks_share_the_seeds_and_match_one_process(upstream, tmp_path, make_ctx, free_port):
     import pickle
     import subprocess
     import sys
@@ -244,7 +244,7 @@ def test_under_torchrun_ranks_share_the_seeds_and_match_one_process(upstream, tm
     job.write_bytes(pickle.dumps({"config": config, "inputs": upstream["inputs"], "out_dir": str(out_dir)}))
     (tmp_path / "worker.py").write_text(EVALUATE_WORKER)
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29531",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
          str(tmp_path / "worker.py"), str(job), str(REPO)],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -256,7 +256,7 @@ def test_under_torchrun_ranks_share_the_seeds_and_match_one_process(upstream, tm
 
 
 @pytest.mark.slow
-def test_under_torchrun_a_failing_rank_fails_every_rank_without_hanging(upstream, tmp_path):
+def test_under_torchrun_a_failing_rank_fails_every_rank_without_hanging(upstream, tmp_path, free_port):
     import pickle
     import subprocess
     import sys
@@ -268,7 +268,7 @@ def test_under_torchrun_a_failing_rank_fails_every_rank_without_hanging(upstream
     job.write_bytes(pickle.dumps({"config": config, "inputs": upstream["inputs"], "out_dir": str(out_dir)}))
     (tmp_path / "worker.py").write_text(EVALUATE_WORKER)
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
          str(tmp_path / "worker.py"), str(job), str(REPO)],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1", "FAIL_ON_RANK": "1"},

@@ -28,6 +28,22 @@ def test_the_clock_is_agreed_every_n_steps_and_extrapolated_alike_between(monkey
     assert seen[5] == 0.0  # before a rate is known, the last agreed reading
 
 
+def test_an_extrapolation_past_the_budget_is_checked_by_a_real_reading(monkeypatch):
+    # Steps 0-10 took 10 s, then the machine got faster: extrapolating 1 s/step would say the 15 s budget
+    # is spent at step 15, when rank 0's clock says 12.5 s; training must not stop on the estimate.
+    readings = iter([0.0, 10.0, 12.5, 15.0])
+
+    def broadcast(tensor, src):
+        tensor.fill_(next(readings))
+
+    monkeypatch.setattr(torch.distributed, "broadcast", broadcast)
+    clock = Clock(0.0, agree=True, device=torch.device("cpu"), every=10, end_s=15.0)
+    seen = [clock.agreed(step) for step in range(16)]
+    assert seen[14] == 14.0 and seen[15] == 12.5 and clock.syncs == 3  # step 15: read, not extrapolated
+    assert clock.agreed(16) == 13.0 and clock.syncs == 3  # the new rate, 0.5 s/step, is extrapolated
+    assert clock.agreed(20) == 15.0 and clock.syncs == 4  # the estimate reaches the end again: read again
+
+
 def spec() -> MaskSpec:
     return MaskSpec(per_sequence=4, mask_id=4, vocab_size=64, special_ids=(0, 1, 2, 3, 4))
 

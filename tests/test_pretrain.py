@@ -7,7 +7,6 @@ import json
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -350,14 +349,8 @@ def test_resume_after_sigkill_is_bit_identical(pack, tmp_path, make_ctx):
         assert resumed[key] == straight[key], key
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
-def test_two_gloo_ranks_match_one_process_on_the_same_global_batch(pack, tmp_path, make_ctx):
+def test_two_gloo_ranks_match_one_process_on_the_same_global_batch(pack, tmp_path, make_ctx, free_port):
     # 2 ranks x microbatch 8 and 1 rank x 2 accumulated microbatches of 8 see the same sequences,
     # masked alike; only the order of summing the gradients differs.
     config = small(batch_size=16, budget=pretrain.Budget(steps=4), compile=True, backend="aot_eager")
@@ -380,7 +373,7 @@ def test_two_gloo_ranks_match_one_process_on_the_same_global_batch(pack, tmp_pat
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks_on_a_time_budget_agree_when_to_stop(pack, tmp_path):
+def test_two_gloo_ranks_on_a_time_budget_agree_when_to_stop(pack, tmp_path, free_port):
     # The clock is agreed every 4 steps and extrapolated alike in between: both ranks take the same
     # steps (a rank stepping alone would hang in the gradient all-reduce) and end.
     config = small(batch_size=16, budget=pretrain.Budget(hours=2 / 3600), clock_sync_every_steps=4)

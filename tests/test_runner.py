@@ -258,7 +258,7 @@ def test_run_name_and_seed_come_from_run_section_and_overrides(pipe):
 
 
 @pytest.mark.slow
-def test_under_torchrun_rank_0_runs_plain_stages_and_every_rank_the_distributed_one(pipe, tmp_path):
+def test_under_torchrun_rank_0_runs_plain_stages_and_every_rank_the_distributed_one(pipe, tmp_path, free_port):
     script = tmp_path / "cram_fake.py"
     script.write_text(
         f"import sys; sys.path.insert(0, {str(TESTS)!r}); import fake_stages\n"
@@ -267,7 +267,7 @@ def test_under_torchrun_rank_0_runs_plain_stages_and_every_rank_the_distributed_
         "cli.main()\n"
     )
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
          str(script), "run", str(pipe.config)],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )
