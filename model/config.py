@@ -24,10 +24,12 @@ class ModelConfig:
     max_seq_len: int = 128
     position: Literal["sinusoidal", "learned", "rope"] = "sinusoidal"
     rope_theta: float = 10000.0
+    position_scale: float | None = None  # sinusoidal: the learnable scale's start; None: 1/sqrt(hidden) (cramming)
     glu: bool = True  # GELU-GLU feed-forward; False: a plain GELU MLP
     head_transform: bool = False  # dense + GELU + norm before the tied decoder
     embedding_norm: bool = True
     first_attn_norm: bool = True  # False: the first block's attention reads the embeddings unnormalised
+    norm_bias: bool = False  # True: every LayerNorm has a bias, zero at init (cramming's nn.LayerNorm)
     norm_eps: float = 1e-12
     pad_id: int = 0
 
@@ -47,6 +49,8 @@ class ModelConfig:
             raise ValueError(f"model.intermediate={self.intermediate}: a GLU splits it in halves, so it must be even")
         if not 0 <= self.pad_id < self.vocab_size:
             raise ValueError(f"model.pad_id={self.pad_id}: must be a token id below vocab_size={self.vocab_size}")
+        if self.position_scale is not None and self.position_scale < 0:
+            raise ValueError(f"model.position_scale={self.position_scale}: must be >= 0")
         if self.norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("model.norm_eps and model.rope_theta: must be positive")
 

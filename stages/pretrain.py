@@ -46,10 +46,12 @@ class Architecture:
     intermediate: int | None = None
     position: Literal["sinusoidal", "learned", "rope"] | None = None
     rope_theta: float | None = None
+    position_scale: float | None = None
     glu: bool | None = None
     head_transform: bool | None = None
     embedding_norm: bool | None = None
     first_attn_norm: bool | None = None
+    norm_bias: bool | None = None
     norm_eps: float | None = None
 
 
@@ -112,7 +114,7 @@ class Config:
     ramp: float = 0.6  # fraction of the budget at which batch_size is reached; 0: from the start
     compile: bool = True
     backend: str = "inductor"
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA and on CPUs with native bf16
     log_every_steps: int = 20
     checkpoint_every_minutes: float | None = 10.0
     checkpoint_every_steps: int | None = None

@@ -189,3 +189,23 @@ def test_schedules():
         model.lr_schedule("linear", 0.5)
     with pytest.raises(ValueError, match="decay=0"):
         model.lr_schedule("wsd", 0.5, decay=0.0)
+
+
+def test_norm_bias_adds_a_zero_bias_to_every_norm_and_trains_it():
+    cfg = ModelConfig(**SMALL, **MODERNBERT, norm_bias=True)
+    params = model.init(cfg, seed=0)
+    plain = model.init(ModelConfig(**SMALL, **MODERNBERT), seed=0)
+    norms = {name.removesuffix(".weight") for name in plain if "norm" in name}
+    biases = {name.removesuffix(".bias") for name in params if name.endswith(".bias")}
+    assert biases == norms and len(norms) == 3 + 2 + 3  # ffn norms, attn norms (none in layer 0), embed+final+head
+    assert all(not params[n + ".bias"].any() for n in norms) and params.keys() - plain.keys() == {
+        n + ".bias" for n in norms
+    }
+    batch = random_batch(cfg, batch=2, per_seq=3)
+    # Zero biases: the same function as without them, until training moves them.
+    assert torch.equal(model.mlm_loss(params, cfg, batch)[0], model.mlm_loss(plain, ModelConfig(**SMALL, **MODERNBERT),
+                                                                             batch)[0])
+    grads = torch.func.grad(lambda p: model.mlm_loss(p, cfg, batch)[0])(params)
+    assert all(grads[n + ".bias"].abs().sum() > 0 for n in norms)
+    moved = {**params, "final_norm.bias": torch.full((32,), 0.5)}
+    assert not torch.equal(model.mlm_loss(moved, cfg, batch)[0], model.mlm_loss(params, cfg, batch)[0])
