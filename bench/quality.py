@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--val-blocks", type=int, default=128)
     parser.add_argument("--speed-rounds", type=int, default=12)
     parser.add_argument("--no-wall", action="store_true", help="skip the equal-wall-time trainings")
+    parser.add_argument("--no-speed", action="store_true", help="losses at equal tokens only (ablations)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="autocast of every model")
     parser.add_argument("--backend", default="inductor")
@@ -355,12 +356,14 @@ def run(args: argparse.Namespace, specs: list[Spec], data: Data) -> dict:
           f"({torch.get_num_threads()} threads), torch {torch.__version__}, "
           f"transformers {hf}; held-out: {data.val_batches} fixed masked batches\n", flush=True)
 
-    speed = measure_speed(args, specs, data)
-    print("## tokens/s, interleaved (median step)\n\n| step | ms | tokens/s | vs cram compiled |\n|---|---|---|---|")
-    base = speed[f"{specs[0].name} compiled"]
-    for row, seconds in speed.items():
-        print(f"| {row} | {1e3 * seconds:.1f} | {step_tokens / seconds:,.0f} | {base / seconds:.2f}x |")
-    print(flush=True)
+    speed = {} if args.no_speed else measure_speed(args, specs, data)
+    if speed:
+        print(f"## tokens/s, interleaved (median step)\n\n| step | ms | tokens/s | vs {specs[0].name} compiled |")
+        print("|---|---|---|---|")
+        base = speed[f"{specs[0].name} compiled"]
+        for row, seconds in speed.items():
+            print(f"| {row} | {1e3 * seconds:.1f} | {step_tokens / seconds:,.0f} | {base / seconds:.2f}x |")
+        print(flush=True)
 
     curves: dict[str, dict] = {}
     every = max(1, data.steps // args.evals)
@@ -381,7 +384,7 @@ def run(args: argparse.Namespace, specs: list[Spec], data: Data) -> dict:
         f"{name} " + ", ".join(f"{lr:g}: {c['loss'][-1]:.3f}" for lr, c in by_lr.items())
         for name, by_lr in curves.items()), flush=True)
 
-    wall = {} if args.no_wall else equal_wall_time(args, specs, data, speed, best, curves)
+    wall = {} if args.no_wall or args.no_speed else equal_wall_time(args, specs, data, speed, best, curves)
     return {"speed_s": speed, "curves": {n: {str(lr): c for lr, c in v.items()} for n, v in curves.items()},
             "best_lr": best, "equal_wall_time": wall}
 

@@ -138,7 +138,13 @@ def _attention(
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, S, head_dim]
     if rope is not None:
         q, k = _rotate(q, *rope), _rotate(k, *rope)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        # CPU attention in bf16 is slower than in fp32 (its backward 2x, profiled), while the matmuls
+        # around it gain 4x: inside bf16 autocast, attention alone runs in fp32.
+        with torch.autocast("cpu", enabled=False):
+            out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return F.linear(out.transpose(1, 2).reshape(B, S, H), params[p + "attn.out.weight"])
 
 

@@ -28,7 +28,7 @@ def random_batch(cfg: ModelConfig, batch: int, per_seq: int, seed: int = 0) -> d
 
 
 def test_parameter_names_shapes_and_count():
-    cfg = model.PRESETS["tiny"]
+    cfg = ModelConfig(vocab_size=4096, hidden=128, layers=2, heads=2, intermediate=512)  # cramming's layout
     params = model.init(cfg, seed=0)
     H, inter = cfg.hidden, cfg.intermediate
     expected = {"embed.tokens.weight": (cfg.vocab_size, H), "embed.positions.scale": (1,), "embed.norm.weight": (H,)}
@@ -50,6 +50,19 @@ def test_parameter_names_shapes_and_count():
     assert not any(name.startswith("embed.positions") for name in modern)
     assert modern["head.dense.weight"].shape == (32, 32) and modern["layers.0.ffn.down.weight"].shape == (32, 64)
     assert model.init(ModelConfig(**SMALL, position="learned"), seed=0)["embed.positions.weight"].shape == (128, 32)
+
+
+def test_presets_use_the_modernbert_layout_and_keep_crammed_bert():
+    for name in ("tiny", "small", "base"):
+        preset = model.PRESETS[name]
+        assert (preset.position, preset.head_transform, preset.first_attn_norm) == ("rope", True, False)
+    crammed = model.PRESETS["crammed-base"]
+    assert crammed == ModelConfig() and crammed.position == "sinusoidal" and crammed.first_attn_norm
+    assert model.PRESETS["base"] == ModelConfig(**MODERNBERT)  # the same dimensions as crammed-BERT
+    scaled = model.init(ModelConfig(**SMALL, position_scale=0.03), seed=0)["embed.positions.scale"]
+    assert scaled.item() == pytest.approx(0.03) and model.init(ModelConfig(**SMALL), seed=0)[
+        "embed.positions.scale"
+    ].item() == pytest.approx(32**-0.5)
 
 
 @pytest.mark.parametrize("overrides", [{}, MODERNBERT, {"position": "learned", "glu": False}])
