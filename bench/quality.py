@@ -366,10 +366,9 @@ def run(args: argparse.Namespace, specs: list[Spec], data: Data) -> dict:
         print(flush=True)
 
     curves: dict[str, dict] = {}
-    every = max(1, data.steps // args.evals)
     for spec in specs:
         for lr in spec.lrs:
-            curve = train(args, spec, data, lr, data.steps, every)
+            curve = train(args, spec, data, lr, data.steps, args.evals)
             curves.setdefault(spec.name, {})[lr] = curve
             print(f"  {spec.name} lr {lr:g}: final {curve['loss'][-1]:.3f} ({curve['seconds']:.0f} s)", flush=True)
     best = {name: min(by_lr, key=lambda lr: by_lr[lr]["loss"][-1]) for name, by_lr in curves.items()}
@@ -422,15 +421,16 @@ def _timed(trainer: Trainer, batch: dict) -> float:
     return time.perf_counter() - start
 
 
-def train(args: argparse.Namespace, spec: Spec, data: Data, lr: float, steps: int, every: int) -> dict:
-    """Trains a fresh model for `steps`, evaluating at step 0 and every `every` steps and at the end."""
+def train(args: argparse.Namespace, spec: Spec, data: Data, lr: float, steps: int, evals: int) -> dict:
+    """Trains a fresh model for `steps`, evaluating `evals` times at even intervals, the last at the end."""
     # Loss at equal tokens does not depend on compiling; on a CPU the eager step spares a compile per run.
     trainer = Trainer(spec, args, data, compiled=data.device.type == "cuda")
     batches, val = data.train_batches(spec.mask_rate), data.val_batches_()
     curve = {"tokens": [], "loss": [], "lr": lr}
     began = time.perf_counter()
+    marks = {round(k * steps / evals) for k in range(1, evals)} - {0, steps}
     for step in range(steps):
-        if step % every == 0 and step:
+        if step in marks:
             curve["tokens"].append(step * args.batch * data.seq_len)
             curve["loss"].append(trainer.evaluate(val))
         scale = model.lr_schedule(spec.schedule, step / steps)
@@ -457,7 +457,7 @@ def equal_wall_time(args, specs, data, speed, best, curves) -> dict:
         if steps == data.steps:
             loss = curves[spec.name][lr]["loss"][-1]
         else:
-            loss = train(args, spec, data, lr, steps, max(steps, 1))["loss"][-1]
+            loss = train(args, spec, data, lr, steps, 1)["loss"][-1]
         out[spec.name] = {"steps": steps, "loss": loss}
         note = "" if steps < data.steps else " (the whole budget: faster than the first row)"
         print(f"| {spec.name} | {lr:g} | {steps} | {steps * args.batch * data.seq_len / 1e6:.2f}M | {loss:.3f}{note} |",

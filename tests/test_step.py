@@ -247,8 +247,8 @@ def test_quality_bench_refuses_a_budget_that_would_repeat_blocks(tmp_path):
 def test_quality_bench_trains_every_model_on_the_same_batches(tmp_path):
     pytest.importorskip("transformers")
     pack = fake_pack(tmp_path / "pack", train_blocks=16)
-    flags = ["--batch", "4", "--tokens", "256", "--evals", "1", "--speed-rounds", "1", "--val-blocks", "4",
-             "--backend", "aot_eager", "--variant", "crammed:position=sinusoidal,norm_bias=true"]
+    flags = ["--batch", "4", "--tokens", "256", "--evals", "2", "--lrs", "3e-3", "--speed-rounds", "1",
+             "--val-blocks", "4", "--backend", "aot_eager", "--variant", "crammed:position=sinusoidal,norm_bias=true"]
     done = quality_bench(str(pack), *flags, "--json", str(tmp_path / "out.json"), timeout=600)
     assert done.returncode == 0, done.stderr
     out = done.stdout
