@@ -21,27 +21,14 @@ def resolve(name: str) -> Any:
 
 
 def autocast_dtype(precision: str, device: Any) -> Any:
-    """bf16 autocast (fp32 master weights) for "bf16", and for "auto" on CUDA and on CPUs with native
-    bf16 instructions; None means fp32.
+    """bf16 autocast (fp32 master weights) for "bf16", and for "auto" on CUDA; None means fp32.
 
-    On such a CPU bf16 autocast trained the tiny model 1.6-1.8x faster at the same held-out loss per
-    token (bench/README.md, quality). On CUDA, the fp32 matmuls that remain use TF32, as cramming does."""
+    On CUDA, the fp32 matmuls that remain use TF32, as cramming does."""
     import torch
 
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    native = device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16())
-    if precision == "bf16" or (precision == "auto" and native):
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return None
-
-
-def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slow."""
-    try:
-        with open(cpuinfo) as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:  # not Linux: no way to tell, so no autocast
-        return False
-    return bool({"avx512_bf16", "amx_bf16"} & set(flags))

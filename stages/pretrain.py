@@ -114,7 +114,7 @@ class Config:
     ramp: float = 0.6  # fraction of the budget at which batch_size is reached; 0: from the start
     compile: bool = True
     backend: str = "inductor"
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA and on CPUs with native bf16
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     log_every_steps: int = 20
     checkpoint_every_minutes: float | None = 10.0
     checkpoint_every_steps: int | None = None

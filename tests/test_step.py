@@ -198,20 +198,6 @@ def test_gpu_script_cpu_path_prints_the_table():
     assert float(cram[1].replace(",", "")) > 0 and cram[4] != "-"  # tokens/s, compile cold
 
 
-def test_precision_auto_is_bf16_only_where_the_cpu_has_native_bf16(tmp_path):
-    from stages import device as devices
-
-    native, emulated = tmp_path / "native", tmp_path / "emulated"
-    native.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16 amx_tile\n\nflags\t\t: fpu\n")
-    emulated.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n")
-    assert devices.cpu_has_native_bf16(str(native)) and not devices.cpu_has_native_bf16(str(emulated))
-    assert not devices.cpu_has_native_bf16(str(tmp_path / "missing"))
-    cpu = torch.device("cpu")
-    expected_auto = torch.bfloat16 if devices.cpu_has_native_bf16() else None
-    assert devices.autocast_dtype("auto", cpu) == expected_auto
-    assert devices.autocast_dtype("fp32", cpu) is None and devices.autocast_dtype("bf16", cpu) == torch.bfloat16
-
-
 def fake_pack(folder: Path, train_blocks: int, vocab: int = 300, seq_len: int = 32) -> Path:
     import json
 
