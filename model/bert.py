@@ -4,7 +4,7 @@ Parameter names (stable: checkpoints and exports rely on them). H = hidden, V = 
 I = intermediate, F = I // 2 with a GLU and I without:
 
     embed.tokens.weight          [V, H]   also the tied decoder
-    embed.positions.scale        [1]      position="sinusoidal": learnable scale, starts at 1/sqrt(H)
+    embed.positions.scale        [1]      position="sinusoidal": learnable scale, starts at position_scale
     embed.positions.weight       [S, H]   position="learned" (S = max_seq_len)
     embed.norm.weight            [H]      embedding_norm
     layers.{i}.attn_norm.weight  [H]      absent in layer 0 when first_attn_norm is False
@@ -16,9 +16,10 @@ I = intermediate, F = I // 2 with a GLU and I without:
     final_norm.weight            [H]
     head.dense.weight            [H, H]   head_transform
     head.norm.weight             [H]      head_transform
+    <every norm>.bias            [H]      norm_bias: zero at init (cramming's nn.LayerNorm)
 
-No biases anywhere, LayerNorms included (as ModernBERT's `norm_bias=False`). RoPE rotates halves
-(`rotate_half`), as `transformers` does.
+No linear layer has a bias; LayerNorms have one only with `norm_bias` (ModernBERT: `norm_bias=False`).
+RoPE rotates halves (`rotate_half`), as `transformers` does.
 """
 
 from __future__ import annotations
@@ -43,25 +44,32 @@ def init(cfg: ModelConfig, seed: int) -> dict[str, Tensor]:
         return torch.randn(*shape, generator=gen) * INIT_STD
 
     params = {"embed.tokens.weight": normal(cfg.vocab_size, H)}
+
+    def norm(name: str) -> None:
+        params[name + ".weight"] = torch.ones(H)
+        if cfg.norm_bias:
+            params[name + ".bias"] = torch.zeros(H)
+
     if cfg.position == "sinusoidal":
-        params["embed.positions.scale"] = torch.full((1,), 1.0 / math.sqrt(H))
+        scale = 1.0 / math.sqrt(H) if cfg.position_scale is None else cfg.position_scale
+        params["embed.positions.scale"] = torch.full((1,), scale)
     elif cfg.position == "learned":
         params["embed.positions.weight"] = normal(cfg.max_seq_len, H)
     if cfg.embedding_norm:
-        params["embed.norm.weight"] = torch.ones(H)
+        norm("embed.norm")
     for i in range(cfg.layers):
         p = f"layers.{i}."
         if i > 0 or cfg.first_attn_norm:
-            params[p + "attn_norm.weight"] = torch.ones(H)
+            norm(p + "attn_norm")
         params[p + "attn.qkv.weight"] = normal(3 * H, H)
         params[p + "attn.out.weight"] = normal(H, H)
-        params[p + "ffn_norm.weight"] = torch.ones(H)
+        norm(p + "ffn_norm")
         params[p + "ffn.up.weight"] = normal(cfg.intermediate, H)
         params[p + "ffn.down.weight"] = normal(H, cfg.ffn_inner)
-    params["final_norm.weight"] = torch.ones(H)
+    norm("final_norm")
     if cfg.head_transform:
         params["head.dense.weight"] = normal(H, H)
-        params["head.norm.weight"] = torch.ones(H)
+        norm("head.norm")
     return params
 
 
@@ -77,22 +85,22 @@ def encode(
         x = x + params["embed.positions.weight"][:S]
     rope = _rope_tables(S, cfg.head_dim, cfg.rope_theta, x.device) if cfg.position == "rope" else None
     if cfg.embedding_norm:
-        x = _norm(x, params["embed.norm.weight"], cfg)
+        x = _norm(x, params, "embed.norm", cfg)
     x = _dropout(x, cfg)
     # Key-padding mask broadcast over heads and queries: a padded key is never attended to.
     mask = None if attention_mask is None else attention_mask[:, None, None, :]
     for i in range(cfg.layers):
         p = f"layers.{i}."
-        h = _norm(x, params[p + "attn_norm.weight"], cfg) if i > 0 or cfg.first_attn_norm else x
+        h = _norm(x, params, p + "attn_norm", cfg) if i > 0 or cfg.first_attn_norm else x
         x = x + _attention(params, p, cfg, h, mask, rope)
-        x = x + _feed_forward(params, p, cfg, _norm(x, params[p + "ffn_norm.weight"], cfg))
-    return _norm(x, params["final_norm.weight"], cfg)
+        x = x + _feed_forward(params, p, cfg, _norm(x, params, p + "ffn_norm", cfg))
+    return _norm(x, params, "final_norm", cfg)
 
 
 def mlm_logits(params: dict[str, Tensor], cfg: ModelConfig, hidden: Tensor) -> Tensor:
     """Vocabulary logits [..., V] of hidden states: the optional head transform, then the tied decoder."""
     if cfg.head_transform:
-        hidden = _norm(F.gelu(F.linear(hidden, params["head.dense.weight"])), params["head.norm.weight"], cfg)
+        hidden = _norm(F.gelu(F.linear(hidden, params["head.dense.weight"])), params, "head.norm", cfg)
     return F.linear(hidden, params["embed.tokens.weight"])
 
 
@@ -113,8 +121,9 @@ def mlm_loss(params: dict[str, Tensor], cfg: ModelConfig, batch: dict[str, Tenso
     return loss, {"accuracy": accuracy}
 
 
-def _norm(x: Tensor, weight: Tensor, cfg: ModelConfig) -> Tensor:
-    return F.layer_norm(x, (x.shape[-1],), weight, None, cfg.norm_eps)
+def _norm(x: Tensor, params: dict[str, Tensor], name: str, cfg: ModelConfig) -> Tensor:
+    bias = params[name + ".bias"] if cfg.norm_bias else None
+    return F.layer_norm(x, (x.shape[-1],), params[name + ".weight"], bias, cfg.norm_eps)
 
 
 def _attention(
@@ -130,7 +139,14 @@ def _attention(
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, S, head_dim]
     if rope is not None:
         q, k = _rotate(q, *rope), _rotate(k, *rope)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=cfg.dropout)
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        # CPU attention in bf16 is slower than in fp32 (its backward 2x, profiled), while the matmuls
+        # around it gain 4x: inside bf16 autocast, attention alone runs in fp32.
+        with torch.autocast("cpu", enabled=False):
+            out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                 dropout_p=cfg.dropout)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=cfg.dropout)
     return _dropout(F.linear(out.transpose(1, 2).reshape(B, S, H), params[p + "attn.out.weight"]), cfg)
 
 

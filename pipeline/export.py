@@ -34,6 +34,7 @@ MODERNBERT_LAYOUT = {
     "first_attn_norm": False,
     "glu": True,
     "embedding_norm": True,
+    "norm_bias": False,
 }
 # cram's parameter names -> transformers' ModernBertForMaskedLM names, applied in this order.
 _RENAMES = (

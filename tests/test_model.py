@@ -28,7 +28,7 @@ def random_batch(cfg: ModelConfig, batch: int, per_seq: int, seed: int = 0) -> d
 
 
 def test_parameter_names_shapes_and_count():
-    cfg = model.PRESETS["tiny"]
+    cfg = ModelConfig(vocab_size=4096, hidden=128, layers=2, heads=2, intermediate=512)  # cramming's layout
     params = model.init(cfg, seed=0)
     H, inter = cfg.hidden, cfg.intermediate
     expected = {"embed.tokens.weight": (cfg.vocab_size, H), "embed.positions.scale": (1,), "embed.norm.weight": (H,)}
@@ -50,6 +50,19 @@ def test_parameter_names_shapes_and_count():
     assert not any(name.startswith("embed.positions") for name in modern)
     assert modern["head.dense.weight"].shape == (32, 32) and modern["layers.0.ffn.down.weight"].shape == (32, 64)
     assert model.init(ModelConfig(**SMALL, position="learned"), seed=0)["embed.positions.weight"].shape == (128, 32)
+
+
+def test_presets_use_the_modernbert_layout_and_keep_crammed_bert():
+    for name in ("tiny", "small", "base"):
+        preset = model.PRESETS[name]
+        assert (preset.position, preset.head_transform, preset.first_attn_norm) == ("rope", True, False)
+    crammed = model.PRESETS["crammed-base"]
+    assert crammed == ModelConfig() and crammed.position == "sinusoidal" and crammed.first_attn_norm
+    assert model.PRESETS["base"] == ModelConfig(**MODERNBERT)  # the same dimensions as crammed-BERT
+    scaled = model.init(ModelConfig(**SMALL, position_scale=0.03), seed=0)["embed.positions.scale"]
+    assert scaled.item() == pytest.approx(0.03) and model.init(ModelConfig(**SMALL), seed=0)[
+        "embed.positions.scale"
+    ].item() == pytest.approx(32**-0.5)
 
 
 @pytest.mark.parametrize("overrides", [{}, MODERNBERT, {"position": "learned", "glu": False}])
@@ -189,3 +202,23 @@ def test_schedules():
         model.lr_schedule("linear", 0.5)
     with pytest.raises(ValueError, match="decay=0"):
         model.lr_schedule("wsd", 0.5, decay=0.0)
+
+
+def test_norm_bias_adds_a_zero_bias_to_every_norm_and_trains_it():
+    cfg = ModelConfig(**SMALL, **MODERNBERT, norm_bias=True)
+    params = model.init(cfg, seed=0)
+    plain = model.init(ModelConfig(**SMALL, **MODERNBERT), seed=0)
+    norms = {name.removesuffix(".weight") for name in plain if "norm" in name}
+    biases = {name.removesuffix(".bias") for name in params if name.endswith(".bias")}
+    assert biases == norms and len(norms) == 3 + 2 + 3  # ffn norms, attn norms (none in layer 0), embed+final+head
+    assert all(not params[n + ".bias"].any() for n in norms) and params.keys() - plain.keys() == {
+        n + ".bias" for n in norms
+    }
+    batch = random_batch(cfg, batch=2, per_seq=3)
+    # Zero biases: the same function as without them, until training moves them.
+    assert torch.equal(model.mlm_loss(params, cfg, batch)[0], model.mlm_loss(plain, ModelConfig(**SMALL, **MODERNBERT),
+                                                                             batch)[0])
+    grads = torch.func.grad(lambda p: model.mlm_loss(p, cfg, batch)[0])(params)
+    assert all(grads[n + ".bias"].abs().sum() > 0 for n in norms)
+    moved = {**params, "final_norm.bias": torch.full((32,), 0.5)}
+    assert not torch.equal(model.mlm_loss(moved, cfg, batch)[0], model.mlm_loss(params, cfg, batch)[0])

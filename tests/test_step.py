@@ -196,3 +196,55 @@ def test_gpu_script_cpu_path_prints_the_table():
     assert set(rows) == {"row", "cram-compiled", "bert-eager"} and "failed" not in done.stdout
     cram = [cell.strip() for cell in rows["cram-compiled"].split("|")[2:-1]]
     assert float(cram[1].replace(",", "")) > 0 and cram[4] != "-"  # tokens/s, compile cold
+
+
+def fake_pack(folder: Path, train_blocks: int, vocab: int = 300, seq_len: int = 32) -> Path:
+    import json
+
+    import numpy as np
+
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    np.save(folder / "train.npy", rng.integers(5, vocab, (train_blocks, seq_len), dtype=np.uint16))
+    np.save(folder / "val.npy", rng.integers(5, vocab, (8, seq_len), dtype=np.uint16))
+    special = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
+    meta = {"train": "train.npy", "val": "val.npy", "seq_len": seq_len, "vocab_size": vocab, "special_ids": special}
+    (folder / "pack.json").write_text(json.dumps(meta))
+    return folder
+
+
+def quality_bench(*flags: str, timeout: int = 60) -> subprocess.CompletedProcess:
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run([sys.executable, str(root / "bench" / "quality.py"), *flags], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(root)})
+
+
+def test_quality_bench_refuses_a_budget_that_would_repeat_blocks(tmp_path):
+    pack = fake_pack(tmp_path / "pack", train_blocks=10)
+    done = quality_bench(str(pack), "--tokens", "1000", "--batch", "4", "--models", "cram")
+    assert done.returncode == 2
+    assert "holds 320 training tokens (10 blocks)" in done.stderr and "--max-epochs 4" in done.stderr
+    assert "Traceback" not in done.stderr
+    bad = quality_bench(str(pack), "--models", "cram", "--variant", "x:hidden_size=3")
+    assert bad.returncode == 2 and "unknown key 'hidden_size'" in bad.stderr
+
+
+@pytest.mark.slow
+def test_quality_bench_trains_every_model_on_the_same_batches(tmp_path):
+    pytest.importorskip("transformers")
+    pack = fake_pack(tmp_path / "pack", train_blocks=16)
+    flags = ["--batch", "4", "--tokens", "256", "--evals", "2", "--lrs", "3e-3", "--speed-rounds", "1",
+             "--val-blocks", "4", "--backend", "aot_eager", "--variant", "crammed:position=sinusoidal,norm_bias=true"]
+    done = quality_bench(str(pack), *flags, "--json", str(tmp_path / "out.json"), timeout=600)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    for row in ("cram compiled", "cram eager", "bert compiled, dense logits", "modernbert compiled"):
+        assert f"| {row} |" in out
+    assert "## held-out MLM loss vs training tokens" in out and "## held-out MLM loss at equal wall time" in out
+    import json
+
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert set(report["curves"]) == {"cram", "bert", "modernbert", "crammed"}
+    for curves in report["curves"].values():
+        (curve,) = curves.values()
+        assert curve["tokens"] == [128, 256] and all(5.0 < loss < 6.5 for loss in curve["loss"])  # ~log(300)
