@@ -122,6 +122,8 @@ def _run(conf: cfg.PipelineConfig, run_dir: Path, modules: list, only, start, fo
         _fail(f"{e} (log: {e.log_path})", e.exit_code)
     except KeyboardInterrupt:
         _fail(f"interrupted; continue with: cram resume {run_dir}", 130)
+    finally:
+        runner.finish_distributed()
     if main and show_status:
         _print_status(run_dir)
 

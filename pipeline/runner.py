@@ -475,3 +475,15 @@ def init_distributed(device: str) -> tuple[int, int]:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(hours=6))
     return dist.get_rank(), dist.get_world_size()
+
+
+def finish_distributed() -> None:
+    """Tear down the process group before the process exits: left to interpreter shutdown, gloo's
+    threads can outlive a peer that already exited and abort the rank ("terminate called without an
+    active exception")."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
