@@ -225,12 +225,28 @@ def without_times(results: dict) -> dict:
             "tasks": {n: {k: v for k, v in t.items() if k != "time_s"} for n, t in results["tasks"].items()}}
 
 
-@pytest.mark.slow
-def test_under_torchrun_ranks_share_the_seeds_and_match_one_process(upstream, tmp_path, make_ctx, free_port):
+def run_under_torchrun(config, inputs, tmp_path, port: int, **env):
+    """evaluate's `run` on 2 gloo ranks (EVALUATE_WORKER); returns (completed process, output folder)."""
     import pickle
     import subprocess
     import sys
 
+    out_dir = tmp_path / "ranks"
+    out_dir.mkdir()
+    job = tmp_path / "job.pkl"
+    job.write_bytes(pickle.dumps({"config": config, "inputs": inputs, "out_dir": str(out_dir)}))
+    (tmp_path / "worker.py").write_text(EVALUATE_WORKER)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+         str(tmp_path / "worker.py"), str(job), str(REPO)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+    )
+    return result, out_dir
+
+
+@pytest.mark.slow
+def test_under_torchrun_ranks_share_the_seeds_and_match_one_process(upstream, tmp_path, make_ctx, free_port):
     from stages.finetune import share_out
 
     assert sorted(share_out([5, 1, 4, 2, 3, 3], 2)) == [0, 0, 0, 1, 1, 1]  # 9 and 9: balanced
@@ -238,17 +254,7 @@ def test_under_torchrun_ranks_share_the_seeds_and_match_one_process(upstream, tm
     config = Config(tasks=tasks, epochs=1, seeds=3, max_length=32, buckets=(32,), compile=False, mlm_batch_size=16)
     _, alone = run_stage(config, upstream["inputs"], tmp_path, make_ctx)
 
-    out_dir = tmp_path / "ranks"
-    out_dir.mkdir()
-    job = tmp_path / "job.pkl"
-    job.write_bytes(pickle.dumps({"config": config, "inputs": upstream["inputs"], "out_dir": str(out_dir)}))
-    (tmp_path / "worker.py").write_text(EVALUATE_WORKER)
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         str(tmp_path / "worker.py"), str(job), str(REPO)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    result, out_dir = run_under_torchrun(config, upstream["inputs"], tmp_path, free_port())
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = json.loads((out_dir / "results.json").read_text())
     assert without_times(ranks) == without_times(alone)
@@ -257,22 +263,8 @@ def test_under_torchrun_ranks_share_the_seeds_and_match_one_process(upstream, tm
 
 @pytest.mark.slow
 def test_under_torchrun_a_failing_rank_fails_every_rank_without_hanging(upstream, tmp_path, free_port):
-    import pickle
-    import subprocess
-    import sys
-
     config = Config(tasks=[TaskConfig(epochs=1)], seeds=2, max_length=32, buckets=(32,), compile=False)
-    out_dir = tmp_path / "ranks"
-    out_dir.mkdir()
-    job = tmp_path / "job.pkl"
-    job.write_bytes(pickle.dumps({"config": config, "inputs": upstream["inputs"], "out_dir": str(out_dir)}))
-    (tmp_path / "worker.py").write_text(EVALUATE_WORKER)
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         str(tmp_path / "worker.py"), str(job), str(REPO)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "FAIL_ON_RANK": "1"},
-    )
+    result, out_dir = run_under_torchrun(config, upstream["inputs"], tmp_path, free_port(), FAIL_ON_RANK="1")
     # Rank 1 fails in its first fine-tune; rank 0 learns it at the gather and fails alike.
     assert result.returncode != 0 and result.stderr.count("rank 1: RuntimeError: injected") >= 2
     assert not (out_dir / "results.json").exists()
