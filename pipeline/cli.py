@@ -32,7 +32,7 @@ from rich.table import Table
 
 from pipeline import compare as comparing
 from pipeline import config as cfg
-from pipeline import curves, logs, rundir, runner, store, sweep
+from pipeline import curves, logs, ranks, rundir, runner, store, sweep
 from pipeline import export as exporting
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Cram a BERT-style MLM from raw text.")
@@ -100,7 +100,7 @@ def _run(conf: cfg.PipelineConfig, run_dir: Path, modules: list, only, start, fo
     if dry_run:
         _print_plan(steps, run_dir)
         return
-    rank, world_size = runner.init_distributed(conf.run.device)
+    rank, world_size = ranks.init_distributed(conf.run.device)
     main = rank == 0
     try:
         logs.configure(run_dir / rundir.EVENTS if main else None, console=main)
@@ -123,7 +123,7 @@ def _run(conf: cfg.PipelineConfig, run_dir: Path, modules: list, only, start, fo
     except KeyboardInterrupt:
         _fail(f"interrupted; continue with: cram resume {run_dir}", 130)
     finally:
-        runner.finish_distributed()
+        ranks.finish_distributed()
     if main and show_status:
         _print_status(run_dir)
 

@@ -28,7 +28,7 @@ import structlog
 
 import stages
 from pipeline import config as cfg
-from pipeline import logs, rundir, store
+from pipeline import logs, ranks, rundir, store
 from stages import loggers as stage_loggers
 
 _VERSIONED = ("torch", "numpy", "datasets", "sentencepiece", "safetensors", "structlog", "typer")
@@ -267,10 +267,10 @@ def _run_step(
             entry = stored.entry(step.name, step.key)
             # Looked at again under the lock: another process may have finished (or gc removed) it.
             reuse = main and step.reason != "forced" and store.problem(entry, step.key) is None
-            if _from_rank_0(reuse, world_size):
+            if ranks.from_rank_0(reuse, world_size):
                 if main:
                     _reuse(step, run_dir, entry, manifest, log)
-                _barrier(world_size)
+                ranks.barrier(world_size)
                 return
             _compute(config, step, run_dir, stored, manifest, rank, world_size, log)
     finally:
@@ -336,7 +336,7 @@ def _compute(
             )
             save()
             log.info("start", reason=step.reason, key=step.key[:12], dir=str(partial))
-        _barrier(world_size)
+        ranks.barrier(world_size)
         # Other ranks read the manifest rank 0 has written, which holds the upstream outputs.
         records = manifest if main else rundir.Manifest.load(run_dir)
         inputs = {
@@ -367,7 +367,7 @@ def _compute(
                 error = (f"{type(e).__name__}: {e}", 1)
             finally:
                 ctx.metrics.close()
-        error = _agree(error, world_size)
+        error = ranks.agree(error, world_size)
         if error is not None:
             if main:
                 attempt.update(status="failed", ended=rundir.now(), error=error[0],
@@ -383,7 +383,7 @@ def _compute(
             store.link(run_dir, step.name, entry)
             manifest.put(step.name, record)
             log.info("done", duration_s=duration)
-        _barrier(world_size)
+        ranks.barrier(world_size)
     except KeyboardInterrupt:
         if main and attempt.get("status") == "running":
             attempt.update(status="interrupted", ended=rundir.now(), error="interrupted (Ctrl-C)")
@@ -399,34 +399,6 @@ def _mention_other_partial(previous: dict[str, Any], step: Step, stored: store.S
         if record.get("status") != "done" and key and key != step.key and stored.partial(step.name, key).is_dir():
             log.warning("an unfinished attempt with another config is kept; return to that config to continue it, "
                         "or remove it with cram gc", partial=str(stored.partial(step.name, key)))
-
-
-def _barrier(world_size: int) -> None:
-    if world_size > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
-
-
-def _from_rank_0(value: bool, world_size: int) -> bool:
-    if world_size == 1:
-        return value
-    import torch.distributed as dist
-
-    shared = [value]
-    dist.broadcast_object_list(shared, src=0)
-    return bool(shared[0])
-
-
-def _agree(error: tuple[str, int] | None, world_size: int) -> tuple[str, int] | None:
-    """Every rank learns whether the stage failed on any rank (rank 0's error wins)."""
-    if world_size == 1:
-        return error
-    import torch.distributed as dist
-
-    gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, error)
-    return next((e for e in gathered if e is not None), None)
 
 
 def _git_commit() -> str | None:
@@ -453,37 +425,3 @@ def _versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             pass
     return found
-
-
-def init_distributed(device: str) -> tuple[int, int]:
-    """(rank, world_size); under torchrun, also start the default process group.
-
-    The group's time-out is long because ranks other than 0 wait in a barrier while rank 0 alone
-    runs the non-distributed stages (tokenizing a large corpus can take hours).
-    """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size == 1:
-        return 0, 1
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        use_cuda = device != "cpu" and torch.cuda.is_available()
-        if use_cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(hours=6))
-    return dist.get_rank(), dist.get_world_size()
-
-
-def finish_distributed() -> None:
-    """Tear down the process group before the process exits: left to interpreter shutdown, gloo's
-    threads can outlive a peer that already exited and abort the rank ("terminate called without an
-    active exception")."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
