@@ -286,6 +286,8 @@ WORKER = textwrap.dedent(
     ctx = Context(seed=0, device="cpu", run_dir=Path(job["out_dir"]).parent, log=structlog.get_logger(),
                   rank=rank, world_size=world_size)
     pretrain.run(job["config"], job["inputs"], Path(job["out_dir"]), ctx)
+    if world_size > 1:
+        dist.destroy_process_group()  # as the CLI does: a gloo rank left to exit alone can abort
     """
 )
 
