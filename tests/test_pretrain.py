@@ -305,6 +305,14 @@ def start_worker(tmp_path: Path, job: dict, env: dict | None = None) -> subproce
     )
 
 
+def run_on_two_ranks(tmp_path: Path, job: dict, port: int) -> None:
+    """`pretrain.run` of `job` on two gloo ranks (WORKER), to the end; fails with a rank's stderr."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    procs = [start_worker(tmp_path, job, {**env, "RANK": str(rank)}) for rank in (0, 1)]
+    for proc in procs:
+        assert proc.wait(timeout=180) == 0, proc.stderr.read().decode()[-3000:]
+
+
 def kill_when_hanging(proc: subprocess.Popen, out_dir: Path) -> None:
     marker = out_dir / "hanging"
     deadline = time.monotonic() + 120
@@ -359,11 +367,7 @@ def test_two_gloo_ranks_match_one_process_on_the_same_global_batch(pack, tmp_pat
     alone = pretrain.run(config, {"pack": pack}, tmp_path / "alone", make_ctx())
 
     out_dir = tmp_path / "ranks"
-    job = {"config": config, "inputs": {"pack": pack}, "out_dir": str(out_dir)}
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
-    procs = [start_worker(tmp_path, job, {**env, "RANK": str(rank)}) for rank in (0, 1)]
-    for proc in procs:
-        assert proc.wait(timeout=180) == 0, proc.stderr.read().decode()[-3000:]
+    run_on_two_ranks(tmp_path, {"config": config, "inputs": {"pack": pack}, "out_dir": str(out_dir)}, free_port())
 
     ranks, one = load_file(out_dir / "params.safetensors"), load_file(tmp_path / "alone" / "params.safetensors")
     for name in one:
@@ -380,11 +384,7 @@ def test_two_gloo_ranks_on_a_time_budget_agree_when_to_stop(pack, tmp_path, free
     # steps (a rank stepping alone would hang in the gradient all-reduce) and end.
     config = small(batch_size=16, budget=pretrain.Budget(hours=2 / 3600), clock_sync_every_steps=4)
     out_dir = tmp_path / "ranks"
-    job = {"config": config, "inputs": {"pack": pack}, "out_dir": str(out_dir)}
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
-    procs = [start_worker(tmp_path, job, {**env, "RANK": str(rank)}) for rank in (0, 1)]
-    for proc in procs:
-        assert proc.wait(timeout=180) == 0, proc.stderr.read().decode()[-3000:]
+    run_on_two_ranks(tmp_path, {"config": config, "inputs": {"pack": pack}, "out_dir": str(out_dir)}, free_port())
     assert metrics(out_dir)[-1]["progress"] >= 1.0
 
 
