@@ -63,7 +63,8 @@ def _make(name: str, upstream: tuple[str, ...], resumable: bool = False, distrib
             assert int(ranks) == ctx.world_size
         total = config.value + sum(up.outputs["total"] for up in inputs.values())
         attempts = out_dir / "attempts"
-        attempts.write_text(str(int(attempts.read_text()) + 1 if attempts.exists() else 1))
+        if ctx.rank == 0:  # ranks share the output folder: only rank 0 writes to it, as real stages do
+            attempts.write_text(str(int(attempts.read_text()) + 1 if attempts.exists() else 1))
         if os.environ.get("FAKE_HANG") == name:
             time.sleep(120)
         if os.environ.get("FAKE_SLOW") == name:
@@ -74,10 +75,11 @@ def _make(name: str, upstream: tuple[str, ...], resumable: bool = False, distrib
             raise StageError(f"[{name}] value: {config.value} is not allowed here")
         if config.fail == "crash":
             raise RuntimeError("boom")
-        (out_dir / "result.json").write_text(json.dumps({"total": total}))
+        if ctx.rank == 0:
+            (out_dir / "result.json").write_text(json.dumps({"total": total}))
         ctx.log.info("computed", total=total)
         logging.getLogger("thirdparty").warning("a standard-library record from %s", name)
-        return {"result": "result.json", "total": total, "attempts": int(attempts.read_text())}
+        return {"result": "result.json", "total": total, "attempts": int(attempts.read_text()) if ctx.rank == 0 else 0}
 
     module = types.ModuleType(f"fake_{name}")
     module.NAME, module.VERSION, module.UPSTREAM, module.RESUMABLE = name, "1", upstream, resumable
