@@ -23,30 +23,34 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import List, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from pipeline import compare as comparing
 from pipeline import config as cfg
 from pipeline import curves, logs, ranks, rundir, runner, store, sweep
 from pipeline import export as exporting
+from pipeline.cli_output import (
+    error,
+    fail,
+    log_tail,
+    out,
+    print_collected,
+    print_plan,
+    print_runs,
+    print_status,
+    print_sweep,
+    records,
+    seconds,
+)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Cram a BERT-style MLM from raw text.")
-out = Console()
-err = Console(stderr=True)
 
 
 def main() -> None:
     app()
-
-
-def _fail(message: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
 
 
 @app.command()
@@ -61,8 +65,8 @@ def run(
 ) -> None:
     """Run the pipeline of CONFIG: every stage that is not done, in order."""
     if only is not None and start is not None:
-        _fail(f"--only {only} and --from {start} do not combine: --only runs one stage, "
-              "--from re-runs a stage and every stage after it")
+        fail(f"--only {only} and --from {start} do not combine: --only runs one stage, "
+             "--from re-runs a stage and every stage after it")
     modules = runner.default_stages()
     try:
         conf = cfg.load(config, runner.config_classes(modules), overrides)
@@ -70,7 +74,7 @@ def run(
             conf = dataclasses.replace(conf, run=dataclasses.replace(conf.run, name=name))
         rundir.validate_name(conf.run.name)
     except (cfg.ConfigError, rundir.RunDirError) as e:
-        _fail(str(e))
+        fail(str(e))
     _run(conf, Path(conf.run.root) / conf.run.name, modules, only, start, tuple(force), dry_run)
 
 
@@ -80,11 +84,11 @@ def resume(run_dir: Path = typer.Argument(..., help="A run directory.")) -> None
     modules = runner.default_stages()
     saved = run_dir / rundir.CONFIG
     if not saved.is_file():
-        _fail(f"{saved}: no saved config; is {run_dir} a run directory?")
+        fail(f"{saved}: no saved config; is {run_dir} a run directory?")
     try:
         conf = cfg.load(saved, runner.config_classes(modules))
     except cfg.ConfigError as e:
-        _fail(str(e))
+        fail(str(e))
     _run(conf, run_dir, modules, None, None, (), False)
 
 
@@ -92,20 +96,20 @@ def _run(conf: cfg.PipelineConfig, run_dir: Path, modules: list, only, start, fo
          show_status: bool = True) -> None:
     blocking = next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None)
     if blocking is not None:
-        _fail(f"{blocking}: a file, where the run directory {run_dir} needs a folder (see run.root and run.name)")
+        fail(f"{blocking}: a file, where the run directory {run_dir} needs a folder (see run.root and run.name)")
     try:
         steps = runner.plan(conf, modules, run_dir, only=only, start=start, force=force)
     except (runner.PlanError, rundir.RunDirError) as e:
-        _fail(str(e))
+        fail(str(e))
     if dry_run:
-        _print_plan(steps, run_dir)
+        print_plan(steps, run_dir)
         return
     rank, world_size = ranks.init_distributed(conf.run.device)
     main = rank == 0
     try:
         logs.configure(run_dir / rundir.EVENTS if main else None, console=main)
     except OSError as e:
-        _fail(f"{run_dir}: cannot write the run's log ({e.strerror}: {e.filename})")
+        fail(f"{run_dir}: cannot write the run's log ({e.strerror}: {e.filename})")
     log = logs.get(run=run_dir.name)
     try:
         if main:
@@ -115,47 +119,23 @@ def _run(conf: cfg.PipelineConfig, run_dir: Path, modules: list, only, start, fo
         else:
             runner.execute(conf, steps, run_dir, "", rank, world_size)
     except rundir.RunDirError as e:
-        _fail(str(e))
+        fail(str(e))
     except OSError as e:  # the run directory itself: read-only, full, or gone; a stage's own errors are StageFailed
-        _fail(f"{run_dir}: cannot write the run ({e.strerror}: {e.filename})")
+        fail(f"{run_dir}: cannot write the run ({e.strerror}: {e.filename})")
     except runner.StageFailed as e:
-        _fail(f"{e} (log: {e.log_path})", e.exit_code)
+        fail(f"{e} (log: {e.log_path})", e.exit_code)
     except KeyboardInterrupt:
-        _fail(f"interrupted; continue with: cram resume {run_dir}", 130)
+        fail(f"interrupted; continue with: cram resume {run_dir}", 130)
     finally:
         ranks.finish_distributed()
     if main and show_status:
-        _print_status(run_dir)
-
-
-def _print_plan(steps: list[runner.Step], run_dir: Path) -> None:
-    table = Table(title=f"{run_dir} (dry run)", title_justify="left")
-    for column in ("stage", "action", "reason", "key"):
-        table.add_column(column)
-    for s in steps:
-        style = {"run": "bold green", "reuse": "cyan"}.get(s.action, "dim")
-        table.add_row(s.name, f"[{style}]{s.action}[/]", s.reason, s.key[:12])
-    out.print(table)
+        print_status(run_dir)
 
 
 @app.command()
 def status(run_dir: Path = typer.Argument(..., help="A run directory.")) -> None:
     """One table: stage, status, key, duration, main figures."""
-    _print_status(run_dir)
-
-
-def _print_status(run_dir: Path) -> None:
-    records = _records(run_dir)
-    table = Table(title=str(run_dir), title_justify="left")
-    for column in ("stage", "status", "key", "duration", "figures"):
-        table.add_column(column, overflow="fold")
-    for stage, r in records.items():
-        duration = "" if r.get("duration_s") is None else _seconds(r["duration_s"])
-        state, note = runner.describe(run_dir, stage, r, records)
-        detail = r.get("error") if state in ("failed", "killed") else _figures(r.get("outputs") or {})
-        detail = " ".join(x for x in (detail, note) if x)
-        table.add_row(stage, _styled(state), (r.get("key") or "")[:12], duration, escape(detail))
-    out.print(table)
+    print_status(run_dir)
 
 
 @app.command()
@@ -166,26 +146,26 @@ def inspect(
     plot: Optional[Path] = typer.Option(None, "--plot", help="Also save the pretraining curves as this PNG."),
 ) -> None:
     """The resolved config, a stage's outputs and figures, and its log tail."""
-    records = _records(run_dir)
+    stages = records(run_dir)
     if plot is not None:
         _check_plot_path(plot)
         try:
             curves.save(curves.plot_run(run_dir), plot)
         except curves.CurvesError as e:
-            _fail(str(e))
+            fail(str(e))
         out.print(f"curves: {plot}")
-    if stage is not None and stage not in records:
-        _fail(f"{run_dir}: no stage '{stage}' in the manifest (it has: {', '.join(records) or 'none'})")
+    if stage is not None and stage not in stages:
+        fail(f"{run_dir}: no stage '{stage}' in the manifest (it has: {', '.join(stages) or 'none'})")
     saved = run_dir / rundir.CONFIG
     try:
         conf = cfg.tomllib.loads(saved.read_text(encoding="utf-8")) if saved.is_file() else {}
     except (OSError, UnicodeDecodeError, cfg.tomllib.TOMLDecodeError) as e:
-        _fail(f"{saved}: not a readable config ({e})")
-    for name in [stage] if stage else list(records):
-        r = records[name]
+        fail(f"{saved}: not a readable config ({e})")
+    for name in [stage] if stage else list(stages):
+        r = stages[name]
         out.rule(f"{name}: {r.get('status')}")
         out.print(f"key {r.get('key')}  started {r.get('started')}  ended {r.get('ended')}  "
-                  f"duration {_seconds(r['duration_s']) if r.get('duration_s') is not None else '-'}")
+                  f"duration {seconds(r['duration_s']) if r.get('duration_s') is not None else '-'}")
         if r.get("error"):
             out.print(f"[red]error:[/] {escape(r['error'])}", highlight=False)
         out.print("[bold]config[/]")
@@ -195,7 +175,7 @@ def inspect(
         if replay := _replay_budget(name, r.get("outputs") or {}):
             out.print(f"[bold]same token budget elsewhere[/]: {replay}", highlight=False)
         out.print(f"[bold]log tail[/] ({run_dir / rundir.EVENTS})")
-        for event in _log_tail(run_dir, name, lines):
+        for event in log_tail(run_dir, name, lines):
             out.print(event, highlight=False, markup=False)
 
 
@@ -231,7 +211,7 @@ def compare(
         if out_file is not None:
             table.write(out_file)
     except curves.CurvesError as e:
-        _fail(str(e))
+        fail(str(e))
     out.print(comparing.rich_table(table))
     if table.n_config == 0 and len(run_dirs) > 1:
         out.print("config: identical but for the run name")
@@ -251,7 +231,7 @@ def export_run(
     try:
         exporting.export(run_dir, to, fmt, force)
     except exporting.ExportError as e:
-        _fail(str(e))
+        fail(str(e))
     out.print(f"exported {run_dir} ({fmt}) to {to}")
 
 
@@ -259,28 +239,8 @@ def export_run(
 def list_runs(root: Path = typer.Argument(Path("runs"), help="The runs root.")) -> None:
     """The runs under ROOT with their newest stage and its status."""
     if not root.is_dir():
-        _fail(f"{root}: no such directory")
-    table = Table(title=str(root), title_justify="left")
-    for column in ("run", "newest stage", "status", "started"):
-        table.add_column(column)
-    unreadable = []
-    for path in sorted(p for p in root.iterdir() if (p / rundir.MANIFEST).is_file()):
-        try:
-            records = rundir.Manifest.load(path).data.get("stages", {})
-        except rundir.RunDirError as e:  # one bad run must not hide the others
-            table.add_row(path.name, "-", "[red]unreadable manifest[/]", "-")
-            unreadable.append(str(e))
-            continue
-        started = {k: r for k, r in records.items() if r.get("started")}
-        if not started:
-            table.add_row(path.name, "-", "-", "-")
-            continue
-        newest = max(started, key=lambda k: started[k]["started"])
-        r = started[newest]
-        table.add_row(path.name, newest, _styled(runner.describe(path, newest, r)[0]), r["started"])
-    out.print(table)
-    for message in unreadable:
-        err.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
+        fail(f"{root}: no such directory")
+    print_runs(root)
 
 
 @app.command("sweep")
@@ -301,7 +261,7 @@ def sweep_runs(
         found = sweep.variants(config, runner.config_classes(modules), sweep.parse_grid(grid), overrides, name)
         plans = [runner.plan(v.config, modules, v.run_dir) for v in found]  # all checked before any runs
     except (cfg.ConfigError, rundir.RunDirError, runner.PlanError) as e:
-        _fail(str(e))
+        fail(str(e))
     failed: list[tuple[str, int]] = []
     elsewhere: list[str] = []  # variants another process is running: several sweeps can share the work
     made: dict[str, str] = {}  # with --dry-run: key -> the variant that would compute it
@@ -310,7 +270,7 @@ def sweep_runs(
             try:
                 steps = runner.plan(variant.config, modules, variant.run_dir)
             except (runner.PlanError, rundir.RunDirError) as e:
-                err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+                error(str(e))
                 failed.append((variant.name, 2))
                 continue
         if dry_run:
@@ -324,45 +284,21 @@ def sweep_runs(
         if not doing or variant.name in elsewhere:
             continue
         if dry_run:
-            _print_plan(steps, variant.run_dir)
+            print_plan(steps, variant.run_dir)
             continue
         try:
             _run(variant.config, variant.run_dir, modules, None, None, (), False, show_status=False)
         except typer.Exit as e:
             if e.exit_code == 130:
-                _fail("sweep interrupted; run the same `cram sweep` command to continue it", 130)
+                fail("sweep interrupted; run the same `cram sweep` command to continue it", 130)
             failed.append((variant.name, e.exit_code))
     if not dry_run:
-        _print_sweep(found)
+        print_sweep(found)
     if elsewhere:
         out.print(f"{len(elsewhere)} variant(s) run by another process: {', '.join(elsewhere)}; "
                   "run this sweep again once it is done to see them finished here", highlight=False)
     if failed:
-        _fail(f"{len(failed)} of {len(found)} variants failed: {', '.join(n for n, _ in failed)}", failed[0][1])
-
-
-def _print_sweep(found: list[sweep.Variant]) -> None:
-    """One row per variant: its status, the config keys that differ, the figures of the last stage."""
-    run_dirs = [v.run_dir for v in found if (v.run_dir / rundir.MANIFEST).is_file()]
-    if not run_dirs:
-        return
-    try:
-        diff, figures = curves.config_diff(run_dirs), curves.stage_figures(run_dirs)
-    except curves.CurvesError as e:
-        _fail(str(e))
-    diff.pop("run.name", None)  # the row says it
-    last = list(figures.values())[-1] if figures else {}
-    last = {k: v for k, v in last.items() if not k.endswith("_s")}  # timings: not a result
-    table = Table(title="sweep", title_justify="left")
-    for column in ("run", "status", *diff, *last):
-        table.add_column(column, overflow="fold")
-    for i, run_dir in enumerate(run_dirs):
-        records = _records(run_dir)
-        final = list(records)[-1] if records else None
-        state = runner.describe(run_dir, final, records[final])[0] if final else "-"
-        table.add_row(run_dir.name, _styled(state), *(escape(json.dumps(v[i])) for v in diff.values()),
-                      *(f"{v[i]:.4g}" if isinstance(v[i], float) else str(v[i]) for v in last.values()))
-    out.print(table)
+        fail(f"{len(failed)} of {len(found)} variants failed: {', '.join(n for n, _ in failed)}", failed[0][1])
 
 
 @app.command("gc")
@@ -372,75 +308,18 @@ def collect_garbage(
 ) -> None:
     """Remove store entries (and unfinished partials) that no run directory under ROOT refers to."""
     if not root.is_dir():
-        _fail(f"{root}: no such directory")
+        fail(f"{root}: no such directory")
     logs.configure(None)
     try:
         removed, busy = store.collect(root, logs.get(), dry_run)
     except store.StoreError as e:
-        _fail(str(e))
-    verb = "would remove" if dry_run else "removed"
-    for item in removed:
-        out.print(f"{verb} {item.path} ({_bytes(item.size)})", highlight=False, soft_wrap=True)
-    for path in busy:
-        out.print(f"kept {path} (being written: its key is locked)", highlight=False, soft_wrap=True)
-    total = sum(g.size for g in removed)
-    summary = f"{verb} {len(removed)} store item(s), {_bytes(total)}" if removed else "nothing to remove"
-    out.print(summary, highlight=False)
-
-
-def _bytes(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n} B"
-
-
-def _records(run_dir: Path) -> dict[str, Any]:
-    if not (run_dir / rundir.MANIFEST).is_file():
-        _fail(f"{run_dir}: no {rundir.MANIFEST}; not a run directory")
-    try:
-        return rundir.Manifest.load(run_dir).data.get("stages", {})
-    except rundir.RunDirError as e:
-        _fail(str(e))
+        fail(str(e))
+    print_collected(removed, busy, dry_run)
 
 
 def _check_plot_path(plot: Path) -> None:
     if not plot.parent.is_dir():
-        _fail(f"--plot {plot}: the folder {plot.parent} does not exist; create it or choose another path")
-
-
-def _log_tail(run_dir: Path, stage: str, n: int) -> list[str]:
-    path = run_dir / rundir.EVENTS
-    if n == 0 or not path.is_file():
-        return []
-    shown = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if event.get("stage") != stage:
-            continue
-        rest = {k: v for k, v in event.items() if k not in ("event", "timestamp", "level", "stage", "run", "logger")}
-        extras = " ".join(f"{k}={v}" for k, v in rest.items())
-        shown.append(f"{event.get('timestamp', '')} {event.get('level', ''):7} {event.get('event', '')} {extras}")
-    return shown[-n:]
-
-
-def _figures(outputs: dict[str, Any], limit: int = 6) -> str:
-    numbers = [(k, v) for k, v in outputs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    return "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in numbers[:limit])
-
-
-def _seconds(s: float) -> str:
-    return f"{s:.1f}s" if s < 120 else f"{s / 60:.1f}m"
-
-
-def _styled(status: str) -> str:
-    colour = {"done": "green", "failed": "red", "running": "yellow", "interrupted": "yellow", "killed": "yellow",
-              "missing": "red"}.get(status, "white")
-    return f"[{colour}]{status}[/]"
+        fail(f"--plot {plot}: the folder {plot.parent} does not exist; create it or choose another path")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -357,16 +357,18 @@ def _compute(
         error: tuple[str, int] | None = None
         outputs: dict[str, Any] = {}
         if on_this_rank:
+            finished = False
             try:
                 outputs = step.module.run(config.stages[step.name], inputs, partial, ctx)
                 json.dumps(outputs)  # outputs must be JSON: fail here, not when the manifest is saved
+                finished = True
             except stages.StageError as e:
                 error = (str(e), 2)
             except Exception as e:  # a stage's own bug or crash: keep the traceback in the log
                 log.error("stage raised", exc_info=True)
                 error = (f"{type(e).__name__}: {e}", 1)
             finally:
-                ctx.metrics.close()
+                ctx.metrics.close(failed=not finished)  # an error or Ctrl-C: the experiment run is marked failed
         error = ranks.agree(error, world_size)
         if error is not None:
             if main:

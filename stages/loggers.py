@@ -2,7 +2,7 @@
 
     metrics = loggers.make(("tensorboard",), run_dir / "logs", run="default", stage="pretrain")
     metrics.log(step, {"loss": 6.2, "lr": 1e-3})    # every number of the record, at `step`
-    metrics.close()
+    metrics.close()                                  # close(failed=True): the stage raised or was interrupted
 
 Each backend is an optional extra (`pip install -e '.[tensorboard]'`, `'.[wandb]'`); `check` names the
 extra to install when its package is missing, so that a bad `[run] loggers` fails before any stage runs.
@@ -12,7 +12,8 @@ Backends open on the first record, so a stage that logs nothing (tokenize, pack)
   metrics.jsonl. A stage that resumes or re-runs logs from some step again: the writer opens with
   `purge_step` at that step, so TensorBoard drops what an earlier attempt wrote from there on.
 - wandb: `logs/wandb/`, one W&B run per stage and attempt, grouped by run name, job type the stage,
-  the resolved pipeline config as its config. Offline unless the environment says otherwise
+  the resolved pipeline config as its config; a stage that failed closes its run with exit code 1, so W&B
+  shows it as failed, not finished. Offline unless the environment says otherwise
   (`WANDB_MODE=online`); `wandb sync RUN/logs/wandb/offline-run-*` uploads later.
 """
 
@@ -29,7 +30,7 @@ BACKENDS = ("tensorboard", "wandb")  # each name is also its pip extra and the p
 class Sink(Protocol):
     def log(self, step: int, values: dict[str, float]) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, failed: bool = False) -> None: ...
 
 
 class Metrics:
@@ -46,9 +47,10 @@ class Metrics:
         for sink in self.sinks:
             sink.log(int(step), values)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Close every sink; `failed`: the stage did not finish (it raised, or was interrupted)."""
         for sink in self.sinks:
-            sink.close()
+            sink.close(failed)
 
 
 NONE = Metrics()  # no loggers: what a stage sees on other ranks, in tests, or without `[run] loggers`
@@ -88,7 +90,7 @@ class TensorBoard:
             self.writer.add_scalar(tag, value, step)
         self.writer.flush()  # once per log step: a crash loses nothing, and a live TensorBoard sees it
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:  # a TensorBoard run has no outcome to record
         if self.writer is not None:
             self.writer.close()
             self.writer = None
@@ -117,11 +119,11 @@ class WandB:
             )
         self.run.log(values, step=step)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self.run is not None:
             import wandb
 
-            self.run.finish()
+            self.run.finish(exit_code=1 if failed else 0)  # non-zero: W&B marks the run failed
             # finish returns before wandb's service process has written the run's file; teardown waits
             # for it, so the run is complete on disk when the stage ends (the next one starts a service anew).
             wandb.teardown()

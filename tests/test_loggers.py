@@ -23,8 +23,8 @@ def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
-def wandb_history(root: Path) -> list[list[dict]]:
-    """The history rows of every offline W&B run under `root` (wandb/offline-run-*/run-*.wandb), oldest first.
+def wandb_records(root: Path) -> list[list]:
+    """The protobuf `Record`s of every offline W&B run under `root` (wandb/offline-run-*/run-*.wandb), oldest first.
 
     The .wandb file is a LevelDB-style log after a 7-byte header: 32 KiB blocks of chunks, each with a
     crc32 (4 bytes), a length (2) and a type (1: full, 2: first, 3: middle, 4: last), holding protobuf
@@ -33,7 +33,7 @@ def wandb_history(root: Path) -> list[list[dict]]:
 
     runs = []
     for path in sorted(root.glob("wandb/offline-run-*/run-*.wandb")):
-        data, pos, chunk, rows = path.read_bytes(), 7, b"", []
+        data, pos, chunk, records = path.read_bytes(), 7, b"", []
         while pos + 7 <= len(data):
             if 32768 - pos % 32768 < 7:  # a block's tail too short for a chunk header is padding
                 pos += 32768 - pos % 32768
@@ -45,11 +45,24 @@ def wandb_history(root: Path) -> list[list[dict]]:
                 record = wandb_internal_pb2.Record()
                 record.ParseFromString(chunk)
                 chunk = b""
-                if record.WhichOneof("record_type") == "history":
-                    items = record.history.item
-                    rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items})
-        runs.append(rows)
+                records.append(record)
+        runs.append(records)
     return runs
+
+
+def wandb_history(root: Path) -> list[list[dict]]:
+    """The history rows of every offline W&B run under `root`, oldest first."""
+    return [[{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+             for r in records if r.WhichOneof("record_type") == "history"] for records in wandb_records(root)]
+
+
+def wandb_exit_codes(root: Path) -> dict[str, int]:
+    """The exit code each offline W&B run under `root` was closed with, by job type (the stage)."""
+    codes = {}
+    for records in wandb_records(root):
+        kinds = {r.WhichOneof("record_type"): r for r in records}
+        codes[kinds["run"].run.job_type] = kinds["exit"].exit.exit_code
+    return codes
 
 
 @pytest.fixture
@@ -133,6 +146,37 @@ def test_wandb_offline_run_holds_the_logged_keys(tmp_path, wandb_home):
     assert [(r["_step"], r["loss"], r["lr"]) for r in rows] == [(1, 9.0, 1e-3), (2, 8.0, 2e-3)]
     assert rows[-1]["final/val_loss_end"] == 7.5  # same step: one row
     assert not any("note" in r or "step" in r for r in rows)
+
+
+@pytest.mark.parametrize("failure", ["crash", "input", "interrupt"])
+def test_a_stage_that_fails_closes_its_wandb_run_as_failed(tmp_path, monkeypatch, wandb_home, failure):
+    pytest.importorskip("wandb")
+    import fake_stages
+    from typer.testing import CliRunner
+
+    from pipeline import cli, runner
+
+    def logging(module):  # the fake stages log nothing: log one record, then run as before
+        def run(config, inputs, out_dir, ctx):
+            ctx.metrics.log(1, {"value": config.value})
+            return stage_run(config, inputs, out_dir, ctx)
+
+        stage_run, module.run = module.run, run
+        return module
+
+    monkeypatch.setattr(runner, "default_stages", lambda: [logging(m) for m in fake_stages.modules()])
+    path = tmp_path / "pipeline.toml"
+    path.write_text(fake_stages.PIPELINE.format(root=tmp_path / "runs").replace(
+        'device = "cpu"', 'device = "cpu"\nloggers = ["wandb"]'))
+    if failure == "interrupt":
+        monkeypatch.setenv("FAKE_INTERRUPT", "beta")
+        args = ()
+    else:
+        args = ("--set", f'beta.fail="{failure}"')
+    result = CliRunner().invoke(cli.app, ["run", str(path), *args], env={"COLUMNS": "250"})
+    assert result.exit_code == {"crash": 1, "input": 2, "interrupt": 130}[failure], result.output
+    # alpha finished, beta failed, gamma never started (so it has no run)
+    assert wandb_exit_codes(tmp_path / "runs" / "t" / "logs") == {"alpha": 0, "beta": 1}
 
 
 @pytest.mark.slow

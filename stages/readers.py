@@ -1,0 +1,294 @@
+"""The corpus readers, one a format: each turns one `corpus.Unit` into batches of string columns
+`text`, `title` and `label` ("" where the source has none), checking records and columns as it goes.
+
+- text and JSON lines: a byte range of a file, decoded and split into documents (paragraphs, lines or
+  the whole file) or records; an error names the file and line.
+- json: a whole file holding a list of records or an object of key -> record.
+- parquet: row groups of a file (`parquet_row_groups` says how they are grouped into units).
+- arrow: one shard of a `datasets` folder (`load_disk` opens the folder).
+- hub: one shard of a dataset streamed from (or cached from) the Hugging Face hub.
+
+pyarrow and datasets are imported inside the functions that need them: the CLI stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+from stages import StageError, hub
+
+if TYPE_CHECKING:
+    from stages.corpus import CorpusConfig, Unit
+
+WHERE = "tokenize.corpus"  # the config section that errors name
+PARAGRAPH_BREAK = re.compile(rb"\n[ \t\r\f\v]*\n")
+_PARAGRAPH_BREAK_TEXT = re.compile(PARAGRAPH_BREAK.pattern.decode())
+
+
+def open_file(path: Path) -> Any:
+    try:
+        return open(path, "rb")
+    except FileNotFoundError:
+        raise _vanished(path) from None
+
+
+def byte_range_documents(unit: Unit, config: CorpusConfig, batch_size: int) -> Iterator[dict[str, list[str]]]:
+    """The documents (text) or records (JSON lines) in bytes [start, stop) of a file."""
+    path = Path(unit.source)
+    with open_file(path) as f:
+        f.seek(unit.start)
+        raw = f.read(unit.stop - unit.start)
+    if len(raw) < unit.stop - unit.start:
+        raise StageError(f"{path}: the file changed while it was read (it is shorter than {unit.stop:,} bytes)")
+    try:
+        content = raw.decode("utf-8", errors=config.encoding_errors)
+    except UnicodeDecodeError as e:
+        at = unit.start + e.start
+        raise StageError(
+            f"{path}:{_line_number(path, at)}: byte {at:,} is not valid UTF-8; fix the file or set "
+            f'{WHERE}.encoding_errors = "replace"'
+        ) from None
+    del raw
+    if config.format == "text":
+        for texts in _batched(_text_documents(content, config.text_unit), batch_size):
+            yield {"text": texts, "title": [""] * len(texts), "label": [""] * len(texts)}
+        return
+    records = []
+    for i, line in enumerate(content.split("\n")):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            problem = _record_problem(record, config)
+        except json.JSONDecodeError as e:
+            problem = f"not valid JSON ({e.msg}: column {e.colno}); a truncated or broken line?"
+        if problem:  # line numbers are counted only when an error needs one
+            raise StageError(f"{path}:{_line_number(path, unit.start) + i}: {problem}")
+        records.append(_fields(record, config, ""))
+        if len(records) == batch_size:
+            yield _columns(records)
+            records = []
+    if records:
+        yield _columns(records)
+
+
+def json_documents(path: Path, config: CorpusConfig, batch_size: int) -> Iterator[dict[str, list[str]]]:
+    """The records of a JSON file: a list of records, or an object of key -> record."""
+    return _batched(_json_records(path, config), batch_size)
+
+
+def parquet_row_groups(path: Path, config: CorpusConfig) -> list[tuple[int, int]]:
+    """A parquet file's row groups as [start, stop) ranges, each a unit of reading."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.read_metadata(path)
+    except FileNotFoundError:
+        raise _vanished(path) from None
+    except Exception as e:  # pyarrow raises its own error types for a file that is not parquet
+        raise StageError(f"{path}: not a readable parquet file ({e})") from None
+    check_text_column(meta.schema.names, config, str(path))
+    # Row groups are parquet's unit of reading: a few together make a unit of a few million rows at most.
+    ranges, first, rows = [], 0, 0
+    for group in range(meta.num_row_groups):
+        rows += meta.row_group(group).num_rows
+        if rows >= 100_000 or group == meta.num_row_groups - 1:
+            ranges.append((first, group + 1))
+            first, rows = group + 1, 0
+    return ranges
+
+
+def parquet_documents(unit: Unit, config: CorpusConfig, batch_size: int) -> Iterator[dict[str, list[str]]]:
+    import pyarrow.parquet as pq
+
+    path = Path(unit.source)
+    try:
+        file = pq.ParquetFile(path)
+        names = file.schema_arrow.names
+        fields = (config.text_field, config.title_field, config.label_field)
+        wanted = list(dict.fromkeys(c for c in fields if c in names))
+        for batch in file.iter_batches(batch_size, row_groups=range(unit.start, unit.stop), columns=wanted):
+            yield _standardise(batch.to_pydict(), config, None, str(path))
+    except FileNotFoundError:
+        raise _vanished(path) from None
+    except OSError as e:  # a truncated or corrupt file
+        raise StageError(f"{path}: row groups {unit.start}-{unit.stop - 1} are not readable ({e})") from None
+
+
+def load_disk(config: CorpusConfig) -> Any:
+    """The `datasets` folder of a `kind = "disk"` corpus (its configured split, for a DatasetDict)."""
+    import datasets
+
+    path = Path(os.path.expanduser(config.paths[0]))
+    if not path.exists():
+        raise StageError(f"{WHERE}.paths: '{path}' does not exist (from {Path.cwd()})")
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except FileNotFoundError as e:
+        raise StageError(f"{WHERE}.paths: '{path}' is not a datasets folder (save_to_disk): {e}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if config.split not in ds:
+            raise StageError(f"{WHERE}.split: '{config.split}' is not in {path}; splits are: {', '.join(ds)}")
+        ds = ds[config.split]
+    return ds
+
+
+def arrow_documents(unit: Unit, config: CorpusConfig) -> Iterator[dict[str, list[str]]]:
+    from stages.shards import read_batches
+
+    path = Path(unit.source)
+    try:
+        for batch in read_batches(path):
+            yield _standardise(batch.to_pydict(), config, unit.label_names, str(path))
+    except FileNotFoundError:
+        raise _vanished(path) from None
+
+
+def hub_documents(unit: Unit, config: CorpusConfig, batch_size: int) -> Iterator[dict[str, list[str]]]:
+    where = hub_where(config)
+    ds = hub.load(config.name, config.subset, config.split, unit.offline, where)
+    ds = ds.shard(num_shards=unit.stop, index=unit.start, contiguous=True)
+    try:
+        for batch in ds.iter(batch_size=batch_size):
+            yield _standardise(batch, config, unit.label_names, where)
+    except (ConnectionError, FileNotFoundError, OSError) as e:
+        raise StageError(f"{where}: reading shard {unit.start} of {unit.stop} failed: {e}") from None
+
+
+def hub_where(config: CorpusConfig) -> str:
+    return f"{WHERE}.name: hub dataset '{config.name}'"
+
+
+def check_text_column(names: list[str] | None, config: CorpusConfig, source: str) -> None:
+    if names is not None and config.text_field not in names:
+        raise StageError(
+            f"{source}: no text column '{config.text_field}' ({WHERE}.text_field); columns are: {', '.join(names)}"
+        )
+
+
+def label_names(features: Any, config: CorpusConfig) -> tuple[str, ...] | None:
+    """A class-label column holds ints: its names are what a label means downstream."""
+    names = getattr((features or {}).get(config.label_field or ""), "names", None)
+    return tuple(names) if names is not None else None
+
+
+def _vanished(path: Path) -> StageError:
+    return StageError(f"{path}: the file vanished while the corpus was read (moved or deleted?)")
+
+
+def _line_number(path: Path, offset: int) -> int:
+    """The 1-based number of the line holding byte `offset` (read again: only errors need it)."""
+    lines = 1
+    with open(path, "rb") as f:
+        while offset > 0:
+            chunk = f.read(min(offset, 1 << 20))
+            if not chunk:
+                break
+            lines += chunk.count(b"\n")
+            offset -= len(chunk)
+    return lines
+
+
+def _text_documents(content: str, unit: str) -> Iterator[str]:
+    if unit == "file":
+        parts: Any = [content]
+    elif unit == "line":
+        parts = content.splitlines()
+    else:
+        parts = _PARAGRAPH_BREAK_TEXT.split(content)
+    return (p.strip() for p in parts if p.strip())
+
+
+def _json_records(path: Path, config: CorpusConfig) -> Iterator[tuple[str, str, str]]:
+    with open_file(path) as f:
+        raw = f.read()
+    try:
+        content = raw.decode("utf-8", errors=config.encoding_errors)
+    except UnicodeDecodeError as e:
+        raise StageError(
+            f"{path}:{_line_number(path, e.start)}: byte {e.start:,} is not valid UTF-8; fix the file or set "
+            f'{WHERE}.encoding_errors = "replace"'
+        ) from None
+    data = _parse_json(content, str(path))
+    del raw, content
+    if isinstance(data, dict):
+        for key, record in data.items():
+            text, title, label = _fields(record, config, f"{path}: key {key!r}")
+            yield text, title or str(key), label
+    elif isinstance(data, list):
+        for i, record in enumerate(data):
+            yield _fields(record, config, f"{path}: item {i}")
+    else:
+        raise StageError(f"{path}: a json corpus must be a list of records or an object of records")
+
+
+def _batched(rows: Iterator[Any], batch_size: int) -> Iterator[Any]:
+    """Rows in lists of batch_size; (text, title, label) rows become column batches."""
+    batch: list[Any] = []
+    for row in rows:
+        batch.append(row)
+        if len(batch) == batch_size:
+            yield _columns(batch) if isinstance(row, tuple) else batch
+            batch = []
+    if batch:
+        yield _columns(batch) if isinstance(batch[0], tuple) else batch
+
+
+def _columns(records: list[tuple[str, str, str]]) -> dict[str, list[str]]:
+    texts, titles, labels = zip(*records)
+    return {"text": list(texts), "title": list(titles), "label": list(labels)}
+
+
+def _parse_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise StageError(f"{where}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+
+
+def _fields(record: Any, config: CorpusConfig, where: str) -> tuple[str, str, str]:
+    problem = _record_problem(record, config)
+    if problem:
+        raise StageError(f"{where}: {problem}")
+    text = record[config.text_field]
+    title = record.get(config.title_field) if config.title_field else None
+    label = record.get(config.label_field) if config.label_field else None
+    return _as_text(text), _as_text(title), _label(label, config.unlabeled)
+
+
+def _record_problem(record: Any, config: CorpusConfig) -> str | None:
+    if not isinstance(record, dict):
+        return f"expected a record (JSON object), got {type(record).__name__}"
+    if config.text_field not in record:
+        return (f"no text field '{config.text_field}' ({WHERE}.text_field); "
+                f"fields are: {', '.join(map(str, record)) or 'none'}")
+    return None
+
+
+def _as_text(value: Any) -> str:
+    return "" if value is None else str(value)
+
+
+def _label(value: Any, unlabeled: tuple[str, ...]) -> str:
+    text = _as_text(value)
+    return "" if text in unlabeled else text
+
+
+def _standardise(batch: dict[str, list], config: CorpusConfig, label_names: tuple[str, ...] | None,
+                 source: str) -> dict[str, list[str]]:
+    """A batch of source columns reduced to string columns text, title, label."""
+    check_text_column(list(batch), config, source)
+    rows = len(batch[config.text_field])
+    titles = batch.get(config.title_field or "", [None] * rows)
+    labels = batch.get(config.label_field or "", [None] * rows)
+    if label_names is not None:
+        labels = [None if v is None or v < 0 else label_names[v] for v in labels]
+    return {
+        "text": [_as_text(t) for t in batch[config.text_field]],
+        "title": [_as_text(t) for t in titles],
+        "label": [_label(v, config.unlabeled) for v in labels],
+    }
