@@ -59,9 +59,11 @@ def main() -> None:
     elif args.child == "time":
         print(json.dumps(time_in_turn(args, rows)))
     else:
+        import torch
+
         import model
 
-        args.peak = args.peak or model.peak_flops(args.device)
+        args.peak = args.peak or model.peak_flops(args.device, torch.bfloat16 if args.dtype == "bf16" else None)
         print_table(args, run_rows(args, rows))
 
 

@@ -105,7 +105,7 @@ class Config:
     mlm_batch_size: int = 128
     compile: bool = True
     backend: str = "inductor"
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA and on CPUs with native bf16
 
     def __post_init__(self) -> None:
         positive = ("epochs", "batch_size", "max_length", "seeds", "eval_batch_size", "mlm_batch_size")

@@ -113,7 +113,7 @@ class Config:
     ramp: float = 0.6  # fraction of the budget at which batch_size is reached; 0: from the start
     compile: bool = True
     backend: str = "inductor"
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA and on CPUs with native bf16
     log_every_steps: int = 20
     checkpoint_every_minutes: float = 10.0  # 0: off (the end of training still writes one)
     checkpoint_every_steps: int = 0  # 0: off
@@ -226,6 +226,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
             spec=spec,
             generator=torch.Generator(device=device),
             device=device,
+            autocast=autocast,
         )
 
     steps = make_steps(config.compile)
@@ -246,7 +247,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
             canary_diff = canary(config, ctx, steps, make_steps(False), params, opt_state, blocks)
     flops_per_token = model.flops_per_token(cfg, spec.per_sequence / seq_len)
     if ctx.is_main:
-        peak_flops(device)  # measured on a CPU, which takes seconds: before the budget clock starts
+        peak_flops(device, autocast)  # measured on a CPU, which takes seconds: before the budget clock starts
 
     last_saved = -1 if resume_from is None else state["step"]
     params, opt_state = train(config, ctx, steps, params, opt_state, state, blocks, out_dir, last_saved,
@@ -271,7 +272,8 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         "compile_s": round(compile_s, 3),
         "canary_diff": canary_diff,
         "tokens_per_s": round(tokens_per_s, 1),
-        "mfu": mfu(flops_per_token, tokens_per_s, device, ctx.world_size),
+        "mfu": mfu(flops_per_token, tokens_per_s, device, ctx.world_size, autocast),
+        "precision": "bf16" if autocast == torch.bfloat16 else "fp32",
         "data_wait": round(state["data_wait_s"] / state["elapsed_s"], 4) if state["elapsed_s"] else 0.0,
         "num_params": model.num_params(params),
     }

@@ -146,14 +146,15 @@ def peak_memory_gb(device) -> float:
 
 
 @functools.cache
-def peak_flops(device) -> float:
-    """The device's peak FLOP/s; on a CPU it is measured, which takes seconds, so once per process."""
+def peak_flops(device, dtype=None) -> float:
+    """The device's peak FLOP/s in `dtype` (autocast's, None: fp32); on a CPU it is measured, which
+    takes seconds, so once per process."""
     from model import peak_flops as measure
 
-    return measure(device)
+    return measure(device, dtype)
 
 
-def mfu(flops_per_token: float, tokens_per_s: float, device, world_size: int) -> float:
-    """Model FLOPs utilisation (PaLM's convention): against the bf16 dense peak on a GPU, a measured
-    fp32 matmul on a CPU."""
-    return round(flops_per_token * tokens_per_s / (peak_flops(device) * world_size), 5)
+def mfu(flops_per_token: float, tokens_per_s: float, device, world_size: int, dtype=None) -> float:
+    """Model FLOPs utilisation (PaLM's convention): against the bf16 dense peak on a GPU, a matmul
+    measured in the step's precision on a CPU."""
+    return round(flops_per_token * tokens_per_s / (peak_flops(device, dtype) * world_size), 5)

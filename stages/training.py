@@ -34,6 +34,7 @@ class Steps:
     spec: Any
     generator: Any
     device: Any
+    autocast: Any  # the forward's autocast dtype; None: fp32
 
     def batch(self, micro) -> dict:
         from stages.batches import mask_tokens
@@ -203,7 +204,7 @@ def train(config: Any, ctx: Context, steps: Steps, params: dict, opt_state: dict
             "batch_size": batch,
             "tokens_seen": state["tokens_seen"],
             "tokens_per_s": round(stats["tokens_per_s"], 1),
-            "mfu": mfu(flops_per_token, stats["tokens_per_s"], steps.device, ctx.world_size),
+            "mfu": mfu(flops_per_token, stats["tokens_per_s"], steps.device, ctx.world_size, steps.autocast),
             "data_wait": round(stats["data_wait"], 4),
             "peak_mem_gb": round(peak_memory_gb(steps.device), 3),
         }

@@ -429,3 +429,16 @@ def test_model_section_offers_every_architecture_field_and_checks_types(tmp_path
         "small", "rope", False, None)
     with pytest.raises(ConfigError, match="pretrain.model.position: expected .* got 'bogus'"):
         load_pretrain(tmp_path, '[pretrain.model]\nposition = "bogus"\n')
+
+
+def test_auto_precision_is_bf16_where_the_cpu_multiplies_bf16_natively(monkeypatch):
+    from stages import device as devices
+
+    cpu = torch.device("cpu")
+    for avx512_bf16, amx, expected in ((True, False, torch.bfloat16), (False, True, torch.bfloat16),
+                                        (False, False, None)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
+        assert devices.autocast_dtype("auto", cpu) is expected
+        assert devices.autocast_dtype("fp32", cpu) is None
+        assert devices.autocast_dtype("bf16", cpu) is torch.bfloat16
