@@ -30,7 +30,7 @@ from rich.markup import escape
 
 from pipeline import compare as comparing
 from pipeline import config as cfg
-from pipeline import curves, logs, ranks, rundir, runner, store, sweep
+from pipeline import curves, logs, planning, ranks, rundir, runner, store, sweep
 from pipeline import export as exporting
 from pipeline.cli_output import (
     error,
@@ -98,8 +98,8 @@ def _run(conf: cfg.PipelineConfig, run_dir: Path, modules: list, only, start, fo
     if blocking is not None:
         fail(f"{blocking}: a file, where the run directory {run_dir} needs a folder (see run.root and run.name)")
     try:
-        steps = runner.plan(conf, modules, run_dir, only=only, start=start, force=force)
-    except (runner.PlanError, rundir.RunDirError) as e:
+        steps = planning.plan(conf, modules, run_dir, only=only, start=start, force=force)
+    except (planning.PlanError, rundir.RunDirError) as e:
         fail(str(e))
     if dry_run:
         print_plan(steps, run_dir)
@@ -259,8 +259,8 @@ def sweep_runs(
     modules = runner.default_stages()
     try:
         found = sweep.variants(config, runner.config_classes(modules), sweep.parse_grid(grid), overrides, name)
-        plans = [runner.plan(v.config, modules, v.run_dir) for v in found]  # all checked before any runs
-    except (cfg.ConfigError, rundir.RunDirError, runner.PlanError) as e:
+        plans = [planning.plan(v.config, modules, v.run_dir) for v in found]  # all checked before any runs
+    except (cfg.ConfigError, rundir.RunDirError, planning.PlanError) as e:
         fail(str(e))
     failed: list[tuple[str, int]] = []
     elsewhere: list[str] = []  # variants another process is running: several sweeps can share the work
@@ -268,8 +268,8 @@ def sweep_runs(
     for i, (variant, steps) in enumerate(zip(found, plans), 1):
         if i > 1:  # planned again: the variants before it may have made some of its stages
             try:
-                steps = runner.plan(variant.config, modules, variant.run_dir)
-            except (runner.PlanError, rundir.RunDirError) as e:
+                steps = planning.plan(variant.config, modules, variant.run_dir)
+            except (planning.PlanError, rundir.RunDirError) as e:
                 error(str(e))
                 failed.append((variant.name, 2))
                 continue

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from pipeline import curves, rundir, runner, store, sweep
+from pipeline import curves, planning, rundir, store, sweep
 
 out = Console()
 err = Console(stderr=True)
@@ -39,7 +39,7 @@ def records(run_dir: Path) -> dict[str, Any]:
         fail(str(e))
 
 
-def print_plan(steps: list[runner.Step], run_dir: Path) -> None:
+def print_plan(steps: list[planning.Step], run_dir: Path) -> None:
     table = Table(title=f"{run_dir} (dry run)", title_justify="left")
     for column in ("stage", "action", "reason", "key"):
         table.add_column(column)
@@ -56,7 +56,7 @@ def print_status(run_dir: Path) -> None:
         table.add_column(column, overflow="fold")
     for stage, r in stages.items():
         duration = "" if r.get("duration_s") is None else seconds(r["duration_s"])
-        state, note = runner.describe(run_dir, stage, r, stages)
+        state, note = planning.describe(run_dir, stage, r, stages)
         detail = r.get("error") if state in ("failed", "killed") else _figures(r.get("outputs") or {})
         detail = " ".join(x for x in (detail, note) if x)
         table.add_row(stage, _styled(state), (r.get("key") or "")[:12], duration, escape(detail))
@@ -83,7 +83,7 @@ def print_runs(root: Path) -> None:
             continue
         newest = max(started, key=lambda k: started[k]["started"])
         r = started[newest]
-        table.add_row(path.name, newest, _styled(runner.describe(path, newest, r)[0]), r["started"])
+        table.add_row(path.name, newest, _styled(planning.describe(path, newest, r)[0]), r["started"])
     out.print(table)
     for message in unreadable:
         err.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
@@ -107,7 +107,7 @@ def print_sweep(found: list[sweep.Variant]) -> None:
     for i, run_dir in enumerate(run_dirs):
         stages = records(run_dir)
         final = list(stages)[-1] if stages else None
-        state = runner.describe(run_dir, final, stages[final])[0] if final else "-"
+        state = planning.describe(run_dir, final, stages[final])[0] if final else "-"
         table.add_row(run_dir.name, _styled(state), *(escape(json.dumps(v[i])) for v in diff.values()),
                       *(f"{v[i]:.4g}" if isinstance(v[i], float) else str(v[i]) for v in last.values()))
     out.print(table)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import config as cfg
-from pipeline import rundir, runner
+from pipeline import planning, rundir
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9.-]+")
 _NAMED_BY_THE_SWEEP = ("run.name", "run.root")
@@ -79,7 +79,7 @@ def variants(
     ]
 
 
-def summary(steps: list[runner.Step]) -> str:
+def summary(steps: list[planning.Step]) -> str:
     """What a variant's plan does, in a line: "pretrain, evaluate to run; tokenize, pack from the store"."""
     return "; ".join(
         f"{', '.join(s.name for s in steps if s.action == action)} {what}"
@@ -88,7 +88,7 @@ def summary(steps: list[runner.Step]) -> str:
     )
 
 
-def made_earlier(steps: list[runner.Step], made: dict[str, str], name: str) -> list[runner.Step]:
+def made_earlier(steps: list[planning.Step], made: dict[str, str], name: str) -> list[planning.Step]:
     """For a dry run: a stage an earlier variant would compute is linked, not run (`made`: key -> variant,
     updated with what this one computes)."""
     steps = [dataclasses.replace(s, action="reuse", reason=f"made by {made[s.key]}")

@@ -15,7 +15,7 @@ import pytest
 import test_runner
 from test_runner import TESTS, _reasons
 
-from pipeline import rundir, runner, store
+from pipeline import planning, rundir, runner, store
 
 pipe = test_runner.pipe  # the fixture: cram on the fake stages in a temporary folder
 
@@ -167,11 +167,11 @@ def test_pretrain_logging_and_checkpoint_cadence_are_not_in_its_key():
 
     names = {f.name for f in pretrain.dataclasses.fields(pretrain.Config)}
     assert set(pretrain.NOT_IN_KEY) <= names
-    base = runner.keyed_config(pretrain, pretrain.Config())
+    base = planning.keyed_config(pretrain, pretrain.Config())
     cadence = pretrain.Config(log_every_steps=1, checkpoint_every_minutes=0.5, checkpoint_every_steps=7,
                               keep_checkpoints=5)
-    assert runner.keyed_config(pretrain, cadence) == base
-    assert runner.keyed_config(pretrain, pretrain.Config(microbatch=16)) != base
+    assert planning.keyed_config(pretrain, cadence) == base
+    assert planning.keyed_config(pretrain, pretrain.Config(microbatch=16)) != base
 
 
 def test_gc_removes_exactly_what_no_run_refers_to(pipe):

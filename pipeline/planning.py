@@ -1,0 +1,195 @@
+"""Plan a run: each stage's cache key, and whether to run it, link it from the store or skip it, and why.
+
+A stage's key is a digest of its name, version, config (less the fields its `NOT_IN_KEY` names), the run's
+seed, its upstream stages' keys and, for a stage that reads files outside the run, their fingerprint. A
+stage whose manifest record is done under that key, with its files intact, is skipped; one whose key has
+an entry in the stage store (made by any run under the same root) is reused; the others run, with the
+reason ("new", "config changed", "upstream changed", ...). Each stage's own `validate` runs here, so bad
+config fails before the first stage runs. `describe` says how `cram status` sees a stage's record.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import stages
+from pipeline import config as cfg
+from pipeline import rundir, store
+
+
+class PlanError(Exception):
+    """The requested selection cannot run (an upstream is not done, an unknown stage); exit code 2."""
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    module: ModuleType
+    key: str
+    config_hash: str
+    inputs_hash: str | None
+    upstream_keys: dict[str, str]
+    action: str  # "run", "reuse" (link the store's entry) or "skip"
+    reason: str
+
+
+def plan(
+    config: cfg.PipelineConfig,
+    modules: list[ModuleType],
+    run_dir: Path,
+    only: str | None = None,
+    start: str | None = None,
+    force: tuple[str, ...] = (),
+) -> list[Step]:
+    """Each stage with run/skip and why. `only` runs one stage; `start` forces it and all after it."""
+    names = [m.NAME for m in modules]
+    for given in (only, start, *force):
+        if given is not None and given not in names:
+            raise PlanError(f"unknown stage '{given}'; stages are: {', '.join(names)}")
+    manifest = rundir.Manifest.load(run_dir)
+    stored = store.Store.of(run_dir)
+    keys: dict[str, str] = {}
+    steps: list[Step] = []
+    selected: dict[str, bool] = {}
+    for i, module in enumerate(modules):
+        stage_config = config.stages[module.NAME]
+        keyed = keyed_config(module, stage_config)
+        upstream = {u: keys[u] for u in module.UPSTREAM}
+        config_hash = cfg.digest({"version": module.VERSION, "config": keyed, "seed": config.run.seed})
+        # A stage that reads files outside the run (a corpus) says what of them its output depends on.
+        inputs_hash = cfg.digest(module.fingerprint(stage_config)) if hasattr(module, "fingerprint") else None
+        key = cfg.digest(
+            {
+                "stage": module.NAME,
+                "version": module.VERSION,
+                "config": keyed,
+                "seed": config.run.seed,
+                "upstream": upstream,
+                "inputs": inputs_hash,
+            }
+        )
+        keys[module.NAME] = key
+        record = manifest.stage(module.NAME)
+        done = _is_done(record, key, run_dir / module.NAME)
+        in_store = not done and store.problem(stored.entry(module.NAME, key), key) is None
+        chosen = (only is None or module.NAME == only) and (start is None or i >= names.index(start))
+        selected[module.NAME] = chosen
+        if chosen and (module.NAME in force or start is not None):
+            action, reason = "run", "forced"
+        elif done:
+            action, reason = "skip", "done"
+        elif in_store:
+            action, reason = "reuse", "in store"
+        elif chosen:
+            action, reason = "run", _why_not_done(record, key, config_hash, upstream)
+        else:
+            action, reason = "skip", "not selected"
+        steps.append(Step(module.NAME, module, key, config_hash, inputs_hash, upstream, action, reason))
+    steps = _link_only_what_is_needed(steps, selected)
+    _check_upstream_done(steps)
+    _validate(config, steps)
+    return steps
+
+
+def _validate(config: cfg.PipelineConfig, steps: list[Step]) -> None:
+    """Each stage's own checks (its optional `validate`), before any stage runs: a bad pretrain or
+    evaluate setting fails now, not after the stages before it. A done stage passed them when it ran."""
+    for step in steps:
+        check = getattr(step.module, "validate", None)
+        if check is not None and step.reason not in ("done", "in store"):
+            try:
+                check(config.stages[step.name], config)
+            except stages.StageError as e:
+                raise PlanError(str(e)) from None
+
+
+def keyed_config(module: ModuleType, stage_config: Any) -> dict[str, Any]:
+    """The stage's config as its cache key sees it: without the fields its `NOT_IN_KEY` names (dotted
+    paths such as "log_every_steps"), which change how a stage reports, not what it computes."""
+    plain = cfg.as_plain(stage_config)
+    for dotted in getattr(module, "NOT_IN_KEY", ()):
+        *parents, leaf = dotted.split(".")
+        table = plain
+        for part in parents:
+            table = table.get(part) or {}
+        table.pop(leaf, None)
+    return plain
+
+
+def _link_only_what_is_needed(steps: list[Step], selected: dict[str, bool]) -> list[Step]:
+    """A stage left out by --only/--from is linked from the store only when a chosen stage reads it."""
+    needed: set[str] = set()
+    for i in reversed(range(len(steps))):
+        step = steps[i]
+        if step.action == "reuse" and not selected[step.name] and step.name not in needed:
+            steps[i] = replace(step, action="skip", reason="not selected")
+        elif step.action != "skip":
+            needed.update(step.module.UPSTREAM)
+    return steps
+
+
+def _is_done(record: dict[str, Any] | None, key: str, view: Path) -> bool:
+    return (
+        bool(record) and record.get("status") == "done" and record.get("key") == key
+        and store.problem(view, key) is None
+    )
+
+
+def _why_not_done(record: dict[str, Any] | None, key: str, config_hash: str, upstream: dict[str, str]) -> str:
+    if not record or "key" not in record:
+        return "new"
+    if record["key"] == key:
+        return "files missing" if record.get("status") == "done" else "incomplete"
+    if (record.get("attempt") or {}).get("key") == key:
+        return "incomplete"
+    if record.get("config_hash") != config_hash:
+        return "config changed"
+    if record.get("upstream_keys") != upstream:
+        return "upstream changed"
+    return "inputs changed"
+
+
+def describe(run_dir: Path, name: str, record: dict[str, Any], records: dict[str, Any] | None = None
+             ) -> tuple[str, str]:
+    """A stage's status as `cram status` shows it, checked against the files and the processes, and a
+    note on an unfinished attempt kept beside a done result, or on a result made from an upstream
+    result that the run has since replaced (given all the run's `records`)."""
+    status = record.get("status", "?")
+    if status == "done" and (missing := store.problem(run_dir / name, record.get("key", ""))):
+        return "missing", f"not done: {missing}"
+    replaced = [u for u, k in (record.get("upstream_keys") or {}).items()
+                if status == "done" and records and (records.get(u) or {}).get("key") not in (None, k)]
+    if status == "running" and _gone(record):
+        return "killed", f"pid {record['pid']} ended without a word (killed); cram resume {run_dir} continues it"
+    notes = [f"(made from an earlier {', '.join(replaced)}: re-run to bring it up to date)"] if replaced else []
+    attempt = record.get("attempt")
+    if isinstance(attempt, dict):
+        state = "killed" if attempt.get("status") == "running" and _gone(attempt) else attempt.get("status")
+        error = f": {attempt['error']}" if attempt.get("error") else ""
+        notes.append(f"(a newer attempt, key {str(attempt.get('key'))[:12]}, {state}{error}; this result is kept)")
+    return status, " ".join(notes)
+
+
+def _gone(record: dict[str, Any]) -> bool:
+    """A record says running, but its process on this host has ended (killed: it could not say)."""
+    pid = record.get("pid")
+    here = socket.gethostname()
+    return isinstance(pid, int) and record.get("host", here) == here and not rundir.pid_alive(pid)
+
+
+def _check_upstream_done(steps: list[Step]) -> None:
+    by_name = {s.name: s for s in steps}
+    for step in steps:
+        if step.action == "skip":
+            continue
+        for name in step.module.UPSTREAM:
+            up = by_name[name]
+            if up.action == "skip" and up.reason != "done":
+                raise PlanError(
+                    f"stage '{step.name}' needs '{name}', which is not done; "
+                    f"run it first (e.g. without --only/--from)"
+                )
