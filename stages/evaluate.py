@@ -102,6 +102,9 @@ class Config:
     eval_batch_size: int = 128
     mlm: bool = True  # the held-out masked-LM loss and accuracy
     mlm_seed: int = 0  # masks the held-out blocks: fixed, so re-runs agree; 0 is pretrain's val-loss masking
+    # 0: mask the held-out blocks at pretraining's rate; else at this one, so that runs trained at
+    # different masking rates (a sweep) compare on one held-out loss.
+    mlm_mask_rate: float = 0.0
     mlm_batch_size: int = 128
     compile: bool = True
     backend: str = "inductor"
@@ -118,6 +121,8 @@ class Config:
             raise ValueError(f"head_width, dropout: {self.head_width}, {self.dropout} must be >= 0 and in [0, 1)")
         if not 0 <= self.warmup < 1:
             raise ValueError(f"warmup: {self.warmup} must be in [0, 1)")
+        if not 0 <= self.mlm_mask_rate < 1:
+            raise ValueError(f"mlm_mask_rate: {self.mlm_mask_rate} must be in [0, 1); 0 keeps pretraining's rate")
         if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 3:
             raise ValueError(f"buckets: {list(self.buckets)} must be increasing lengths of at least 3")
         lengths = {"max_length": self.max_length}
@@ -213,6 +218,8 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
             if config.mlm and ctx.is_main:
                 masking = pretrain.outputs["masking"]
+                if config.mlm_mask_rate:
+                    masking = {**masking, "rate": config.mlm_mask_rate}
                 mlm = _evaluate_mlm(config, cfg, on_device, pack, masking, special, device, autocast, ctx)
             for j, (i, seed) in enumerate(jobs):
                 if owner[j] == ctx.rank:
@@ -301,7 +308,7 @@ def _load_checkpoint(pretrain: Upstream, tokenize: Upstream):
 def _evaluate_mlm(config: Config, cfg, params, pack: Upstream, masking: dict, special, device, autocast,
                   ctx: Context) -> dict:
     """Mean loss and accuracy over every masked token of the held-out blocks, masked as pretrain masks
-    its held-out blocks (`stages/heldout.py`)."""
+    its held-out blocks (`stages/heldout.py`) at `masking`'s rate."""
     import numpy as np
 
     import model
@@ -318,7 +325,8 @@ def _evaluate_mlm(config: Config, cfg, params, pack: Upstream, masking: dict, sp
     tail = model.make_eval_step(cfg, compile=False, autocast_dtype=autocast)
     result = heldout_mlm(step, params, blocks, spec, seed=config.mlm_seed, batch_size=config.mlm_batch_size,
                          device=device, tail=tail)
-    result = {**result, "blocks": len(blocks), "time_s": round(time.perf_counter() - began, 3)}
+    result = {**result, "mask_rate": masking["rate"], "blocks": len(blocks),
+              "time_s": round(time.perf_counter() - began, 3)}
     ctx.log.info("mlm", **result)
     return result
 

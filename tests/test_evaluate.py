@@ -155,6 +155,16 @@ def test_masked_lm_numbers_repeat_exactly(upstream, tmp_path, make_ctx):
     assert other["mlm_loss"] != first["mlm_loss"]
 
 
+def test_held_out_blocks_are_masked_at_mlm_mask_rate_when_given(upstream, tmp_path, make_ctx):
+    config = Config(tasks=[], compile=False, mlm_batch_size=16)
+    _, own = run_stage(config, upstream["inputs"], tmp_path, make_ctx, "own")  # pretraining's 0.25
+    _, half = run_stage(dataclasses.replace(config, mlm_mask_rate=0.5), upstream["inputs"], tmp_path, make_ctx, "half")
+    assert (own["mlm"]["mask_rate"], half["mlm"]["mask_rate"]) == (0.25, 0.5)
+    assert half["mlm"]["masked_tokens"] == 2 * own["mlm"]["masked_tokens"]  # round(rate * 32) per block
+    with pytest.raises(ValueError, match="mlm_mask_rate"):
+        Config(mlm_mask_rate=1.0)
+
+
 def _with(upstream, tmp_path, stage, **outputs):
     inputs = dict(upstream["inputs"])
     inputs[stage] = Upstream(inputs[stage].dir, {**inputs[stage].outputs, **outputs})
