@@ -26,7 +26,7 @@ from stages.glue import GLUE
 from stages.metrics import METRICS, REGRESSION_METRICS
 
 NAME = "evaluate"
-VERSION = "3"
+VERSION = "4"
 UPSTREAM = ("tokenize", "pack", "pretrain")
 RESUMABLE = False
 DISTRIBUTED = True  # under torchrun every rank fine-tunes a share of the (task, seed) pairs

@@ -27,7 +27,7 @@ from stages import Context, StageError, Upstream
 from stages import device as devices
 
 NAME = "pretrain"
-VERSION = "3"
+VERSION = "4"
 UPSTREAM = ("pack",)
 RESUMABLE = True
 DISTRIBUTED = True  # the runner calls `run` on every rank
