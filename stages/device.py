@@ -31,7 +31,7 @@ def autocast_dtype(precision: str, device: Any) -> Any:
     """bf16 autocast (fp32 master weights) for "bf16", and for "auto" on CUDA and on CPUs with native
     bf16 arithmetic (AVX512-BF16 or AMX); None means fp32.
 
-    On such a CPU the tiny step trained 1.7x the tokens/s of fp32 with no significant loss per token
+    On such a CPU the tiny step trained 1.85x the tokens/s of fp32 with no significant loss per token
     (bench/README.md, precision); elsewhere bf16 is emulated and slower, so "auto" keeps fp32.
     On CUDA, the fp32 matmuls that remain use TF32, as cramming does."""
     import torch
