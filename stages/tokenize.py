@@ -31,6 +31,9 @@ NAME = "tokenize"
 VERSION = "2"  # 2: streamed, parallel read and encode; a big corpus's tokenizer sample spans the corpus
 UPSTREAM: tuple[str, ...] = ()
 RESUMABLE = False
+# How many processes and how big their batches: the outputs are the same bytes either way (tested), so
+# a run on a machine with more cores, or with `num_proc` changed, reuses what is tokenized.
+NOT_IN_KEY = ("num_proc", "batch_size")
 
 # Fixed ids, so the model and the evaluation can name them without reading the tokenizer.
 SPECIAL_IDS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}

@@ -174,6 +174,14 @@ def test_pretrain_logging_and_checkpoint_cadence_are_not_in_its_key():
     assert planning.keyed_config(pretrain, pretrain.Config(microbatch=16)) != base
 
 
+def test_tokenize_processes_and_batch_size_are_not_in_its_key():
+    from stages import tokenize
+
+    base = planning.keyed_config(tokenize, tokenize.Config())
+    assert planning.keyed_config(tokenize, tokenize.Config(num_proc=3, batch_size=17)) == base
+    assert planning.keyed_config(tokenize, tokenize.Config(vocab_size=4096)) != base
+
+
 def test_gc_removes_exactly_what_no_run_refers_to(pipe):
     pipe.run()
     pipe.calls()
