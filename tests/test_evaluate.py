@@ -227,7 +227,11 @@ ctx = Context(seed=3, device="cpu", run_dir=Path(job["out_dir"]).parent, log=str
               rank=dist.get_rank(), world_size=dist.get_world_size())
 out = evaluate.run(job["config"], job["inputs"], Path(job["out_dir"]), ctx)
 Path(job["out_dir"], f"rank{ctx.rank}.json").write_text(json.dumps(out))
-dist.destroy_process_group()  # as the CLI does: a gloo rank left to exit alone can abort
+# As the CLI does: the runner's barrier ends every stage, then the group is torn down. A rank that
+# exits while its peer still works can abort in gloo's teardown ("terminate called without an
+# active exception"), seen here about one run in ten without the barrier.
+dist.barrier()
+dist.destroy_process_group()
 """
 
 

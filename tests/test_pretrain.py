@@ -287,7 +287,8 @@ WORKER = textwrap.dedent(
                   rank=rank, world_size=world_size)
     pretrain.run(job["config"], job["inputs"], Path(job["out_dir"]), ctx)
     if world_size > 1:
-        dist.destroy_process_group()  # as the CLI does: a gloo rank left to exit alone can abort
+        dist.barrier()  # as the CLI does (the runner's barrier ends every stage), then tear down
+        dist.destroy_process_group()
     """
 )
 
