@@ -33,10 +33,9 @@ import tempfile
 from pathlib import Path
 
 import structlog
-
-from pipeline import config as cfg
-from pipeline import runner
-from stages import Context, Upstream, pack, tokenize
+from cram.pipeline import config as cfg
+from cram.pipeline import runner
+from cram.stages import Context, Upstream, pack, tokenize
 
 _FILE_MB = 50
 
@@ -127,8 +126,8 @@ def _synthetic(args: argparse.Namespace) -> None:
 def write_corpus(folder: Path, megabytes: int, seed: int = 0) -> None:
     """Plain-text files of paragraphs (documents), `megabytes` MB of UTF-8 in all: each document
     3-12 sentences drawn at random from the default corpus, so the text is real English."""
-    from stages.corpus import CorpusConfig, package_file
-
+    from cram.stages.data.corpus import package_file
+    from cram.stages.data.source import CorpusConfig
     default = CorpusConfig()
     records = json.loads(package_file(default.package, default.file).read_text())
     sentences = [s for r in records.values() for s in re.split(r"(?<=\.) ", r["extract"].replace("\n", " ")) if s]
@@ -169,8 +168,7 @@ def _child(spec: dict) -> None:
     out.mkdir()
     ctx = Context(seed=0, device="cpu", run_dir=out.parent, log=structlog.get_logger())
     if spec["stage"] == "tokenize":
-        from stages.corpus import CorpusConfig
-
+        from cram.stages.data.source import CorpusConfig
         corpus = CorpusConfig(kind="files", paths=(spec["corpus"],), format="text")
         config = tokenize.Config(corpus=corpus, num_proc=spec["num_proc"], heldout_fraction=0.01)
         outputs = tokenize.run(config, {}, out, ctx)

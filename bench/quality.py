@@ -38,10 +38,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-import model
-from stages.batches import epoch_order, mask_seed, mask_tokens
-from stages.pretrain import Masking, mask_spec
+from cram import model
+from cram.stages.pretraining.batches import epoch_order
+from cram.stages.shared.masking import Masking, mask_seed, mask_spec, mask_tokens
 
 PEERS = ("bert", "modernbert")
 RUN_KEYS = ("mask_rate", "schedule", "lrs", "dtype")  # per-variant training settings; the rest is ModelConfig

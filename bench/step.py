@@ -60,9 +60,7 @@ def main() -> None:
         print(json.dumps(time_in_turn(args, rows)))
     else:
         import torch
-
-        import model
-
+        from cram import model
         args.peak = args.peak or model.peak_flops(args.device, torch.bfloat16 if args.dtype == "bf16" else None)
         print_table(args, run_rows(args, rows))
 
@@ -153,8 +151,7 @@ def make_batches(args: argparse.Namespace, device) -> list[dict]:
 
 
 def _cfg(args: argparse.Namespace):
-    import model
-
+    from cram import model
     return model.PRESETS[args.config]
 
 
@@ -182,9 +179,7 @@ def make_batch(cfg, batch: int, device, seed: int) -> dict:
 
 def cram_row(cfg, device, autocast, backend: str, compiled: bool):
     import torch
-
-    import model
-
+    from cram import model
     params = {name: p.to(device) for name, p in model.init(cfg, seed=0).items()}
     state = {"params": params, "opt": model.adamw_init(params)}
     lr = torch.tensor(1e-3, device=device)
@@ -265,9 +260,7 @@ def timed(step, batch, device) -> float:
 
 def print_table(args: argparse.Namespace, results: list[dict]) -> None:
     import torch
-
-    import model
-
+    from cram import model
     cfg = model.PRESETS[args.config]
     try:
         import transformers

@@ -21,7 +21,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-CRAM = [sys.executable, "-c", "from pipeline.cli import main; main()"]
+CRAM = [sys.executable, "-c", "from cram.pipeline.cli import main; main()"]
 SHORT = ["pretrain.budget.steps=10", "pretrain.budget.hours=1.0", "pretrain.compile=false", "pretrain.val_blocks=8",
          "evaluate.tasks=[]", "evaluate.compile=false"]
 GRID = ["pretrain.optimizer.lr=1e-3,3e-3", "pretrain.masking.rate=0.15,0.25"]

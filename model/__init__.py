@@ -1,6 +1,6 @@
 """The crammed-BERT encoder, its AdamW and its compiled steps: pure functions over `dict[str, Tensor]`.
 
-    from model import PRESETS, OptimizerConfig, init, adamw_init, make_train_step
+    from cram.model import PRESETS, OptimizerConfig, init, adamw_init, make_train_step
     cfg = PRESETS["tiny"]
     params, opt_state = init(cfg, seed=0), adamw_init(params)
     step = make_train_step(cfg, OptimizerConfig())
@@ -12,27 +12,27 @@ Parameter names are listed in `model/bert.py`. This package knows nothing of sta
 import importlib
 from typing import Any
 
-from model.config import PRESETS, ModelConfig, OptimizerConfig
+from cram.model.config import PRESETS, ModelConfig, OptimizerConfig
 
 # Everything that needs torch is imported on first use: `model.config` alone stays torch-free, so a
 # stage's Config (which uses ModelConfig and OptimizerConfig) loads without torch.
 _LAZY = {
-    "encode": "model.bert",
-    "init": "model.bert",
-    "mlm_logits": "model.bert",
-    "mlm_loss": "model.bert",
-    "flops_per_token": "model.flops",
-    "num_params": "model.flops",
-    "peak_flops": "model.flops",
-    "SCHEDULES": "model.optim",
-    "adamw_init": "model.optim",
-    "adamw_update": "model.optim",
-    "lr_schedule": "model.optim",
-    "make_accumulate_step": "model.step",
-    "make_apply_step": "model.step",
-    "make_eval_step": "model.step",
-    "make_grad_all_reduce": "model.step",
-    "make_train_step": "model.step",
+    "encode": "cram.model.bert",
+    "init": "cram.model.bert",
+    "mlm_logits": "cram.model.bert",
+    "mlm_loss": "cram.model.bert",
+    "flops_per_token": "cram.model.flops",
+    "num_params": "cram.model.flops",
+    "peak_flops": "cram.model.flops",
+    "SCHEDULES": "cram.model.optim",
+    "adamw_init": "cram.model.optim",
+    "adamw_update": "cram.model.optim",
+    "lr_schedule": "cram.model.optim",
+    "make_accumulate_step": "cram.model.step",
+    "make_apply_step": "cram.model.step",
+    "make_eval_step": "cram.model.step",
+    "make_grad_all_reduce": "cram.model.step",
+    "make_train_step": "cram.model.step",
 }
 
 

@@ -18,11 +18,10 @@ from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
+from cram.model.bert import INIT_STD, encode
+from cram.model.config import ModelConfig, OptimizerConfig
+from cram.model.step import autocast, compiled, make_apply_step
 from torch import Tensor
-
-from model.bert import INIT_STD, encode
-from model.config import ModelConfig, OptimizerConfig
-from model.step import autocast, compiled, make_apply_step
 
 Pooling = Literal["first", "mean"]
 POOLINGS: tuple[str, ...] = ("first", "mean")

@@ -9,9 +9,8 @@ from __future__ import annotations
 import math
 
 import torch
+from cram.model.config import OptimizerConfig
 from torch import Tensor
-
-from model.config import OptimizerConfig
 
 
 def decays(param: Tensor) -> bool:

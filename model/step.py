@@ -12,11 +12,10 @@ import types
 from typing import Callable
 
 import torch
+from cram.model.bert import mlm_loss
+from cram.model.config import ModelConfig, OptimizerConfig
+from cram.model.optim import adamw_update
 from torch import Tensor
-
-from model.bert import mlm_loss
-from model.config import ModelConfig, OptimizerConfig
-from model.optim import adamw_update
 
 Params = dict[str, Tensor]
 GradReducer = Callable[[Params], Params]

@@ -26,13 +26,11 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.markup import escape
-
-from pipeline import compare as comparing
-from pipeline import config as cfg
-from pipeline import curves, logs, planning, ranks, rundir, runner, store, sweep
-from pipeline import export as exporting
-from pipeline.cli_output import (
+from cram.pipeline import compare as comparing
+from cram.pipeline import config as cfg
+from cram.pipeline import curves, logs, planning, ranks, rundir, runner, store, sweep
+from cram.pipeline import export as exporting
+from cram.pipeline.cli_output import (
     error,
     fail,
     log_tail,
@@ -45,6 +43,7 @@ from pipeline.cli_output import (
     records,
     seconds,
 )
+from rich.markup import escape
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Cram a BERT-style MLM from raw text.")
 

@@ -10,11 +10,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import typer
+from cram.pipeline import curves, planning, rundir, store, sweep
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
-
-from pipeline import curves, planning, rundir, store, sweep
 
 out = Console()
 err = Console(stderr=True)

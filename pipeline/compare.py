@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from pipeline import curves, rundir
-from pipeline.curves import MISSING, CurvesError
+from cram.pipeline import curves, rundir
+from cram.pipeline.curves import MISSING, CurvesError
 
 HEADLINE = {"pretrain": ("val_loss_end", "final_loss", "tokens_per_s", "mfu")}
 HIDDEN_SUFFIXES = ("_baseline", "_time_s")  # per-task reference figures, the same for every run of a task

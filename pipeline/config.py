@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from stages import loggers as stage_loggers
+from cram.stages.shared import loggers as stage_loggers
 
 if sys.version_info >= (3, 11):
     import tomllib

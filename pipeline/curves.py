@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline import config as cfg
-from pipeline import rundir
+from cram.pipeline import config as cfg
+from cram.pipeline import rundir
 
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"), ("grad_norm", "grad norm"))
 MISSING = "-"  # a key or figure that a run does not have

@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from pipeline import rundir
+from cram.pipeline import rundir
 
 FORMATS = ("cram", "transformers")
 MARKER = ".cram-export"  # in every export: `--force` replaces a folder only when it holds this file
@@ -264,8 +264,7 @@ def _finished_run(run_dir: Path) -> dict[str, Any]:
 
 
 def _model_config(path: Path) -> Any:
-    from model import ModelConfig
-
+    from cram.model import ModelConfig
     try:
         fields = json.loads(path.read_text(encoding="utf-8"))
         return ModelConfig(**{f.name: fields[f.name] for f in dataclasses.fields(ModelConfig) if f.name in fields})

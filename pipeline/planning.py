@@ -16,9 +16,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import stages
-from pipeline import config as cfg
-from pipeline import rundir, store
+from cram import stages
+from cram.pipeline import config as cfg
+from cram.pipeline import rundir, store
 
 
 class PlanError(Exception):

@@ -25,12 +25,11 @@ from types import ModuleType
 from typing import Any
 
 import structlog
-
-import stages
-from pipeline import config as cfg
-from pipeline import logs, ranks, rundir, store
-from pipeline.planning import Step
-from stages import loggers as stage_loggers
+from cram import stages
+from cram.pipeline import config as cfg
+from cram.pipeline import logs, ranks, rundir, store
+from cram.pipeline.planning import Step
+from cram.stages.shared import loggers as stage_loggers
 
 _VERSIONED = ("torch", "numpy", "datasets", "sentencepiece", "safetensors", "structlog", "typer")
 

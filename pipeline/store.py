@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from pipeline import rundir
+from cram.pipeline import rundir
 
 STORE = ".store"
 MARKER = ".cram-entry.json"

@@ -16,8 +16,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import config as cfg
-from pipeline import planning, rundir
+from cram.pipeline import config as cfg
+from cram.pipeline import planning, rundir
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9.-]+")
 _NAMED_BY_THE_SWEEP = ("run.name", "run.root")

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from stages import loggers
+from cram.stages.shared import loggers
 
 ORDER: tuple[str, ...] = ("tokenize", "pack", "pretrain", "evaluate")
 
@@ -63,4 +63,4 @@ class Context:
 def load(name: str) -> ModuleType:
     if name not in ORDER:
         raise KeyError(name)
-    return importlib.import_module(f"stages.{name}")
+    return importlib.import_module(f"cram.stages.{name}")

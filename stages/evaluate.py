@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from stages import Context, StageError, Upstream
-from stages import device as devices
-from stages.finetune import bucket, load_task
-from stages.glue import GLUE
-from stages.metrics import METRICS, REGRESSION_METRICS
+from cram.stages import Context, StageError, Upstream
+from cram.stages.finetuning.finetune import bucket, load_task
+from cram.stages.finetuning.metrics import METRICS, REGRESSION_METRICS
+from cram.stages.finetuning.tasks import GLUE
+from cram.stages.shared import device as devices
 
 NAME = "evaluate"
 VERSION = "4"
@@ -183,10 +183,8 @@ def _has_labels(corpus: Any) -> bool:
 
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
     import torch
-
-    from stages.budget import all_gather
-    from stages.finetune import Tuner, encode, finetune_seed, share_out, task_result
-
+    from cram.stages.finetuning.finetune import Tuner, encode, finetune_seed, share_out, task_result
+    from cram.stages.shared.collectives import all_gather
     tokenize, pack, pretrain = inputs["tokenize"], inputs["pack"], inputs["pretrain"]
     cfg, params, tokenizer = _load_checkpoint(pretrain, tokenize)
     for i, task_cfg in enumerate(config.tasks):
@@ -261,8 +259,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     glue = {f"{name}/{test}": r["median"][test]
             for name, r in results["tasks"].items() if r["kind"] == "glue" for test in r["median"]}
     if glue:
-        from stages.metrics import glue_average
-
+        from cram.stages.finetuning.tasks import glue_average
         results["glue"] = {"average": glue_average(glue), "sets": sorted(glue)}
     _write_json(out_dir / "results.json", results)
     ctx.metrics.log(pretrain.outputs.get("steps", 0), _headline(results))  # at the end of pretraining
@@ -274,10 +271,8 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
 
 def _load_checkpoint(pretrain: Upstream, tokenize: Upstream):
     import sentencepiece as spm
-
-    from model import ModelConfig
-    from stages.checkpoint import read_tensors
-
+    from cram.model import ModelConfig
+    from cram.stages.shared.tensors import read_tensors
     config_path = pretrain.path("model_config")
     try:
         cfg = ModelConfig(**json.loads(config_path.read_text(encoding="utf-8")))
@@ -310,11 +305,9 @@ def _evaluate_mlm(config: Config, cfg, params, pack: Upstream, masking: dict, sp
     """Mean loss and accuracy over every masked token of the held-out blocks, masked as pretrain masks
     its held-out blocks (`stages/heldout.py`) at `masking`'s rate."""
     import numpy as np
-
-    import model
-    from stages.heldout import heldout_mlm
-    from stages.pretrain import Masking, mask_spec
-
+    from cram import model
+    from cram.stages.shared.masking import Masking, mask_spec
+    from cram.stages.shared.val_mlm import val_mlm
     began = time.perf_counter()
     blocks = np.load(pack.path("val"), mmap_mode="r")
     if blocks.ndim != 2 or len(blocks) == 0:
@@ -323,7 +316,7 @@ def _evaluate_mlm(config: Config, cfg, params, pack: Upstream, masking: dict, sp
     step = model.make_eval_step(cfg, compile=config.compile, backend=config.backend, autocast_dtype=autocast)
     # The last, shorter batch runs eagerly rather than compiling a second graph for one call.
     tail = model.make_eval_step(cfg, compile=False, autocast_dtype=autocast)
-    result = heldout_mlm(step, params, blocks, spec, seed=config.mlm_seed, batch_size=config.mlm_batch_size,
+    result = val_mlm(step, params, blocks, spec, seed=config.mlm_seed, batch_size=config.mlm_batch_size,
                          device=device, tail=tail)
     result = {**result, "mask_rate": masking["rate"], "blocks": len(blocks),
               "time_s": round(time.perf_counter() - began, 3)}

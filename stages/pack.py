@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from stages import Context, StageError, Upstream, shards
+from cram.stages import Context, StageError, Upstream
+from cram.stages.data import shards
 
 NAME = "pack"
 VERSION = "1"  # the out-of-core pack writes the same bytes as the in-memory one did

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from model.config import ModelConfig, OptimizerConfig
-from stages import Context, StageError, Upstream
-from stages import device as devices
+from cram.model.config import ModelConfig, OptimizerConfig
+from cram.stages import Context, StageError, Upstream
+from cram.stages.shared import device as devices
+from cram.stages.shared.masking import Masking, mask_spec
 
 NAME = "pretrain"
 VERSION = "4"
@@ -80,24 +81,6 @@ class Budget:
                 object.__setattr__(self, key, None)
         if all(getattr(self, key) is None for key in limits):
             raise ValueError("hours, steps, tokens: every limit is 0 (off); keep at least one > 0")
-
-
-@dataclass(frozen=True)
-class Masking:
-    """Exactly round(rate * seq_len) positions per sequence; of those, `mask_token` become [MASK],
-    `random_token` a random token, the rest keep their token."""
-
-    rate: float = 0.25
-    mask_token: float = 0.8
-    random_token: float = 0.1
-
-    def __post_init__(self) -> None:
-        if not 0 < self.rate < 1:
-            raise ValueError(f"rate: {self.rate} must be in (0, 1)")
-        if not (0 <= self.mask_token and 0 <= self.random_token and self.mask_token + self.random_token <= 1):
-            raise ValueError(
-                f"mask_token, random_token: {self.mask_token}, {self.random_token} must be >= 0 with sum <= 1"
-            )
 
 
 @dataclass(frozen=True)
@@ -158,9 +141,8 @@ def validate(config: Config, pipeline: Any) -> None:
     """What `run` would reject before training, checked by the runner before the first stage runs:
     the model preset and overrides (at the vocab size and sequence length that tokenize and pack
     are set to make), the schedule and its arguments, and the device."""
-    import model
-    from stages.tokenize import SPECIAL_IDS
-
+    from cram import model
+    from cram.stages.shared.special import SPECIAL_IDS
     tokenize, pack = pipeline.stages.get("tokenize"), pipeline.stages.get("pack")
     preset = model.PRESETS.get(config.model.preset)
     vocab_size = tokenize.vocab_size if tokenize is not None else getattr(preset, "vocab_size", 0)
@@ -173,14 +155,13 @@ def validate(config: Config, pipeline: Any) -> None:
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
     import numpy as np
     import torch
-
-    import model
-    from stages import checkpoint
-    from stages.budget import agree_on, progress
-    from stages.heldout import MASK_SEED, heldout_mlm
-    from stages.telemetry import MetricsLog, mfu, peak_flops
-    from stages.training import Steps, canary, fresh_state, train
-
+    from cram import model
+    from cram.stages.pretraining import checkpoint
+    from cram.stages.pretraining.budget import progress
+    from cram.stages.pretraining.loop import Steps, canary, fresh_state, train
+    from cram.stages.pretraining.telemetry import MetricsLog, mfu, peak_flops
+    from cram.stages.shared.collectives import agree_on
+    from cram.stages.shared.val_mlm import MASK_SEED, val_mlm
     pack = inputs["pack"]
     blocks = np.load(pack.path("train"), mmap_mode="r")
     val = np.load(pack.path("val"), mmap_mode="r")
@@ -235,7 +216,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
 
     def val_loss(params: dict) -> float:
         """The held-out MLM loss on the first `val_blocks` blocks, masked as evaluate masks them."""
-        return heldout_mlm(evaluate, params, val[:config.val_blocks], spec, seed=MASK_SEED,
+        return val_mlm(evaluate, params, val[:config.val_blocks], spec, seed=MASK_SEED,
                            batch_size=config.microbatch, device=device)["loss"]
 
     if ctx.is_main and config.val_blocks and state["val_loss_start"] is None:
@@ -280,23 +261,6 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     ctx.log.info("trained", **figures)
     ctx.metrics.log(state["step"], figures, prefix="final/")
     return {**outputs, **figures}
-
-
-def mask_spec(masking: Masking, special: dict[str, int], vocab_size: int, seq_len: int):
-    """The masking of pretraining for blocks of `seq_len`; evaluate masks its held-out blocks alike."""
-    from stages.batches import MaskSpec
-
-    per_sequence = round(masking.rate * seq_len)
-    if per_sequence < 1:
-        raise StageError(f"pretrain.masking.rate: {masking.rate} masks no token of a {seq_len}-token block")
-    return MaskSpec(
-        per_sequence=per_sequence,
-        mask_id=special["mask"],
-        vocab_size=vocab_size,
-        special_ids=tuple(sorted(set(special.values()))),
-        replace_with_mask=masking.mask_token,
-        replace_with_random=masking.random_token,
-    )
 
 
 def _model_config(model, arch: Architecture, vocab_size: int, seq_len: int, pad_id: int):

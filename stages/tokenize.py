@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 
-from stages import Context, StageError, Upstream, corpus, shards
-from stages.corpus import CorpusConfig
+from cram.stages import Context, StageError, Upstream
+from cram.stages.data import corpus, shards
+from cram.stages.data.source import CorpusConfig
+from cram.stages.shared.special import SPECIAL_IDS
 
 NAME = "tokenize"
 VERSION = "2"  # 2: streamed, parallel read and encode; a big corpus's tokenizer sample spans the corpus
@@ -36,7 +38,6 @@ RESUMABLE = False
 NOT_IN_KEY = ("num_proc", "batch_size")
 
 # Fixed ids, so the model and the evaluation can name them without reading the tokenizer.
-SPECIAL_IDS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 _PIECES = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
 _MAX_PROCS = 8  # beyond this, reading the corpus, not encoding, is what limits a machine
 SHARD_BYTES = 16 << 20  # training text per shard of the encoding pass (and of the `tokens` output)
@@ -201,9 +202,7 @@ def _training_lines(text_shards: list[Path], characters: int, config: Config) ->
     tokenizer_max_chars: every document when they fit, else a random share of them (fixed seed)
     spread over the whole corpus, not just its first files."""
     import numpy as np
-
-    from stages.shards import read_batches
-
+    from cram.stages.data.shards import read_batches
     budget = config.tokenizer_max_chars
     share = min(1.0, budget / max(characters, 1))
     rng = np.random.default_rng(0)

@@ -20,9 +20,7 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(_CACHE / "inductor")
 def make_ctx(tmp_path):
     """Build a `stages.Context` for calling a stage's `run` directly, without the runner."""
     import structlog
-
-    from stages import Context
-
+    from cram.stages import Context
     def make(seed: int = 0, device: str = "cpu", **kw) -> Context:
         run_dir = tmp_path / "run"
         run_dir.mkdir(exist_ok=True)

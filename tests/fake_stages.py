@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from stages import StageError
+from cram.stages import StageError
 
 PIPELINE = """
 [run]

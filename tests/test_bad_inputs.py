@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from cram.pipeline import cli
 from typer.testing import CliRunner
-
-from pipeline import cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

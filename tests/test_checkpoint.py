@@ -6,8 +6,7 @@ import json
 import pytest
 import structlog
 import torch
-
-from stages import checkpoint
+from cram.stages.pretraining import checkpoint
 
 
 def _save_three(root):

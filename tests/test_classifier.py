@@ -5,10 +5,8 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._dynamo.utils import counters
-
-import model
-from model.classifier import (
+from cram import model
+from cram.model.classifier import (
     classify,
     finetune_loss,
     init_head,
@@ -16,6 +14,7 @@ from model.classifier import (
     make_finetune_step,
     pool,
 )
+from torch._dynamo.utils import counters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -137,7 +136,6 @@ def test_finetune_dropout_is_random_inside_one_graph_and_prediction_has_none():
 
 
 def test_pretraining_has_no_dropout_and_evaluate_defaults_are_crammings():
-    from stages.evaluate import Config
-
+    from cram.stages.evaluate import Config
     assert model.ModelConfig().dropout == 0.0 and all(p.dropout == 0.0 for p in model.PRESETS.values())
     assert (Config().dropout, Config().head_width) == (0.1, 1024)

@@ -6,12 +6,11 @@ import io
 import json
 
 import pytest
+from cram.pipeline import cli, curves
+from cram.pipeline.compare import MISSING, compare_table, expand
+from cram.pipeline.curves import CurvesError
 from test_curves import fake_run
 from typer.testing import CliRunner
-
-from pipeline import cli, curves
-from pipeline.compare import MISSING, compare_table, expand
-from pipeline.curves import CurvesError
 
 
 def set_outputs(run, stage, **figures):

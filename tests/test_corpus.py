@@ -10,9 +10,10 @@ import sys
 import time
 
 import pytest
-
-from stages import StageError, corpus, hub
-from stages.corpus import CorpusConfig, documents, package_file, units
+from cram.stages import StageError
+from cram.stages.data import corpus, hub
+from cram.stages.data.corpus import documents, package_file, units
+from cram.stages.data.source import CorpusConfig
 
 
 def read(config: CorpusConfig) -> dict[str, list[str]]:

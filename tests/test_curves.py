@@ -4,9 +4,8 @@ import json
 import sys
 
 import pytest
+from cram.pipeline import cli, curves
 from typer.testing import CliRunner
-
-from pipeline import cli, curves
 
 CONFIG = """[run]
 name = "{name}"

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cram import model
+from cram.stages import StageError, Upstream, evaluate
+from cram.stages.evaluate import Config, TaskConfig
+from cram.stages.finetuning import finetune
 from torch._dynamo.utils import counters
-
-import model
-from stages import StageError, Upstream, evaluate, finetune
-from stages.evaluate import Config, TaskConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -214,15 +214,14 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[2])
 import structlog
 import torch.distributed as dist
-from stages import Context, evaluate
-
+from cram.stages import Context, evaluate
 job = pickle.loads(Path(sys.argv[1]).read_bytes())
 dist.init_process_group("gloo")
 if os.environ.get("FAIL_ON_RANK") == str(dist.get_rank()):
-    import stages.finetune
+    import cram.stages.finetuning.finetune as finetune
     def broken(*args, **kwargs):
         raise RuntimeError("injected")
-    stages.finetune.finetune_seed = broken
+    finetune.finetune_seed = broken
 ctx = Context(seed=3, device="cpu", run_dir=Path(job["out_dir"]).parent, log=structlog.get_logger(),
               rank=dist.get_rank(), world_size=dist.get_world_size())
 out = evaluate.run(job["config"], job["inputs"], Path(job["out_dir"]), ctx)
@@ -262,8 +261,7 @@ def run_under_torchrun(config, inputs, tmp_path, port: int, **env):
 
 @pytest.mark.slow
 def test_under_torchrun_ranks_share_the_seeds_and_match_one_process(upstream, tmp_path, make_ctx, free_port):
-    from stages.finetune import share_out
-
+    from cram.stages.finetuning.finetune import share_out
     assert sorted(share_out([5, 1, 4, 2, 3, 3], 2)) == [0, 0, 0, 1, 1, 1]  # 9 and 9: balanced
     tasks = [TaskConfig(lr=3e-3, epochs=1), TaskConfig(kind="glue", name="sst2", path=str(upstream["root"] / "glue"))]
     config = Config(tasks=tasks, epochs=1, seeds=3, max_length=32, buckets=(32,), compile=False, mlm_batch_size=16)

@@ -1,13 +1,13 @@
-"""Fine-tuning tasks and metrics (stages/glue.py, stages/metrics.py): hand-computed scores, both local GLUE layouts,
+"""Fine-tuning tasks and metrics (stages/finetuning/tasks.py, metrics.py): hand-computed scores, both local GLUE layouts,
 custom CSV/JSON-lines tasks, the held-out topics, and the errors bad input gets."""
 
 import json
 
 import numpy as np
 import pytest
-
-from stages import StageError, glue, metrics
-from stages.evaluate import Config, TaskConfig
+from cram.stages import StageError
+from cram.stages.evaluate import Config, TaskConfig
+from cram.stages.finetuning import metrics, tasks
 
 # ----------------------------------------------------------------------------------------- metrics
 
@@ -55,17 +55,17 @@ def test_glue_average_counts_mnli_twice_and_uses_main_scores():
         "mrpc/test": {"f1": 0.9, "accuracy": 0.1},
         "stsb/test": {"spearman": 0.6, "pearson": 0.0},
     }
-    assert metrics.glue_average(scores) == pytest.approx((0.4 + 0.8 + 0.7 + 0.9 + 0.6) / 5)
+    assert tasks.glue_average(scores) == pytest.approx((0.4 + 0.8 + 0.7 + 0.9 + 0.6) / 5)
 
 
 def test_majority_baseline_predicts_the_commonest_training_class():
-    train = glue.Examples([("a",)] * 3, np.array([1, 1, 0]))
-    test = glue.Examples([("b",)] * 4, np.array([0, 1, 1, 1]))
-    task = glue.Task("t", ("accuracy", "f1", "matthews"), ("no", "yes"), train, {"test": test})
-    assert metrics.majority_baseline(task, test) == {"accuracy": 0.75, "f1": pytest.approx(6 / 7), "matthews": 0.0}
-    regression = glue.Task("r", ("pearson",), (), glue.Examples([("a",)] * 2, np.array([1.0, 3.0])),
-                           {"test": glue.Examples([("b",)] * 2, np.array([0.0, 5.0]))})
-    assert metrics.majority_baseline(regression, regression.tests["test"]) == {"pearson": 0.0}
+    train = tasks.Examples([("a",)] * 3, np.array([1, 1, 0]))
+    test = tasks.Examples([("b",)] * 4, np.array([0, 1, 1, 1]))
+    task = tasks.Task("t", ("accuracy", "f1", "matthews"), ("no", "yes"), train, {"test": test})
+    assert tasks.majority_baseline(task, test) == {"accuracy": 0.75, "f1": pytest.approx(6 / 7), "matthews": 0.0}
+    regression = tasks.Task("r", ("pearson",), (), tasks.Examples([("a",)] * 2, np.array([1.0, 3.0])),
+                           {"test": tasks.Examples([("b",)] * 2, np.array([0.0, 5.0]))})
+    assert tasks.majority_baseline(regression, regression.tests["test"]) == {"pearson": 0.0}
 
 
 # ------------------------------------------------------------------------------- GLUE, both layouts
@@ -96,7 +96,7 @@ TSV_FILES = {"train": "train.tsv", "validation": "dev.tsv", "validation_matched"
 
 def write_glue_tsv(root, name):
     """The task's rows in the original GLUE download's layout, under root/<GLUE folder name>/."""
-    spec = glue.GLUE[name]
+    spec = tasks.GLUE[name]
     folder = root / spec.tsv_dir
     folder.mkdir(parents=True)
     for split, rows in ROWS[name].items():
@@ -117,7 +117,7 @@ def write_glue_saved(root, name):
     """The task as `datasets.load_dataset("nyu-mll/glue", name).save_to_disk(root / name)` leaves it."""
     import datasets
 
-    spec = glue.GLUE[name]
+    spec = tasks.GLUE[name]
     splits = {}
     for split, rows in ROWS[name].items():
         columns = list(zip(*rows))
@@ -131,10 +131,10 @@ def write_glue_saved(root, name):
 @pytest.mark.parametrize("name", list(ROWS))
 def test_both_local_layouts_load_the_same_examples(tmp_path, name):
     write_glue_tsv(tmp_path / "tsv", name)
-    tsv = glue.load_glue(name, str(tmp_path / "tsv"), "t")
-    saved = glue.load_glue(name, str(write_glue_saved(tmp_path / "hf", name)), "t")
-    assert tsv.metrics == saved.metrics == glue.GLUE[name].metrics
-    assert set(tsv.tests) == set(saved.tests) == {t for t, _, _ in glue.GLUE[name].tests}
+    tsv = tasks.load_glue(name, str(tmp_path / "tsv"), "t")
+    saved = tasks.load_glue(name, str(write_glue_saved(tmp_path / "hf", name)), "t")
+    assert tsv.metrics == saved.metrics == tasks.GLUE[name].metrics
+    assert set(tsv.tests) == set(saved.tests) == {t for t, _, _ in tasks.GLUE[name].tests}
     for left, right in [(tsv.train, saved.train)] + [(tsv.tests[t], saved.tests[t]) for t in tsv.tests]:
         assert left.texts == right.texts
         np.testing.assert_array_equal(left.labels, right.labels)
@@ -144,20 +144,20 @@ def test_both_local_layouts_load_the_same_examples(tmp_path, name):
 
 def test_tsv_keeps_quotes_and_a_task_folder_works_directly(tmp_path):
     folder = write_glue_tsv(tmp_path, "cola")
-    task = glue.load_glue("cola", str(folder), "t")
+    task = tasks.load_glue("cola", str(folder), "t")
     assert task.train.texts[1] == ('He said "hi" to .',)
     np.testing.assert_array_equal(task.train.labels, [1, 0, 1])
 
 
 def test_missing_glue_data_names_what_was_expected(tmp_path):
     with pytest.raises(StageError, match=r"tasks\[0\]\.path: .* holds no GLUE rte data; expected train.tsv"):
-        glue.load_glue("rte", str(tmp_path), "tasks[0]")
+        tasks.load_glue("rte", str(tmp_path), "tasks[0]")
     folder = write_glue_tsv(tmp_path, "mrpc")
     (folder / "dev.tsv").unlink()
     with pytest.raises(StageError, match="dev.tsv: missing"):
-        glue.load_glue("mrpc", str(tmp_path), "t")
+        tasks.load_glue("mrpc", str(tmp_path), "t")
     with pytest.raises(StageError, match="unknown GLUE task 'sst-2'"):
-        glue.load_glue("sst-2", str(tmp_path), "t")
+        tasks.load_glue("sst-2", str(tmp_path), "t")
 
 
 def test_glue_label_column_missing_or_unknown_label(tmp_path):
@@ -165,11 +165,11 @@ def test_glue_label_column_missing_or_unknown_label(tmp_path):
     folder.mkdir()
     (folder / "train.tsv").write_text("index\tsentence1\tsentence2\tgold\n0\ta\tb\tentailment\n")
     with pytest.raises(StageError, match="train.tsv: no column 'label'"):
-        glue.load_glue("rte", str(tmp_path), "t")
+        tasks.load_glue("rte", str(tmp_path), "t")
     (folder / "train.tsv").write_text("index\tsentence1\tsentence2\tlabel\n0\ta\tb\tmaybe\n")
     (folder / "dev.tsv").write_text("index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n")
     with pytest.raises(StageError, match="label 'maybe' is not one of entailment, not_entailment"):
-        glue.load_glue("rte", str(tmp_path), "t")
+        tasks.load_glue("rte", str(tmp_path), "t")
 
 
 def test_glue_from_the_hub_offline_is_a_clear_error(monkeypatch):
@@ -180,7 +180,7 @@ def test_glue_from_the_hub_offline_is_a_clear_error(monkeypatch):
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(StageError, match="could not be loaded from the hub .*set path to a local GLUE directory"):
-        glue.load_glue("sst2", "", "t")
+        tasks.load_glue("sst2", "", "t")
 
 
 # ------------------------------------------------------------------------------------ custom tasks
@@ -191,7 +191,7 @@ def test_custom_csv_and_jsonl_tasks(tmp_path):
     csv_dir.mkdir()
     (csv_dir / "train.csv").write_text('q,a,label\n"x, y",b,pos\nc,d,neg\ne,f,pos\n')
     (csv_dir / "dev.csv").write_text("q,a,label\ng,h,neg\n")
-    task = glue.load_custom("pairs", str(csv_dir), ("q", "a"), "label", ("f1", "accuracy"), "t")
+    task = tasks.load_custom("pairs", str(csv_dir), ("q", "a"), "label", ("f1", "accuracy"), "t")
     assert task.label_names == ("neg", "pos") and task.train.texts[0] == ("x, y", "b")
     np.testing.assert_array_equal(task.train.labels, [1, 0, 1])
     np.testing.assert_array_equal(task.tests["test"].labels, [0])
@@ -201,7 +201,7 @@ def test_custom_csv_and_jsonl_tasks(tmp_path):
     records = [{"text": "a", "score": 1}, {"text": "b", "score": 2.5}]
     (jsonl / "train.jsonl").write_text("\n".join(json.dumps(r) for r in records))
     (jsonl / "test.jsonl").write_text(json.dumps({"text": "c", "score": 0.5}) + "\n")
-    regression = glue.load_custom("scores", str(jsonl), ("text",), "score", ("spearman",), "t")
+    regression = tasks.load_custom("scores", str(jsonl), ("text",), "score", ("spearman",), "t")
     assert regression.regression and regression.num_outputs == 1
     np.testing.assert_array_equal(regression.train.labels, np.array([1.0, 2.5], dtype=np.float32))
 
@@ -209,17 +209,17 @@ def test_custom_csv_and_jsonl_tasks(tmp_path):
 def test_custom_task_bad_input(tmp_path):
     (tmp_path / "train.jsonl").write_text('{"text": "a", "label": 10}\n{"text": "b", "label": 2}\n')
     with pytest.raises(StageError, match="no test|dev|validation"):
-        glue.load_custom("c", str(tmp_path), ("text",), "label", ("accuracy",), "t")
+        tasks.load_custom("c", str(tmp_path), ("text",), "label", ("accuracy",), "t")
     (tmp_path / "test.jsonl").write_text('{"text": "c", "label": 3}\n')
     with pytest.raises(StageError, match="label '3' of field 'label' never occurs in train.jsonl"):
-        glue.load_custom("c", str(tmp_path), ("text",), "label", ("accuracy",), "t")
+        tasks.load_custom("c", str(tmp_path), ("text",), "label", ("accuracy",), "t")
     with pytest.raises(StageError, match="record 1 has no field 'topic'"):
-        glue.load_custom("c", str(tmp_path), ("text",), "topic", ("accuracy",), "t")
+        tasks.load_custom("c", str(tmp_path), ("text",), "topic", ("accuracy",), "t")
     with pytest.raises(StageError, match="is not a directory"):
-        glue.load_custom("c", str(tmp_path / "nope"), ("text",), "label", ("accuracy",), "t")
+        tasks.load_custom("c", str(tmp_path / "nope"), ("text",), "label", ("accuracy",), "t")
     # numeric labels order numerically: 2 before 10
     (tmp_path / "test.jsonl").write_text('{"text": "c", "label": 10}\n')
-    assert glue.load_custom("c", str(tmp_path), ("text",), "label", ("accuracy",), "t").label_names == ("2", "10")
+    assert tasks.load_custom("c", str(tmp_path), ("text",), "label", ("accuracy",), "t").label_names == ("2", "10")
 
 
 # -------------------------------------------------------------------------------- held-out topics
@@ -233,8 +233,8 @@ def test_topics_leave_out_unlabelled_and_split_deterministically(tmp_path):
     datasets.Dataset.from_dict(columns).save_to_disk(str(tmp_path / "a"))
     reversed_columns = {k: v[::-1] for k, v in columns.items()}
     datasets.Dataset.from_dict(reversed_columns).save_to_disk(str(tmp_path / "b"))
-    task = glue.load_topics("topic", tmp_path / "a", 0.2)
-    again = glue.load_topics("topic", tmp_path / "b", 0.2)
+    task = tasks.load_topics("topic", tmp_path / "a", 0.2)
+    again = tasks.load_topics("topic", tmp_path / "b", 0.2)
     assert task.label_names == ("Art", "Science") and task.metrics == ("accuracy", "macro_f1")
     assert len(task.train.texts) == 16 and len(task.tests["test"].texts) == 4  # 2 per topic of 10
     assert set(task.tests["test"].labels) == {0, 1}

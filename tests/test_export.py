@@ -5,15 +5,15 @@ import json
 
 import pytest
 import torch
+from cram import model
+from cram.model import ModelConfig
+from cram.model.classifier import init_head, make_finetune_step
+from cram.pipeline import cli
+from cram.pipeline.export import ExportError, export, load_export, transformers_blockers
+from cram.stages import tokenize
+from cram.stages.shared.special import SPECIAL_IDS
 from safetensors.torch import save_file
 from typer.testing import CliRunner
-
-import model
-from model import ModelConfig
-from model.classifier import init_head, make_finetune_step
-from pipeline import cli
-from pipeline.export import ExportError, export, load_export, transformers_blockers
-from stages import tokenize
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -66,7 +66,7 @@ def fake_run(root, sp_model, cfg=MODERNBERT, pretrain_status="done"):
     stages = {
         "tokenize": {
             "status": "done",
-            "outputs": {"tokenizer": "tokenizer.model", "special_ids": tokenize.SPECIAL_IDS},
+            "outputs": {"tokenizer": "tokenizer.model", "special_ids": SPECIAL_IDS},
         },
         "pretrain": {
             "status": pretrain_status,
@@ -171,7 +171,7 @@ def test_transformers_export_matches_cram_logits_and_tokens(tmp_path, sp_model):
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     sp = spm.SentencePieceProcessor(model_file=str(sp_model))
-    special = tokenize.SPECIAL_IDS
+    special = SPECIAL_IDS
     assert (tokenizer.pad_token_id, tokenizer.mask_token_id) == (special["pad"], special["mask"])
     for text in SENTENCES[:3]:
         assert tokenizer(text)["input_ids"] == [special["cls"], *sp.encode(text), special["sep"]], text

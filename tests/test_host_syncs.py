@@ -6,12 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-import model
-from stages.batches import MaskSpec
-from stages.budget import Clock
-from stages.device import to_device
-from stages.heldout import heldout_mlm, mask_blocks
+from cram import model
+from cram.stages.pretraining.budget import Clock
+from cram.stages.shared.device import to_device
+from cram.stages.shared.masking import MaskSpec
+from cram.stages.shared.val_mlm import mask_blocks, val_mlm
 
 
 def test_the_clock_is_agreed_every_n_steps_and_extrapolated_alike_between(monkeypatch):
@@ -61,8 +60,8 @@ def test_heldout_mlm_syncs_with_the_host_once(monkeypatch):
     params = model.init(cfg, 0)
     step = model.make_eval_step(cfg, compile=False)
     blocks = np.random.default_rng(0).integers(5, 64, size=(10, 16))
-    expected = heldout_mlm(step, params, blocks, spec(), seed=0, batch_size=3, device=torch.device("cpu"))
-    one_batch = heldout_mlm(step, params, blocks, spec(), seed=0, batch_size=10, device=torch.device("cpu"))
+    expected = val_mlm(step, params, blocks, spec(), seed=0, batch_size=3, device=torch.device("cpu"))
+    one_batch = val_mlm(step, params, blocks, spec(), seed=0, batch_size=10, device=torch.device("cpu"))
     assert one_batch["loss"] == pytest.approx(expected["loss"], rel=1e-5)  # same masks, any batch size
 
     syncs = []
@@ -70,7 +69,7 @@ def test_heldout_mlm_syncs_with_the_host_once(monkeypatch):
         real = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _n=name, **k: (syncs.append(_n),
                                                                                             _real(self, *a, **k))[1])
-    heldout_mlm(step, params, blocks, spec(), seed=0, batch_size=3, device=torch.device("cpu"))
+    val_mlm(step, params, blocks, spec(), seed=0, batch_size=3, device=torch.device("cpu"))
     assert syncs == ["tolist"]  # four batches, one sync at the end
 
 

@@ -5,10 +5,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
-import model
-from model import ModelConfig, OptimizerConfig
-from pipeline.export import to_transformers_state
+from cram import model
+from cram.model import ModelConfig, OptimizerConfig
+from cram.pipeline.export import to_transformers_state
 
 # Small enough for float64 finite differences over every parameter.
 MICRO = ModelConfig(vocab_size=24, hidden=8, layers=2, heads=2, intermediate=16, max_seq_len=6)

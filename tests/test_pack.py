@@ -9,8 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from stages import StageError, Upstream, pack
+from cram.stages import StageError, Upstream, pack
 
 SPECIAL_IDS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 REPO = Path(__file__).parent.parent
@@ -195,10 +194,8 @@ def test_tokenize_then_pack_on_the_default_corpus_through_cram(tmp_path, monkeyp
     and a bad input exits 2 with nothing marked done."""
     import json
 
+    from cram.pipeline import cli
     from typer.testing import CliRunner
-
-    from pipeline import cli
-
     monkeypatch.chdir(tmp_path)
     root = f'run.root="{tmp_path / "runs"}"'
 

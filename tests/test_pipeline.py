@@ -13,9 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+from cram.pipeline import cli
 from typer.testing import CliRunner
-
-from pipeline import cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -83,7 +82,7 @@ def test_a_killed_pretrain_resumes_from_its_checkpoint(tmp_path):
                                            "pretrain.microbatch": "8", "pretrain.batch_size": "8",
                                            "run.name": '"killed"'})
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", str(REPO / "pipeline.toml"), *args],
+    proc = subprocess.Popen([sys.executable, "-m", "cram.pipeline.cli", "run", str(REPO / "pipeline.toml"), *args],
                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     run_dir = tmp_path / "runs" / "killed"
     deadline = time.time() + 120
@@ -94,7 +93,7 @@ def test_a_killed_pretrain_resumes_from_its_checkpoint(tmp_path):
     proc.wait()
     assert manifest(run_dir)["pretrain"]["status"] == "running"
 
-    result = subprocess.run([sys.executable, "-m", "pipeline.cli", "resume", str(run_dir)], cwd=tmp_path, env=env,
+    result = subprocess.run([sys.executable, "-m", "cram.pipeline.cli", "resume", str(run_dir)], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     stages = manifest(run_dir)

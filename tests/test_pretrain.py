@@ -16,11 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cram.stages import StageError, Upstream, pretrain
+from cram.stages.pretraining import checkpoint
+from cram.stages.pretraining import loop as training
+from cram.stages.pretraining.batches import Prefetcher, read_sequences
+from cram.stages.pretraining.budget import progress as budget_progress
+from cram.stages.shared.masking import MaskSpec, mask_tokens
 from safetensors.torch import load_file
-
-from stages import StageError, Upstream, checkpoint, pretrain, training
-from stages.batches import MaskSpec, Prefetcher, mask_tokens, read_sequences
-from stages.budget import progress as budget_progress
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -173,8 +175,7 @@ def test_one_microbatch_per_step_trains_as_one_graph(pack, tmp_path, make_ctx):
 def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(
     pack, tmp_path, make_ctx, monkeypatch
 ):
-    import model
-
+    from cram import model
     real = model.make_accumulate_step
 
     def diverging_at_step_3(*args, **kw):  # two microbatches a step: accumulate + apply
@@ -214,8 +215,7 @@ def test_bad_config_and_data_are_stage_errors(pack, tmp_path, make_ctx):
 
 def load_pretrain(tmp_path, toml: str, *overrides: str) -> pretrain.Config:
     """The pretrain section of a pipeline file, as `cram run` reads it."""
-    from pipeline.config import load
-
+    from cram.pipeline.config import load
     path = tmp_path / "pipeline.toml"
     path.write_text(toml)
     return load(path, {"pretrain": pretrain.Config}, list(overrides)).stages["pretrain"]
@@ -235,8 +235,7 @@ def test_a_steps_or_tokens_budget_from_toml_has_no_hidden_time_limit(tmp_path):
 
 
 def test_checkpoint_every_minutes_switches_off_from_toml(tmp_path, pack, make_ctx):
-    from pipeline.config import ConfigError
-
+    from cram.pipeline.config import ConfigError
     config = load_pretrain(tmp_path, "[pretrain]\ncheckpoint_every_minutes = 0\n")
     assert config.checkpoint_every_minutes == 0
     assert not training.checkpoint_due(config, step=10**6, last_saved_at=time.perf_counter() - 10**6)
@@ -260,9 +259,8 @@ WORKER = textwrap.dedent(
     from pathlib import Path
     sys.path.insert(0, sys.argv[2])
     import structlog
-    import stages.batches, stages.checkpoint
-    from stages import Context, pretrain
-
+    import cram.stages.shared.masking, cram.stages.pretraining.checkpoint
+    from cram.stages import Context, pretrain
     job = pickle.loads(Path(sys.argv[1]).read_bytes())
 
     def hang_on_call(module, name, n):
@@ -277,7 +275,7 @@ WORKER = textwrap.dedent(
         setattr(module, name, wrapper)
 
     if "hang" in job:
-        module = {"mask_tokens": stages.batches, "write_tensors": stages.checkpoint}[job["hang"][0]]
+        module = {"mask_tokens": cram.stages.shared.masking, "write_tensors": cram.stages.pretraining.checkpoint}[job["hang"][0]]
         hang_on_call(module, *job["hang"])
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world_size > 1:
@@ -390,8 +388,7 @@ def test_two_gloo_ranks_on_a_time_budget_agree_when_to_stop(pack, tmp_path, free
 
 
 def test_compile_canary_passes_a_sound_step_and_stops_a_miscompiled_one(pack, tmp_path, make_ctx, monkeypatch):
-    import model
-
+    from cram import model
     config = small(budget=pretrain.Budget(steps=2), compile=True, backend="aot_eager")
     out = pretrain.run(config, {"pack": pack}, tmp_path / "sound", make_ctx())
     assert out["canary_diff"] is not None and out["canary_diff"] < 1e-4
@@ -419,9 +416,8 @@ def test_compile_canary_passes_a_sound_step_and_stops_a_miscompiled_one(pack, tm
 
 
 def test_model_section_offers_every_architecture_field_and_checks_types(tmp_path):
-    from model import ModelConfig
-    from pipeline.config import ConfigError
-
+    from cram.model import ModelConfig
+    from cram.pipeline.config import ConfigError
     fields = {f.name for f in dataclasses.fields(pretrain.Architecture)}
     assert fields == {"preset"} | {f.name for f in dataclasses.fields(ModelConfig)} - {
         "vocab_size", "max_seq_len", "pad_id", "dropout"}
@@ -433,8 +429,7 @@ def test_model_section_offers_every_architecture_field_and_checks_types(tmp_path
 
 
 def test_auto_precision_is_bf16_where_the_cpu_multiplies_bf16_natively(monkeypatch):
-    from stages import device as devices
-
+    from cram.stages.shared import device as devices
     cpu = torch.device("cpu")
     for avx512_bf16, amx, expected in ((True, False, torch.bfloat16), (False, True, torch.bfloat16),
                                         (False, False, None)):

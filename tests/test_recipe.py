@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import config as cfg
-from stages import ORDER, load
+from cram.pipeline import config as cfg
+from cram.stages import ORDER, load
 
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "crammed-bert.toml"
 

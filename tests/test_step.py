@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-import model
-from model import ModelConfig, OptimizerConfig
+from cram import model
+from cram.model import ModelConfig, OptimizerConfig
 
 TINY = model.PRESETS["tiny"]
 # The smallest model that still has every part: compile time grows with the layer count.

@@ -13,9 +13,8 @@ from pathlib import Path
 import fake_stages
 import pytest
 import test_runner
+from cram.pipeline import planning, rundir, runner, store
 from test_runner import TESTS, _reasons
-
-from pipeline import planning, rundir, runner, store
 
 pipe = test_runner.pipe  # the fixture: cram on the fake stages in a temporary folder
 
@@ -74,7 +73,7 @@ def test_changing_a_config_keeps_the_earlier_result_and_returning_to_it_is_insta
 def test_two_processes_on_one_key_compute_it_once(pipe, tmp_path):
     script = (
         "import sys; sys.path.insert(0, sys.argv[1]); import fake_stages; "
-        "from pipeline import cli, runner; runner.default_stages = fake_stages.modules; "
+        "from cram.pipeline import cli, runner; runner.default_stages = fake_stages.modules; "
         "sys.argv = ['cram', 'run', sys.argv[2], '--name', sys.argv[3]]; cli.main()"
     )
     env = {**os.environ, "FAKE_SLOW": "beta"}
@@ -163,8 +162,7 @@ def test_an_interrupted_partial_of_another_config_is_kept_and_resumed_on_return(
 
 
 def test_pretrain_logging_and_checkpoint_cadence_are_not_in_its_key():
-    from stages import pretrain
-
+    from cram.stages import pretrain
     names = {f.name for f in pretrain.dataclasses.fields(pretrain.Config)}
     assert set(pretrain.NOT_IN_KEY) <= names
     base = planning.keyed_config(pretrain, pretrain.Config())
@@ -175,8 +173,7 @@ def test_pretrain_logging_and_checkpoint_cadence_are_not_in_its_key():
 
 
 def test_tokenize_processes_and_batch_size_are_not_in_its_key():
-    from stages import tokenize
-
+    from cram.stages import tokenize
     base = planning.keyed_config(tokenize, tokenize.Config())
     assert planning.keyed_config(tokenize, tokenize.Config(num_proc=3, batch_size=17)) == base
     assert planning.keyed_config(tokenize, tokenize.Config(vocab_size=4096)) != base

@@ -5,9 +5,8 @@ from __future__ import annotations
 import fake_stages
 import pytest
 import test_runner
-
-from pipeline import config as cfg
-from pipeline import sweep
+from cram.pipeline import config as cfg
+from cram.pipeline import sweep
 
 pipe = test_runner.pipe  # the fixture: cram on the fake stages in a temporary folder
 CLASSES = {"alpha": fake_stages.Config, "beta": fake_stages.Config, "gamma": fake_stages.Config}

@@ -7,9 +7,8 @@ import json
 import random
 
 import pytest
-
-from stages import StageError, tokenize
-from stages.corpus import CorpusConfig
+from cram.stages import StageError, tokenize
+from cram.stages.data.source import CorpusConfig
 
 SECRET = "quixotically"  # appears only in held-out documents
 
@@ -136,8 +135,7 @@ def test_unigram_and_two_processes_over_many_units_give_the_same_outputs_as_one(
 
 
 def test_the_tokenizer_trains_on_a_bounded_sample_spread_over_the_corpus(tmp_path, monkeypatch):
-    from stages import shards
-
+    from cram.stages.data import shards
     paths = []
     for i in range(4):  # four shards of 100 documents, each naming its shard
         paths.append(tmp_path / f"text-{i}.arrow")

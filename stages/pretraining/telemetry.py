@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stages.budget import mean_over_ranks
+from cram.stages.shared.collectives import mean_over_ranks
 
 # The fields of the per-step console line (metrics.jsonl keeps every field of a record).
 LOGGED = ("step", "loss", "accuracy", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_mem_gb", "data_wait")
@@ -149,8 +149,7 @@ def peak_memory_gb(device) -> float:
 def peak_flops(device, dtype=None) -> float:
     """The device's peak FLOP/s in `dtype` (autocast's, None: fp32); on a CPU it is measured, which
     takes seconds, so once per process."""
-    from model import peak_flops as measure
-
+    from cram.model import peak_flops as measure
     return measure(device, dtype)
 
 

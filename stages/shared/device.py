@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages import StageError
+from cram.stages import StageError
 
 
 def resolve(name: str) -> Any:

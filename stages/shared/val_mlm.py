@@ -12,7 +12,7 @@ from typing import Any, Callable
 MASK_SEED = 0  # pretrain's held-out masks; evaluate's `mlm_seed` defaults to the same
 
 
-def heldout_mlm(evaluate: Callable, params: dict, blocks, spec: Any, *, seed: int, batch_size: int, device: Any,
+def val_mlm(evaluate: Callable, params: dict, blocks, spec: Any, *, seed: int, batch_size: int, device: Any,
                 tail: Callable | None = None) -> dict[str, float]:
     """Mean loss and accuracy over every masked token of `blocks` [n, seq_len].
 
@@ -21,9 +21,7 @@ def heldout_mlm(evaluate: Callable, params: dict, blocks, spec: Any, *, seed: in
     on the device: one host sync at the end.
     """
     import torch
-
-    from stages.device import to_device
-
+    from cram.stages.shared.device import to_device
     sums = []
     for first in range(0, len(blocks), batch_size):
         batch = mask_blocks(blocks[first:first + batch_size], first, spec, seed)
@@ -42,9 +40,7 @@ def mask_blocks(rows, first: int, spec: Any, seed: int) -> dict:
     """The MLM batch (on the CPU) for `rows` [B, S], row i being held-out block `first + i`."""
     import numpy as np
     import torch
-
-    from stages.batches import mask_seed, mask_tokens
-
+    from cram.stages.shared.masking import mask_seed, mask_tokens
     ids = torch.from_numpy(np.asarray(rows, dtype=np.int64))
     generator = torch.Generator()
     seq_len = ids.shape[1]

@@ -1,15 +1,11 @@
 """Scores of fine-tuned predictions: numpy only, fractions (accuracy 0.91, not 91.0) as `sklearn` and
-`evaluate` give them; the majority-class baseline; cramming's GLUE average."""
+`evaluate` give them."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from stages.glue import Examples, Task
 
 
 def accuracy(pred: np.ndarray, gold: np.ndarray) -> float:
@@ -78,24 +74,3 @@ REGRESSION_METRICS = ("pearson", "spearman")
 
 def score(metrics: Sequence[str], pred: np.ndarray, gold: np.ndarray) -> dict[str, float]:
     return {m: METRICS[m](pred, gold) for m in metrics}
-
-
-def majority_baseline(task: Task, test: Examples) -> dict[str, float]:
-    """Scores of always answering the training set's most common class (its mean, for regression)."""
-    if task.regression:
-        guess = np.full(len(test.labels), task.train.labels.mean(), dtype=np.float32)
-    else:
-        guess = np.full(len(test.labels), np.bincount(task.train.labels).argmax())
-    return score(task.metrics, guess, test.labels)
-
-
-def glue_average(scores: dict[str, dict[str, float]]) -> float:
-    """Cramming's GLUE average: the mean of each evaluation set's main score.
-
-    `scores` maps a GLUE evaluation set ("cola/test", "mnli/matched", "mnli/mismatched", ...) to its
-    scores; MNLI's two sets count apart, as in the paper's table. Main scores follow BERT's report:
-    Matthews for CoLA, F1 for MRPC and QQP, Spearman for STS-B, accuracy for the rest.
-    """
-    from stages.glue import GLUE
-
-    return float(np.mean([values[GLUE[key.split("/")[0]].metrics[0]] for key, values in scores.items()]))

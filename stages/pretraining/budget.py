@@ -8,7 +8,6 @@ counts, and rank 0's newest checkpoint is the one every rank resumes from.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 
@@ -64,34 +63,3 @@ class Clock:
             self.per_step_s = (now - self.synced_s) / (step - self.synced_step)
         self.synced_step, self.synced_s = step, now
         return now
-
-
-def agree_on(path: Path | None, world_size: int) -> Path | None:
-    """Rank 0's value of `path` on every rank."""
-    if world_size == 1:
-        return path
-    import torch.distributed as dist
-
-    box = [None if path is None else str(path)]
-    dist.broadcast_object_list(box, src=0)
-    return None if box[0] is None else Path(box[0])
-
-
-def mean_over_ranks(values: list[float], world_size: int, device: Any) -> list[float]:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return (t / world_size).tolist()
-
-
-def all_gather(obj: Any, world_size: int) -> list[Any]:
-    """Every rank's `obj` (picklable), on every rank."""
-    if world_size == 1:
-        return [obj]
-    import torch.distributed as dist
-
-    gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, obj)
-    return gathered

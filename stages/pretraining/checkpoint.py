@@ -19,10 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-
-from stages import StageError
+from cram.stages import StageError
+from cram.stages.shared.tensors import TensorFileError, read_tensors, write_tensors
 
 PARAMS = "params.safetensors"
 OPTIMIZER = "optimizer.safetensors"
@@ -30,7 +28,6 @@ STATE = "state.json"
 CHECKSUMS = "checksums.json"
 _NAME = re.compile(r"step-(\d+)")
 _TEMP_PREFIX = ".tmp-"
-_ORDER = "cram.order"  # safetensors metadata key: the dict's key order (the format sorts names)
 
 
 def save(root: Path, step: int, params: dict, opt_state: dict, state: dict[str, Any], keep: int) -> Path:
@@ -101,29 +98,10 @@ def load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], 
         state = json.loads((path / STATE).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path / STATE}: unreadable ({e})") from None
-    return read_tensors(path / PARAMS), read_tensors(path / OPTIMIZER), state
-
-
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Save `tensors` (any device) as safetensors at `path`, atomically and durably."""
-    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(cpu, str(tmp), metadata={_ORDER: json.dumps(list(cpu))})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of `path` in the order they were written: the steps iterate over dicts (the
-    global gradient norm sums in that order), so bit-identical resumes need the same order back.
-    CheckpointError names a file that is missing or cannot be read."""
     try:
-        with safe_open(str(path), framework="pt") as f:
-            names = json.loads((f.metadata() or {}).get(_ORDER, "null")) or list(f.keys())
-            return {name: f.get_tensor(name) for name in names}
-    except Exception as e:  # safetensors raises its own SafetensorError, or OSError, or a JSON error
-        raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+        return read_tensors(path / PARAMS), read_tensors(path / OPTIMIZER), state
+    except TensorFileError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _complete(root: Path) -> list[Path]:

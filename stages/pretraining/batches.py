@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from cram.stages.shared.masking import mask_seed
 
 _STOP_POLL_S = 0.1
 
@@ -27,11 +28,6 @@ class Microbatch:
     ids: torch.Tensor  # [microbatch, seq_len] int32 on the CPU (pinned when feeding a GPU)
     first: int  # global index of its first sequence
     mask_seed: int
-
-
-def mask_seed(seed: int, first: int, stream: int = 0) -> int:
-    """The masking seed for the microbatch starting at sequence `first` of `stream` (0: training)."""
-    return int(np.random.SeedSequence([seed, stream, first]).generate_state(1, np.uint64)[0] >> 1)
 
 
 def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
@@ -125,43 +121,3 @@ class Prefetcher:
                 continue
 
 
-@dataclass(frozen=True)
-class MaskSpec:
-    """How the masked positions of a sequence are chosen and corrupted (cramming's MLM objective)."""
-
-    per_sequence: int  # K: exactly this many positions per sequence
-    mask_id: int
-    vocab_size: int
-    special_ids: tuple[int, ...]  # never chosen while a sequence has enough other tokens
-    replace_with_mask: float = 0.8
-    replace_with_random: float = 0.1  # the rest of the chosen positions keep their token
-
-
-def mask_tokens(ids: torch.Tensor, masking: MaskSpec, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """The MLM batch for `ids` [B, S] (any integer dtype, on the training device).
-
-    Returns `input_ids` [B, S] int64 and the static-shape `mlm_positions` / `mlm_labels` [B * K]
-    int64, positions being flat indices into B * S.
-    """
-    ids = ids.long()
-    batch, seq_len = ids.shape
-    device = ids.device
-    scores = torch.rand(batch, seq_len, generator=generator, device=device)
-    special = torch.zeros_like(ids, dtype=torch.bool)
-    for token in masking.special_ids:  # python scalars: no host-to-device copy, no sync
-        special |= ids == token
-    # Special tokens score below every real token: chosen only when a sequence runs out of others.
-    scores = scores.masked_fill(special, -1.0)
-    chosen = scores.topk(masking.per_sequence, dim=1, sorted=False).indices.sort(dim=1).values
-    positions = (chosen + torch.arange(batch, device=device)[:, None] * seq_len).reshape(-1)
-    flat = ids.reshape(-1)
-    labels = flat[positions]
-    action = torch.rand(positions.shape, generator=generator, device=device)
-    random_tokens = torch.randint(masking.vocab_size, positions.shape, generator=generator, device=device)
-    replaced = torch.where(action < masking.replace_with_mask, masking.mask_id, labels)
-    use_random = (action >= masking.replace_with_mask) & (
-        action < masking.replace_with_mask + masking.replace_with_random
-    )
-    replaced = torch.where(use_random, random_tokens, replaced)
-    input_ids = flat.index_put((positions,), replaced).reshape(batch, seq_len)
-    return {"input_ids": input_ids, "mlm_positions": positions, "mlm_labels": labels}

@@ -19,11 +19,11 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from stages import StageError, hub
+from cram.stages import StageError
+from cram.stages.data import hub
 
 if TYPE_CHECKING:
-    from stages.corpus import CorpusConfig, Unit
-
+    from cram.stages.data.source import CorpusConfig, Unit
 WHERE = "tokenize.corpus"  # the config section that errors name
 PARAGRAPH_BREAK = re.compile(rb"\n[ \t\r\f\v]*\n")
 _PARAGRAPH_BREAK_TEXT = re.compile(PARAGRAPH_BREAK.pattern.decode())
@@ -138,8 +138,7 @@ def load_disk(config: CorpusConfig) -> Any:
 
 
 def arrow_documents(unit: Unit, config: CorpusConfig) -> Iterator[dict[str, list[str]]]:
-    from stages.shards import read_batches
-
+    from cram.stages.data.shards import read_batches
     path = Path(unit.source)
     try:
         for batch in read_batches(path):

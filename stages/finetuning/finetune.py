@@ -15,27 +15,27 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from stages import Context, StageError, Upstream
-from stages.device import to_device
-from stages.progress import track
+from cram.stages import Context, StageError, Upstream
+from cram.stages.shared.device import to_device
+from cram.stages.shared.progress import track
 
 
 def load_task(task_cfg: Any, index: int, tokenize: Upstream):
-    from stages import glue
+    from cram.stages.finetuning import tasks
 
     where = f"evaluate.tasks[{index}]"
     if task_cfg.kind == "glue":
-        return glue.load_glue(task_cfg.name, task_cfg.path, where)
+        return tasks.load_glue(task_cfg.name, task_cfg.path, where)
     if task_cfg.kind == "custom":
-        return glue.load_custom(task_cfg.name, task_cfg.path, task_cfg.text_fields, task_cfg.label_field,
-                                task_cfg.metrics, where)
+        return tasks.load_custom(task_cfg.name, task_cfg.path, task_cfg.text_fields, task_cfg.label_field,
+                                 task_cfg.metrics, where)
     heldout = tokenize.outputs.get("heldout")
     if heldout is None:
         raise StageError(
             f"{where}: kind 'heldout-topic' needs the tokenize stage's held-out articles, and it kept none "
             "(give tokenize labelled documents to hold out, or drop this task)"
         )
-    return glue.load_topics(task_cfg.name, tokenize.dir / heldout, task_cfg.test_fraction)
+    return tasks.load_topics(task_cfg.name, tokenize.dir / heldout, task_cfg.test_fraction)
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,7 @@ def _longest_first(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
 
 def finetune_seed(tuner: Tuner, task_cfg: Any, task, data: Encoded, seed: int, ctx: Context) -> dict:
     """Fine-tune one seed of one task from the pretrained params and score it on each test set."""
-    from stages.metrics import score
-
+    from cram.stages.finetuning.metrics import score
     began = time.perf_counter()
     config = tuner.config
     epochs, lr = config.setting(task_cfg, "epochs"), config.setting(task_cfg, "lr")
@@ -104,9 +103,7 @@ def task_result(config: Any, task_cfg: Any, task, data: Encoded, seeds: list[int
                 ctx: Context) -> dict:
     """A task's results from its seeds' runs (in seed order): per-seed scores, medians, the baseline."""
     import numpy as np
-
-    from stages.metrics import majority_baseline
-
+    from cram.stages.finetuning.tasks import majority_baseline
     scores = {t: {m: [r["scores"][t][m] for r in runs] for m in task.metrics} for t in task.tests}
     result = {
         "kind": task_cfg.kind,
@@ -155,9 +152,8 @@ class Tuner:
 
     @classmethod
     def make(cls, config: Any, cfg, params: dict, special: dict, device, autocast) -> Tuner:
-        import model
-        from model.classifier import make_classify_eval_step, make_finetune_step
-
+        from cram import model
+        from cram.model.classifier import make_classify_eval_step, make_finetune_step
         # cramming's fine-tuning AdamW: betas (0.9, 0.98), eps 1e-6, no gradient clipping.
         opt_cfg = model.OptimizerConfig(lr=config.lr, eps=1e-6, weight_decay=config.weight_decay, clip_norm=0.0)
         kw = dict(pooling=config.pooling, compile=config.compile, backend=config.backend, autocast_dtype=autocast)
@@ -170,10 +166,8 @@ class Tuner:
         """Params fine-tuned from the pretrained ones with a fresh head, and the last epoch's mean loss."""
         import numpy as np
         import torch
-
-        import model
-        from model.classifier import init_head
-
+        from cram import model
+        from cram.model.classifier import init_head
         rows, lengths, labels = train
         size = self.config.batch_size
         head = init_head(self.cfg, num_outputs, seed, width=self.config.head_width)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stages import Context
-from stages.budget import Clock, progress
-from stages.telemetry import LOGGED, Interval, MetricsLog, ProgressBar, mfu, peak_memory_gb, short
+from cram.stages import Context
+from cram.stages.pretraining.budget import Clock, progress
+from cram.stages.pretraining.telemetry import LOGGED, Interval, MetricsLog, ProgressBar, mfu, peak_memory_gb, short
 
 
 class DivergedError(RuntimeError):
@@ -37,17 +37,14 @@ class Steps:
     autocast: Any  # the forward's autocast dtype; None: fp32
 
     def batch(self, micro) -> dict:
-        from stages.batches import mask_tokens
-
+        from cram.stages.shared.masking import mask_tokens
         self.generator.manual_seed(micro.mask_seed)
         ids = micro.ids.to(self.device, non_blocking=True)
         return mask_tokens(ids, self.spec, self.generator)
 
     def scalar(self, value: float):
         import torch
-
-        from stages.device import to_device
-
+        from cram.stages.shared.device import to_device
         return to_device(torch.tensor(value, dtype=torch.float32), self.device)
 
     def step(self, params: dict, opt_state: dict, data, n_micro: int, lr: float) -> tuple[dict, dict, Any]:
@@ -72,9 +69,7 @@ class Steps:
         The steps are pure functions, so discarding their results leaves the training state as it was.
         """
         import torch
-
-        from stages.batches import Microbatch, read_sequences
-
+        from cram.stages.pretraining.batches import Microbatch, read_sequences
         began = time.perf_counter()
         ids = torch.from_numpy(read_sequences(train, 0, 0, microbatch, {}))
 
@@ -98,10 +93,9 @@ def canary(config: Any, ctx: Context, compiled: Steps, eager: Steps, params: dic
     updates compound); raise `CanaryError` when loss, accuracy or gradient norm differ by more than
     `config.canary_tolerance` (relative). Returns the largest difference, the worst over all ranks."""
     import torch
-
-    from stages.batches import Microbatch, mask_seed, read_sequences
-    from stages.budget import all_gather
-
+    from cram.stages.pretraining.batches import Microbatch, read_sequences
+    from cram.stages.shared.collectives import all_gather
+    from cram.stages.shared.masking import mask_seed
     class Replay:
         def __init__(self) -> None:
             self.first = ctx.rank * config.microbatch
@@ -152,10 +146,9 @@ def train(config: Any, ctx: Context, steps: Steps, params: dict, opt_state: dict
           out_dir: Path, last_saved: int, flops_per_token: float) -> tuple[dict, dict]:
     """Step until the budget of `config` (a `pretrain.Config`) is spent, logging and checkpointing
     (the last checkpoint is the end). Returns the final (params, opt_state); `state` is updated in place."""
-    import model
-    from stages import checkpoint
-    from stages.batches import Prefetcher
-
+    from cram import model
+    from cram.stages.pretraining import checkpoint
+    from cram.stages.pretraining.batches import Prefetcher
     seq_len = data_blocks.shape[1]
     target_micro = config.batch_size // (ctx.world_size * config.microbatch)
     clock = Clock(state["elapsed_s"], agree=ctx.world_size > 1 and config.budget.hours is not None,

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
-from stages import StageError
-from stages.metrics import REGRESSION_METRICS
+from cram.stages import StageError
+from cram.stages.finetuning.metrics import REGRESSION_METRICS, score
 
 # --------------------------------------------------------------------------------------------- tasks
 
@@ -332,3 +331,22 @@ def load_topics(name: str, path: Path, test_fraction: float) -> Task:
         return Examples([(rows["text"][i],) for i, _ in pairs], np.asarray([y for _, y in pairs], dtype=np.int64))
 
     return Task(name, ("accuracy", "macro_f1"), names, examples(train), {"test": examples(test)})
+
+
+def majority_baseline(task: Task, test: Examples) -> dict[str, float]:
+    """Scores of always answering the training set's most common class (its mean, for regression)."""
+    if task.regression:
+        guess = np.full(len(test.labels), task.train.labels.mean(), dtype=np.float32)
+    else:
+        guess = np.full(len(test.labels), np.bincount(task.train.labels).argmax())
+    return score(task.metrics, guess, test.labels)
+
+
+def glue_average(scores: dict[str, dict[str, float]]) -> float:
+    """Cramming's GLUE average: the mean of each evaluation set's main score.
+
+    `scores` maps a GLUE evaluation set ("cola/test", "mnli/matched", "mnli/mismatched", ...) to its
+    scores; MNLI's two sets count apart, as in the paper's table. Main scores follow BERT's report:
+    Matthews for CoLA, F1 for MRPC and QQP, Spearman for STS-B, accuracy for the rest.
+    """
+    return float(np.mean([values[GLUE[key.split("/")[0]].metrics[0]] for key, values in scores.items()]))

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 from urllib.parse import urlparse
 
-from stages import StageError
+from cram.stages import StageError
 
 _PROBE_TIMEOUT_S = 2.0
 

@@ -1,0 +1,3 @@
+"""What more than one stage uses: special token ids, the masking rule, the held-out MLM loss, the
+tensor file format, collectives across torchrun ranks, device and precision, experiment loggers and
+the progress bar."""

@@ -1,0 +1,101 @@
+"""The masked-LM objective every stage applies alike: its config (`[pretrain.masking]`), what it makes
+of a block length and the special ids (`MaskSpec`), and the masking of a batch of ids.
+
+Masks are drawn from a generator seeded per microbatch (`mask_seed`), so they are a function of the
+seed and the data position alone: pretrain's training masks and the held-out masks of pretrain and
+evaluate (`val_mlm`) never depend on the device, the batch size or the rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from cram.stages import StageError
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Masking:
+    """Exactly round(rate * seq_len) positions per sequence; of those, `mask_token` become [MASK],
+    `random_token` a random token, the rest keep their token."""
+
+    rate: float = 0.25
+    mask_token: float = 0.8
+    random_token: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not 0 < self.rate < 1:
+            raise ValueError(f"rate: {self.rate} must be in (0, 1)")
+        if not (0 <= self.mask_token and 0 <= self.random_token and self.mask_token + self.random_token <= 1):
+            raise ValueError(
+                f"mask_token, random_token: {self.mask_token}, {self.random_token} must be >= 0 with sum <= 1"
+            )
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """How the masked positions of a sequence are chosen and corrupted (cramming's MLM objective)."""
+
+    per_sequence: int  # K: exactly this many positions per sequence
+    mask_id: int
+    vocab_size: int
+    special_ids: tuple[int, ...]  # never chosen while a sequence has enough other tokens
+    replace_with_mask: float = 0.8
+    replace_with_random: float = 0.1  # the rest of the chosen positions keep their token
+
+
+def mask_spec(masking: Masking, special: dict[str, int], vocab_size: int, seq_len: int):
+    """The masking of pretraining for blocks of `seq_len`; evaluate masks its held-out blocks alike."""
+    per_sequence = round(masking.rate * seq_len)
+    if per_sequence < 1:
+        raise StageError(f"pretrain.masking.rate: {masking.rate} masks no token of a {seq_len}-token block")
+    return MaskSpec(
+        per_sequence=per_sequence,
+        mask_id=special["mask"],
+        vocab_size=vocab_size,
+        special_ids=tuple(sorted(set(special.values()))),
+        replace_with_mask=masking.mask_token,
+        replace_with_random=masking.random_token,
+    )
+
+
+def mask_seed(seed: int, first: int, stream: int = 0) -> int:
+    """The masking seed for the microbatch starting at sequence `first` of `stream` (0: training)."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed, stream, first]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def mask_tokens(ids: torch.Tensor, masking: MaskSpec, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """The MLM batch for `ids` [B, S] (any integer dtype, on the training device).
+
+    Returns `input_ids` [B, S] int64 and the static-shape `mlm_positions` / `mlm_labels` [B * K]
+    int64, positions being flat indices into B * S.
+    """
+    import torch
+
+    ids = ids.long()
+    batch, seq_len = ids.shape
+    device = ids.device
+    scores = torch.rand(batch, seq_len, generator=generator, device=device)
+    special = torch.zeros_like(ids, dtype=torch.bool)
+    for token in masking.special_ids:  # python scalars: no host-to-device copy, no sync
+        special |= ids == token
+    # Special tokens score below every real token: chosen only when a sequence runs out of others.
+    scores = scores.masked_fill(special, -1.0)
+    chosen = scores.topk(masking.per_sequence, dim=1, sorted=False).indices.sort(dim=1).values
+    positions = (chosen + torch.arange(batch, device=device)[:, None] * seq_len).reshape(-1)
+    flat = ids.reshape(-1)
+    labels = flat[positions]
+    action = torch.rand(positions.shape, generator=generator, device=device)
+    random_tokens = torch.randint(masking.vocab_size, positions.shape, generator=generator, device=device)
+    replaced = torch.where(action < masking.replace_with_mask, masking.mask_id, labels)
+    use_random = (action >= masking.replace_with_mask) & (
+        action < masking.replace_with_mask + masking.replace_with_random
+    )
+    replaced = torch.where(use_random, random_tokens, replaced)
+    input_ids = flat.index_put((positions,), replaced).reshape(batch, seq_len)
+    return {"input_ids": input_ids, "mlm_positions": positions, "mlm_labels": labels}

@@ -1,0 +1,86 @@
+"""The package as installed and the stage store's keys: one `cram` namespace in site-packages, and cache
+keys that do not depend on where a module lives (a runs root made by an earlier layout is reused)."""
+
+import importlib.metadata
+import json
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+from cram.pipeline import config as cfg
+from cram.pipeline import planning, runner
+
+REPO = Path(__file__).resolve().parents[1]
+SHADOWING = {"model", "pipeline", "stages"}
+
+# Keys main computed (f162271) before `stages/` was regrouped and installed under `cram`, for each shipped
+# pipeline with these overrides (a hub corpus, so no file fingerprint enters the key).
+OVERRIDES = [
+    'tokenize.corpus.kind="hub"',
+    'tokenize.corpus.name="some/dataset"',
+    "tokenize.vocab_size=512",
+    "pretrain.optimizer.lr=5e-4",
+    "pretrain.log_every_steps=7",
+]
+KEYS_BEFORE = {
+    "pipeline.toml": {
+        "tokenize": "b475f7bb577833966e2d85d06a2720ffdf272495e3c7885c04a8f1bd27caa9dd",
+        "pack": "7335af0efd8ebd91dc863cf72d898e5fd033e4d98ef34c667d38f15ce574b944",
+        "pretrain": "16dc41a4a817b90e3f176f81a9e59f7ce0dcc9577e031ff7f5525aaec591cd08",
+        "evaluate": "a19b3b393acc7109c9e0dd440e87d21e869c02e3bae44bb8affd560e13500f2e",
+    },
+    "configs/crammed-bert.toml": {
+        "tokenize": "154fd62bd903288e2df5e42bd339223bafa2b3bd56cc21cf73541362b311bc0e",
+        "pack": "b4fc1bfcf7e5e3da333cf3d89fac0993ff4fdde6d9016cd1bc3d8ae570fcc265",
+        "pretrain": "82fa9734343fea6dd25c307e14c753970b49e478eac9511cfaddeaede070d16e",
+        "evaluate": "0944df71a9825aab9410bf9c9df85843cc6cc3b4c0549d6014e654c9409cf8dd",
+    },
+}
+
+
+@pytest.mark.parametrize("config", sorted(KEYS_BEFORE))
+def test_cache_keys_are_those_of_the_layout_before(config, tmp_path):
+    modules = runner.default_stages()
+    conf = cfg.load(REPO / config, runner.config_classes(modules), [*OVERRIDES, f'run.root="{tmp_path}"'])
+    keys = {step.name: step.key for step in planning.plan(conf, modules, tmp_path / "x")}
+    assert {name: keys[name] for name in KEYS_BEFORE[config]} == KEYS_BEFORE[config]
+
+
+def _top_level(paths: list[str]) -> set[str]:
+    """The importable names that `paths` (files relative to site-packages) put at the top level."""
+    names = set()
+    for path in paths:
+        first = Path(path).parts[0]
+        if ".dist-info" in first or first == "__pycache__":
+            continue
+        names.add(first.removesuffix(".py"))
+    return names
+
+
+def test_the_installed_distribution_has_one_top_level_package():
+    # From site-packages: the working directory may hold the source tree's own cram.egg-info.
+    site_packages = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    (dist,) = importlib.metadata.distributions(name="cram", path=site_packages)
+    assert not _top_level([str(f) for f in dist.files or []]) & SHADOWING
+    assert (dist.read_text("top_level.txt") or "cram").split() == ["cram"]
+    # An editable install maps packages to folders through a finder: every name it maps is under cram.
+    finders = [f for f in dist.files or [] if str(f).endswith("_finder.py")]
+    for finder in finders:
+        text = Path(finder.locate()).read_text()
+        mapping = json.loads(text.split("MAPPING: dict[str, str] = ")[1].split("\n")[0].replace("'", '"'))
+        assert mapping and all(name.startswith("cram.") for name in mapping)
+
+
+@pytest.mark.slow
+def test_a_built_wheel_installs_only_cram(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(REPO)],
+                   check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("cram-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert _top_level(names) == {"cram"}
+    for module in ("cram/model/bert.py", "cram/pipeline/cli.py", "cram/stages/pretrain.py",
+                   "cram/stages/pretraining/loop.py", "cram/stages/shared/masking.py"):
+        assert module in names
