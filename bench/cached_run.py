@@ -37,8 +37,10 @@ def main() -> None:
         subprocess.run(command, check=True, capture_output=True)
         times.append(time.perf_counter() - start)
     print("| command | runs | median s | max s |\n|---|---|---|---|")
-    print(f"| cram run {Path(args.config)} (all cached) | {args.repeat} | "
-          f"{statistics.median(times):.2f} | {max(times):.2f} |")
+    print(
+        f"| cram run {Path(args.config)} (all cached) | {args.repeat} | "
+        f"{statistics.median(times):.2f} | {max(times):.2f} |"
+    )
 
 
 if __name__ == "__main__":

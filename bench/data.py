@@ -64,16 +64,18 @@ def _default_corpus(args: argparse.Namespace) -> None:
     config = cfg.load(args.config, runner.config_classes(runner.default_stages()), args.overrides)
     with tempfile.TemporaryDirectory(prefix="cram-bench-data-") as tmp:
         ctx = Context(seed=config.run.seed, device="cpu", run_dir=Path(tmp), log=structlog.get_logger())
-        tokenized = [_run(tokenize, config.stages["tokenize"], {}, Path(tmp) / f"tokenize-{i}", ctx)
-                     for i in range(args.repeat)]
+        tokenized = [
+            _run(tokenize, config.stages["tokenize"], {}, Path(tmp) / f"tokenize-{i}", ctx) for i in range(args.repeat)
+        ]
         upstream = {"tokenize": Upstream(Path(tmp) / "tokenize-0", tokenized[0])}
-        packed = [_run(pack, config.stages["pack"], upstream, Path(tmp) / f"pack-{i}", ctx)
-                  for i in range(args.repeat)]
+        packed = [_run(pack, config.stages["pack"], upstream, Path(tmp) / f"pack-{i}", ctx) for i in range(args.repeat)]
 
     first = tokenized[0]
-    print(f"corpus: {first['documents']:,} training documents, {first['text_mb']} MB of text, "
-          f"{first['total_tokens']:,} tokens (vocab {first['vocab_size']}, {first['model_type']}); "
-          f"{args.repeat} runs each, medians")
+    print(
+        f"corpus: {first['documents']:,} training documents, {first['text_mb']} MB of text, "
+        f"{first['total_tokens']:,} tokens (vocab {first['vocab_size']}, {first['model_type']}); "
+        f"{args.repeat} runs each, medians"
+    )
     print("| stage | figure | median | min | max |\n|---|---|---|---|---|")
     rows = [
         ("tokenize", "encode MB/s", [t["mb_per_s"] for t in tokenized]),
@@ -104,19 +106,34 @@ def _synthetic(args: argparse.Namespace) -> None:
             for run in range(args.rounds):
                 for num_proc in args.num_proc:
                     out = root / f"tokenize-{run}-{num_proc}"
-                    result = _in_child({"stage": "tokenize", "out": str(out), "num_proc": num_proc,
-                                        "corpus": str(root / "corpus" / "*.txt")})
+                    result = _in_child(
+                        {
+                            "stage": "tokenize",
+                            "out": str(out),
+                            "num_proc": num_proc,
+                            "corpus": str(root / "corpus" / "*.txt"),
+                        }
+                    )
                     t = result["outputs"]
                     tokenized.append((out, t))
-                    print(f"| {t['text_mb']:.0f} | tokenize | {num_proc} | {t['seconds']:.1f} | {t['mb_per_s']:.2f} | "
-                          f"| {result['self_mb']:.0f} | {result['tree_mb']:.0f} |", flush=True)
+                    print(
+                        f"| {t['text_mb']:.0f} | tokenize | {num_proc} | {t['seconds']:.1f} | {t['mb_per_s']:.2f} | "
+                        f"| {result['self_mb']:.0f} | {result['tree_mb']:.0f} |",
+                        flush=True,
+                    )
             out, t = tokenized[0]
             result = _in_child({"stage": "pack", "out": str(root / "pack"), "tokens": str(out), "outputs": t})
             p = result["outputs"]
-            print(f"| {t['text_mb']:.0f} | pack | | {p['seconds']:.1f} | | {p['tokens_per_s'] / 1e6:.1f} | "
-                  f"{result['self_mb']:.0f} | {result['tree_mb']:.0f} |", flush=True)
-            print(f"<!-- {size} MB: {t['documents']:,} training documents, {t['total_tokens']:,} tokens, "
-                  f"{p['train_blocks']:,} train blocks -->", flush=True)
+            print(
+                f"| {t['text_mb']:.0f} | pack | | {p['seconds']:.1f} | | {p['tokens_per_s'] / 1e6:.1f} | "
+                f"{result['self_mb']:.0f} | {result['tree_mb']:.0f} |",
+                flush=True,
+            )
+            print(
+                f"<!-- {size} MB: {t['documents']:,} training documents, {t['total_tokens']:,} tokens, "
+                f"{p['train_blocks']:,} train blocks -->",
+                flush=True,
+            )
             if args.keep:
                 os.rename(tmp, f"{tmp}-kept")
                 os.makedirs(tmp)  # for TemporaryDirectory's clean-up
@@ -128,6 +145,7 @@ def write_corpus(folder: Path, megabytes: int, seed: int = 0) -> None:
     3-12 sentences drawn at random from the default corpus, so the text is real English."""
     from cram.stages.data.corpus import package_file
     from cram.stages.data.source import CorpusConfig
+
     default = CorpusConfig()
     records = json.loads(package_file(default.package, default.file).read_text())
     sentences = [s for r in records.values() for s in re.split(r"(?<=\.) ", r["extract"].replace("\n", " ")) if s]
@@ -169,14 +187,22 @@ def _child(spec: dict) -> None:
     ctx = Context(seed=0, device="cpu", run_dir=out.parent, log=structlog.get_logger())
     if spec["stage"] == "tokenize":
         from cram.stages.data.source import CorpusConfig
+
         corpus = CorpusConfig(kind="files", paths=(spec["corpus"],), format="text")
         config = tokenize.Config(corpus=corpus, num_proc=spec["num_proc"], heldout_fraction=0.01)
         outputs = tokenize.run(config, {}, out, ctx)
     else:
         outputs = pack.run(pack.Config(), {"tokenize": Upstream(Path(spec["tokens"]), spec["outputs"])}, out, ctx)
     done.set()
-    print(json.dumps({"outputs": outputs, "self_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                      "tree_mb": peak[0]}))
+    print(
+        json.dumps(
+            {
+                "outputs": outputs,
+                "self_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "tree_mb": peak[0],
+            }
+        )
+    )
 
 
 def _tree_rss_mb(root: int) -> float:

@@ -194,12 +194,16 @@ class Data:
         key = (mask_rate, "train")
         if key not in self._masked:
             spec, gen = self._masking(mask_rate)
-            order = np.concatenate([epoch_order(self.seed, e, len(self.train))
-                                    for e in range(math.ceil(self.steps * self.batch / len(self.train)))])
+            order = np.concatenate(
+                [
+                    epoch_order(self.seed, e, len(self.train))
+                    for e in range(math.ceil(self.steps * self.batch / len(self.train)))
+                ]
+            )
             batches = []
             for step in range(self.steps):
                 first = step * self.batch
-                rows = np.sort(order[first:first + self.batch])
+                rows = np.sort(order[first : first + self.batch])
                 ids = torch.from_numpy(np.asarray(self.train[rows], dtype=np.int32)).to(self.device)
                 gen.manual_seed(mask_seed(self.seed, first))
                 batches.append(_with_dense_labels(mask_tokens(ids, spec, gen)))
@@ -214,7 +218,7 @@ class Data:
             batches = []
             for i in range(self.val_batches):
                 first = i * self.batch
-                ids = torch.from_numpy(np.asarray(self.val[first:first + self.batch], dtype=np.int32)).to(self.device)
+                ids = torch.from_numpy(np.asarray(self.val[first : first + self.batch], dtype=np.int32)).to(self.device)
                 gen.manual_seed(mask_seed(self.seed, first, stream=1))
                 batches.append(_with_dense_labels(mask_tokens(ids, spec, gen)))
             self._masked[key] = batches
@@ -239,13 +243,15 @@ def _with_dense_labels(batch: dict) -> dict:
 class Trainer:
     """One model at one lr: `step(batch, lr)` trains (returns the loss tensor), `evaluate(batches)` -> mean loss."""
 
-    def __init__(self, spec: Spec, args: argparse.Namespace, data: Data, *, compiled: bool = True,
-                 sparse: bool = True):
+    def __init__(self, spec: Spec, args: argparse.Namespace, data: Data, *, compiled: bool = True, sparse: bool = True):
         self.spec, self.device = spec, data.device
         self.autocast = torch.bfloat16 if spec.dtype == "bf16" else None
         dims = dataclasses.replace(
-            model.PRESETS[args.config], vocab_size=data.meta["vocab_size"], max_seq_len=data.seq_len,
-            pad_id=data.meta["special_ids"]["pad"], **spec.overrides,
+            model.PRESETS[args.config],
+            vocab_size=data.meta["vocab_size"],
+            max_seq_len=data.seq_len,
+            pad_id=data.meta["special_ids"]["pad"],
+            **spec.overrides,
         )
         self.cfg = dims
         build = {"cram": self._cram, "bert": self._bert, "modernbert": self._modernbert}[spec.kind]
@@ -254,14 +260,16 @@ class Trainer:
     def _cram(self, args, data, compiled, sparse) -> None:
         params = {k: v.to(self.device) for k, v in model.init(self.cfg, seed=args.seed).items()}
         state = {"params": params, "opt": model.adamw_init(params)}
-        train = model.make_train_step(self.cfg, model.OptimizerConfig(), compile=compiled, backend=args.backend,
-                                      autocast_dtype=self.autocast)
+        train = model.make_train_step(
+            self.cfg, model.OptimizerConfig(), compile=compiled, backend=args.backend, autocast_dtype=self.autocast
+        )
         evaluate = model.make_eval_step(self.cfg, compile=False, autocast_dtype=self.autocast)
         keys = ("input_ids", "mlm_positions", "mlm_labels")
 
         def step(batch, lr):
-            state["params"], state["opt"], metrics = train(state["params"], state["opt"],
-                                                           {k: batch[k] for k in keys}, lr)
+            state["params"], state["opt"], metrics = train(
+                state["params"], state["opt"], {k: batch[k] for k in keys}, lr
+            )
             return metrics["loss"]
 
         self.step = step
@@ -273,12 +281,21 @@ class Trainer:
 
         cfg = self.cfg
         torch.manual_seed(args.seed)
-        net = transformers.BertForMaskedLM(transformers.BertConfig(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
-            num_attention_heads=cfg.heads, intermediate_size=cfg.intermediate, max_position_embeddings=cfg.max_seq_len,
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=cfg.pad_id, type_vocab_size=1,
-            attn_implementation="sdpa",
-        )).to(self.device)
+        net = transformers.BertForMaskedLM(
+            transformers.BertConfig(
+                vocab_size=cfg.vocab_size,
+                hidden_size=cfg.hidden,
+                num_hidden_layers=cfg.layers,
+                num_attention_heads=cfg.heads,
+                intermediate_size=cfg.intermediate,
+                max_position_embeddings=cfg.max_seq_len,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+                pad_token_id=cfg.pad_id,
+                type_vocab_size=1,
+                attn_implementation="sdpa",
+            )
+        ).to(self.device)
         self._torch_model(args, net, lambda ids: net.bert(input_ids=ids).last_hidden_state, net.cls, compiled, sparse)
 
     def _modernbert(self, args, data, compiled, sparse) -> None:
@@ -286,22 +303,44 @@ class Trainer:
 
         cfg, special = self.cfg, data.meta["special_ids"]
         torch.manual_seed(args.seed)
-        net = transformers.ModernBertForMaskedLM(transformers.ModernBertConfig(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
-            num_attention_heads=cfg.heads, intermediate_size=cfg.ffn_inner, max_position_embeddings=cfg.max_seq_len,
-            layer_types=["full_attention"] * cfg.layers, global_rope_theta=cfg.rope_theta,
-            pad_token_id=special["pad"], cls_token_id=special["cls"], sep_token_id=special["sep"],
-            bos_token_id=special["cls"], eos_token_id=special["sep"], attn_implementation="sdpa",
-        )).to(self.device)
-        self._torch_model(args, net, lambda ids: net.model(input_ids=ids).last_hidden_state,
-                          lambda rows: net.decoder(net.head(rows)), compiled, sparse)
+        net = transformers.ModernBertForMaskedLM(
+            transformers.ModernBertConfig(
+                vocab_size=cfg.vocab_size,
+                hidden_size=cfg.hidden,
+                num_hidden_layers=cfg.layers,
+                num_attention_heads=cfg.heads,
+                intermediate_size=cfg.ffn_inner,
+                max_position_embeddings=cfg.max_seq_len,
+                layer_types=["full_attention"] * cfg.layers,
+                global_rope_theta=cfg.rope_theta,
+                pad_token_id=special["pad"],
+                cls_token_id=special["cls"],
+                sep_token_id=special["sep"],
+                bos_token_id=special["cls"],
+                eos_token_id=special["sep"],
+                attn_implementation="sdpa",
+            )
+        ).to(self.device)
+        self._torch_model(
+            args,
+            net,
+            lambda ids: net.model(input_ids=ids).last_hidden_state,
+            lambda rows: net.decoder(net.head(rows)),
+            compiled,
+            sparse,
+        )
 
     def _torch_model(self, args, net, encode, head, compiled, sparse) -> None:
         """transformers' way: the model compiled (as the Trainer does), torch.optim.AdamW outside it."""
         decay = [p for p in net.parameters() if p.ndim >= 2]
         rest = [p for p in net.parameters() if p.ndim < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
-                                lr=1e-3, betas=(0.9, 0.98), eps=1e-12, foreach=True)
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
+            lr=1e-3,
+            betas=(0.9, 0.98),
+            eps=1e-12,
+            foreach=True,
+        )
 
         def loss_of(batch):
             with _autocast(self.device, self.autocast):
@@ -348,12 +387,15 @@ def run(args: argparse.Namespace, specs: list[Spec], data: Data) -> dict:
     step_tokens = args.batch * data.seq_len
     cfg = model.PRESETS[args.config]
     hf = __import__("transformers").__version__ if _has_transformers() else "not installed"
-    print(f"# quality per budget: {args.config} (layers {cfg.layers}, hidden {cfg.hidden}, heads {cfg.heads}, "
-          f"intermediate {cfg.intermediate}), vocab {data.meta['vocab_size']}, seq {data.seq_len}, batch {args.batch}; "
-          f"{data.steps} steps = {data.steps * step_tokens / 1e6:.2f}M tokens "
-          f"of {len(data.train) * data.seq_len / 1e6:.2f}M unique; {args.dtype} on {args.device} "
-          f"({torch.get_num_threads()} threads), torch {torch.__version__}, "
-          f"transformers {hf}; held-out: {data.val_batches} fixed masked batches\n", flush=True)
+    print(
+        f"# quality per budget: {args.config} (layers {cfg.layers}, hidden {cfg.hidden}, heads {cfg.heads}, "
+        f"intermediate {cfg.intermediate}), vocab {data.meta['vocab_size']}, seq {data.seq_len}, batch {args.batch}; "
+        f"{data.steps} steps = {data.steps * step_tokens / 1e6:.2f}M tokens "
+        f"of {len(data.train) * data.seq_len / 1e6:.2f}M unique; {args.dtype} on {args.device} "
+        f"({torch.get_num_threads()} threads), torch {torch.__version__}, "
+        f"transformers {hf}; held-out: {data.val_batches} fixed masked batches\n",
+        flush=True,
+    )
 
     speed = {} if args.no_speed else measure_speed(args, specs, data)
     if speed:
@@ -378,13 +420,22 @@ def run(args: argparse.Namespace, specs: list[Spec], data: Data) -> dict:
     for name, lr in best.items():
         losses = curves[name][lr]["loss"]
         print(f"| {name} | {lr:g} | " + " | ".join(f"{x:.3f}" for x in losses) + " |")
-    print("\nfinal loss per lr: " + "; ".join(
-        f"{name} " + ", ".join(f"{lr:g}: {c['loss'][-1]:.3f}" for lr, c in by_lr.items())
-        for name, by_lr in curves.items()), flush=True)
+    print(
+        "\nfinal loss per lr: "
+        + "; ".join(
+            f"{name} " + ", ".join(f"{lr:g}: {c['loss'][-1]:.3f}" for lr, c in by_lr.items())
+            for name, by_lr in curves.items()
+        ),
+        flush=True,
+    )
 
     wall = {} if args.no_wall or args.no_speed else equal_wall_time(args, specs, data, speed, best, curves)
-    return {"speed_s": speed, "curves": {n: {str(lr): c for lr, c in v.items()} for n, v in curves.items()},
-            "best_lr": best, "equal_wall_time": wall}
+    return {
+        "speed_s": speed,
+        "curves": {n: {str(lr): c for lr, c in v.items()} for n, v in curves.items()},
+        "best_lr": best,
+        "equal_wall_time": wall,
+    }
 
 
 def measure_speed(args: argparse.Namespace, specs: list[Spec], data: Data) -> dict[str, float]:
@@ -446,8 +497,10 @@ def equal_wall_time(args, specs, data, speed, best, curves) -> dict:
     """Each other model, at its best lr, for the tokens it trains in the time the first row takes for the budget."""
     first = specs[0]
     budget_s = data.steps * speed[f"{first.name} compiled"]
-    print(f"\n## held-out MLM loss at equal wall time: {budget_s:.0f} s of steps at the measured speeds "
-          f"(the time {first.name} needs for the budget)\n")
+    print(
+        f"\n## held-out MLM loss at equal wall time: {budget_s:.0f} s of steps at the measured speeds "
+        f"(the time {first.name} needs for the budget)\n"
+    )
     print("| model | best lr | steps in that time | tokens | loss |\n|---|---|---|---|---|")
     out = {}
     for spec in specs:
@@ -459,8 +512,10 @@ def equal_wall_time(args, specs, data, speed, best, curves) -> dict:
             loss = train(args, spec, data, lr, steps, 1)["loss"][-1]
         out[spec.name] = {"steps": steps, "loss": loss}
         note = "" if steps < data.steps else " (the whole budget: faster than the first row)"
-        print(f"| {spec.name} | {lr:g} | {steps} | {steps * args.batch * data.seq_len / 1e6:.2f}M | {loss:.3f}{note} |",
-              flush=True)
+        print(
+            f"| {spec.name} | {lr:g} | {steps} | {steps * args.batch * data.seq_len / 1e6:.2f}M | {loss:.3f}{note} |",
+            flush=True,
+        )
     return out
 
 

@@ -61,6 +61,7 @@ def main() -> None:
     else:
         import torch
         from cram import model
+
         args.peak = args.peak or model.peak_flops(args.device, torch.bfloat16 if args.dtype == "bf16" else None)
         print_table(args, run_rows(args, rows))
 
@@ -152,6 +153,7 @@ def make_batches(args: argparse.Namespace, device) -> list[dict]:
 
 def _cfg(args: argparse.Namespace):
     from cram import model
+
     return model.PRESETS[args.config]
 
 
@@ -180,6 +182,7 @@ def make_batch(cfg, batch: int, device, seed: int) -> dict:
 def cram_row(cfg, device, autocast, backend: str, compiled: bool):
     import torch
     from cram import model
+
     params = {name: p.to(device) for name, p in model.init(cfg, seed=0).items()}
     state = {"params": params, "opt": model.adamw_init(params)}
     lr = torch.tensor(1e-3, device=device)
@@ -221,7 +224,10 @@ def bert_row(cfg, device, autocast, backend: str, compiled: bool):
     no_decay = [p for p in net.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=1e-3, betas=(0.9, 0.98), eps=1e-12, foreach=True,
+        lr=1e-3,
+        betas=(0.9, 0.98),
+        eps=1e-12,
+        foreach=True,
     )
 
     def make_step():
@@ -261,6 +267,7 @@ def timed(step, batch, device) -> float:
 def print_table(args: argparse.Namespace, results: list[dict]) -> None:
     import torch
     from cram import model
+
     cfg = model.PRESETS[args.config]
     try:
         import transformers

@@ -22,8 +22,14 @@ from collections import Counter
 from pathlib import Path
 
 CRAM = [sys.executable, "-c", "from cram.pipeline.cli import main; main()"]
-SHORT = ["pretrain.budget.steps=10", "pretrain.budget.hours=1.0", "pretrain.compile=false", "pretrain.val_blocks=8",
-         "evaluate.tasks=[]", "evaluate.compile=false"]
+SHORT = [
+    "pretrain.budget.steps=10",
+    "pretrain.budget.hours=1.0",
+    "pretrain.compile=false",
+    "pretrain.val_blocks=8",
+    "evaluate.tasks=[]",
+    "evaluate.compile=false",
+]
 GRID = ["pretrain.optimizer.lr=1e-3,3e-3", "pretrain.masking.rate=0.15,0.25"]
 
 
@@ -63,8 +69,10 @@ def main() -> None:
                 linked[event["stage"]] += 1
     print("| step | runs | median s | max s |\n|---|---|---|---|")
     print(f"| `cram run --only pack`, new root (tokenize + pack computed) | 1 | {first:.2f} | {first:.2f} |")
-    print(f"| `cram run --name NEW --only pack` (both linked from the store) | {args.repeat} | "
-          f"{statistics.median(again):.2f} | {max(again):.2f} |")
+    print(
+        f"| `cram run --name NEW --only pack` (both linked from the store) | {args.repeat} | "
+        f"{statistics.median(again):.2f} | {max(again):.2f} |"
+    )
     print(f"| `cram sweep` 4 variants ({' x '.join(GRID)}; {', '.join(SHORT)}) | 1 | {sweep:.1f} | {sweep:.1f} |")
     print("\n| stage, in the sweep | computed | linked from the store |\n|---|---|---|")
     for stage in ("tokenize", "pack", "pretrain", "evaluate"):

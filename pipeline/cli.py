@@ -64,8 +64,10 @@ def run(
 ) -> None:
     """Run the pipeline of CONFIG: every stage that is not done, in order."""
     if only is not None and start is not None:
-        fail(f"--only {only} and --from {start} do not combine: --only runs one stage, "
-             "--from re-runs a stage and every stage after it")
+        fail(
+            f"--only {only} and --from {start} do not combine: --only runs one stage, "
+            "--from re-runs a stage and every stage after it"
+        )
     modules = runner.default_stages()
     try:
         conf = cfg.load(config, runner.config_classes(modules), overrides)
@@ -91,8 +93,9 @@ def resume(run_dir: Path = typer.Argument(..., help="A run directory.")) -> None
     _run(conf, run_dir, modules, None, None, (), False)
 
 
-def _run(conf: cfg.PipelineConfig, run_dir: Path, modules: list, only, start, force, dry_run: bool,
-         show_status: bool = True) -> None:
+def _run(
+    conf: cfg.PipelineConfig, run_dir: Path, modules: list, only, start, force, dry_run: bool, show_status: bool = True
+) -> None:
     blocking = next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         fail(f"{blocking}: a file, where the run directory {run_dir} needs a folder (see run.root and run.name)")
@@ -163,8 +166,10 @@ def inspect(
     for name in [stage] if stage else list(stages):
         r = stages[name]
         out.rule(f"{name}: {r.get('status')}")
-        out.print(f"key {r.get('key')}  started {r.get('started')}  ended {r.get('ended')}  "
-                  f"duration {seconds(r['duration_s']) if r.get('duration_s') is not None else '-'}")
+        out.print(
+            f"key {r.get('key')}  started {r.get('started')}  ended {r.get('ended')}  "
+            f"duration {seconds(r['duration_s']) if r.get('duration_s') is not None else '-'}"
+        )
         if r.get("error"):
             out.print(f"[red]error:[/] {escape(r['error'])}", highlight=False)
         out.print("[bold]config[/]")
@@ -192,7 +197,8 @@ def compare(
     runs: List[str] = typer.Argument(..., help="Run directories or globs (runs/lr*, quoted or not)."),
     sort: Optional[str] = typer.Option(None, "--sort", help="Order by this figure, best first (e.g. mlm_loss)."),
     descending: Optional[bool] = typer.Option(
-        None, "--desc/--asc", help="Order --sort this way (default: losses and times ascending, others descending)."),
+        None, "--desc/--asc", help="Order --sort this way (default: losses and times ascending, others descending)."
+    ),
     all_figures: bool = typer.Option(False, "--all", help="Every figure of every stage, not only the headline ones."),
     out_file: Optional[Path] = typer.Option(None, "--out", help="Also write the table as .csv or .md."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Save the loss curves of all runs as this PNG."),
@@ -294,8 +300,11 @@ def sweep_runs(
     if not dry_run:
         print_sweep(found)
     if elsewhere:
-        out.print(f"{len(elsewhere)} variant(s) run by another process: {', '.join(elsewhere)}; "
-                  "run this sweep again once it is done to see them finished here", highlight=False)
+        out.print(
+            f"{len(elsewhere)} variant(s) run by another process: {', '.join(elsewhere)}; "
+            "run this sweep again once it is done to see them finished here",
+            highlight=False,
+        )
     if failed:
         fail(f"{len(failed)} of {len(found)} variants failed: {', '.join(n for n, _ in failed)}", failed[0][1])
 

@@ -107,8 +107,12 @@ def print_sweep(found: list[sweep.Variant]) -> None:
         stages = records(run_dir)
         final = list(stages)[-1] if stages else None
         state = planning.describe(run_dir, final, stages[final])[0] if final else "-"
-        table.add_row(run_dir.name, _styled(state), *(escape(json.dumps(v[i])) for v in diff.values()),
-                      *(f"{v[i]:.4g}" if isinstance(v[i], float) else str(v[i]) for v in last.values()))
+        table.add_row(
+            run_dir.name,
+            _styled(state),
+            *(escape(json.dumps(v[i])) for v in diff.values()),
+            *(f"{v[i]:.4g}" if isinstance(v[i], float) else str(v[i]) for v in last.values()),
+        )
     out.print(table)
 
 
@@ -161,6 +165,12 @@ def _figures(outputs: dict[str, Any], limit: int = 6) -> str:
 
 
 def _styled(status: str) -> str:
-    colour = {"done": "green", "failed": "red", "running": "yellow", "interrupted": "yellow", "killed": "yellow",
-              "missing": "red"}.get(status, "white")
+    colour = {
+        "done": "green",
+        "failed": "red",
+        "running": "yellow",
+        "interrupted": "yellow",
+        "killed": "yellow",
+        "missing": "red",
+    }.get(status, "white")
     return f"[{colour}]{status}[/]"

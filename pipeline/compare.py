@@ -116,8 +116,7 @@ def compare_table(
         if descending is None:
             descending = not _lower_is_better(sort_key)
         column = figures[sort_key]
-        present = sorted((i for i, v in enumerate(column) if v != MISSING), key=lambda i: column[i],
-                         reverse=descending)
+        present = sorted((i for i, v in enumerate(column) if v != MISSING), key=lambda i: column[i], reverse=descending)
         rows = [rows[i] for i in present] + [rows[i] for i, v in enumerate(column) if v == MISSING]
     sorted_by = headers[shown.index(sort_key)] if sort_key is not None else None
     return Table(["run", *diff, *headers], rows, len(diff), sorted_by, bool(descending))
@@ -135,8 +134,12 @@ def rich_table(table: Table, title: str | None = None) -> Any:
     rich = RichTable(title=title, title_justify="left")
     for j, column in enumerate(table.columns):
         config = 0 < j <= table.n_config
-        rich.add_column(escape(column), style="cyan" if config else None, justify="left" if j <= table.n_config
-                        else "right", overflow="fold")
+        rich.add_column(
+            escape(column),
+            style="cyan" if config else None,
+            justify="left" if j <= table.n_config else "right",
+            overflow="fold",
+        )
     for row in table.cells():
         rich.add_row(*map(escape, row))
     return rich

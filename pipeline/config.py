@@ -65,8 +65,9 @@ def load(
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
     except IsADirectoryError:
-        raise ConfigError(f"{path}: a directory; give the pipeline's TOML file, e.g. {path / 'pipeline.toml'}") \
-            from None
+        raise ConfigError(
+            f"{path}: a directory; give the pipeline's TOML file, e.g. {path / 'pipeline.toml'}"
+        ) from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
@@ -103,8 +104,7 @@ def build(cls: type, data: Any, where: str, source: str) -> Any:
     for key in data:
         if key not in fields:
             raise ConfigError(
-                f"{source}: [{where}] unknown key '{key}'{_did_you_mean(key, fields)}"
-                f" (valid keys: {', '.join(fields)})"
+                f"{source}: [{where}] unknown key '{key}'{_did_you_mean(key, fields)} (valid keys: {', '.join(fields)})"
             )
     values = {key: _convert(hints[key], value, f"{where}.{key}", source) for key, value in data.items()}
     try:

@@ -258,13 +258,16 @@ def _finished_run(run_dir: Path) -> dict[str, Any]:
     for stage, key in (("tokenize", "tokenizer"), ("pretrain", "params"), ("pretrain", "model_config")):
         path = run[f"{stage}_dir"] / str(run[stage].get(key))
         if not path.is_file():
-            raise ExportError(f"{path}: missing, though stage {stage} is done; re-run it: "
-                              f"cram run {run_dir / rundir.CONFIG} --force {stage}")
+            raise ExportError(
+                f"{path}: missing, though stage {stage} is done; re-run it: "
+                f"cram run {run_dir / rundir.CONFIG} --force {stage}"
+            )
     return run
 
 
 def _model_config(path: Path) -> Any:
     from cram.model import ModelConfig
+
     try:
         fields = json.loads(path.read_text(encoding="utf-8"))
         return ModelConfig(**{f.name: fields[f.name] for f in dataclasses.fields(ModelConfig) if f.name in fields})
@@ -278,11 +281,15 @@ def _check_target(run_dir: Path, to: Path, force: bool) -> Path:
     target, run = to.resolve(), run_dir.resolve()
     runs_root = run.parent
     if target == runs_root or runs_root in target.parents:
-        raise ExportError(f"--to {to}: inside the runs folder {runs_root} (it holds run {run_dir.name}); "
-                          "export to a folder outside it")
+        raise ExportError(
+            f"--to {to}: inside the runs folder {runs_root} (it holds run {run_dir.name}); "
+            "export to a folder outside it"
+        )
     if target in runs_root.parents or target == Path.cwd().resolve() or target in Path.cwd().resolve().parents:
-        raise ExportError(f"--to {to}: holds the runs folder {runs_root} or the current directory; "
-                          "name a new folder for the export, e.g. --to exports/" + run_dir.name)
+        raise ExportError(
+            f"--to {to}: holds the runs folder {runs_root} or the current directory; "
+            "name a new folder for the export, e.g. --to exports/" + run_dir.name
+        )
     inside = next((p for p in target.parents if (p / rundir.MANIFEST).is_file()), None)
     if inside is not None:
         raise ExportError(f"--to {to}: inside the run directory {inside}; export to a folder outside it")
@@ -290,8 +297,10 @@ def _check_target(run_dir: Path, to: Path, force: bool) -> Path:
         raise ExportError(f"--to {to}: exists and is not a directory")
     if target.is_dir() and any(target.iterdir()):
         if not (target / MARKER).is_file():
-            raise ExportError(f"--to {to}: not empty and not an earlier export (no {MARKER}); "
-                              "--force replaces only an earlier export: choose a new or empty folder")
+            raise ExportError(
+                f"--to {to}: not empty and not an earlier export (no {MARKER}); "
+                "--force replaces only an earlier export: choose a new or empty folder"
+            )
         if not force:
             raise ExportError(f"--to {to}: holds an earlier export; pass --force to replace it")
         run_inside = next(target.rglob(rundir.MANIFEST), None)

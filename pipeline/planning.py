@@ -134,7 +134,9 @@ def _link_only_what_is_needed(steps: list[Step], selected: dict[str, bool]) -> l
 
 def _is_done(record: dict[str, Any] | None, key: str, view: Path) -> bool:
     return (
-        bool(record) and record.get("status") == "done" and record.get("key") == key
+        bool(record)
+        and record.get("status") == "done"
+        and record.get("key") == key
         and store.problem(view, key) is None
     )
 
@@ -153,16 +155,20 @@ def _why_not_done(record: dict[str, Any] | None, key: str, config_hash: str, ups
     return "inputs changed"
 
 
-def describe(run_dir: Path, name: str, record: dict[str, Any], records: dict[str, Any] | None = None
-             ) -> tuple[str, str]:
+def describe(
+    run_dir: Path, name: str, record: dict[str, Any], records: dict[str, Any] | None = None
+) -> tuple[str, str]:
     """A stage's status as `cram status` shows it, checked against the files and the processes, and a
     note on an unfinished attempt kept beside a done result, or on a result made from an upstream
     result that the run has since replaced (given all the run's `records`)."""
     status = record.get("status", "?")
     if status == "done" and (missing := store.problem(run_dir / name, record.get("key", ""))):
         return "missing", f"not done: {missing}"
-    replaced = [u for u, k in (record.get("upstream_keys") or {}).items()
-                if status == "done" and records and (records.get(u) or {}).get("key") not in (None, k)]
+    replaced = [
+        u
+        for u, k in (record.get("upstream_keys") or {}).items()
+        if status == "done" and records and (records.get(u) or {}).get("key") not in (None, k)
+    ]
     if status == "running" and _gone(record):
         return "killed", f"pid {record['pid']} ended without a word (killed); cram resume {run_dir} continues it"
     notes = [f"(made from an earlier {', '.join(replaced)}: re-run to bring it up to date)"] if replaced else []
@@ -190,6 +196,5 @@ def _check_upstream_done(steps: list[Step]) -> None:
             up = by_name[name]
             if up.action == "skip" and up.reason != "done":
                 raise PlanError(
-                    f"stage '{step.name}' needs '{name}', which is not done; "
-                    f"run it first (e.g. without --only/--from)"
+                    f"stage '{step.name}' needs '{name}', which is not done; run it first (e.g. without --only/--from)"
                 )

@@ -67,8 +67,10 @@ class Manifest:
             raise RunDirError(f"{path}: cannot be read ({e})") from None
         stages = data.get("stages") if isinstance(data, dict) else None
         if not isinstance(stages, dict) or not all(isinstance(r, dict) for r in stages.values()):
-            raise RunDirError(f'{path}: not a cram manifest (expected {{"stages": {{name: record}}}}); '
-                              "move it away to start the run afresh")
+            raise RunDirError(
+                f'{path}: not a cram manifest (expected {{"stages": {{name: record}}}}); '
+                "move it away to start the run afresh"
+            )
         return cls(path, data)
 
     def stage(self, name: str) -> dict[str, Any] | None:
@@ -124,8 +126,9 @@ def acquire(path: Path, log: Any) -> dict[str, Any] | None:
             if state == "live":
                 return holder
             if state == "unreadable":
-                log.warning("taking over a lock without a pid (empty or half-written: its writer was killed)",
-                            lock=str(path))
+                log.warning(
+                    "taking over a lock without a pid (empty or half-written: its writer was killed)", lock=str(path)
+                )
             else:
                 log.warning("taking over a stale lock", lock=str(path), dead_pid=holder.get("pid"))
             path.unlink(missing_ok=True)

@@ -166,8 +166,7 @@ def _compute(
         # Other ranks read the manifest rank 0 has written, which holds the upstream outputs.
         records = manifest if main else rundir.Manifest.load(run_dir)
         inputs = {
-            name: stages.Upstream(run_dir / name, records.stage(name)["outputs"])
-            for name in step.module.UPSTREAM
+            name: stages.Upstream(run_dir / name, records.stage(name)["outputs"]) for name in step.module.UPSTREAM
         }
         ctx = stages.Context(
             seed=config.run.seed,
@@ -176,8 +175,9 @@ def _compute(
             log=log,
             rank=rank,
             world_size=world_size,
-            metrics=stage_loggers.make(config.run.loggers if main else (), run_dir / "logs", run_dir.name, step.name,
-                                       config.to_dict()),
+            metrics=stage_loggers.make(
+                config.run.loggers if main else (), run_dir / "logs", run_dir.name, step.name, config.to_dict()
+            ),
         )
         started = time.perf_counter()
         error: tuple[str, int] | None = None
@@ -198,15 +198,25 @@ def _compute(
         error = ranks.agree(error, world_size)
         if error is not None:
             if main:
-                attempt.update(status="failed", ended=rundir.now(), error=error[0],
-                               duration_s=round(time.perf_counter() - started, 3))
+                attempt.update(
+                    status="failed",
+                    ended=rundir.now(),
+                    error=error[0],
+                    duration_s=round(time.perf_counter() - started, 3),
+                )
                 save()
                 log.error("failed", error=error[0], **({"kept": "the earlier result"} if keep else {}))
             raise StageFailed(step.name, error[0], error[1], log_path)
         if main:
             duration = round(time.perf_counter() - started, 3)
-            record = {**attempt, "status": "done", "ended": rundir.now(), "duration_s": duration,
-                      "outputs": outputs, "pid": None}
+            record = {
+                **attempt,
+                "status": "done",
+                "ended": rundir.now(),
+                "duration_s": duration,
+                "outputs": outputs,
+                "pid": None,
+            }
             entry = stored.finish(partial, step.name, step.key, record)
             store.link(run_dir, step.name, entry)
             manifest.put(step.name, record)
@@ -225,8 +235,11 @@ def _mention_other_partial(previous: dict[str, Any], step: Step, stored: store.S
     for record in (previous, previous.get("attempt") or {}):
         key = record.get("key")
         if record.get("status") != "done" and key and key != step.key and stored.partial(step.name, key).is_dir():
-            log.warning("an unfinished attempt with another config is kept; return to that config to continue it, "
-                        "or remove it with cram gc", partial=str(stored.partial(step.name, key)))
+            log.warning(
+                "an unfinished attempt with another config is kept; return to that config to continue it, "
+                "or remove it with cram gc",
+                partial=str(stored.partial(step.name, key)),
+            )
 
 
 def _git_commit() -> str | None:

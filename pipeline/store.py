@@ -94,15 +94,19 @@ def take_lock(path: Path, log: Any, wait: bool) -> int | None:
                     os.close(fd)
                     return None
                 if not told:
-                    log.info("waiting for another process computing the same key", lock=str(path),
-                             holder=rundir.read_lock(path))
+                    log.info(
+                        "waiting for another process computing the same key",
+                        lock=str(path),
+                        holder=rundir.read_lock(path),
+                    )
                     told = True
                 fcntl.flock(fd, fcntl.LOCK_EX)
             # The holder removes the file before it lets go: a lock taken on a removed file guards nothing.
             if path.exists() and os.stat(path).st_ino == os.fstat(fd).st_ino:
                 os.ftruncate(fd, 0)
-                os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": rundir.now()})
-                         .encode())
+                os.write(
+                    fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": rundir.now()}).encode()
+                )
                 return fd
         except BaseException:
             os.close(fd)
@@ -171,8 +175,9 @@ def _adopt(run_dir: Path, stage: str, folder: Path) -> None:
     store = Store.of(run_dir)
     store.root.mkdir(parents=True, exist_ok=True)
     if not isinstance(key, str) or not re.fullmatch(r"[0-9a-f]{64}", key):
-        raise rundir.RunDirError(f"{folder}: a folder that neither the manifest nor a marker gives a key; "
-                                 "cram did not make it: move it away")
+        raise rundir.RunDirError(
+            f"{folder}: a folder that neither the manifest nor a marker gives a key; cram did not make it: move it away"
+        )
     if read_marker(folder) is None and record.get("status") == "done" and record.get("key") == key:
         write_marker(folder, stage, key, {k: v for k, v in record.items() if k != "attempt"})
     entry = store.entry(stage, key)

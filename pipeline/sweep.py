@@ -54,8 +54,11 @@ def parse_grid(items: list[str]) -> dict[str, list[str]]:
 
 
 def variants(
-    config_path: Path, config_classes: dict[str, type], grid: dict[str, list[str]],
-    overrides: list[str] = (), name: str | None = None,
+    config_path: Path,
+    config_classes: dict[str, type],
+    grid: dict[str, list[str]],
+    overrides: list[str] = (),
+    name: str | None = None,
 ) -> list[Variant]:
     """Every combination, validated (each value alone first, so an error names it), in grid order."""
     base = name or cfg.load(config_path, config_classes, list(overrides)).run.name
@@ -73,8 +76,12 @@ def variants(
     if len(set(names)) < len(names):  # values that differ only in characters a name cannot hold
         found = [dataclasses.replace(v, name=_with_digest(v.name, v.overrides)) for v in found]
     return [
-        dataclasses.replace(v, config=dataclasses.replace(
-            v.config, run=dataclasses.replace(v.config.run, name=rundir.validate_name(v.name))))
+        dataclasses.replace(
+            v,
+            config=dataclasses.replace(
+                v.config, run=dataclasses.replace(v.config.run, name=rundir.validate_name(v.name))
+            ),
+        )
         for v in found
     ]
 
@@ -91,8 +98,12 @@ def summary(steps: list[planning.Step]) -> str:
 def made_earlier(steps: list[planning.Step], made: dict[str, str], name: str) -> list[planning.Step]:
     """For a dry run: a stage an earlier variant would compute is linked, not run (`made`: key -> variant,
     updated with what this one computes)."""
-    steps = [dataclasses.replace(s, action="reuse", reason=f"made by {made[s.key]}")
-             if s.action == "run" and s.key in made else s for s in steps]
+    steps = [
+        dataclasses.replace(s, action="reuse", reason=f"made by {made[s.key]}")
+        if s.action == "run" and s.key in made
+        else s
+        for s in steps
+    ]
     made.update({s.key: name for s in steps if s.action == "run"})
     return steps
 

@@ -65,8 +65,10 @@ class TaskConfig:
             if unknown:
                 raise ValueError(f"metrics: unknown metric {unknown[0]!r}; choose from {', '.join(METRICS)}")
             if len({m in REGRESSION_METRICS for m in self.metrics}) > 1:
-                raise ValueError(f"metrics: {list(self.metrics)} mixes regression "
-                                 f"({', '.join(REGRESSION_METRICS)}) and classification")
+                raise ValueError(
+                    f"metrics: {list(self.metrics)} mixes regression "
+                    f"({', '.join(REGRESSION_METRICS)}) and classification"
+                )
         elif self.text_fields or self.metrics:
             raise ValueError(f"text_fields, metrics: only a custom task takes them; {self.kind} sets its own")
         if not 0 < self.test_fraction < 1:
@@ -85,9 +87,7 @@ class Config:
     # Fine-tuning follows cramming's GLUE rules: one set of hyper-parameters for every task.
     # The default: the held-out topics, sized for the default CPU pipeline (about a minute on 2
     # cores). Minutes of pretraining leave a tiny model that learns nothing at GLUE's 4e-5 in 2 epochs.
-    tasks: list[TaskConfig] = field(
-        default_factory=lambda: [TaskConfig(epochs=2, seeds=3, lr=1e-3, max_length=64)]
-    )
+    tasks: list[TaskConfig] = field(default_factory=lambda: [TaskConfig(epochs=2, seeds=3, lr=1e-3, max_length=64)])
     epochs: int = 5
     batch_size: int = 16
     lr: float = 4e-5
@@ -163,17 +163,23 @@ def validate(config: Config, pipeline: Any) -> None:
         where = f"evaluate.tasks[{i}]"
         max_length = config.setting(task, "max_length")
         if pack is not None and bucket(max_length, config.buckets) > pack.seq_len:
-            raise StageError(f"{where}: max_length {max_length} pads to {bucket(max_length, config.buckets)}, "
-                             f"beyond pack.seq_len = {pack.seq_len}, the model's positions")
+            raise StageError(
+                f"{where}: max_length {max_length} pads to {bucket(max_length, config.buckets)}, "
+                f"beyond pack.seq_len = {pack.seq_len}, the model's positions"
+            )
         if task.kind != "heldout-topic":
             if task.path:  # GLUE from the hub is fetched when the stage runs, not to check a config
                 load_task(task, i, None)
         elif tokenize is not None and tokenize.heldout_fraction == 0:
-            raise StageError(f"{where}: kind 'heldout-topic' classifies the articles tokenize holds out, and "
-                             "tokenize.heldout_fraction = 0 holds out none; raise it or drop this task")
+            raise StageError(
+                f"{where}: kind 'heldout-topic' classifies the articles tokenize holds out, and "
+                "tokenize.heldout_fraction = 0 holds out none; raise it or drop this task"
+            )
         elif tokenize is not None and not _has_labels(tokenize.corpus):
-            raise StageError(f"{where}: kind 'heldout-topic' needs labelled documents, and the corpus has no "
-                             "labels (tokenize.corpus.label_field, or text files); drop this task or add labels")
+            raise StageError(
+                f"{where}: kind 'heldout-topic' needs labelled documents, and the corpus has no "
+                "labels (tokenize.corpus.label_field, or text files); drop this task or add labels"
+            )
 
 
 def _has_labels(corpus: Any) -> bool:
@@ -185,14 +191,17 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     import torch
     from cram.stages.finetuning.finetune import Tuner, encode, finetune_seed, share_out, task_result
     from cram.stages.shared.collectives import all_gather
+
     tokenize, pack, pretrain = inputs["tokenize"], inputs["pack"], inputs["pretrain"]
     cfg, params, tokenizer = _load_checkpoint(pretrain, tokenize)
     for i, task_cfg in enumerate(config.tasks):
         max_length = config.setting(task_cfg, "max_length")
         if bucket(max_length, config.buckets) > cfg.max_seq_len:
             key = "max_length" if task_cfg.max_length is None else f"tasks[{i}].max_length"
-            raise StageError(f"evaluate.{key}: {max_length} pads to {bucket(max_length, config.buckets)}, "
-                             f"beyond the model's {cfg.max_seq_len} positions")
+            raise StageError(
+                f"evaluate.{key}: {max_length} pads to {bucket(max_length, config.buckets)}, "
+                f"beyond the model's {cfg.max_seq_len} positions"
+            )
     special = tokenize.outputs["special_ids"]
     seeds = [[ctx.seed + k for k in range(config.setting(tc, "seeds"))] for tc in config.tasks]
     jobs = [(i, seed) for i, task_seeds in enumerate(seeds) for seed in task_seeds]
@@ -252,14 +261,20 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     if mlm is not None:
         results["mlm"] = mlm
     results["tasks"] = {
-        task.name: task_result(config, tc, task, encoded[i], seeds[i],
-                               [runs[j] for j, (t, _) in enumerate(jobs) if t == i], ctx)
+        task.name: task_result(
+            config, tc, task, encoded[i], seeds[i], [runs[j] for j, (t, _) in enumerate(jobs) if t == i], ctx
+        )
         for i, (tc, task) in enumerate(tasks)
     }
-    glue = {f"{name}/{test}": r["median"][test]
-            for name, r in results["tasks"].items() if r["kind"] == "glue" for test in r["median"]}
+    glue = {
+        f"{name}/{test}": r["median"][test]
+        for name, r in results["tasks"].items()
+        if r["kind"] == "glue"
+        for test in r["median"]
+    }
     if glue:
         from cram.stages.finetuning.tasks import glue_average
+
         results["glue"] = {"average": glue_average(glue), "sets": sorted(glue)}
     _write_json(out_dir / "results.json", results)
     ctx.metrics.log(pretrain.outputs.get("steps", 0), _headline(results))  # at the end of pretraining
@@ -273,6 +288,7 @@ def _load_checkpoint(pretrain: Upstream, tokenize: Upstream):
     import sentencepiece as spm
     from cram.model import ModelConfig
     from cram.stages.shared.tensors import read_tensors
+
     config_path = pretrain.path("model_config")
     try:
         cfg = ModelConfig(**json.loads(config_path.read_text(encoding="utf-8")))
@@ -295,19 +311,19 @@ def _load_checkpoint(pretrain: Upstream, tokenize: Upstream):
     return cfg, params, tokenizer
 
 
-
-
 # ----------------------------------------------------------------------------------- masked LM
 
 
-def _evaluate_mlm(config: Config, cfg, params, pack: Upstream, masking: dict, special, device, autocast,
-                  ctx: Context) -> dict:
+def _evaluate_mlm(
+    config: Config, cfg, params, pack: Upstream, masking: dict, special, device, autocast, ctx: Context
+) -> dict:
     """Mean loss and accuracy over every masked token of the held-out blocks, masked as pretrain masks
     its held-out blocks (`stages/heldout.py`) at `masking`'s rate."""
     import numpy as np
     from cram import model
     from cram.stages.shared.masking import Masking, mask_spec
     from cram.stages.shared.val_mlm import val_mlm
+
     began = time.perf_counter()
     blocks = np.load(pack.path("val"), mmap_mode="r")
     if blocks.ndim != 2 or len(blocks) == 0:
@@ -316,10 +332,15 @@ def _evaluate_mlm(config: Config, cfg, params, pack: Upstream, masking: dict, sp
     step = model.make_eval_step(cfg, compile=config.compile, backend=config.backend, autocast_dtype=autocast)
     # The last, shorter batch runs eagerly rather than compiling a second graph for one call.
     tail = model.make_eval_step(cfg, compile=False, autocast_dtype=autocast)
-    result = val_mlm(step, params, blocks, spec, seed=config.mlm_seed, batch_size=config.mlm_batch_size,
-                         device=device, tail=tail)
-    result = {**result, "mask_rate": masking["rate"], "blocks": len(blocks),
-              "time_s": round(time.perf_counter() - began, 3)}
+    result = val_mlm(
+        step, params, blocks, spec, seed=config.mlm_seed, batch_size=config.mlm_batch_size, device=device, tail=tail
+    )
+    result = {
+        **result,
+        "mask_rate": masking["rate"],
+        "blocks": len(blocks),
+        "time_s": round(time.perf_counter() - began, 3),
+    }
     ctx.log.info("mlm", **result)
     return result
 

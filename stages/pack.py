@@ -126,8 +126,10 @@ def flatten(tokens: Path, scratch: Path, dtype: Any, vocab_size: int) -> tuple[A
                 n = pc.fill_null(pc.list_value_length(column), 0).to_numpy(zero_copy_only=False).astype(np.int64)
                 ids = column.flatten().to_numpy(zero_copy_only=False)
                 if len(ids) and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
-                    raise StageError(f"{path}: token ids outside [0, vocab_size = {vocab_size}): "
-                                     f"the tokenize output is not from this tokenizer; re-run tokenize")
+                    raise StageError(
+                        f"{path}: token ids outside [0, vocab_size = {vocab_size}): "
+                        f"the tokenize output is not from this tokenizer; re-run tokenize"
+                    )
                 ids.astype(dtype, copy=False).tofile(out)
                 lengths.append(n)
                 keys.append(_document_hashes(table[ids], n))
@@ -188,8 +190,9 @@ class MappedIds:
         self._file.close()
 
 
-def write_blocks(path: Path, ids: MappedIds, offsets: Any, docs: Any, prefix: list[int], suffix: list[int],
-                 seq_len: int) -> tuple[int, int]:
+def write_blocks(
+    path: Path, ids: MappedIds, offsets: Any, docs: Any, prefix: list[int], suffix: list[int], seq_len: int
+) -> tuple[int, int]:
     """Pass two, for one split: the documents `docs`, in that order, each wrapped in prefix and
     suffix tokens, cut into rows of seq_len (the remainder that does not fill a row is dropped) and
     written to the `.npy` file `path` a chunk at a time. Returns the array's shape.
@@ -297,7 +300,7 @@ def _validation_split(order: Any, offsets: Any, config: Config, wrap: int) -> tu
         if len(order) == 1 and total >= 2 * config.seq_len:  # enough tokens: it is the documents that are few
             raise StageError(
                 f"tokenize.corpus: one document of {total} tokens; pack keeps whole documents apart for "
-                "validation, so it needs two or more (split the text, e.g. tokenize.corpus.text_unit = \"paragraph\")"
+                'validation, so it needs two or more (split the text, e.g. tokenize.corpus.text_unit = "paragraph")'
             )
         raise StageError(
             f"tokenize.corpus: {len(order)} documents ({total} tokens with boundaries) are too few for one "

@@ -43,9 +43,11 @@ _NOT_CONFIGURED_HERE = ("vocab_size", "max_seq_len", "pad_id", "dropout")
 # the preset's). Made from ModelConfig's fields, so an architecture option is never copied by hand.
 Architecture = dataclasses.make_dataclass(
     "Architecture",
-    [("preset", str, field(default="tiny"))] + [
+    [("preset", str, field(default="tiny"))]
+    + [
         (f.name, typing.Optional[typing.get_type_hints(ModelConfig)[f.name]], field(default=None))
-        for f in dataclasses.fields(ModelConfig) if f.name not in _NOT_CONFIGURED_HERE
+        for f in dataclasses.fields(ModelConfig)
+        if f.name not in _NOT_CONFIGURED_HERE
     ],
     frozen=True,
 )
@@ -124,8 +126,9 @@ class Config:
             if not value > 0:
                 raise ValueError(f"{key}: {value} must be > 0")
         if self.canary_steps < 0 or not self.canary_tolerance > 0:
-            raise ValueError(f"canary_steps, canary_tolerance: {self.canary_steps}, {self.canary_tolerance} "
-                             "must be >= 0 and > 0")
+            raise ValueError(
+                f"canary_steps, canary_tolerance: {self.canary_steps}, {self.canary_tolerance} must be >= 0 and > 0"
+            )
         for key in ("checkpoint_every_minutes", "checkpoint_every_steps"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key}: {getattr(self, key)} must be > 0, or 0 for off")
@@ -143,6 +146,7 @@ def validate(config: Config, pipeline: Any) -> None:
     are set to make), the schedule and its arguments, and the device."""
     from cram import model
     from cram.stages.shared.special import SPECIAL_IDS
+
     tokenize, pack = pipeline.stages.get("tokenize"), pipeline.stages.get("pack")
     preset = model.PRESETS.get(config.model.preset)
     vocab_size = tokenize.vocab_size if tokenize is not None else getattr(preset, "vocab_size", 0)
@@ -162,6 +166,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     from cram.stages.pretraining.telemetry import MetricsLog, mfu, peak_flops
     from cram.stages.shared.collectives import agree_on
     from cram.stages.shared.val_mlm import MASK_SEED, val_mlm
+
     pack = inputs["pack"]
     blocks = np.load(pack.path("train"), mmap_mode="r")
     val = np.load(pack.path("val"), mmap_mode="r")
@@ -170,8 +175,10 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     cfg = _model_config(model, config.model, int(pack.outputs["vocab_size"]), seq_len, special["pad"])
     _check_schedule(model, config)
     if config.batch_size % (ctx.world_size * config.microbatch):
-        raise StageError(f"pretrain.batch_size: {config.batch_size} must be a multiple of microbatch x ranks "
-                         f"({ctx.world_size * config.microbatch})")
+        raise StageError(
+            f"pretrain.batch_size: {config.batch_size} must be a multiple of microbatch x ranks "
+            f"({ctx.world_size * config.microbatch})"
+        )
     spec = mask_spec(config.masking, special, cfg.vocab_size, seq_len)
     device = devices.resolve(ctx.device)
     autocast = devices.autocast_dtype(config.precision, device)
@@ -200,8 +207,11 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     def make_steps(compile: bool) -> Steps:
         how = dict(compile=compile, backend=config.backend)
         return Steps(
-            whole=model.make_train_step(cfg, config.optimizer, autocast_dtype=autocast, reduce_grads=reduce_grads,
-                                        **how) if single else None,
+            whole=model.make_train_step(
+                cfg, config.optimizer, autocast_dtype=autocast, reduce_grads=reduce_grads, **how
+            )
+            if single
+            else None,
             accumulate=None if single else model.make_accumulate_step(cfg, autocast_dtype=autocast, **how),
             apply=None if single else model.make_apply_step(config.optimizer, reduce_grads=reduce_grads, **how),
             spec=spec,
@@ -216,8 +226,15 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
 
     def val_loss(params: dict) -> float:
         """The held-out MLM loss on the first `val_blocks` blocks, masked as evaluate masks them."""
-        return val_mlm(evaluate, params, val[:config.val_blocks], spec, seed=MASK_SEED,
-                           batch_size=config.microbatch, device=device)["loss"]
+        return val_mlm(
+            evaluate,
+            params,
+            val[: config.val_blocks],
+            spec,
+            seed=MASK_SEED,
+            batch_size=config.microbatch,
+            device=device,
+        )["loss"]
 
     if ctx.is_main and config.val_blocks and state["val_loss_start"] is None:
         state["val_loss_start"] = val_loss(params)
@@ -231,11 +248,17 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         peak_flops(device, autocast)  # measured on a CPU, which takes seconds: before the budget clock starts
 
     last_saved = -1 if resume_from is None else state["step"]
-    params, opt_state = train(config, ctx, steps, params, opt_state, state, blocks, out_dir, last_saved,
-                              flops_per_token)
+    params, opt_state = train(
+        config, ctx, steps, params, opt_state, state, blocks, out_dir, last_saved, flops_per_token
+    )
 
-    outputs = {"params": "params.safetensors", "model_config": "model.json", "metrics": "metrics.jsonl",
-               "checkpoints": "checkpoints", "masking": dataclasses.asdict(config.masking)}
+    outputs = {
+        "params": "params.safetensors",
+        "model_config": "model.json",
+        "metrics": "metrics.jsonl",
+        "checkpoints": "checkpoints",
+        "masking": dataclasses.asdict(config.masking),
+    }
     if not ctx.is_main:
         return outputs
     checkpoint.write_tensors(out_dir / outputs["params"], params)

@@ -94,8 +94,14 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     else:
         (out_dir / "heldout").rmdir()
     read_s = time.perf_counter() - started
-    ctx.log.info("corpus read", documents=totals["documents"], heldout=totals["heldout"], units=len(units),
-                 num_proc=num_proc, seconds=round(read_s, 2))
+    ctx.log.info(
+        "corpus read",
+        documents=totals["documents"],
+        heldout=totals["heldout"],
+        units=len(units),
+        num_proc=num_proc,
+        seconds=round(read_s, 2),
+    )
 
     t0 = time.perf_counter()
     model = train_tokenizer(_training_lines(text_shards, totals["characters"], config), config)
@@ -203,6 +209,7 @@ def _training_lines(text_shards: list[Path], characters: int, config: Config) ->
     spread over the whole corpus, not just its first files."""
     import numpy as np
     from cram.stages.data.shards import read_batches
+
     budget = config.tokenizer_max_chars
     share = min(1.0, budget / max(characters, 1))
     rng = np.random.default_rng(0)

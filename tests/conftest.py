@@ -21,6 +21,7 @@ def make_ctx(tmp_path):
     """Build a `stages.Context` for calling a stage's `run` directly, without the runner."""
     import structlog
     from cram.stages import Context
+
     def make(seed: int = 0, device: str = "cpu", **kw) -> Context:
         run_dir = tmp_path / "run"
         run_dir.mkdir(exist_ok=True)
@@ -45,6 +46,7 @@ def one_thread():
 def free_port():
     """A TCP port free now on the loopback, for a torchrun rendezvous: a fixed one clashes with any other
     job on the machine that uses it (seen as a rank aborting)."""
+
     def find() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

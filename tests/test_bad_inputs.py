@@ -116,8 +116,11 @@ def _statuses(run: Path) -> list[str]:
 
 def snapshot(run: Path) -> dict[str, str]:
     """Every file of the run but its event log (which may record the refusal), by content."""
-    return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(run.rglob("*")) if p.is_file() and p.name != "events.jsonl"}
+    return {
+        str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(run.rglob("*"))
+        if p.is_file() and p.name != "events.jsonl"
+    }
 
 
 def sets(**values: str) -> list[str]:
@@ -126,8 +129,14 @@ def sets(**values: str) -> list[str]:
 
 def tasks(**fields: str) -> list[str]:
     """`--set evaluate.tasks=[...]`: the custom task with some fields changed."""
-    task = {"kind": '"custom"', "name": '"sent"', "path": '"tasks"', "text_fields": '["text"]',
-            "metrics": '["accuracy"]', **fields}
+    task = {
+        "kind": '"custom"',
+        "name": '"sent"',
+        "path": '"tasks"',
+        "text_fields": '["text"]',
+        "metrics": '["accuracy"]',
+        **fields,
+    }
     return sets(**{"evaluate.tasks": "[{" + ", ".join(f"{k}={v}" for k, v in task.items()) + "}]"})
 
 
@@ -136,6 +145,7 @@ def rewrite(path: str, text: str | bytes) -> Callable[[Path], None]:
         target = ws / path
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(text) if isinstance(text, bytes) else target.write_text(text)
+
     return change
 
 
@@ -160,7 +170,8 @@ def log_folder_is_a_file(ws: Path) -> None:  # what a read-only run directory do
 def live_lock(ws: Path) -> None:
     # This test's own process: alive, on this host.
     (ws / "runs" / "base" / ".lock").write_text(
-        json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": "now"}))
+        json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": "now"})
+    )
 
 
 RUN = ("run", "pipeline.toml")
@@ -178,8 +189,7 @@ CASES = [
     ("odd glu", nothing, [*RUN, *sets(**{"pretrain.model.intermediate": "33"})], "model.intermediate=33"),
     ("norm eps nan", nothing, [*RUN, *sets(**{"pretrain.model.norm_eps": "nan"})], "pretrain.model.norm_eps: nan"),
     ("schedule", nothing, [*RUN, *sets(**{"pretrain.schedule": '"cosine-ish"'})], "pretrain.schedule: 'cosine-ish'"),
-    ("schedule args", nothing, [*RUN, *sets(**{"pretrain.schedule_args": "{bogus = 1.0}"})],
-     "pretrain.schedule_args"),
+    ("schedule args", nothing, [*RUN, *sets(**{"pretrain.schedule_args": "{bogus = 1.0}"})], "pretrain.schedule_args"),
     ("cuda", nothing, [*RUN, *FORCE_EVAL, *sets(**{"run.device": '"cuda"'})], "run.device: 'cuda' but CUDA"),
     ("device name", nothing, [*RUN, *sets(**{"run.device": '"tpu"'})], "device: 'tpu' is not one of"),
     ("budget", nothing, [*RUN, *sets(**{"pretrain.budget.steps": "-5"})], "steps: -5 must be > 0"),
@@ -188,18 +198,30 @@ CASES = [
     ("mlm mask rate", nothing, [*RUN, *sets(**{"evaluate.mlm_mask_rate": "1.5"})], "mlm_mask_rate: 1.5 must be in"),
     ("val fraction", nothing, [*RUN, *sets(**{"pack.val_fraction": "inf"})], "pack.val_fraction: inf"),
     ("vocab", nothing, [*RUN, *sets(**{"tokenize.vocab_size": "5"})], "vocab_size: 5 must be between"),
-    ("microbatch type", nothing, [*RUN, *sets(**{"pretrain.microbatch": '"big"'})],
-     "pretrain.microbatch: expected an integer, got 'big'"),
+    (
+        "microbatch type",
+        nothing,
+        [*RUN, *sets(**{"pretrain.microbatch": '"big"'})],
+        "pretrain.microbatch: expected an integer, got 'big'",
+    ),
     ("unknown key", nothing, [*RUN, *sets(**{"pretrain.lr": "1e-3"})], "unknown key 'lr'"),
     ("unknown section", rewrite("pipeline.toml", PIPELINE + "\n[pretrian]\n"), RUN, "unknown section [pretrian]"),
     ("bad --set", nothing, [*RUN, "--set", "lr"], "expected section.key=value"),
     # the corpus: found before the first stage runs
-    ("corpus missing", nothing, [*RUN, *sets(**{"tokenize.corpus.paths": '["nope/*.jsonl"]'})],
-     "tokenize.corpus.paths: 'nope/*.jsonl' matches no file"),
+    (
+        "corpus missing",
+        nothing,
+        [*RUN, *sets(**{"tokenize.corpus.paths": '["nope/*.jsonl"]'})],
+        "tokenize.corpus.paths: 'nope/*.jsonl' matches no file",
+    ),
     ("corpus no paths", nothing, [*RUN, *sets(**{"tokenize.corpus.paths": "[]"})], 'kind = "files" needs at least'),
     ("corpus format", nothing, [*RUN, *sets(**{"tokenize.corpus.format": '"xml"'})], "format: 'xml' is not allowed"),
-    ("corpus package", nothing, [*RUN, *sets(**{"tokenize.corpus.kind": '"package"', "tokenize.corpus.package":
-                                                '"no-such-package"'})], "'no-such-package' is not installed"),
+    (
+        "corpus package",
+        nothing,
+        [*RUN, *sets(**{"tokenize.corpus.kind": '"package"', "tokenize.corpus.package": '"no-such-package"'})],
+        "'no-such-package' is not installed",
+    ),
     ("corpus text field", nothing, [*RUN, *sets(**{"tokenize.corpus.text_field": '""'})], "text_field: must name"),
     # evaluate's tasks: their files are read before the first stage runs
     ("task folder", nothing, [*RUN, *tasks(path='"nope"')], "evaluate.tasks[0].path: nope is not a directory"),
@@ -207,58 +229,107 @@ CASES = [
     ("task text column", nothing, [*RUN, *tasks(text_fields='["body"]')], "has no field 'body'"),
     ("task metric", nothing, [*RUN, *tasks(metrics='["auc"]')], "unknown metric 'auc'"),
     ("task one class", one_class, RUN, "holds one class only"),
-    ("task not utf-8", rewrite("tasks/train.csv", "text,label\ncaf\xe9 ok,1\nbad,0\n".encode("latin-1")), RUN,
-     "tasks/train.csv: not UTF-8"),
-    ("glue tsv not utf-8", rewrite("glue/SST-2/train.tsv", "sentence\tlabel\ncaf\xe9\t1\n".encode("latin-1")),
-     [*RUN, *tasks(kind='"glue"', name='"sst2"', path='"glue"', text_fields="[]", metrics="[]")],
-     "glue/SST-2/train.tsv: not UTF-8"),
+    (
+        "task not utf-8",
+        rewrite("tasks/train.csv", "text,label\ncaf\xe9 ok,1\nbad,0\n".encode("latin-1")),
+        RUN,
+        "tasks/train.csv: not UTF-8",
+    ),
+    (
+        "glue tsv not utf-8",
+        rewrite("glue/SST-2/train.tsv", "sentence\tlabel\ncaf\xe9\t1\n".encode("latin-1")),
+        [*RUN, *tasks(kind='"glue"', name='"sst2"', path='"glue"', text_fields="[]", metrics="[]")],
+        "glue/SST-2/train.tsv: not UTF-8",
+    ),
     ("task no test file", remove("tasks/test.csv"), RUN, "has no test|dev|validation.csv or .jsonl"),
     ("task unseen label", rewrite("tasks/test.csv", "text,label\ncat sat,7\n"), RUN, "label '7' of field 'label'"),
     ("task empty", rewrite("tasks/train.csv", "text,label\n"), RUN, "tasks/train.csv: no records"),
-    ("task too long", nothing, [*RUN, *sets(**{"evaluate.buckets": "[16, 32]", "evaluate.max_length": "32"})],
-     "beyond pack.seq_len = 16"),
-    ("heldout none", nothing, [*RUN, *tasks(kind='"heldout-topic"', name='"topic"', path='""', text_fields="[]",
-                                             metrics="[]"), *sets(**{"tokenize.heldout_fraction": "0.0"})],
-     "tokenize.heldout_fraction = 0 holds out none"),
-    ("heldout unlabelled", nothing, [*RUN, *tasks(kind='"heldout-topic"', name='"topic"', path='""', text_fields="[]",
-                                                  metrics="[]"), *sets(**{"tokenize.corpus.label_field": '""'})],
-     "needs labelled documents"),
+    (
+        "task too long",
+        nothing,
+        [*RUN, *sets(**{"evaluate.buckets": "[16, 32]", "evaluate.max_length": "32"})],
+        "beyond pack.seq_len = 16",
+    ),
+    (
+        "heldout none",
+        nothing,
+        [
+            *RUN,
+            *tasks(kind='"heldout-topic"', name='"topic"', path='""', text_fields="[]", metrics="[]"),
+            *sets(**{"tokenize.heldout_fraction": "0.0"}),
+        ],
+        "tokenize.heldout_fraction = 0 holds out none",
+    ),
+    (
+        "heldout unlabelled",
+        nothing,
+        [
+            *RUN,
+            *tasks(kind='"heldout-topic"', name='"topic"', path='""', text_fields="[]", metrics="[]"),
+            *sets(**{"tokenize.corpus.label_field": '""'}),
+        ],
+        "needs labelled documents",
+    ),
     # the command line and the config file
     ("only and from", nothing, [*RUN, "--only", "pack", "--from", "pretrain"], "--only pack and --from pretrain"),
     ("unknown stage", nothing, [*RUN, "--only", "train"], "unknown stage 'train'"),
     ("config dir", nothing, ["run", "tasks"], "tasks: a directory"),
     ("config missing", nothing, ["run", "nope.toml"], "nope.toml: no such config file"),
     ("config not toml", rewrite("pipeline.toml", "[run\n"), RUN, "pipeline.toml: not valid TOML"),
-    ("config not utf-8", rewrite("pipeline.toml", b"[run]\nname = \"\xff\"\n"), RUN, "pipeline.toml: not valid TOML"),
-    ("root is a file", rewrite("elsewhere", "a file"), [*RUN, *sets(**{"run.root": '"elsewhere"'})],
-     "elsewhere: a file, where the run directory"),
+    ("config not utf-8", rewrite("pipeline.toml", b'[run]\nname = "\xff"\n'), RUN, "pipeline.toml: not valid TOML"),
+    (
+        "root is a file",
+        rewrite("elsewhere", "a file"),
+        [*RUN, *sets(**{"run.root": '"elsewhere"'})],
+        "elsewhere: a file, where the run directory",
+    ),
     ("run name", nothing, [*RUN, "--name", "../x"], "run name '../x' is not allowed"),
     # run directories
     ("manifest json", rewrite("runs/base/manifest.json", "{"), ["status", "runs/base"], "not valid JSON"),
     ("manifest list", rewrite("runs/base/manifest.json", "[]"), ["status", "runs/base"], "not a cram manifest"),
     ("manifest stages", rewrite("runs/base/manifest.json", '{"stages": [1]}'), RUN, "not a cram manifest"),
-    ("manifest records", rewrite("runs/base/manifest.json", '{"stages": {"pack": 3}}'), ["resume", "runs/base"],
-     "not a cram manifest"),
+    (
+        "manifest records",
+        rewrite("runs/base/manifest.json", '{"stages": {"pack": 3}}'),
+        ["resume", "runs/base"],
+        "not a cram manifest",
+    ),
     ("not a run", nothing, ["status", "tasks"], "tasks: no manifest.json; not a run directory"),
     ("resume no config", remove("runs/base/config.toml"), ["resume", "runs/base"], "no saved config"),
     ("log unwritable", log_folder_is_a_file, RUN, "cannot write the run's log"),
     ("live lock", live_lock, [*RUN, *FORCE_EVAL], "is in use by pid"),
     ("inspect stage", nothing, ["inspect", "runs/base", "train"], "no stage 'train' in the manifest"),
     ("inspect config", rewrite("runs/base/config.toml", "[run"), ["inspect", "runs/base"], "not a readable config"),
-    ("inspect plot folder", nothing, ["inspect", "runs/base", "--plot", "missing/curves.png"],
-     "the folder missing does not exist"),
+    (
+        "inspect plot folder",
+        nothing,
+        ["inspect", "runs/base", "--plot", "missing/curves.png"],
+        "the folder missing does not exist",
+    ),
     # export targets and sources
     ("export onto the run", nothing, ["export", "runs/base", "--to", "runs/base", "--force"], "inside the runs folder"),
-    ("export into a stage", nothing, ["export", "runs/base", "--to", "runs/base/pretrain", "--force"],
-     "inside the runs folder"),
+    (
+        "export into a stage",
+        nothing,
+        ["export", "runs/base", "--to", "runs/base/pretrain", "--force"],
+        "inside the runs folder",
+    ),
     ("export onto the root", nothing, ["export", "runs/base", "--to", "runs", "--force"], "inside the runs folder"),
     ("export to cwd", nothing, ["export", "runs/base", "--to", ".", "--force"], "holds the runs folder"),
     ("export over a folder", nothing, ["export", "runs/base", "--to", "tasks", "--force"], "not an earlier export"),
-    ("export onto a file", rewrite("out", "x"), ["export", "runs/base", "--to", "out"],
-     "exists and is not a directory"),
+    (
+        "export onto a file",
+        rewrite("out", "x"),
+        ["export", "runs/base", "--to", "out"],
+        "exists and is not a directory",
+    ),
     ("export format", nothing, ["export", "runs/base", "--to", "out", "--format", "onnx"], "--format onnx"),
-    ("export no params", remove("runs/base/pretrain/params.safetensors"), ["export", "runs/base", "--to", "out"],
-     "params.safetensors: missing, though stage pretrain is done"),
+    (
+        "export no params",
+        remove("runs/base/pretrain/params.safetensors"),
+        ["export", "runs/base", "--to", "out"],
+        "params.safetensors: missing, though stage pretrain is done",
+    ),
 ]
 
 
@@ -272,7 +343,7 @@ def test_bad_input_is_one_line_exit_2_and_loses_nothing(ws, setup, args, message
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
     assert snapshot(run) == before
-    if "manifest" not in " ".join(args) and (run / "manifest.json").read_text().startswith('{\n'):
+    if "manifest" not in " ".join(args) and (run / "manifest.json").read_text().startswith("{\n"):
         assert _statuses(run) == ["done"] * 4
     assert not (ws / "out").is_dir()
 
@@ -292,8 +363,11 @@ def test_editing_a_task_file_reruns_evaluate_alone(ws):
     (ws / "tasks" / "test.csv").write_text("text,label\ncat sat,0\ndog ran,1\n")
     result = cram(*RUN, "--dry-run")
     assert result.exit_code == 0, result.output
-    plan = {line.split()[1]: line.split()[3] for line in result.output.splitlines()
-            if line.startswith("│") and line.split()[1] in STAGES}
+    plan = {
+        line.split()[1]: line.split()[3]
+        for line in result.output.splitlines()
+        if line.startswith("│") and line.split()[1] in STAGES
+    }
     assert plan == {"tokenize": "skip", "pack": "skip", "pretrain": "skip", "evaluate": "run"}, result.output
 
 
@@ -318,9 +392,16 @@ def test_a_single_long_document_is_named_as_such(ws):
     rng = random.Random(1)
     words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 7))) for _ in range(3000)]
     (ws / "one.txt").write_text(" ".join(words))
-    args = sets(**{"tokenize.corpus.paths": '["one.txt"]', "tokenize.corpus.format": '"text"',
-                   "tokenize.corpus.text_unit": '"file"', "tokenize.heldout_fraction": "0.0",
-                   "run.name": '"one"', "evaluate.tasks": "[]"})
+    args = sets(
+        **{
+            "tokenize.corpus.paths": '["one.txt"]',
+            "tokenize.corpus.format": '"text"',
+            "tokenize.corpus.text_unit": '"file"',
+            "tokenize.heldout_fraction": "0.0",
+            "run.name": '"one"',
+            "evaluate.tasks": "[]",
+        }
+    )
     result = cram(*RUN, "--only", "tokenize", *args)
     assert result.exit_code == 0, result.output
     result = cram(*RUN, "--only", "pack", *args)

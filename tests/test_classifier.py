@@ -137,5 +137,6 @@ def test_finetune_dropout_is_random_inside_one_graph_and_prediction_has_none():
 
 def test_pretraining_has_no_dropout_and_evaluate_defaults_are_crammings():
     from cram.stages.evaluate import Config
+
     assert model.ModelConfig().dropout == 0.0 and all(p.dropout == 0.0 for p in model.PRESETS.values())
     assert (Config().dropout, Config().head_width) == (0.1, 1024)

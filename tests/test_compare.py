@@ -49,7 +49,11 @@ def cram(*args, code=0):
 
 def test_globs_expand_to_run_dirs_in_order_each_once(runs):
     assert [p.name for p in expand([f"{runs}/lr1e*", runs / "lr3e-3", f"{runs}/lr*"])] == [
-        "lr1e-2", "lr1e-3", "lr3e-3", "lr5e-4"]
+        "lr1e-2",
+        "lr1e-3",
+        "lr3e-3",
+        "lr5e-4",
+    ]
     with pytest.raises(CurvesError, match=r"lrx\*: matches no run directory"):
         expand([f"{runs}/lrx*"])
     with pytest.raises(CurvesError, match=r"lr-empty: not a run directory \(no manifest.json\)"):
@@ -60,8 +64,16 @@ def test_globs_expand_to_run_dirs_in_order_each_once(runs):
 
 def test_differing_keys_and_headline_figures_sorted_best_first(runs):
     table = compare_table(expand([f"{runs}/lr*"]), sort="mlm_loss")
-    assert table.columns == ["run", "evaluate.tasks.0.epochs", "pretrain.optimizer.lr",
-                             "final_loss", "tokens_per_s", "mfu", "mlm_loss", "topic_accuracy"]
+    assert table.columns == [
+        "run",
+        "evaluate.tasks.0.epochs",
+        "pretrain.optimizer.lr",
+        "final_loss",
+        "tokens_per_s",
+        "mfu",
+        "mlm_loss",
+        "topic_accuracy",
+    ]
     assert table.n_config == 2 and table.sort == "mlm_loss" and not table.descending
     # Lowest loss first; the run that has no evaluate goes last, its figures missing.
     assert [row[0] for row in table.rows] == ["lr1e-3", "lr3e-3", "lr1e-2", "lr5e-4"]
@@ -81,8 +93,9 @@ def test_differing_keys_and_headline_figures_sorted_best_first(runs):
 
 def test_a_figure_two_stages_share_is_named_with_its_stage(runs):
     set_outputs(runs / "lr1e-3", "evaluate", final_loss=1.0)
-    with pytest.raises(CurvesError, match="final_loss: more than one stage has it; use one of "
-                                          "pretrain.final_loss, evaluate.final_loss"):
+    with pytest.raises(
+        CurvesError, match="final_loss: more than one stage has it; use one of pretrain.final_loss, evaluate.final_loss"
+    ):
         compare_table(expand([f"{runs}/lr*"]), sort="final_loss")
     table = compare_table(expand([f"{runs}/lr*"]), sort="pretrain.final_loss")
     assert "pretrain.final_loss" in table.columns and "evaluate.final_loss" in table.columns

@@ -40,7 +40,10 @@ def test_text_files_by_paragraph_by_line_and_by_file_with_globs(tmp_path):
     pattern = tmp_path / "*.txt"
     assert read(files(pattern, format="text"))["text"] == ["First para\nstill first.", "Second para.", "Third."]
     assert read(files(pattern, format="text", text_unit="line"))["text"] == [
-        "First para", "still first.", "Second para.", "Third."
+        "First para",
+        "still first.",
+        "Second para.",
+        "Third.",
     ]
     docs = read(files(pattern, format="text", text_unit="file"))
     assert rows(docs) == [("First para\nstill first.\n\n  \nSecond para.", "", ""), ("Third.", "", "")]
@@ -55,7 +58,8 @@ def test_json_object_json_list_and_jsonl_with_named_fields(tmp_path):
     (tmp_path / "obj.json").write_text(json.dumps(records))
     # The key is the title when the record has none; "Uncategorized" means no label; empty text is dropped.
     assert rows(read(files(tmp_path / "obj.json"))) == [
-        ("Ada wrote programs.", "Ada", "People"), ("Zero is a number.", "0", "")
+        ("Ada wrote programs.", "Ada", "People"),
+        ("Zero is a number.", "0", ""),
     ]
     listed = [{"body": "One.", "name": "a", "cls": 3}, {"body": "Two.", "name": "b"}]
     (tmp_path / "list.json").write_text(json.dumps(listed))
@@ -107,8 +111,11 @@ def test_non_utf8_bytes_fail_by_default_and_can_be_replaced(tmp_path):
     "setup, cfg, message",
     [
         (None, lambda p: files(p / "nothing*.txt", format="text"), r"paths: '.*nothing\*.txt' matches no file"),
-        ('{"body": "x"}\n{"text": "y"}\n', lambda p: files(p / "f", format="jsonl", text_field="body"),
-         r"f:2: no text field 'body' \(tokenize.corpus.text_field\); fields are: text"),
+        (
+            '{"body": "x"}\n{"text": "y"}\n',
+            lambda p: files(p / "f", format="jsonl", text_field="body"),
+            r"f:2: no text field 'body' \(tokenize.corpus.text_field\); fields are: text",
+        ),
         ('{"a": 1', lambda p: files(p / "f"), r"f: not valid JSON"),
         (None, lambda p: CorpusConfig(kind="disk", paths=(str(p / "none"),)), r"paths: '.*none' does not exist"),
         (None, lambda p: CorpusConfig(package="no-such-package-xyz"), r"package: 'no-such-package-xyz' is not"),
@@ -173,8 +180,9 @@ def write_text_corpus(path, n: int = 60) -> list[str]:
 def test_files_cut_into_many_units_give_the_same_documents_as_one(tmp_path, monkeypatch, fmt, unit):
     path = tmp_path / "corpus"
     if fmt == "jsonl":
-        path.write_text("".join(json.dumps({"extract": f"Doc {i} " * (i % 9 + 1), "title": str(i)}) + "\n"
-                                for i in range(80)))
+        path.write_text(
+            "".join(json.dumps({"extract": f"Doc {i} " * (i % 9 + 1), "title": str(i)}) + "\n" for i in range(80))
+        )
     else:
         write_text_corpus(path)
     cfg = files(path, format=fmt, text_unit=unit)
@@ -195,8 +203,11 @@ def test_parquet_row_groups_and_a_sharded_saved_folder_read_in_units(tmp_path):
     import pyarrow.parquet as pq
 
     texts = [f"Text {i}." for i in range(250_000)]
-    pq.write_table(pa.table({"text": texts, "title": [str(i) for i in range(len(texts))]}),
-                   tmp_path / "d.parquet", row_group_size=20_000)
+    pq.write_table(
+        pa.table({"text": texts, "title": [str(i) for i in range(len(texts))]}),
+        tmp_path / "d.parquet",
+        row_group_size=20_000,
+    )
     cfg = files(tmp_path / "d.parquet", format="parquet", text_field="text", label_field=None)
     assert len(units(cfg)) == 3  # row groups gathered into units of >= 100,000 rows
     assert read(cfg)["text"] == texts

@@ -45,18 +45,34 @@ def upstream(tmp_path_factory):
     lines = [sentence(rng, words.split(), 20) for words in TOPICS.values() for _ in range(100)]
     buffer = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_writer=buffer, model_type="bpe", vocab_size=100,
-        pad_id=0, unk_id=1, bos_id=2, eos_id=3, pad_piece="[PAD]", unk_piece="[UNK]", bos_piece="[CLS]",
-        eos_piece="[SEP]", control_symbols=["[MASK]"], minloglevel=2, num_threads=1,
+        sentence_iterator=iter(lines),
+        model_writer=buffer,
+        model_type="bpe",
+        vocab_size=100,
+        pad_id=0,
+        unk_id=1,
+        bos_id=2,
+        eos_id=3,
+        pad_piece="[PAD]",
+        unk_piece="[UNK]",
+        bos_piece="[CLS]",
+        eos_piece="[SEP]",
+        control_symbols=["[MASK]"],
+        minloglevel=2,
+        num_threads=1,
     )
     tokenize = root / "tokenize"
     tokenize.mkdir()
     (tokenize / "tokenizer.model").write_bytes(buffer.getvalue())
     docs = [(sentence(rng, words.split(), 30), topic) for topic, words in TOPICS.items() for _ in range(40)]
     docs += [("an article without a topic", "")] * 5
-    datasets.Dataset.from_dict({
-        "text": [d[0] for d in docs], "title": [f"t{i}" for i in range(len(docs))], "label": [d[1] for d in docs],
-    }).save_to_disk(str(tokenize / "heldout"))
+    datasets.Dataset.from_dict(
+        {
+            "text": [d[0] for d in docs],
+            "title": [f"t{i}" for i in range(len(docs))],
+            "label": [d[1] for d in docs],
+        }
+    ).save_to_disk(str(tokenize / "heldout"))
 
     sp = spm.SentencePieceProcessor(model_proto=buffer.getvalue())
     pack = root / "pack"
@@ -86,11 +102,19 @@ def upstream(tmp_path_factory):
     return {
         "root": root,
         "inputs": {
-            "tokenize": Upstream(tokenize, {"tokenizer": "tokenizer.model", "heldout": "heldout",
-                                            "special_ids": SPECIAL, "vocab_size": 100}),
+            "tokenize": Upstream(
+                tokenize,
+                {"tokenizer": "tokenizer.model", "heldout": "heldout", "special_ids": SPECIAL, "vocab_size": 100},
+            ),
             "pack": Upstream(pack, {"val": "val.npy", "seq_len": 32, "special_ids": SPECIAL}),
-            "pretrain": Upstream(pretrain, {"params": "params.safetensors", "model_config": "model.json",
-                                            "masking": {"rate": 0.25, "mask_token": 0.8, "random_token": 0.1}}),
+            "pretrain": Upstream(
+                pretrain,
+                {
+                    "params": "params.safetensors",
+                    "model_config": "model.json",
+                    "masking": {"rate": 0.25, "mask_token": 0.8, "random_token": 0.1},
+                },
+            ),
         },
     }
 
@@ -107,8 +131,14 @@ def test_topic_glue_and_custom_tasks_end_to_end(upstream, tmp_path, make_ctx):
     tasks = [
         TaskConfig(lr=3e-3, epochs=8),
         TaskConfig(kind="glue", name="sst2", path=str(upstream["root"] / "glue"), lr=3e-3),
-        TaskConfig(kind="custom", name="lengths", path=str(upstream["root"] / "lengths"), text_fields=("text",),
-                   label_field="score", metrics=("spearman", "pearson")),
+        TaskConfig(
+            kind="custom",
+            name="lengths",
+            path=str(upstream["root"] / "lengths"),
+            text_fields=("text",),
+            label_field="score",
+            metrics=("spearman", "pearson"),
+        ),
     ]
     config = Config(tasks=tasks, epochs=2, seeds=3, max_length=32, buckets=(16, 32), compile=False)
     figures, results = run_stage(config, upstream["inputs"], tmp_path, make_ctx)
@@ -124,22 +154,47 @@ def test_topic_glue_and_custom_tasks_end_to_end(upstream, tmp_path, make_ctx):
     assert results["tasks"]["lengths"]["baseline"]["test"] == {"spearman": 0.0, "pearson": 0.0}
     # the topic words make the task easy: fine-tuning must beat always answering the commonest topic
     assert figures["topic_accuracy"] > figures["topic_baseline"] + 0.2
-    assert results["glue"] == {"average": pytest.approx(results["tasks"]["sst2"]["median"]["test"]["accuracy"]),
-                               "sets": ["sst2/test"]}
-    for key in ("mlm_loss", "mlm_accuracy", "topic_macro_f1", "sst2_accuracy", "sst2_baseline", "glue_average",
-                "lengths_spearman", "lengths_baseline"):
+    assert results["glue"] == {
+        "average": pytest.approx(results["tasks"]["sst2"]["median"]["test"]["accuracy"]),
+        "sets": ["sst2/test"],
+    }
+    for key in (
+        "mlm_loss",
+        "mlm_accuracy",
+        "topic_macro_f1",
+        "sst2_accuracy",
+        "sst2_baseline",
+        "glue_average",
+        "lengths_spearman",
+        "lengths_baseline",
+    ):
         assert key in figures
     assert results["mlm"]["masked_tokens"] == 24 * 8  # round(0.25 * 32) per block
 
 
 @pytest.mark.slow
 def test_compiled_graphs_are_bounded_by_the_buckets(upstream, tmp_path, make_ctx):
-    task = TaskConfig(kind="custom", name="lengths", path=str(upstream["root"] / "lengths"), text_fields=("text",),
-                      label_field="score", metrics=("pearson",))
+    task = TaskConfig(
+        kind="custom",
+        name="lengths",
+        path=str(upstream["root"] / "lengths"),
+        text_fields=("text",),
+        label_field="score",
+        metrics=("pearson",),
+    )
     # batch_size 1: each step's shape is its example's bucket, so all three buckets are trained on, in a
     # random order, over 2 seeds x 2 epochs x 24 steps.
-    config = Config(tasks=[task], epochs=2, seeds=2, batch_size=1, eval_batch_size=2, max_length=32,
-                    buckets=(8, 16, 32), mlm_batch_size=16, backend="aot_eager")
+    config = Config(
+        tasks=[task],
+        epochs=2,
+        seeds=2,
+        batch_size=1,
+        eval_batch_size=2,
+        max_length=32,
+        buckets=(8, 16, 32),
+        mlm_batch_size=16,
+        backend="aot_eager",
+    )
     before = counters["stats"]["unique_graphs"]
     run_stage(config, upstream["inputs"], tmp_path, make_ctx)
     # 3 fine-tune graphs + 3 prediction graphs + 1 masked-LM graph (its last, short batch runs eagerly)
@@ -176,14 +231,22 @@ def test_bad_input_is_a_stage_error(upstream, tmp_path, make_ctx):
     wrong_vocab.write_text(json.dumps(dataclasses.asdict(model.ModelConfig(vocab_size=99, **CFG))))
     fits = Config(tasks=[TaskConfig()], max_length=32, buckets=(16, 32))
     cases = [
-        (fits, _with(upstream, tmp_path, "pretrain", model_config=str(wrong_vocab)),
-         "vocab_size 99 does not match the tokenizer's 100 pieces"),
-        (fits, _with(upstream, tmp_path, "tokenize", heldout=None),
-         "needs the tokenize stage's held-out articles"),
-        (dataclasses.replace(fits, tasks=[TaskConfig(kind="glue", name="rte", path=str(tmp_path))]),
-         upstream["inputs"], r"evaluate.tasks\[0\].path: .* holds no GLUE rte data"),
-        (Config(tasks=[TaskConfig()], max_length=100, buckets=(32, 128)), upstream["inputs"],
-         r"evaluate.max_length: 100 pads to 128, beyond the model's 64 positions"),
+        (
+            fits,
+            _with(upstream, tmp_path, "pretrain", model_config=str(wrong_vocab)),
+            "vocab_size 99 does not match the tokenizer's 100 pieces",
+        ),
+        (fits, _with(upstream, tmp_path, "tokenize", heldout=None), "needs the tokenize stage's held-out articles"),
+        (
+            dataclasses.replace(fits, tasks=[TaskConfig(kind="glue", name="rte", path=str(tmp_path))]),
+            upstream["inputs"],
+            r"evaluate.tasks\[0\].path: .* holds no GLUE rte data",
+        ),
+        (
+            Config(tasks=[TaskConfig()], max_length=100, buckets=(32, 128)),
+            upstream["inputs"],
+            r"evaluate.max_length: 100 pads to 128, beyond the model's 64 positions",
+        ),
     ]
     for i, (config, inputs, message) in enumerate(cases):
         with pytest.raises(StageError, match=message):
@@ -235,8 +298,11 @@ dist.destroy_process_group()
 
 
 def without_times(results: dict) -> dict:
-    return {**results, "mlm": {k: v for k, v in results["mlm"].items() if k != "time_s"},
-            "tasks": {n: {k: v for k, v in t.items() if k != "time_s"} for n, t in results["tasks"].items()}}
+    return {
+        **results,
+        "mlm": {k: v for k, v in results["mlm"].items() if k != "time_s"},
+        "tasks": {n: {k: v for k, v in t.items() if k != "time_s"} for n, t in results["tasks"].items()},
+    }
 
 
 def run_under_torchrun(config, inputs, tmp_path, port: int, **env):
@@ -251,9 +317,22 @@ def run_under_torchrun(config, inputs, tmp_path, port: int, **env):
     job.write_bytes(pickle.dumps({"config": config, "inputs": inputs, "out_dir": str(out_dir)}))
     (tmp_path / "worker.py").write_text(EVALUATE_WORKER)
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-         str(tmp_path / "worker.py"), str(job), str(REPO)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(port),
+            str(tmp_path / "worker.py"),
+            str(job),
+            str(REPO),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1", **env},
     )
     return result, out_dir
@@ -262,6 +341,7 @@ def run_under_torchrun(config, inputs, tmp_path, port: int, **env):
 @pytest.mark.slow
 def test_under_torchrun_ranks_share_the_seeds_and_match_one_process(upstream, tmp_path, make_ctx, free_port):
     from cram.stages.finetuning.finetune import share_out
+
     assert sorted(share_out([5, 1, 4, 2, 3, 3], 2)) == [0, 0, 0, 1, 1, 1]  # 9 and 9: balanced
     tasks = [TaskConfig(lr=3e-3, epochs=1), TaskConfig(kind="glue", name="sst2", path=str(upstream["root"] / "glue"))]
     config = Config(tasks=tasks, epochs=1, seeds=3, max_length=32, buckets=(32,), compile=False, mlm_batch_size=16)

@@ -1,5 +1,5 @@
-"""Fine-tuning tasks and metrics (stages/finetuning/tasks.py, metrics.py): hand-computed scores, both local GLUE layouts,
-custom CSV/JSON-lines tasks, the held-out topics, and the errors bad input gets."""
+"""Fine-tuning tasks and metrics (stages/finetuning/tasks.py, metrics.py): hand-computed scores, both
+local GLUE layouts, custom CSV/JSON-lines tasks, the held-out topics, and the errors bad input gets."""
 
 import json
 
@@ -63,8 +63,13 @@ def test_majority_baseline_predicts_the_commonest_training_class():
     test = tasks.Examples([("b",)] * 4, np.array([0, 1, 1, 1]))
     task = tasks.Task("t", ("accuracy", "f1", "matthews"), ("no", "yes"), train, {"test": test})
     assert tasks.majority_baseline(task, test) == {"accuracy": 0.75, "f1": pytest.approx(6 / 7), "matthews": 0.0}
-    regression = tasks.Task("r", ("pearson",), (), tasks.Examples([("a",)] * 2, np.array([1.0, 3.0])),
-                           {"test": tasks.Examples([("b",)] * 2, np.array([0.0, 5.0]))})
+    regression = tasks.Task(
+        "r",
+        ("pearson",),
+        (),
+        tasks.Examples([("a",)] * 2, np.array([1.0, 3.0])),
+        {"test": tasks.Examples([("b",)] * 2, np.array([0.0, 5.0]))},
+    )
     assert tasks.majority_baseline(regression, regression.tests["test"]) == {"pearson": 0.0}
 
 
@@ -90,8 +95,12 @@ ROWS = {
         "validation_mismatched": [("P mm .", "H mm .", 2)],
     },
 }
-TSV_FILES = {"train": "train.tsv", "validation": "dev.tsv", "validation_matched": "dev_matched.tsv",
-             "validation_mismatched": "dev_mismatched.tsv"}
+TSV_FILES = {
+    "train": "train.tsv",
+    "validation": "dev.tsv",
+    "validation_matched": "dev_matched.tsv",
+    "validation_mismatched": "dev_mismatched.tsv",
+}
 
 
 def write_glue_tsv(root, name):

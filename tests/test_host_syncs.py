@@ -67,8 +67,9 @@ def test_heldout_mlm_syncs_with_the_host_once(monkeypatch):
     syncs = []
     for name in ("item", "tolist", "__float__", "cpu", "numpy"):
         real = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _n=name, **k: (syncs.append(_n),
-                                                                                            _real(self, *a, **k))[1])
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda self, *a, _real=real, _n=name, **k: (syncs.append(_n), _real(self, *a, **k))[1]
+        )
     val_mlm(step, params, blocks, spec(), seed=0, batch_size=3, device=torch.device("cpu"))
     assert syncs == ["tolist"]  # four batches, one sync at the end
 

@@ -76,11 +76,19 @@ def test_the_installed_distribution_has_one_top_level_package():
 
 @pytest.mark.slow
 def test_a_built_wheel_installs_only_cram(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(REPO)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(REPO)],
+        check=True,
+        capture_output=True,
+    )
     (wheel,) = tmp_path.glob("cram-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert _top_level(names) == {"cram"}
-    for module in ("cram/model/bert.py", "cram/pipeline/cli.py", "cram/stages/pretrain.py",
-                   "cram/stages/pretraining/loop.py", "cram/stages/shared/masking.py"):
+    for module in (
+        "cram/model/bert.py",
+        "cram/pipeline/cli.py",
+        "cram/stages/pretrain.py",
+        "cram/stages/pretraining/loop.py",
+        "cram/stages/shared/masking.py",
+    ):
         assert module in names

@@ -37,8 +37,8 @@ def wandb_records(root: Path) -> list[list]:
             if 32768 - pos % 32768 < 7:  # a block's tail too short for a chunk header is padding
                 pos += 32768 - pos % 32768
                 continue
-            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-            chunk += data[pos + 7:pos + 7 + length]
+            _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+            chunk += data[pos + 7 : pos + 7 + length]
             pos += 7 + length
             if kind in (1, 4):
                 record = wandb_internal_pb2.Record()
@@ -51,8 +51,14 @@ def wandb_records(root: Path) -> list[list]:
 
 def wandb_history(root: Path) -> list[list[dict]]:
     """The history rows of every offline W&B run under `root`, oldest first."""
-    return [[{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
-             for r in records if r.WhichOneof("record_type") == "history"] for records in wandb_records(root)]
+    return [
+        [
+            {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            for r in records
+            if r.WhichOneof("record_type") == "history"
+        ]
+        for records in wandb_records(root)
+    ]
 
 
 def wandb_exit_codes(root: Path) -> dict[str, int]:
@@ -76,8 +82,11 @@ def wandb_home(tmp_path, monkeypatch):
 def test_logger_names_are_checked_with_the_config(monkeypatch):
     parse = lambda text: cfg.parse(text, {})  # noqa: E731
     assert parse("[run]\n").run.loggers == ()
-    with pytest.raises(cfg.ConfigError, match=r"\[run\] loggers: 'tensorbord' is not a logger; choose from "
-                                              r"'tensorboard', 'wandb'"):
+    with pytest.raises(
+        cfg.ConfigError,
+        match=r"\[run\] loggers: 'tensorbord' is not a logger; choose from "
+        r"'tensorboard', 'wandb'",
+    ):
         parse('[run]\nloggers = ["tensorbord"]\n')
     with pytest.raises(cfg.ConfigError, match="listed twice"):
         parse('[run]\nloggers = ["wandb", "wandb"]\n')
@@ -93,12 +102,16 @@ def test_a_missing_logger_package_fails_before_any_stage_runs(tmp_path, monkeypa
     import fake_stages
     from cram.pipeline import cli, runner
     from typer.testing import CliRunner
+
     monkeypatch.setattr(runner, "default_stages", fake_stages.modules)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
     path = tmp_path / "pipeline.toml"
-    path.write_text(fake_stages.PIPELINE.format(root=tmp_path / "runs").replace(
-        'device = "cpu"', 'device = "cpu"\nloggers = ["tensorboard"]'))
+    path.write_text(
+        fake_stages.PIPELINE.format(root=tmp_path / "runs").replace(
+            'device = "cpu"', 'device = "cpu"\nloggers = ["tensorboard"]'
+        )
+    )
     result = CliRunner().invoke(cli.app, ["run", str(path)], env={"COLUMNS": "250"})
     assert result.exit_code == 2 and "pip install -e '.[tensorboard]'" in result.output
     assert not (tmp_path / "runs").exists()
@@ -114,8 +127,9 @@ def test_tensorboard_events_read_back_and_a_resumed_stage_replaces_its_tail(tmp_
     pytest.importorskip("tensorboard")
     metrics = loggers.make(("tensorboard",), tmp_path / "logs", "r", "pretrain")
     for step in (1, 2, 3):
-        metrics.log(step, {"step": step, "loss": 10.0 - step, "lr": 1e-3 * step, "note": "x", "val": None,
-                           "diverged": False})
+        metrics.log(
+            step, {"step": step, "loss": 10.0 - step, "lr": 1e-3 * step, "note": "x", "val": None, "diverged": False}
+        )
     metrics.log(3, {"tokens_per_s": 2500.0}, prefix="final/")
     metrics.close()
     log_dir = tmp_path / "logs" / "tensorboard" / "pretrain"
@@ -151,6 +165,7 @@ def test_a_stage_that_fails_closes_its_wandb_run_as_failed(tmp_path, monkeypatch
     import fake_stages
     from cram.pipeline import cli, runner
     from typer.testing import CliRunner
+
     def logging(module):  # the fake stages log nothing: log one record, then run as before
         def run(config, inputs, out_dir, ctx):
             ctx.metrics.log(1, {"value": config.value})
@@ -161,8 +176,11 @@ def test_a_stage_that_fails_closes_its_wandb_run_as_failed(tmp_path, monkeypatch
 
     monkeypatch.setattr(runner, "default_stages", lambda: [logging(m) for m in fake_stages.modules()])
     path = tmp_path / "pipeline.toml"
-    path.write_text(fake_stages.PIPELINE.format(root=tmp_path / "runs").replace(
-        'device = "cpu"', 'device = "cpu"\nloggers = ["wandb"]'))
+    path.write_text(
+        fake_stages.PIPELINE.format(root=tmp_path / "runs").replace(
+            'device = "cpu"', 'device = "cpu"\nloggers = ["wandb"]'
+        )
+    )
     if failure == "interrupt":
         monkeypatch.setenv("FAKE_INTERRUPT", "beta")
         args = ()
@@ -182,8 +200,11 @@ def test_the_pipeline_streams_pretrain_and_evaluate_figures(tmp_path, monkeypatc
     from test_pipeline import REPO, cram, overrides
 
     monkeypatch.chdir(tmp_path)
-    cram("run", str(REPO / "pipeline.toml"), *overrides(tmp_path / "runs", **{"run.loggers": '["tensorboard", "wandb"]',
-                                                                               "pretrain.log_every_steps": "4"}))
+    cram(
+        "run",
+        str(REPO / "pipeline.toml"),
+        *overrides(tmp_path / "runs", **{"run.loggers": '["tensorboard", "wandb"]', "pretrain.log_every_steps": "4"}),
+    )
     run_dir = tmp_path / "runs" / "default"
     figures = json.loads((run_dir / "manifest.json").read_text())["stages"]
     rows = [json.loads(line) for line in (run_dir / "pretrain" / "metrics.jsonl").read_text().splitlines()]

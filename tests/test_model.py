@@ -145,9 +145,21 @@ def test_matches_modernbert_from_transformers():
     params = {k: v * 10 if v.ndim == 2 else v + 0.1 * torch.randn_like(v) for k, v in model.init(cfg, seed=0).items()}
     hf = transformers.ModernBertForMaskedLM(
         transformers.ModernBertConfig(
-            vocab_size=97, hidden_size=32, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
-            norm_eps=1e-5, layer_types=["full_attention"] * 3, global_rope_theta=cfg.rope_theta, decoder_bias=False,
-            pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2, max_position_embeddings=16,
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            norm_eps=1e-5,
+            layer_types=["full_attention"] * 3,
+            global_rope_theta=cfg.rope_theta,
+            decoder_bias=False,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            cls_token_id=1,
+            sep_token_id=2,
+            max_position_embeddings=16,
         )
     ).eval()
     # The export's mapping; the decoder is tied to the token embeddings, so it is the one name left out.
@@ -170,7 +182,10 @@ def test_adamw_matches_torch_optim_with_clipping():
     reference = {k: v.clone().requires_grad_() for k, v in params.items()}
     optim = torch.optim.AdamW(
         [{"params": [reference["w"]]}, {"params": [reference["norm"]], "weight_decay": 0.0}],
-        lr=0.01, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+        lr=0.01,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
     )
     state = model.adamw_init(params)
     for step in range(4):
@@ -215,8 +230,9 @@ def test_norm_bias_adds_a_zero_bias_to_every_norm_and_trains_it():
     }
     batch = random_batch(cfg, batch=2, per_seq=3)
     # Zero biases: the same function as without them, until training moves them.
-    assert torch.equal(model.mlm_loss(params, cfg, batch)[0], model.mlm_loss(plain, ModelConfig(**SMALL, **MODERNBERT),
-                                                                             batch)[0])
+    assert torch.equal(
+        model.mlm_loss(params, cfg, batch)[0], model.mlm_loss(plain, ModelConfig(**SMALL, **MODERNBERT), batch)[0]
+    )
     grads = torch.func.grad(lambda p: model.mlm_loss(p, cfg, batch)[0])(params)
     assert all(grads[n + ".bias"].abs().sum() > 0 for n in norms)
     moved = {**params, "final_norm.bias": torch.full((32,), 0.5)}

@@ -72,8 +72,9 @@ def test_every_token_once_in_order_within_its_document_and_split_by_document(tmp
     assert outputs["tokens"] == sum(map(len, docs)) and outputs["documents"] == 200
 
 
-def reference_pack(docs: list[list[int]], seed: int, seq_len: int, val_fraction: float, boundary: str,
-                   dedup: bool) -> dict[str, bytes]:
+def reference_pack(
+    docs: list[list[int]], seed: int, seq_len: int, val_fraction: float, boundary: str, dedup: bool
+) -> dict[str, bytes]:
     """The pack stage's rules written plainly, all in memory: the `.npy` bytes it must write."""
     import io
 
@@ -99,8 +100,9 @@ def reference_pack(docs: list[list[int]], seed: int, seq_len: int, val_fraction:
 
 
 @pytest.mark.parametrize("chunk_tokens", [1, 37, 1 << 22])
-def test_chunked_out_of_core_pack_writes_exactly_what_an_in_memory_pack_does(tmp_path, make_ctx, monkeypatch,
-                                                                            chunk_tokens):
+def test_chunked_out_of_core_pack_writes_exactly_what_an_in_memory_pack_does(
+    tmp_path, make_ctx, monkeypatch, chunk_tokens
+):
     monkeypatch.setattr(pack, "CHUNK_TOKENS", chunk_tokens)
     if chunk_tokens < 100:
         monkeypatch.setattr(pack, "RESIDENT_BYTES", 64)  # the mapped pages are dropped again and again
@@ -108,8 +110,9 @@ def test_chunked_out_of_core_pack_writes_exactly_what_an_in_memory_pack_does(tmp
     upstream = make_tokens(tmp_path, docs, shards=3)
     for seed, boundary, dedup in ((0, "cls-sep", True), (5, "sep", False), (9, "cls-sep", False)):
         name = f"{seed}-{boundary}-{dedup}"
-        out, outputs = run(upstream, tmp_path, make_ctx, seed=seed, name=name, boundary=boundary, dedup=dedup,
-                           val_fraction=0.05)
+        out, outputs = run(
+            upstream, tmp_path, make_ctx, seed=seed, name=name, boundary=boundary, dedup=dedup, val_fraction=0.05
+        )
         expected = reference_pack(docs, seed, 16, 0.05, boundary, dedup)
         for split in ("train", "val"):
             assert (out / f"{split}.npy").read_bytes() == expected[split], (name, split)
@@ -196,6 +199,7 @@ def test_tokenize_then_pack_on_the_default_corpus_through_cram(tmp_path, monkeyp
 
     from cram.pipeline import cli
     from typer.testing import CliRunner
+
     monkeypatch.chdir(tmp_path)
     root = f'run.root="{tmp_path / "runs"}"'
 
@@ -221,4 +225,3 @@ def test_tokenize_then_pack_on_the_default_corpus_through_cram(tmp_path, monkeyp
     bad = ("--set", 'tokenize.corpus.file="data/nope.json"', "--set", 'run.name="bad"', "--only", "tokenize")
     assert "data/nope.json" in cram(*bad, code=2)
     assert not (tmp_path / "runs/bad").exists()  # refused before any stage ran (tokenize's `validate`)
-

@@ -78,12 +78,24 @@ def test_fresh_cached_and_changed_runs(tmp_path, monkeypatch):
 
 
 def test_a_killed_pretrain_resumes_from_its_checkpoint(tmp_path):
-    args = overrides(tmp_path / "runs", **{"pretrain.budget.steps": "80", "pretrain.checkpoint_every_steps": "5",
-                                           "pretrain.microbatch": "8", "pretrain.batch_size": "8",
-                                           "run.name": '"killed"'})
+    args = overrides(
+        tmp_path / "runs",
+        **{
+            "pretrain.budget.steps": "80",
+            "pretrain.checkpoint_every_steps": "5",
+            "pretrain.microbatch": "8",
+            "pretrain.batch_size": "8",
+            "run.name": '"killed"',
+        },
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "cram.pipeline.cli", "run", str(REPO / "pipeline.toml"), *args],
-                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cram.pipeline.cli", "run", str(REPO / "pipeline.toml"), *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     run_dir = tmp_path / "runs" / "killed"
     deadline = time.time() + 120
     while not list((run_dir.parent / ".store").glob("pretrain-*.partial/checkpoints/step-10")):
@@ -93,8 +105,14 @@ def test_a_killed_pretrain_resumes_from_its_checkpoint(tmp_path):
     proc.wait()
     assert manifest(run_dir)["pretrain"]["status"] == "running"
 
-    result = subprocess.run([sys.executable, "-m", "cram.pipeline.cli", "resume", str(run_dir)], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "cram.pipeline.cli", "resume", str(run_dir)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     stages = manifest(run_dir)
     assert [r["status"] for r in stages.values()] == ["done"] * 4

@@ -75,6 +75,7 @@ def test_stream_is_a_permutation_per_epoch_and_shards_by_rank():
     first_two_epochs = read_sequences(blocks, seed=1, first=0, count=20, orders={})[:, 0] // 4
     assert sorted(first_two_epochs[:10]) == list(range(10)) == sorted(first_two_epochs[10:])
     assert list(first_two_epochs[:10]) != list(first_two_epochs[10:])
+
     # Two ranks of microbatch 2 read, between them, what one rank of microbatch 2 reads in order.
     def stream(rank, world, n):
         with Prefetcher(blocks, seed=1, start=4, microbatch=2, rank=rank, world_size=world) as data:
@@ -150,9 +151,7 @@ def test_budget_by_time_counts_training_not_compiling(pack, tmp_path, make_ctx):
 
 
 def test_ramp_grows_accumulation_without_recompiling(pack, tmp_path, make_ctx):
-    config = small(
-        budget=pretrain.Budget(steps=8), batch_size=32, ramp=0.5, compile=True, backend="aot_eager"
-    )
+    config = small(budget=pretrain.Budget(steps=8), batch_size=32, ramp=0.5, compile=True, backend="aot_eager")
     with torch._dynamo.config.patch(error_on_recompile=True):
         out = pretrain.run(config, {"pack": pack}, tmp_path / "out", make_ctx())
     assert [m["batch_size"] for m in metrics(tmp_path / "out")] == [8, 16, 24, 32, 32, 32, 32, 32]
@@ -176,6 +175,7 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoin
     pack, tmp_path, make_ctx, monkeypatch
 ):
     from cram import model
+
     real = model.make_accumulate_step
 
     def diverging_at_step_3(*args, **kw):  # two microbatches a step: accumulate + apply
@@ -216,6 +216,7 @@ def test_bad_config_and_data_are_stage_errors(pack, tmp_path, make_ctx):
 def load_pretrain(tmp_path, toml: str, *overrides: str) -> pretrain.Config:
     """The pretrain section of a pipeline file, as `cram run` reads it."""
     from cram.pipeline.config import load
+
     path = tmp_path / "pipeline.toml"
     path.write_text(toml)
     return load(path, {"pretrain": pretrain.Config}, list(overrides)).stages["pretrain"]
@@ -229,13 +230,15 @@ def test_a_steps_or_tokens_budget_from_toml_has_no_hidden_time_limit(tmp_path):
         assert budget_progress(budget, {"step": 1, "tokens_seen": 128}, ten_hours) < 1
     # No limit at all: the 3.5-minute default; 0 drops a limit the file sets (as a replay needs).
     assert load_pretrain(tmp_path, "[pretrain]\n").budget == pretrain.Budget(hours=pretrain.DEFAULT_HOURS)
-    replay = load_pretrain(tmp_path, "[pretrain.budget]\nhours = 24.0\n",
-                           "pretrain.budget.hours=0", "pretrain.budget.tokens=5000")
+    replay = load_pretrain(
+        tmp_path, "[pretrain.budget]\nhours = 24.0\n", "pretrain.budget.hours=0", "pretrain.budget.tokens=5000"
+    )
     assert replay.budget == pretrain.Budget(tokens=5000) and replay.budget.hours is None
 
 
 def test_checkpoint_every_minutes_switches_off_from_toml(tmp_path, pack, make_ctx):
     from cram.pipeline.config import ConfigError
+
     config = load_pretrain(tmp_path, "[pretrain]\ncheckpoint_every_minutes = 0\n")
     assert config.checkpoint_every_minutes == 0
     assert not training.checkpoint_due(config, step=10**6, last_saved_at=time.perf_counter() - 10**6)
@@ -275,7 +278,8 @@ WORKER = textwrap.dedent(
         setattr(module, name, wrapper)
 
     if "hang" in job:
-        module = {"mask_tokens": cram.stages.shared.masking, "write_tensors": cram.stages.pretraining.checkpoint}[job["hang"][0]]
+        modules = {"mask_tokens": cram.stages.shared.masking, "write_tensors": cram.stages.pretraining.checkpoint}
+        module = modules[job["hang"][0]]
         hang_on_call(module, *job["hang"])
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world_size > 1:
@@ -350,8 +354,10 @@ def test_resume_after_sigkill_is_bit_identical(pack, tmp_path, make_ctx):
     resumed = pretrain.run(config, {"pack": pack}, out_dir, make_ctx())
 
     assert same_tensors(out_dir / "params.safetensors", tmp_path / "straight" / "params.safetensors")
-    assert same_tensors(out_dir / "checkpoints" / "step-10" / checkpoint.OPTIMIZER,
-                        tmp_path / "straight" / "checkpoints" / "step-10" / checkpoint.OPTIMIZER)
+    assert same_tensors(
+        out_dir / "checkpoints" / "step-10" / checkpoint.OPTIMIZER,
+        tmp_path / "straight" / "checkpoints" / "step-10" / checkpoint.OPTIMIZER,
+    )
     curve = [(m["step"], m["loss"], m["batch_size"]) for m in metrics(out_dir)]
     assert curve == [(m["step"], m["loss"], m["batch_size"]) for m in metrics(tmp_path / "straight")]
     for key in ("steps", "tokens_seen", "final_loss", "loss_start", "val_loss_start", "val_loss_end"):
@@ -389,6 +395,7 @@ def test_two_gloo_ranks_on_a_time_budget_agree_when_to_stop(pack, tmp_path, free
 
 def test_compile_canary_passes_a_sound_step_and_stops_a_miscompiled_one(pack, tmp_path, make_ctx, monkeypatch):
     from cram import model
+
     config = small(budget=pretrain.Budget(steps=2), compile=True, backend="aot_eager")
     out = pretrain.run(config, {"pack": pack}, tmp_path / "sound", make_ctx())
     assert out["canary_diff"] is not None and out["canary_diff"] < 1e-4
@@ -418,21 +425,34 @@ def test_compile_canary_passes_a_sound_step_and_stops_a_miscompiled_one(pack, tm
 def test_model_section_offers_every_architecture_field_and_checks_types(tmp_path):
     from cram.model import ModelConfig
     from cram.pipeline.config import ConfigError
+
     fields = {f.name for f in dataclasses.fields(pretrain.Architecture)}
     assert fields == {"preset"} | {f.name for f in dataclasses.fields(ModelConfig)} - {
-        "vocab_size", "max_seq_len", "pad_id", "dropout"}
+        "vocab_size",
+        "max_seq_len",
+        "pad_id",
+        "dropout",
+    }
     config = load_pretrain(tmp_path, '[pretrain.model]\npreset = "small"\nposition = "rope"\nglu = false\n')
     assert (config.model.preset, config.model.position, config.model.glu, config.model.hidden) == (
-        "small", "rope", False, None)
+        "small",
+        "rope",
+        False,
+        None,
+    )
     with pytest.raises(ConfigError, match="pretrain.model.position: expected .* got 'bogus'"):
         load_pretrain(tmp_path, '[pretrain.model]\nposition = "bogus"\n')
 
 
 def test_auto_precision_is_bf16_where_the_cpu_multiplies_bf16_natively(monkeypatch):
     from cram.stages.shared import device as devices
+
     cpu = torch.device("cpu")
-    for avx512_bf16, amx, expected in ((True, False, torch.bfloat16), (False, True, torch.bfloat16),
-                                        (False, False, None)):
+    for avx512_bf16, amx, expected in (
+        (True, False, torch.bfloat16),
+        (False, True, torch.bfloat16),
+        (False, False, None),
+    ):
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
         assert devices.autocast_dtype("auto", cpu) is expected

@@ -24,15 +24,25 @@ def test_the_recipe_uses_crammings_options():
     assert pretrain.budget.steps is None and pretrain.budget.tokens is None
     optimizer = pretrain.optimizer
     assert (optimizer.lr, optimizer.betas, optimizer.eps, optimizer.weight_decay, optimizer.clip_norm) == (
-        1e-3, (0.9, 0.98), 1e-12, 0.01, 0.5)
+        1e-3,
+        (0.9, 0.98),
+        1e-12,
+        0.01,
+        0.5,
+    )
     evaluate = stages["evaluate"]
     assert (evaluate.dropout, evaluate.head_width, evaluate.epochs, evaluate.batch_size, evaluate.lr) == (
-        0.1, 1024, 5, 16, 4e-5)
+        0.1,
+        1024,
+        5,
+        16,
+        4e-5,
+    )
     assert {t.name for t in evaluate.tasks} == {"cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte"}
 
 
 def test_the_recipe_states_each_deviation_and_why():
     text = RECIPE.read_text(encoding="utf-8")
-    deviations = text[text.index("# Where it deviates, and why:"):text.index("[run]")]
+    deviations = text[text.index("# Where it deviates, and why:") : text.index("[run]")]
     for topic in ("tokenizer:", "corpus:", "precision:", "budget clock:"):
         assert f"# - {topic}" in deviations, topic

@@ -68,8 +68,11 @@ def test_config_change_reruns_that_stage_and_downstream_only(pipe):
     pipe.run()
     pipe.calls()
     dry = pipe.run("--set", "beta.value=20", "--dry-run").output
-    assert _reasons(dry) == {"alpha": ("skip", "done"), "beta": ("run", "config changed"),
-                             "gamma": ("run", "upstream changed")}
+    assert _reasons(dry) == {
+        "alpha": ("skip", "done"),
+        "beta": ("run", "config changed"),
+        "gamma": ("run", "upstream changed"),
+    }
     assert pipe.calls() == []  # a dry run runs nothing
     pipe.run("--set", "beta.value=20")
     assert pipe.calls() == ["beta", "gamma"]
@@ -82,9 +85,11 @@ def test_editing_an_input_file_reruns_the_stage_that_reads_it(pipe, tmp_path):
     pipe.run()
     assert pipe.run("--dry-run").output.count("done") == 3
     (tmp_path / "input.txt").write_text("two")
-    assert _reasons(pipe.run("--dry-run").output) == {"alpha": ("run", "inputs changed"),
-                                                      "beta": ("run", "upstream changed"),
-                                                      "gamma": ("run", "upstream changed")}
+    assert _reasons(pipe.run("--dry-run").output) == {
+        "alpha": ("run", "inputs changed"),
+        "beta": ("run", "upstream changed"),
+        "gamma": ("run", "upstream changed"),
+    }
 
 
 def test_dry_run_on_a_new_run_says_new_and_creates_nothing(pipe):
@@ -104,7 +109,10 @@ def test_force_only_and_from(pipe):
     pipe.run("--only", "gamma", "--force", "gamma")
     assert pipe.calls() == ["gamma"]
     assert _reasons(pipe.run("--from", "beta", "--dry-run").output) == {
-        "alpha": ("skip", "done"), "beta": ("run", "forced"), "gamma": ("run", "forced")}
+        "alpha": ("skip", "done"),
+        "beta": ("run", "forced"),
+        "gamma": ("run", "forced"),
+    }
     pipe.run("--from", "beta")
     assert pipe.calls() == ["beta", "gamma"]
 
@@ -155,9 +163,15 @@ def _start_hanging_in_beta(pipe, tmp_path) -> subprocess.Popen:
     env = {**os.environ, "FAKE_HANG": "beta"}
     # SIGINT at its default, so Python turns it into KeyboardInterrupt even when this test runs in
     # a background job (which starts with SIGINT ignored).
-    proc = subprocess.Popen([sys.executable, "-c", script, str(TESTS), str(pipe.config)], env=env, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(TESTS), str(pipe.config)],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     partial = pipe.run_dir.parent / store.STORE
     deadline = time.time() + 60
     while not list(partial.glob("beta-*.partial/attempts")):
@@ -233,8 +247,19 @@ def test_resume_status_inspect_and_ls(pipe, monkeypatch):
 def test_manifest_records_what_a_run_needs_to_be_trusted(pipe):
     pipe.run()
     record = pipe.manifest()["alpha"]
-    for field in ("key", "status", "started", "ended", "duration_s", "outputs", "error",
-                  "git_commit", "versions", "config_hash", "upstream_keys"):
+    for field in (
+        "key",
+        "status",
+        "started",
+        "ended",
+        "duration_s",
+        "outputs",
+        "error",
+        "git_commit",
+        "versions",
+        "config_hash",
+        "upstream_keys",
+    ):
         assert field in record
     assert len(record["key"]) == 64 and record["versions"]["python"]
     events = [json.loads(line) for line in (pipe.run_dir / "logs" / "events.jsonl").read_text().splitlines()]
@@ -266,9 +291,22 @@ def test_under_torchrun_rank_0_runs_plain_stages_and_every_rank_the_distributed_
         "cli.main()\n"
     )
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         str(script), "run", str(pipe.config)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            str(script),
+            "run",
+            str(pipe.config),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(pipe.calls()) == ["alpha", "beta@0", "beta@1", "gamma"]

@@ -186,10 +186,29 @@ def test_grad_all_reduce_inside_the_compiled_step_averages_ranks(tmp_path):
 @pytest.mark.slow
 def test_gpu_script_cpu_path_prints_the_table():
     root = Path(__file__).resolve().parents[1]
-    flags = ["--device", "cpu", "--config", "tiny", "--batch", "2", "--steps", "2", "--warmup", "0",
-             "--backend", "aot_eager", "--rows", "cram-compiled,bert-eager"]
-    done = subprocess.run(["bash", str(root / "bench" / "gpu.sh"), *flags], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHON": sys.executable})
+    flags = [
+        "--device",
+        "cpu",
+        "--config",
+        "tiny",
+        "--batch",
+        "2",
+        "--steps",
+        "2",
+        "--warmup",
+        "0",
+        "--backend",
+        "aot_eager",
+        "--rows",
+        "cram-compiled,bert-eager",
+    ]
+    done = subprocess.run(
+        ["bash", str(root / "bench" / "gpu.sh"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
     assert done.returncode == 0, done.stderr
     rows = {line.split("|")[1].strip(): line for line in done.stdout.splitlines() if line.startswith("| ")}
     assert set(rows) == {"row", "cram-compiled", "bert-eager"} and "failed" not in done.stdout
@@ -214,8 +233,13 @@ def fake_pack(folder: Path, train_blocks: int, vocab: int = 300, seq_len: int = 
 
 def quality_bench(*flags: str, timeout: int = 60) -> subprocess.CompletedProcess:
     root = Path(__file__).resolve().parents[1]
-    return subprocess.run([sys.executable, str(root / "bench" / "quality.py"), *flags], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(root)})
+    return subprocess.run(
+        [sys.executable, str(root / "bench" / "quality.py"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
 
 
 def test_quality_bench_refuses_a_budget_that_would_repeat_blocks(tmp_path):
@@ -232,8 +256,24 @@ def test_quality_bench_refuses_a_budget_that_would_repeat_blocks(tmp_path):
 def test_quality_bench_trains_every_model_on_the_same_batches(tmp_path):
     pytest.importorskip("transformers")
     pack = fake_pack(tmp_path / "pack", train_blocks=16)
-    flags = ["--batch", "4", "--tokens", "256", "--evals", "2", "--lrs", "3e-3", "--speed-rounds", "1",
-             "--val-blocks", "4", "--backend", "aot_eager", "--variant", "crammed:position=sinusoidal,norm_bias=true"]
+    flags = [
+        "--batch",
+        "4",
+        "--tokens",
+        "256",
+        "--evals",
+        "2",
+        "--lrs",
+        "3e-3",
+        "--speed-rounds",
+        "1",
+        "--val-blocks",
+        "4",
+        "--backend",
+        "aot_eager",
+        "--variant",
+        "crammed:position=sinusoidal,norm_bias=true",
+    ]
     done = quality_bench(str(pack), *flags, "--json", str(tmp_path / "out.json"), timeout=600)
     assert done.returncode == 0, done.stderr
     out = done.stdout

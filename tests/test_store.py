@@ -52,7 +52,10 @@ def test_only_a_later_stage_in_a_new_run_links_its_upstream_and_nothing_else(pip
     pipe.run()
     other = pipe.run_dir.parent / "other"
     assert _reasons(pipe.run("--name", "other", "--only", "beta", "--dry-run").output) == {
-        "alpha": ("reuse", "in store"), "beta": ("reuse", "in store"), "gamma": ("skip", "not selected")}
+        "alpha": ("reuse", "in store"),
+        "beta": ("reuse", "in store"),
+        "gamma": ("skip", "not selected"),
+    }
     pipe.run("--name", "other", "--only", "beta")
     assert _calls(other) == [] and set(_manifest(other)) == {"alpha", "beta"}
 
@@ -79,8 +82,14 @@ def test_two_processes_on_one_key_compute_it_once(pipe, tmp_path):
     env = {**os.environ, "FAKE_SLOW": "beta"}
 
     def start(name: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-c", script, str(TESTS), str(pipe.config), name], env=env,
-                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            [sys.executable, "-c", script, str(TESTS), str(pipe.config), name],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     first = start("a")
     deadline = time.time() + 60
@@ -163,17 +172,20 @@ def test_an_interrupted_partial_of_another_config_is_kept_and_resumed_on_return(
 
 def test_pretrain_logging_and_checkpoint_cadence_are_not_in_its_key():
     from cram.stages import pretrain
+
     names = {f.name for f in pretrain.dataclasses.fields(pretrain.Config)}
     assert set(pretrain.NOT_IN_KEY) <= names
     base = planning.keyed_config(pretrain, pretrain.Config())
-    cadence = pretrain.Config(log_every_steps=1, checkpoint_every_minutes=0.5, checkpoint_every_steps=7,
-                              keep_checkpoints=5)
+    cadence = pretrain.Config(
+        log_every_steps=1, checkpoint_every_minutes=0.5, checkpoint_every_steps=7, keep_checkpoints=5
+    )
     assert planning.keyed_config(pretrain, cadence) == base
     assert planning.keyed_config(pretrain, pretrain.Config(microbatch=16)) != base
 
 
 def test_tokenize_processes_and_batch_size_are_not_in_its_key():
     from cram.stages import tokenize
+
     base = planning.keyed_config(tokenize, tokenize.Config())
     assert planning.keyed_config(tokenize, tokenize.Config(num_proc=3, batch_size=17)) == base
     assert planning.keyed_config(tokenize, tokenize.Config(vocab_size=4096)) != base
@@ -193,7 +205,8 @@ def test_gc_removes_exactly_what_no_run_refers_to(pipe):
     out = pipe.cram("gc", root).output
     assert f"removed {only_dropped}" in out and not only_dropped.exists()
     assert {p.name for p in (root / store.STORE).iterdir()} == {
-        (pipe.run_dir / s).resolve().name for s in ("alpha", "beta", "gamma")}
+        (pipe.run_dir / s).resolve().name for s in ("alpha", "beta", "gamma")
+    }
     assert "nothing to remove" in pipe.cram("gc", root).output
     pipe.run()
     assert pipe.calls() == []
@@ -201,8 +214,10 @@ def test_gc_removes_exactly_what_no_run_refers_to(pipe):
 
 def _hold_lock(path: Path) -> subprocess.Popen:
     """Another process holding the store lock `path`, as a runner computing that key does."""
-    script = ("import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
-              "print('locked', flush=True); time.sleep(60)")
+    script = (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+        "print('locked', flush=True); time.sleep(60)"
+    )
     holder = subprocess.Popen([sys.executable, "-c", script, str(path)], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "locked"
     return holder

@@ -11,8 +11,12 @@ from cram.pipeline import sweep
 pipe = test_runner.pipe  # the fixture: cram on the fake stages in a temporary folder
 CLASSES = {"alpha": fake_stages.Config, "beta": fake_stages.Config, "gamma": fake_stages.Config}
 GRID = ("--grid", "beta.value=10,20", "--grid", "gamma.value=100,200")
-NAMES = ["t-beta.value_10-gamma.value_100", "t-beta.value_10-gamma.value_200",
-         "t-beta.value_20-gamma.value_100", "t-beta.value_20-gamma.value_200"]
+NAMES = [
+    "t-beta.value_10-gamma.value_100",
+    "t-beta.value_10-gamma.value_200",
+    "t-beta.value_20-gamma.value_100",
+    "t-beta.value_20-gamma.value_200",
+]
 
 
 def _all_calls(root) -> list[str]:
@@ -25,9 +29,11 @@ def test_every_combination_runs_once_sharing_upstream_stages(pipe):
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == NAMES
     assert _all_calls(root) == ["alpha"] + ["beta"] * 2 + ["gamma"] * 4  # alpha once, beta once per value
     for name, total in zip(NAMES, (111, 211, 121, 221)):
-        assert test_runner.json.loads((root / name / "manifest.json").read_text())["stages"]["gamma"][
-            "outputs"]["total"] == total
-    table = out[out.index("sweep"):]
+        assert (
+            test_runner.json.loads((root / name / "manifest.json").read_text())["stages"]["gamma"]["outputs"]["total"]
+            == total
+        )
+    table = out[out.index("sweep") :]
     assert "beta.value" in table and "gamma.value" in table and "total" in table
     for name, total in zip(NAMES, ("111", "211", "121", "221")):
         row = next(line for line in table.splitlines() if name in line)
@@ -58,15 +64,18 @@ def test_a_failing_variant_does_not_stop_the_others(pipe):
     assert done["stages"]["gamma"]["status"] == "done"
 
 
-@pytest.mark.parametrize(("grid", "message"), [
-    ("beta.valeu=1,2", "unknown key 'valeu'; did you mean 'value'?"),
-    ("beta.value=1,x", "--grid beta.value=x: beta.value: expected an integer, got 'x'"),
-    ("betta.value=1", "unknown section [betta]; did you mean 'beta'?"),
-    ("beta.value", "expected section.key=V1,V2"),
-    ("beta.value=1,,2", "expected section.key=V1,V2"),
-    ("beta.value=1,1", "repeated"),
-    ("run.name=a,b", "names and places its runs itself"),
-])
+@pytest.mark.parametrize(
+    ("grid", "message"),
+    [
+        ("beta.valeu=1,2", "unknown key 'valeu'; did you mean 'value'?"),
+        ("beta.value=1,x", "--grid beta.value=x: beta.value: expected an integer, got 'x'"),
+        ("betta.value=1", "unknown section [betta]; did you mean 'beta'?"),
+        ("beta.value", "expected section.key=V1,V2"),
+        ("beta.value=1,,2", "expected section.key=V1,V2"),
+        ("beta.value=1,1", "repeated"),
+        ("run.name=a,b", "names and places its runs itself"),
+    ],
+)
 def test_a_bad_grid_is_exit_2_before_anything_runs(pipe, grid, message):
     out = pipe.cram("sweep", pipe.config, "--grid", "gamma.value=1,2", "--grid", grid, code=2).output
     assert message in out.replace("\n", "")
@@ -75,8 +84,11 @@ def test_a_bad_grid_is_exit_2_before_anything_runs(pipe, grid, message):
 
 def test_names_are_deterministic_valid_and_distinct():
     labels = sweep._labels(["pretrain.optimizer.lr", "evaluate.lr", "pretrain.model.layers"])
-    assert labels == {"pretrain.optimizer.lr": "optimizer.lr", "evaluate.lr": "evaluate.lr",
-                      "pretrain.model.layers": "layers"}
+    assert labels == {
+        "pretrain.optimizer.lr": "optimizer.lr",
+        "evaluate.lr": "evaluate.lr",
+        "pretrain.model.layers": "layers",
+    }
     assert sweep._name("default", {"a.lr": "lr"}, {"a.lr": "1e-3"}) == "default-lr_1e-3"
     assert sweep._name("d", {"a.x": "x"}, {"a.x": '"rope"'}) == "d-x_rope"
     assert sweep._split('1,[2, 3],"a,b"') == ["1", "[2, 3]", '"a,b"']
@@ -96,8 +108,9 @@ def test_values_that_name_the_same_get_a_digest(tmp_path):
 def test_a_variant_another_process_is_running_is_left_to_it(pipe):
     busy = pipe.run_dir.parent / NAMES[0]
     busy.mkdir(parents=True)
-    (busy / ".lock").write_text(test_runner.json.dumps({"pid": test_runner.os.getpid(),
-                                                        "host": test_runner.os.uname().nodename}))
+    (busy / ".lock").write_text(
+        test_runner.json.dumps({"pid": test_runner.os.getpid(), "host": test_runner.os.uname().nodename})
+    )
     out = pipe.cram("sweep", pipe.config, *GRID).output
     assert f"{NAMES[0]}: in use by pid {test_runner.os.getpid()}" in out
     assert "1 variant(s) run by another process" in out
@@ -108,6 +121,9 @@ def test_a_dry_run_says_which_variant_makes_each_shared_stage_and_runs_nothing(p
     out = pipe.cram("sweep", pipe.config, *GRID, "--dry-run").output
     assert not pipe.run_dir.parent.exists()
     assert f"2/4 {NAMES[1]}: gamma to run; alpha, beta from the store" in out
-    reasons = test_runner._reasons(out[out.index(f"4/4 {NAMES[3]}"):])
-    assert reasons == {"alpha": ("reuse", f"made by {NAMES[0]}"), "beta": ("reuse", f"made by {NAMES[2]}"),
-                       "gamma": ("run", "new")}
+    reasons = test_runner._reasons(out[out.index(f"4/4 {NAMES[3]}") :])
+    assert reasons == {
+        "alpha": ("reuse", f"made by {NAMES[0]}"),
+        "beta": ("reuse", f"made by {NAMES[2]}"),
+        "gamma": ("run", "new"),
+    }

@@ -113,8 +113,9 @@ def test_lowercase_and_normalisation_are_applied_and_recorded(tmp_path, make_ctx
     assert sp.decode(sp.encode("KALO Mine")) == "kalo mine"
 
 
-def test_unigram_and_two_processes_over_many_units_give_the_same_outputs_as_one(corpus, tmp_path, make_ctx,
-                                                                                 monkeypatch):
+def test_unigram_and_two_processes_over_many_units_give_the_same_outputs_as_one(
+    corpus, tmp_path, make_ctx, monkeypatch
+):
     import datasets
 
     path, _ = corpus
@@ -136,6 +137,7 @@ def test_unigram_and_two_processes_over_many_units_give_the_same_outputs_as_one(
 
 def test_the_tokenizer_trains_on_a_bounded_sample_spread_over_the_corpus(tmp_path, monkeypatch):
     from cram.stages.data import shards
+
     paths = []
     for i in range(4):  # four shards of 100 documents, each naming its shard
         paths.append(tmp_path / f"text-{i}.arrow")

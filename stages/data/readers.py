@@ -139,6 +139,7 @@ def load_disk(config: CorpusConfig) -> Any:
 
 def arrow_documents(unit: Unit, config: CorpusConfig) -> Iterator[dict[str, list[str]]]:
     from cram.stages.data.shards import read_batches
+
     path = Path(unit.source)
     try:
         for batch in read_batches(path):
@@ -263,8 +264,10 @@ def _record_problem(record: Any, config: CorpusConfig) -> str | None:
     if not isinstance(record, dict):
         return f"expected a record (JSON object), got {type(record).__name__}"
     if config.text_field not in record:
-        return (f"no text field '{config.text_field}' ({WHERE}.text_field); "
-                f"fields are: {', '.join(map(str, record)) or 'none'}")
+        return (
+            f"no text field '{config.text_field}' ({WHERE}.text_field); "
+            f"fields are: {', '.join(map(str, record)) or 'none'}"
+        )
     return None
 
 
@@ -277,8 +280,9 @@ def _label(value: Any, unlabeled: tuple[str, ...]) -> str:
     return "" if text in unlabeled else text
 
 
-def _standardise(batch: dict[str, list], config: CorpusConfig, label_names: tuple[str, ...] | None,
-                 source: str) -> dict[str, list[str]]:
+def _standardise(
+    batch: dict[str, list], config: CorpusConfig, label_names: tuple[str, ...] | None, source: str
+) -> dict[str, list[str]]:
     """A batch of source columns reduced to string columns text, title, label."""
     check_text_column(list(batch), config, source)
     rows = len(batch[config.text_field])

@@ -27,8 +27,9 @@ def load_task(task_cfg: Any, index: int, tokenize: Upstream):
     if task_cfg.kind == "glue":
         return tasks.load_glue(task_cfg.name, task_cfg.path, where)
     if task_cfg.kind == "custom":
-        return tasks.load_custom(task_cfg.name, task_cfg.path, task_cfg.text_fields, task_cfg.label_field,
-                                 task_cfg.metrics, where)
+        return tasks.load_custom(
+            task_cfg.name, task_cfg.path, task_cfg.text_fields, task_cfg.label_field, task_cfg.metrics, where
+        )
     heldout = tokenize.outputs.get("heldout")
     if heldout is None:
         raise StageError(
@@ -86,6 +87,7 @@ def _longest_first(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
 def finetune_seed(tuner: Tuner, task_cfg: Any, task, data: Encoded, seed: int, ctx: Context) -> dict:
     """Fine-tune one seed of one task from the pretrained params and score it on each test set."""
     from cram.stages.finetuning.metrics import score
+
     began = time.perf_counter()
     config = tuner.config
     epochs, lr = config.setting(task_cfg, "epochs"), config.setting(task_cfg, "lr")
@@ -94,16 +96,23 @@ def finetune_seed(tuner: Tuner, task_cfg: Any, task, data: Encoded, seed: int, c
     for test, (rows, lengths, labels) in data.tests.items():
         outputs = tuner.outputs(params, rows, lengths)
         scores[test] = score(task.metrics, outputs[:, 0] if task.regression else outputs.argmax(-1), labels)
-    ctx.log.info("finetuned", task=task.name, seed=seed, train_loss=round(loss, 4),
-                 **{f"{t}_{m}": round(v, 4) for t, ms in scores.items() for m, v in ms.items()})
+    ctx.log.info(
+        "finetuned",
+        task=task.name,
+        seed=seed,
+        train_loss=round(loss, 4),
+        **{f"{t}_{m}": round(v, 4) for t, ms in scores.items() for m, v in ms.items()},
+    )
     return {"train_loss": loss, "scores": scores, "time_s": time.perf_counter() - began}
 
 
-def task_result(config: Any, task_cfg: Any, task, data: Encoded, seeds: list[int], runs: list[dict],
-                ctx: Context) -> dict:
+def task_result(
+    config: Any, task_cfg: Any, task, data: Encoded, seeds: list[int], runs: list[dict], ctx: Context
+) -> dict:
     """A task's results from its seeds' runs (in seed order): per-seed scores, medians, the baseline."""
     import numpy as np
     from cram.stages.finetuning.tasks import majority_baseline
+
     scores = {t: {m: [r["scores"][t][m] for r in runs] for m in task.metrics} for t in task.tests}
     result = {
         "kind": task_cfg.kind,
@@ -121,8 +130,7 @@ def task_result(config: Any, task_cfg: Any, task, data: Encoded, seeds: list[int
         "baseline": {t: majority_baseline(task, test) for t, test in task.tests.items()},
         "time_s": round(sum(r["time_s"] for r in runs), 3),  # fine-tuning time, summed over seeds
     }
-    ctx.log.info("task", task=task.name, median=result["median"], baseline=result["baseline"],
-                 time_s=result["time_s"])
+    ctx.log.info("task", task=task.name, median=result["median"], baseline=result["baseline"], time_s=result["time_s"])
     return result
 
 
@@ -154,13 +162,21 @@ class Tuner:
     def make(cls, config: Any, cfg, params: dict, special: dict, device, autocast) -> Tuner:
         from cram import model
         from cram.model.classifier import make_classify_eval_step, make_finetune_step
+
         # cramming's fine-tuning AdamW: betas (0.9, 0.98), eps 1e-6, no gradient clipping.
         opt_cfg = model.OptimizerConfig(lr=config.lr, eps=1e-6, weight_decay=config.weight_decay, clip_norm=0.0)
         kw = dict(pooling=config.pooling, compile=config.compile, backend=config.backend, autocast_dtype=autocast)
         # Dropout (cramming's 0.1) in the fine-tune step only; prediction sees the whole network.
         training = dataclasses.replace(cfg, dropout=config.dropout)
-        return cls(config, cfg, params, special, device, make_finetune_step(training, opt_cfg, **kw),
-                   make_classify_eval_step(dataclasses.replace(cfg, dropout=0.0), **kw))
+        return cls(
+            config,
+            cfg,
+            params,
+            special,
+            device,
+            make_finetune_step(training, opt_cfg, **kw),
+            make_classify_eval_step(dataclasses.replace(cfg, dropout=0.0), **kw),
+        )
 
     def train(self, num_outputs: int, train, epochs: int, lr: float, seed: int, label: str = "fine-tune"):
         """Params fine-tuned from the pretrained ones with a fresh head, and the last epoch's mean loss."""
@@ -168,6 +184,7 @@ class Tuner:
         import torch
         from cram import model
         from cram.model.classifier import init_head
+
         rows, lengths, labels = train
         size = self.config.batch_size
         head = init_head(self.cfg, num_outputs, seed, width=self.config.head_width)
@@ -181,10 +198,14 @@ class Tuner:
             order = rng.permutation(len(rows))
             losses = []
             for i in track(range(steps_per_epoch), label, total, done=epoch * steps_per_epoch):
-                batch = self.batch(rows, lengths, labels, order[i * size:(i + 1) * size], size)
+                batch = self.batch(rows, lengths, labels, order[i * size : (i + 1) * size], size)
                 progress = (epoch * steps_per_epoch + i) / total
-                lr_now = to_device(torch.tensor(lr * model.lr_schedule("cosine", progress, warmup=self.config.warmup),
-                                                dtype=torch.float32), self.device)
+                lr_now = to_device(
+                    torch.tensor(
+                        lr * model.lr_schedule("cosine", progress, warmup=self.config.warmup), dtype=torch.float32
+                    ),
+                    self.device,
+                )
                 params, opt_state, metrics = self.step(params, opt_state, batch, lr_now)
                 losses.append(metrics["loss"])
         return params, float(torch.stack(losses).mean())
@@ -199,9 +220,9 @@ class Tuner:
         no_labels = np.zeros(len(rows), dtype=np.int64)
         outputs = []
         for start in range(0, len(rows), size):
-            batch = self.batch(rows, lengths, no_labels, order[start:start + size], size)
+            batch = self.batch(rows, lengths, no_labels, order[start : start + size], size)
             logits = self.predict(params, {k: batch[k] for k in ("input_ids", "attention_mask")})
-            outputs.append(logits[: len(order[start:start + size])])
+            outputs.append(logits[: len(order[start : start + size])])
         unsorted = np.empty_like(order)
         unsorted[order] = np.arange(len(order))
         return torch.cat(outputs).cpu().numpy()[unsorted]  # one host sync, after the last batch

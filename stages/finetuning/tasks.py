@@ -60,31 +60,51 @@ GLUE: dict[str, GlueSpec] = {
     "cola": GlueSpec("CoLA", (3,), 1, ("sentence",), ("unacceptable", "acceptable"), ("matthews",)),
     "sst2": GlueSpec("SST-2", ("sentence",), "label", ("sentence",), ("negative", "positive"), ("accuracy",)),
     "mrpc": GlueSpec(
-        "MRPC", ("#1 String", "#2 String"), "Quality", ("sentence1", "sentence2"),
-        ("not_equivalent", "equivalent"), ("f1", "accuracy"),
+        "MRPC",
+        ("#1 String", "#2 String"),
+        "Quality",
+        ("sentence1", "sentence2"),
+        ("not_equivalent", "equivalent"),
+        ("f1", "accuracy"),
     ),
     "stsb": GlueSpec(
         "STS-B", ("sentence1", "sentence2"), "score", ("sentence1", "sentence2"), (), ("spearman", "pearson")
     ),
     "qqp": GlueSpec(
-        "QQP", ("question1", "question2"), "is_duplicate", ("question1", "question2"),
-        ("not_duplicate", "duplicate"), ("f1", "accuracy"),
+        "QQP",
+        ("question1", "question2"),
+        "is_duplicate",
+        ("question1", "question2"),
+        ("not_duplicate", "duplicate"),
+        ("f1", "accuracy"),
     ),
     "mnli": GlueSpec(
-        "MNLI", ("sentence1", "sentence2"), "gold_label", ("premise", "hypothesis"),
-        ("entailment", "neutral", "contradiction"), ("accuracy",),
+        "MNLI",
+        ("sentence1", "sentence2"),
+        "gold_label",
+        ("premise", "hypothesis"),
+        ("entailment", "neutral", "contradiction"),
+        ("accuracy",),
         tests=(
             ("matched", "dev_matched.tsv", "validation_matched"),
             ("mismatched", "dev_mismatched.tsv", "validation_mismatched"),
         ),
     ),
     "qnli": GlueSpec(
-        "QNLI", ("question", "sentence"), "label", ("question", "sentence"),
-        ("entailment", "not_entailment"), ("accuracy",),
+        "QNLI",
+        ("question", "sentence"),
+        "label",
+        ("question", "sentence"),
+        ("entailment", "not_entailment"),
+        ("accuracy",),
     ),
     "rte": GlueSpec(
-        "RTE", ("sentence1", "sentence2"), "label", ("sentence1", "sentence2"),
-        ("entailment", "not_entailment"), ("accuracy",),
+        "RTE",
+        ("sentence1", "sentence2"),
+        "label",
+        ("sentence1", "sentence2"),
+        ("entailment", "not_entailment"),
+        ("accuracy",),
     ),
 }
 TOPIC_LEFT_OUT = ("", "Uncategorized")
@@ -220,17 +240,22 @@ def load_custom(
     train_texts, train_labels = _read_records(train_file, text_fields, label_field)
     test_texts, test_labels = _read_records(test_file, text_fields, label_field)
     if regression:
-        return Task(name, tuple(metrics), (), _float_labels(train_texts, train_labels, train_file),
-                    {"test": _float_labels(test_texts, test_labels, test_file)})
+        return Task(
+            name,
+            tuple(metrics),
+            (),
+            _float_labels(train_texts, train_labels, train_file),
+            {"test": _float_labels(test_texts, test_labels, test_file)},
+        )
     names = _ordered_names({str(v) for v in train_labels})
     if len(names) < 2:
-        raise StageError(f"{train_file}: field {label_field!r} holds one class only ({names[0]!r}); a classifier "
-                         "needs two or more (for a regression, choose the metrics pearson or spearman)")
+        raise StageError(
+            f"{train_file}: field {label_field!r} holds one class only ({names[0]!r}); a classifier "
+            "needs two or more (for a regression, choose the metrics pearson or spearman)"
+        )
     unseen = sorted({str(v) for v in test_labels} - set(names))
     if unseen:
-        raise StageError(
-            f"{test_file}: label {unseen[0]!r} of field {label_field!r} never occurs in {train_file.name}"
-        )
+        raise StageError(f"{test_file}: label {unseen[0]!r} of field {label_field!r} never occurs in {train_file.name}")
     ids = {n: i for i, n in enumerate(names)}
 
     def examples(texts, labels) -> Examples:

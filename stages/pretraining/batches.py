@@ -119,5 +119,3 @@ class Prefetcher:
                 return
             except queue.Full:
                 continue
-
-

@@ -38,6 +38,7 @@ class Steps:
 
     def batch(self, micro) -> dict:
         from cram.stages.shared.masking import mask_tokens
+
         self.generator.manual_seed(micro.mask_seed)
         ids = micro.ids.to(self.device, non_blocking=True)
         return mask_tokens(ids, self.spec, self.generator)
@@ -45,6 +46,7 @@ class Steps:
     def scalar(self, value: float):
         import torch
         from cram.stages.shared.device import to_device
+
         return to_device(torch.tensor(value, dtype=torch.float32), self.device)
 
     def step(self, params: dict, opt_state: dict, data, n_micro: int, lr: float) -> tuple[dict, dict, Any]:
@@ -70,6 +72,7 @@ class Steps:
         """
         import torch
         from cram.stages.pretraining.batches import Microbatch, read_sequences
+
         began = time.perf_counter()
         ids = torch.from_numpy(read_sequences(train, 0, 0, microbatch, {}))
 
@@ -86,8 +89,7 @@ class CanaryError(RuntimeError):
     """The compiled steps disagree with the same steps run eagerly."""
 
 
-def canary(config: Any, ctx: Context, compiled: Steps, eager: Steps, params: dict, opt_state: dict,
-           blocks) -> float:
+def canary(config: Any, ctx: Context, compiled: Steps, eager: Steps, params: dict, opt_state: dict, blocks) -> float:
     """Run `config.canary_steps` optimizer steps compiled and eagerly from the same state on the same
     batches (the stream's first, one microbatch a step as the ramp starts, at the peak lr so that
     updates compound); raise `CanaryError` when loss, accuracy or gradient norm differ by more than
@@ -96,6 +98,7 @@ def canary(config: Any, ctx: Context, compiled: Steps, eager: Steps, params: dic
     from cram.stages.pretraining.batches import Microbatch, read_sequences
     from cram.stages.shared.collectives import all_gather
     from cram.stages.shared.masking import mask_seed
+
     class Replay:
         def __init__(self) -> None:
             self.first = ctx.rank * config.microbatch
@@ -121,7 +124,8 @@ def canary(config: Any, ctx: Context, compiled: Steps, eager: Steps, params: dic
             f"pretrain: compile canary: the compiled step ({config.backend}) differs from eager by {worst:.3g} "
             f"(relative) over {config.canary_steps} steps, above canary_tolerance {config.canary_tolerance}; "
             "nothing was trained. Try another pretrain.backend, pretrain.compile = false, or canary_steps = 0 "
-            "to train anyway")
+            "to train anyway"
+        )
     return worst
 
 
@@ -142,18 +146,33 @@ def fresh_state(seed: int) -> dict[str, Any]:
     }
 
 
-def train(config: Any, ctx: Context, steps: Steps, params: dict, opt_state: dict, state: dict, data_blocks,
-          out_dir: Path, last_saved: int, flops_per_token: float) -> tuple[dict, dict]:
+def train(
+    config: Any,
+    ctx: Context,
+    steps: Steps,
+    params: dict,
+    opt_state: dict,
+    state: dict,
+    data_blocks,
+    out_dir: Path,
+    last_saved: int,
+    flops_per_token: float,
+) -> tuple[dict, dict]:
     """Step until the budget of `config` (a `pretrain.Config`) is spent, logging and checkpointing
     (the last checkpoint is the end). Returns the final (params, opt_state); `state` is updated in place."""
     from cram import model
     from cram.stages.pretraining import checkpoint
     from cram.stages.pretraining.batches import Prefetcher
+
     seq_len = data_blocks.shape[1]
     target_micro = config.batch_size // (ctx.world_size * config.microbatch)
-    clock = Clock(state["elapsed_s"], agree=ctx.world_size > 1 and config.budget.hours is not None,
-                  device=steps.device, every=config.clock_sync_every_steps,
-                  end_s=None if config.budget.hours is None else 3600 * config.budget.hours)
+    clock = Clock(
+        state["elapsed_s"],
+        agree=ctx.world_size > 1 and config.budget.hours is not None,
+        device=steps.device,
+        every=config.clock_sync_every_steps,
+        end_s=None if config.budget.hours is None else 3600 * config.budget.hours,
+    )
     last_saved_at = time.perf_counter()
     metrics_log = MetricsLog(out_dir / "metrics.jsonl")
     lr = batch = 0.0
@@ -207,16 +226,19 @@ def train(config: Any, ctx: Context, steps: Steps, params: dict, opt_state: dict
         ctx.log.info("step", **{k: short(record[k]) for k in LOGGED})
         bar.update(record)
 
-    with Prefetcher(
-        data_blocks,
-        seed=ctx.seed,
-        start=state["sequences"],
-        microbatch=config.microbatch,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-        depth=config.prefetch,
-        pin=steps.device.type == "cuda",
-    ) as data, ProgressBar(ctx.is_main) as bar:
+    with (
+        Prefetcher(
+            data_blocks,
+            seed=ctx.seed,
+            start=state["sequences"],
+            microbatch=config.microbatch,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            depth=config.prefetch,
+            pin=steps.device.type == "cuda",
+        ) as data,
+        ProgressBar(ctx.is_main) as bar,
+    ):
         interval = Interval(state, data.wait_s, rows=state["unlogged"])
         while (spent := progress(config.budget, state, clock.agreed(state["step"]))) < 1:
             n_micro = micro_steps(spent, config.ramp, target_micro)

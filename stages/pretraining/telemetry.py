@@ -117,8 +117,10 @@ class ProgressBar:
         p, elapsed = r["progress"], r["elapsed_s"]
         eta = elapsed * (1 - p) / p if p > 0 else float("nan")
         mfu = "" if r["mfu"] is None else f"  mfu {100 * r['mfu']:.1f}%"
-        info = (f"step {r['step']}  loss {r['loss']:.3f}  {r['tokens_per_s']:,.0f} tok/s{mfu}  "
-                f"ETA {duration(max(eta, 0.0))}")
+        info = (
+            f"step {r['step']}  loss {r['loss']:.3f}  {r['tokens_per_s']:,.0f} tok/s{mfu}  "
+            f"ETA {duration(max(eta, 0.0))}"
+        )
         self.bar.update(self.task, completed=min(p, 1.0), info=info)
 
 
@@ -150,6 +152,7 @@ def peak_flops(device, dtype=None) -> float:
     """The device's peak FLOP/s in `dtype` (autocast's, None: fp32); on a CPU it is measured, which
     takes seconds, so once per process."""
     from cram.model import peak_flops as measure
+
     return measure(device, dtype)
 
 

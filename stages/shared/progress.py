@@ -17,8 +17,15 @@ def track(items: Iterable[T], label: str, total: int, done: int = 0, console: An
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     console = console or Console(stderr=True)
-    bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                   console=console, transient=True, disable=not console.is_terminal)
+    bar = Progress(
+        TextColumn(label),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    )
     task = bar.add_task(label, total=total, completed=done)
     with bar:
         for item in items:

@@ -12,8 +12,17 @@ from typing import Any, Callable
 MASK_SEED = 0  # pretrain's held-out masks; evaluate's `mlm_seed` defaults to the same
 
 
-def val_mlm(evaluate: Callable, params: dict, blocks, spec: Any, *, seed: int, batch_size: int, device: Any,
-                tail: Callable | None = None) -> dict[str, float]:
+def val_mlm(
+    evaluate: Callable,
+    params: dict,
+    blocks,
+    spec: Any,
+    *,
+    seed: int,
+    batch_size: int,
+    device: Any,
+    tail: Callable | None = None,
+) -> dict[str, float]:
     """Mean loss and accuracy over every masked token of `blocks` [n, seq_len].
 
     `evaluate(params, batch) -> {"loss", "accuracy"}` takes full batches of `batch_size`; `tail` (default:
@@ -22,9 +31,10 @@ def val_mlm(evaluate: Callable, params: dict, blocks, spec: Any, *, seed: int, b
     """
     import torch
     from cram.stages.shared.device import to_device
+
     sums = []
     for first in range(0, len(blocks), batch_size):
-        batch = mask_blocks(blocks[first:first + batch_size], first, spec, seed)
+        batch = mask_blocks(blocks[first : first + batch_size], first, spec, seed)
         batch = {k: to_device(v, device) for k, v in batch.items()}
         step = evaluate if len(batch["input_ids"]) == batch_size or tail is None else tail
         with torch.no_grad():
@@ -41,13 +51,14 @@ def mask_blocks(rows, first: int, spec: Any, seed: int) -> dict:
     import numpy as np
     import torch
     from cram.stages.shared.masking import mask_seed, mask_tokens
+
     ids = torch.from_numpy(np.asarray(rows, dtype=np.int64))
     generator = torch.Generator()
     seq_len = ids.shape[1]
     parts = []
     for i in range(len(ids)):
         generator.manual_seed(mask_seed(seed, first + i, stream=1))
-        parts.append(mask_tokens(ids[i:i + 1], spec, generator))
+        parts.append(mask_tokens(ids[i : i + 1], spec, generator))
     return {
         "input_ids": torch.cat([p["input_ids"] for p in parts]),
         "mlm_positions": torch.cat([p["mlm_positions"] + i * seq_len for i, p in enumerate(parts)]),
