@@ -2,22 +2,23 @@
 
 - Masked-LM loss and accuracy on the pack stage's held-out blocks, masked as in pretraining but with a
   fixed seed, so a re-run gives the same numbers.
-- Fine-tuning tasks (`stages/glue.py` loads them): the held-out Wikipedia articles' topics, GLUE, or a
+- Fine-tuning tasks (`stages/finetuning/tasks.py` loads them): the held-out Wikipedia articles' topics, GLUE, or a
   custom CSV / JSON-lines task. Every task and seed starts from the pretrained params with a fresh
   head; the median over seeds is reported beside the majority-class baseline.
 
-Fine-tuning (`stages/finetune.py`) is compiled: the step (forward, loss, gradient, AdamW) is one
+Fine-tuning (`stages/finetuning/finetune.py`) is compiled: the step (forward, loss, gradient, AdamW) is one
 graph and prediction another, each compiled at most once per length bucket.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from cram.stages import Context, StageError, Upstream
 from cram.stages.finetuning.finetune import bucket, load_task
@@ -188,12 +189,21 @@ def _has_labels(corpus: Any) -> bool:
 
 
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
-    import torch
-    from cram.stages.finetuning.finetune import Tuner, encode, finetune_seed, share_out, task_result
-    from cram.stages.shared.collectives import all_gather
+    cfg, params, tokenizer = _load_checkpoint(inputs["pretrain"], inputs["tokenize"])
+    _check_lengths(config, cfg)
+    seeds = [[ctx.seed + k for k in range(config.setting(tc, "seeds"))] for tc in config.tasks]
+    jobs = [(i, seed) for i, task_seeds in enumerate(seeds) for seed in task_seeds]
+    work = functools.partial(_work, config, inputs, ctx, cfg, params, tokenizer, jobs)
+    mlm, runs, (tasks, encoded) = work() if ctx.world_size == 1 else _on_every_rank(work, ctx)
+    if not ctx.is_main:
+        return {"results": "results.json"}  # rank 0 writes them
+    results = _results(config, ctx, mlm, tasks, encoded, seeds, jobs, runs)
+    _write_json(out_dir / "results.json", results)
+    ctx.metrics.log(inputs["pretrain"].outputs.get("steps", 0), _headline(results))  # at the end of pretraining
+    return {"results": "results.json", **_headline(results)}
 
-    tokenize, pack, pretrain = inputs["tokenize"], inputs["pack"], inputs["pretrain"]
-    cfg, params, tokenizer = _load_checkpoint(pretrain, tokenize)
+
+def _check_lengths(config: Config, cfg: Any) -> None:
     for i, task_cfg in enumerate(config.tasks):
         max_length = config.setting(task_cfg, "max_length")
         if bucket(max_length, config.buckets) > cfg.max_seq_len:
@@ -202,64 +212,72 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
                 f"evaluate.{key}: {max_length} pads to {bucket(max_length, config.buckets)}, "
                 f"beyond the model's {cfg.max_seq_len} positions"
             )
-    special = tokenize.outputs["special_ids"]
-    seeds = [[ctx.seed + k for k in range(config.setting(tc, "seeds"))] for tc in config.tasks]
-    jobs = [(i, seed) for i, task_seeds in enumerate(seeds) for seed in task_seeds]
 
-    def work() -> tuple[dict | None, dict[int, dict], tuple[list, list]]:
-        """This rank's share: the masked-LM numbers (rank 0) and its (task, seed) fine-tunes."""
-        # Load and tokenize every task before training any: a bad task fails the stage at once.
-        tasks = [(tc, load_task(tc, i, tokenize)) for i, tc in enumerate(config.tasks)]
-        encoded = [encode(task, tokenizer, special, config.setting(tc, "max_length")) for tc, task in tasks]
-        costs = [len(encoded[i].train[0]) * config.setting(config.tasks[i], "epochs") for i, _ in jobs]
-        owner = share_out(costs, ctx.world_size)
-        device = devices.resolve(ctx.device)
-        autocast = devices.autocast_dtype(config.precision, device)
-        on_device = {k: v.to(device) for k, v in params.items()}
-        tuner = Tuner.make(config, cfg, on_device, special, device, autocast)
-        mlm, runs = None, {}
-        # Tasks share the compiled steps, so tasks with the same head shape share graphs; each head shape
-        # may add one per bucket. Past dynamo's default limit of 8 graphs it would fall back to eager
-        # silently: the limit is raised to what the tasks can need, and hitting it is an error.
-        limit = max(8, len(config.buckets) * len(tasks))
-        with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
-            if config.mlm and ctx.is_main:
-                masking = pretrain.outputs["masking"]
-                if config.mlm_mask_rate:
-                    masking = {**masking, "rate": config.mlm_mask_rate}
-                mlm = _evaluate_mlm(config, cfg, on_device, pack, masking, special, device, autocast, ctx)
-            for j, (i, seed) in enumerate(jobs):
-                if owner[j] == ctx.rank:
-                    runs[j] = finetune_seed(tuner, tasks[i][0], tasks[i][1], encoded[i], seed, ctx)
-        return mlm, runs, (tasks, encoded)
 
-    if ctx.world_size == 1:
-        mlm, runs, (tasks, encoded) = work()
-    else:
-        # Under torchrun every rank fine-tunes its share of the (task, seed) pairs; the one collective
-        # is this gather at the end, which waits only for the slowest rank's last job. A rank's failure
-        # is gathered too, so no rank is left waiting for one that gave up.
-        failure = None
-        try:
-            mlm, runs, (tasks, encoded) = work()
-        except StageError as e:
-            failure, mlm, runs = (str(e), True), None, {}
-        except Exception as e:  # reported by every rank below; the traceback stays in this rank's log
-            ctx.log.error("evaluate raised", exc_info=True)
-            failure, mlm, runs = (f"rank {ctx.rank}: {type(e).__name__}: {e}", False), None, {}
-        shared = all_gather((failure, mlm, runs), ctx.world_size)
-        failures = [f for f, _, _ in shared if f is not None]
-        if failures:
-            message, bad_input = failures[0]
-            raise StageError(message) if bad_input else RuntimeError(message)
-        mlm = shared[0][1]
-        runs = {j: r for _, _, rank_runs in shared for j, r in rank_runs.items()}
-    if not ctx.is_main:
-        return {"results": "results.json"}  # rank 0 writes them
+def _work(
+    config: Config, inputs: dict[str, Upstream], ctx: Context, cfg: Any, params: dict, tokenizer: Any, jobs: list
+) -> tuple[dict | None, dict[int, dict], tuple[list, list]]:
+    """This rank's share: the masked-LM numbers (rank 0) and its (task, seed) fine-tunes."""
+    import torch
+    from cram.stages.finetuning.finetune import Tuner, encode, finetune_seed, share_out
 
-    results: dict[str, Any] = {}
-    if mlm is not None:
-        results["mlm"] = mlm
+    tokenize, special = inputs["tokenize"], inputs["tokenize"].outputs["special_ids"]
+    # Load and tokenize every task before training any: a bad task fails the stage at once.
+    tasks = [(tc, load_task(tc, i, tokenize)) for i, tc in enumerate(config.tasks)]
+    encoded = [encode(task, tokenizer, special, config.setting(tc, "max_length")) for tc, task in tasks]
+    costs = [len(encoded[i].train[0]) * config.setting(config.tasks[i], "epochs") for i, _ in jobs]
+    owner = share_out(costs, ctx.world_size)
+    device = devices.resolve(ctx.device)
+    autocast = devices.autocast_dtype(config.precision, device)
+    on_device = {k: v.to(device) for k, v in params.items()}
+    tuner = Tuner.make(config, cfg, on_device, special, device, autocast)
+    mlm, runs = None, {}
+    # Tasks share the compiled steps, so tasks with the same head shape share graphs; each head shape
+    # may add one per bucket. Past dynamo's default limit of 8 graphs it would fall back to eager
+    # silently: the limit is raised to what the tasks can need, and hitting it is an error.
+    limit = max(8, len(config.buckets) * len(tasks))
+    with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
+        if config.mlm and ctx.is_main:
+            masking = inputs["pretrain"].outputs["masking"]
+            if config.mlm_mask_rate:
+                masking = {**masking, "rate": config.mlm_mask_rate}
+            mlm = _evaluate_mlm(config, cfg, on_device, inputs["pack"], masking, special, device, autocast, ctx)
+        for j, (i, seed) in enumerate(jobs):
+            if owner[j] == ctx.rank:
+                runs[j] = finetune_seed(tuner, tasks[i][0], tasks[i][1], encoded[i], seed, ctx)
+    return mlm, runs, (tasks, encoded)
+
+
+def _on_every_rank(work: Callable, ctx: Context) -> tuple[dict | None, dict[int, dict], tuple[list, list]]:
+    """`work` on every torchrun rank, each fine-tuning its share of the (task, seed) pairs; the one
+    collective is the gather at the end, which waits only for the slowest rank's last job. A rank's
+    failure is gathered too, so no rank is left waiting for one that gave up."""
+    from cram.stages.shared.collectives import all_gather
+
+    failure, mlm, runs, local = None, None, {}, ([], [])
+    try:
+        mlm, runs, local = work()
+    except StageError as e:
+        failure = (str(e), True)
+    except Exception as e:  # reported by every rank below; the traceback stays in this rank's log
+        ctx.log.error("evaluate raised", exc_info=True)
+        failure = (f"rank {ctx.rank}: {type(e).__name__}: {e}", False)
+    shared = all_gather((failure, mlm, runs), ctx.world_size)
+    failures = [f for f, _, _ in shared if f is not None]
+    if failures:
+        message, bad_input = failures[0]
+        raise StageError(message) if bad_input else RuntimeError(message)
+    return shared[0][1], {j: r for _, _, rank_runs in shared for j, r in rank_runs.items()}, local
+
+
+def _results(
+    config: Config, ctx: Context, mlm: dict | None, tasks: list, encoded: list, seeds: list, jobs: list, runs: dict
+) -> dict[str, Any]:
+    """results.json: the masked-LM numbers, each task's scores over its seeds, and the GLUE average."""
+    from cram.stages.finetuning.finetune import task_result
+    from cram.stages.finetuning.tasks import glue_average
+
+    results: dict[str, Any] = {} if mlm is None else {"mlm": mlm}
     results["tasks"] = {
         task.name: task_result(
             config, tc, task, encoded[i], seeds[i], [runs[j] for j, (t, _) in enumerate(jobs) if t == i], ctx
@@ -273,12 +291,8 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         for test in r["median"]
     }
     if glue:
-        from cram.stages.finetuning.tasks import glue_average
-
         results["glue"] = {"average": glue_average(glue), "sets": sorted(glue)}
-    _write_json(out_dir / "results.json", results)
-    ctx.metrics.log(pretrain.outputs.get("steps", 0), _headline(results))  # at the end of pretraining
-    return {"results": "results.json", **_headline(results)}
+    return results
 
 
 # -------------------------------------------------------------------------------------- checkpoint
@@ -318,7 +332,7 @@ def _evaluate_mlm(
     config: Config, cfg, params, pack: Upstream, masking: dict, special, device, autocast, ctx: Context
 ) -> dict:
     """Mean loss and accuracy over every masked token of the held-out blocks, masked as pretrain masks
-    its held-out blocks (`stages/heldout.py`) at `masking`'s rate."""
+    its held-out blocks (`stages/shared/val_mlm.py`) at `masking`'s rate."""
     import numpy as np
     from cram import model
     from cram.stages.shared.masking import Masking, mask_spec

@@ -77,28 +77,13 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     started = time.perf_counter()
     num_proc = config.num_proc or min(_cpus(), _MAX_PROCS)
     scratch = out_dir / "scratch"  # the training documents' text, between the read and the encoding
-    for folder in (scratch, out_dir / "tokens", out_dir / "heldout"):
-        folder.mkdir()
-    units = corpus.units(config.corpus, num_proc)
-    jobs = [(unit, i, config, scratch, out_dir / "heldout", SHARD_BYTES) for i, unit in enumerate(units)]
-    parts = _parallel(_split_unit, jobs, num_proc)
-    totals = {key: sum(part[key] for part in parts) for key in ("documents", "heldout", "characters", "bytes")}
-    if totals["documents"] + totals["heldout"] == 0:
-        raise StageError(f"tokenize.corpus: {_source(config.corpus)}: the corpus is empty (no document with text)")
-    if totals["documents"] == 0:
-        raise StageError(f"tokenize.heldout_fraction: {config.heldout_fraction} leaves no training document")
-    text_shards = [path for part in parts for path in part["text"]]
-    heldout_shards = [part["heldout_shard"] for part in parts if part["heldout_shard"]]
-    if heldout_shards:
-        shards.finish_folder(out_dir / "heldout", heldout_shards, shards.DOCUMENTS)
-    else:
-        (out_dir / "heldout").rmdir()
+    totals, text_shards, has_heldout = _read_corpus(config, out_dir, scratch, num_proc)
     read_s = time.perf_counter() - started
     ctx.log.info(
         "corpus read",
         documents=totals["documents"],
         heldout=totals["heldout"],
-        units=len(units),
+        units=totals["units"],
         num_proc=num_proc,
         seconds=round(read_s, 2),
     )
@@ -119,7 +104,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     outputs = {
         "tokenizer": "tokenizer.model",
         "tokens": "tokens",
-        "heldout": "heldout" if heldout_shards else None,
+        "heldout": "heldout" if has_heldout else None,
         "vocab_size": config.vocab_size,
         "special_ids": dict(SPECIAL_IDS),
         "model_type": config.model_type,
@@ -141,6 +126,28 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     }
     ctx.log.info("tokenized", **{k: v for k, v in outputs.items() if isinstance(v, (int, float))})
     return outputs
+
+
+def _read_corpus(config: Config, out_dir: Path, scratch: Path, num_proc: int) -> tuple[dict, list[Path], bool]:
+    """Read the corpus in parallel units into text shards under `scratch` (training documents) and a
+    `datasets` folder `out_dir/heldout` (held-out documents, none: no folder). Returns the totals, the
+    text shards and whether any document was held out."""
+    for folder in (scratch, out_dir / "tokens", out_dir / "heldout"):
+        folder.mkdir()
+    units = corpus.units(config.corpus, num_proc)
+    jobs = [(unit, i, config, scratch, out_dir / "heldout", SHARD_BYTES) for i, unit in enumerate(units)]
+    parts = _parallel(_split_unit, jobs, num_proc)
+    totals = {key: sum(part[key] for part in parts) for key in ("documents", "heldout", "characters", "bytes")}
+    if totals["documents"] + totals["heldout"] == 0:
+        raise StageError(f"tokenize.corpus: {_source(config.corpus)}: the corpus is empty (no document with text)")
+    if totals["documents"] == 0:
+        raise StageError(f"tokenize.heldout_fraction: {config.heldout_fraction} leaves no training document")
+    heldout_shards = [part["heldout_shard"] for part in parts if part["heldout_shard"]]
+    if heldout_shards:
+        shards.finish_folder(out_dir / "heldout", heldout_shards, shards.DOCUMENTS)
+    else:
+        (out_dir / "heldout").rmdir()
+    return {**totals, "units": len(units)}, [path for part in parts for path in part["text"]], bool(heldout_shards)
 
 
 def validate(config: Config, pipeline: Any) -> None:

@@ -6,7 +6,7 @@ text and JSON-lines files cut between documents, parquet row groups, `datasets` 
 shards); `documents` gives a unit's non-empty documents in batches of string columns `text`,
 `title` and `label` ("" where the source has none). Nothing holds more than one unit's documents
 (~16 MB of text) at a time, except a `format = "json"` file, which is one JSON document and is
-read whole: use JSON lines for big corpora. How each format is read is `stages/readers.py`.
+read whole: use JSON lines for big corpora. How each format is read is `readers.py`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Three sources, one shape (`Task`): GLUE (the hub's `nyu-mll/glue`, or a local directory in the
 original GLUE TSV layout or as `datasets` saved to disk), a custom CSV / JSON-lines task, and the
-held-out Wikipedia articles' topics. Scoring them is `stages/metrics.py`.
+held-out Wikipedia articles' topics. Scoring them is `metrics.py`.
 """
 
 from __future__ import annotations
