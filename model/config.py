@@ -4,7 +4,9 @@ Torch-free, so that the stages' configs can use these dataclasses without import
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Literal
 
 
@@ -28,6 +30,10 @@ class OptimizerConfig:
 
 
 POSITIONS = ("sinusoidal", "learned", "rope")
+
+
+class ModelConfigError(ValueError):
+    """A `model.json` that does not describe a ModelConfig; one line naming the file."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,29 @@ class ModelConfig:
             raise ValueError(f"model.position_scale={self.position_scale}: must be >= 0")
         if self.norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("model.norm_eps and model.rope_theta: must be positive")
+
+    @classmethod
+    def from_json(cls, path: Path) -> ModelConfig:
+        """The ModelConfig of a `model.json` (what pretrain writes: the fields as a JSON object).
+
+        A field the file leaves out takes its default, so files written before the field existed still
+        load. A key that is no field is refused: the file describes a model this code cannot build, and
+        dropping the key would build a different one. ModelConfigError names the file, and the key.
+        """
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelConfigError(f"{path}: not a readable model config ({e})") from None
+        if not isinstance(data, dict):
+            raise ModelConfigError(f"{path}: not a readable model config (a JSON object of fields expected)")
+        names = {f.name for f in fields(cls)}
+        unknown = [key for key in data if key not in names]
+        if unknown:
+            raise ModelConfigError(f"{path}: not a readable model config (unknown key {unknown[0]!r})")
+        try:
+            return cls(**data)
+        except (TypeError, ValueError) as e:
+            raise ModelConfigError(f"{path}: not a readable model config ({e})") from None
 
     @property
     def head_dim(self) -> int:

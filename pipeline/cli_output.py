@@ -30,10 +30,8 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 def records(run_dir: Path) -> dict[str, Any]:
     """The stage records of a run directory's manifest; a command fails (exit 2) where there is none."""
-    if not (run_dir / rundir.MANIFEST).is_file():
-        fail(f"{run_dir}: no {rundir.MANIFEST}; not a run directory")
     try:
-        return rundir.Manifest.load(run_dir).data.get("stages", {})
+        return rundir.records(run_dir)
     except rundir.RunDirError as e:
         fail(str(e))
 
@@ -71,7 +69,7 @@ def print_runs(root: Path) -> None:
     unreadable = []
     for path in sorted(p for p in root.iterdir() if (p / rundir.MANIFEST).is_file()):
         try:
-            stages = rundir.Manifest.load(path).data.get("stages", {})
+            stages = rundir.Manifest.load(path).records
         except rundir.RunDirError as e:  # one bad run must not hide the others
             table.add_row(path.name, "-", "[red]unreadable manifest[/]", "-")
             unreadable.append(str(e))

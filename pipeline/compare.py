@@ -25,6 +25,8 @@ from typing import Any, Sequence
 
 from cram.pipeline import curves, rundir
 from cram.pipeline.curves import MISSING, CurvesError
+from cram.stages.shared.figures import is_number
+from cram.stages.shared.files import write_atomic
 
 HEADLINE = {"pretrain": ("val_loss_end", "final_loss", "tokens_per_s", "mfu")}
 HIDDEN_SUFFIXES = ("_baseline", "_time_s")  # per-task reference figures, the same for every run of a task
@@ -62,7 +64,7 @@ class Table:
     def write(self, path: Path) -> None:
         """Write as CSV or markdown by the suffix of `path`, atomically."""
         check_out(path)
-        rundir.write_atomic(path, self.csv() if path.suffix.lower() == ".csv" else self.markdown())
+        write_atomic(path, self.csv() if path.suffix.lower() == ".csv" else self.markdown())
 
 
 def check_out(path: Path) -> None:
@@ -103,7 +105,7 @@ def compare_table(
         raise CurvesError("no run directories to compare")
     diff = {k: v for k, v in curves.config_diff(run_dirs).items() if k != "run.name"}  # the run column says it
     figures = {
-        f"{stage}.{name}": [v if curves.is_number(v) else MISSING for v in values]
+        f"{stage}.{name}": [v if is_number(v) else MISSING for v in values]
         for stage, table in curves.stage_figures(run_dirs).items()
         for name, values in table.items()
     }

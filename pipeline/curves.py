@@ -15,6 +15,7 @@ from typing import Any
 
 from cram.pipeline import config as cfg
 from cram.pipeline import rundir
+from cram.stages.shared.figures import is_number
 
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"), ("grad_norm", "grad norm"))
 MISSING = "-"  # a key or figure that a run does not have
@@ -108,10 +109,8 @@ def _pyplot() -> Any:
 
 
 def _stages(run_dir: Path) -> dict[str, Any]:
-    if not (run_dir / rundir.MANIFEST).is_file():
-        raise CurvesError(f"{run_dir}: no {rundir.MANIFEST}; not a run directory")
     try:
-        return rundir.Manifest.load(run_dir).data.get("stages", {})
+        return rundir.records(run_dir)
     except rundir.RunDirError as e:
         raise CurvesError(str(e)) from None
 
@@ -136,7 +135,3 @@ def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[prefix + key] = value
     return flat
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -16,14 +16,15 @@ earlier export, never a run, the runs folder or anything else.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
+from cram.model.config import ModelConfig, ModelConfigError
 from cram.pipeline import rundir
+from cram.stages.shared.figures import is_number
 
 FORMATS = ("cram", "transformers")
 MARKER = ".cram-export"  # in every export: `--force` replaces a folder only when it holds this file
@@ -81,7 +82,7 @@ def export(run_dir: Path, to: Path, fmt: str = "cram", force: bool = False) -> P
     return to
 
 
-def load_export(path: Path) -> tuple[Any, dict[str, Any], Path]:
+def load_export(path: Path) -> tuple[ModelConfig, dict[str, Any], Path]:
     """(ModelConfig, fp32 params, sentencepiece model path) of a cram-format export."""
     from safetensors.torch import load_file
 
@@ -91,7 +92,7 @@ def load_export(path: Path) -> tuple[Any, dict[str, Any], Path]:
     return _model_config(path / "model.json"), load_file(path / "params.safetensors"), path / "tokenizer.model"
 
 
-def transformers_blockers(cfg: Any) -> list[str]:
+def transformers_blockers(cfg: ModelConfig) -> list[str]:
     """`key=value` for every ModelConfig field that must change before the model maps onto ModernBERT."""
     return [f"pretrain.model.{k}={json.dumps(v)}" for k, v in MODERNBERT_LAYOUT.items() if getattr(cfg, k) != v]
 
@@ -107,7 +108,7 @@ def to_transformers_state(params: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-def transformers_config(cfg: Any, special_ids: dict[str, int]) -> dict[str, Any]:
+def transformers_config(cfg: ModelConfig, special_ids: dict[str, int]) -> dict[str, Any]:
     """ModernBERT's config.json for `cfg`: every layer global, no biases, cram's norm eps and rope theta."""
     return {
         "architectures": ["ModernBertForMaskedLM"],
@@ -203,7 +204,7 @@ def fast_tokenizer(sp_model: Path, special_ids: dict[str, int]) -> Any:
 
 def model_card(run_dir: Path, fmt: str) -> str:
     """README.md of an export: how to load it, the run's figures per stage and its resolved config."""
-    stages = rundir.Manifest.load(run_dir).data.get("stages", {})
+    stages = rundir.Manifest.load(run_dir).records
     config = (run_dir / rundir.CONFIG).read_text(encoding="utf-8") if (run_dir / rundir.CONFIG).is_file() else ""
     if fmt == "cram":
         usage = (
@@ -228,7 +229,7 @@ def model_card(run_dir: Path, fmt: str) -> str:
         "",
     ]
     for stage, record in stages.items():
-        figures = {k: v for k, v in (record.get("outputs") or {}).items() if _is_number(v)}
+        figures = {k: v for k, v in (record.get("outputs") or {}).items() if is_number(v)}
         if figures:
             lines += [
                 f"**{stage}**: "
@@ -240,10 +241,8 @@ def model_card(run_dir: Path, fmt: str) -> str:
 
 
 def _finished_run(run_dir: Path) -> dict[str, Any]:
-    if not (run_dir / rundir.MANIFEST).is_file():
-        raise ExportError(f"{run_dir}: no {rundir.MANIFEST}; not a run directory")
     try:
-        stages = rundir.Manifest.load(run_dir).data.get("stages", {})
+        stages = rundir.records(run_dir)
     except rundir.RunDirError as e:
         raise ExportError(str(e)) from None
     run = {}
@@ -265,14 +264,11 @@ def _finished_run(run_dir: Path) -> dict[str, Any]:
     return run
 
 
-def _model_config(path: Path) -> Any:
-    from cram.model import ModelConfig
-
+def _model_config(path: Path) -> ModelConfig:
     try:
-        fields = json.loads(path.read_text(encoding="utf-8"))
-        return ModelConfig(**{f.name: fields[f.name] for f in dataclasses.fields(ModelConfig) if f.name in fields})
-    except (OSError, json.JSONDecodeError, TypeError, ValueError) as e:
-        raise ExportError(f"{path}: not a readable model config ({e})") from None
+        return ModelConfig.from_json(path)
+    except ModelConfigError as e:
+        raise ExportError(str(e)) from None
 
 
 def _check_target(run_dir: Path, to: Path, force: bool) -> Path:
@@ -326,7 +322,7 @@ def _write_cram(run: dict[str, Any], out: Path) -> None:
     (out / "special_ids.json").write_text(json.dumps(run["tokenize"]["special_ids"], indent=1) + "\n")
 
 
-def _write_transformers(run: dict[str, Any], cfg: Any, out: Path) -> None:
+def _write_transformers(run: dict[str, Any], cfg: ModelConfig, out: Path) -> None:
     from safetensors.torch import load_file, save_file
 
     special = run["tokenize"]["special_ids"]
@@ -343,7 +339,3 @@ def _write_transformers(run: dict[str, Any], cfg: Any, out: Path) -> None:
         "model_input_names": ["input_ids", "attention_mask"],
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

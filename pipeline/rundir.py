@@ -1,4 +1,4 @@
-"""Run directories: layout, the manifest, the lock, and atomic writes."""
+"""Run directories: layout, the manifest and the lock."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
+
+from cram.stages.shared.files import temp_path, write_atomic
 
 MANIFEST = "manifest.json"
 CONFIG = "config.toml"
@@ -31,16 +33,6 @@ def validate_name(name: str) -> str:
             "starting with a letter or digit, without '..'"
         )
     return name
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` so that a reader sees the old file or the new one, never half of one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def now() -> str:
@@ -73,21 +65,34 @@ class Manifest:
             )
         return cls(path, data)
 
+    @property
+    def records(self) -> dict[str, dict[str, Any]]:
+        """The stage records by stage name, in the order the stages first ran (`load` checked their shape)."""
+        return self.data["stages"]
+
     def stage(self, name: str) -> dict[str, Any] | None:
-        return self.data["stages"].get(name)
+        return self.records.get(name)
 
     def put(self, name: str, record: dict[str, Any]) -> None:
-        self.data["stages"][name] = record
+        self.records[name] = record
         self.save()
 
     def update(self, name: str, **fields: Any) -> dict[str, Any]:
-        record = self.data["stages"].setdefault(name, {})
+        record = self.records.setdefault(name, {})
         record.update(fields)
         self.save()
         return record
 
     def save(self) -> None:
         write_atomic(self.path, json.dumps(self.data, indent=2, sort_keys=False) + "\n")
+
+
+def records(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """The stage records of an existing run directory, for commands that read a run (status, export,
+    compare). RunDirError, naming the file, where there is no manifest or it cannot be read."""
+    if not (run_dir / MANIFEST).is_file():
+        raise RunDirError(f"{run_dir}: no {MANIFEST}; not a run directory")
+    return Manifest.load(run_dir).records
 
 
 def pid_alive(pid: int) -> bool:
@@ -109,9 +114,8 @@ def acquire(path: Path, log: Any) -> dict[str, Any] | None:
     lock without a readable pid can only be left by a process killed while writing an older one: it is
     taken over, as is the lock of a process that is gone.
     """
-    mine = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": now()})
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(mine)
+    tmp = temp_path(path)
+    tmp.write_text(holder_record())
     try:
         while True:
             try:
@@ -134,6 +138,11 @@ def acquire(path: Path, log: Any) -> dict[str, Any] | None:
             path.unlink(missing_ok=True)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def holder_record() -> str:
+    """What a lock file says of the process holding it (JSON: pid, host, since), as `read_lock` reads it."""
+    return json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": now()})
 
 
 def holder_state(holder: dict[str, Any]) -> str:
@@ -168,6 +177,7 @@ def locked(run_dir: Path, log: Any) -> Iterator[None]:
 
 
 def read_lock(path: Path) -> dict[str, Any] | None:
+    """The holder a lock file names (see `holder_record`); None without the file, {} when it holds no record."""
     try:
         holder = json.loads(path.read_text() or "{}")
     except FileNotFoundError:

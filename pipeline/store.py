@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from cram.pipeline import rundir
+from cram.stages.shared.files import write_atomic
 
 STORE = ".store"
 MARKER = ".cram-entry.json"
@@ -104,9 +104,7 @@ def take_lock(path: Path, log: Any, wait: bool) -> int | None:
             # The holder removes the file before it lets go: a lock taken on a removed file guards nothing.
             if path.exists() and os.stat(path).st_ino == os.fstat(fd).st_ino:
                 os.ftruncate(fd, 0)
-                os.write(
-                    fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": rundir.now()}).encode()
-                )
+                os.write(fd, rundir.holder_record().encode())
                 return fd
         except BaseException:
             os.close(fd)
@@ -119,7 +117,7 @@ def write_marker(folder: Path, stage: str, key: str, record: dict[str, Any]) -> 
     it (outputs, versions, git commit), so its manifest says how the files were made."""
     files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(_files(folder)) if p.name != MARKER}
     marker = {"stage": stage, "key": key, "record": record, "files": files}
-    rundir.write_atomic(folder / MARKER, json.dumps(marker, indent=1) + "\n")
+    write_atomic(folder / MARKER, json.dumps(marker, indent=1) + "\n")
 
 
 def read_marker(folder: Path) -> dict[str, Any] | None:
@@ -238,11 +236,9 @@ def references(root: Path) -> set[tuple[str, str]]:
         if not (run_dir / rundir.MANIFEST).is_file():
             continue
         try:
-            records = rundir.Manifest.load(run_dir).data.get("stages", {})
+            records = rundir.Manifest.load(run_dir).records
         except rundir.RunDirError as e:
             raise StoreError(f"{e}; nothing was removed, as what that run uses is unknown") from None
-        if not isinstance(records, dict):
-            raise StoreError(f"{run_dir / rundir.MANIFEST}: no 'stages' table; nothing was removed")
         for stage, record in records.items():
             for r in (record, (record or {}).get("attempt")):
                 if isinstance(r, dict) and isinstance(r.get("key"), str):

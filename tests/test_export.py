@@ -128,6 +128,13 @@ def test_export_refuses_bad_input_and_replaces_only_with_force(tmp_path, sp_mode
     with pytest.raises(ExportError, match="no model.json; is it a cram-format export"):
         load_export(tmp_path)
 
+    model_json = run / "pretrain" / "model.json"
+    model_json.write_text(json.dumps({**dataclasses.asdict(MODERNBERT), "attention_window": 128}))
+    with pytest.raises(ExportError, match=r"model.json: not a readable model config \(unknown key 'attention_window'"):
+        export(run, tmp_path / "unknown")
+    assert not (tmp_path / "unknown").exists()
+    model_json.write_text(json.dumps(dataclasses.asdict(MODERNBERT)))
+
     unfinished, _ = fake_run(tmp_path / "b", sp_model, pretrain_status="running")
     result = CliRunner().invoke(cli.app, ["export", str(unfinished), "--to", str(tmp_path / "x")])
     assert result.exit_code == 2 and "stage pretrain is not done (status running)" in result.output

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cram.stages import StageError, Upstream, pack
+from cram.stages.shared.special import SPECIAL_IDS
 
-SPECIAL_IDS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 REPO = Path(__file__).parent.parent
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.multiprocessing as mp
 from cram import model
 from cram.model import ModelConfig, OptimizerConfig
+from cram.stages.shared.special import SPECIAL_IDS
 
 TINY = model.PRESETS["tiny"]
 # The smallest model that still has every part: compile time grows with the layer count.
@@ -225,8 +226,7 @@ def fake_pack(folder: Path, train_blocks: int, vocab: int = 300, seq_len: int = 
     rng = np.random.default_rng(0)
     np.save(folder / "train.npy", rng.integers(5, vocab, (train_blocks, seq_len), dtype=np.uint16))
     np.save(folder / "val.npy", rng.integers(5, vocab, (8, seq_len), dtype=np.uint16))
-    special = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
-    meta = {"train": "train.npy", "val": "val.npy", "seq_len": seq_len, "vocab_size": vocab, "special_ids": special}
+    meta = {"train": "train.npy", "val": "val.npy", "seq_len": seq_len, "vocab_size": vocab, "special_ids": SPECIAL_IDS}
     (folder / "pack.json").write_text(json.dumps(meta))
     return folder
 

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 from cram.stages import StageError
 from cram.stages.data import hub, readers
 from cram.stages.data.source import CorpusConfig, Unit
+from cram.stages.shared import files as shared_files
 
 
 def units(config: CorpusConfig, parallel: int = 1) -> list[Unit]:
@@ -70,13 +71,12 @@ def fingerprint(config: CorpusConfig) -> list[list[Any]]:
         elif config.kind == "package":
             files = [package_file(config.package, config.file)]
         elif config.kind == "disk":
-            root = Path(os.path.expanduser(config.paths[0]))
-            files = sorted(p for p in root.rglob("*") if p.is_file())
+            files = shared_files.files_under(Path(os.path.expanduser(config.paths[0])))
         else:
             return []  # a hub dataset is named by its config; its revision is the hub's business
     except StageError as e:
         return [["unavailable", str(e)]]
-    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    return shared_files.fingerprint(files)
 
 
 def package_file(package: str, file: str) -> Path:

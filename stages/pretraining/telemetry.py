@@ -6,12 +6,12 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 from cram.stages.shared.collectives import mean_over_ranks
+from cram.stages.shared.files import write_atomic
 
 # The fields of the per-step console line (metrics.jsonl keeps every field of a record).
 LOGGED = ("step", "loss", "accuracy", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_mem_gb", "data_wait")
@@ -38,9 +38,7 @@ class MetricsLog:
                     kept.append(line)
             except json.JSONDecodeError:  # the half-written last line of a killed run
                 pass
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        os.replace(tmp, self.path)
+        write_atomic(self.path, "".join(line + "\n" for line in kept))
 
 
 class Interval:

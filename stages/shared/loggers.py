@@ -24,6 +24,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
+from cram.stages.shared.figures import is_number
+
 BACKENDS = ("tensorboard", "wandb")  # each name is also its pip extra and the package that extra installs
 
 
@@ -43,7 +45,7 @@ class Metrics:
     def log(self, step: int, record: Mapping[str, Any], prefix: str = "") -> None:
         if not self.sinks:
             return
-        values = {prefix + k: float(v) for k, v in record.items() if k != "step" and _is_number(v)}
+        values = {prefix + k: float(v) for k, v in record.items() if k != "step" and is_number(v)}
         for sink in self.sinks:
             sink.log(int(step), values)
 
@@ -128,7 +130,3 @@ class WandB:
             # for it, so the run is complete on disk when the stage ends (the next one starts a service anew).
             wandb.teardown()
             self.run = None
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -4,11 +4,11 @@ dict's key order in its metadata, written atomically."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from cram.stages import StageError
+from cram.stages.shared.files import atomic
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -22,11 +22,8 @@ class TensorFileError(StageError):
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Save `tensors` (any device) as safetensors at `path`, atomically and durably."""
     cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(cpu, str(tmp), metadata={_ORDER: json.dumps(list(cpu))})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with atomic(path) as tmp:
+        save_file(cpu, str(tmp), metadata={_ORDER: json.dumps(list(cpu))})
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -1,0 +1,52 @@
+"""Files written whole and files read from outside a run: the one atomic write, and the fingerprint by
+which a stage's key changes when a file it reads changes."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+
+def temp_path(path: Path) -> Path:
+    """A hidden sibling of `path` to write before putting it in place: in the same folder, so the rename
+    stays on one file system, and named by this process, so two writers never share one."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+@contextmanager
+def atomic(path: Path) -> Iterator[Path]:
+    """A temporary path for the block to write `path`'s new content to. Once the block ends, the file is
+    synced to disk and renamed over `path`: a reader, or a machine that loses power, sees the old file or
+    the new one, never half of one. A block that raises leaves `path` as it was and no temporary file."""
+    tmp = temp_path(path)
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` (UTF-8) to `path` atomically (see `atomic`)."""
+    with atomic(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def files_under(root: Path) -> list[Path]:
+    """Every file below `root`, in a fixed order (sorted paths), so a fingerprint of them is stable."""
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def fingerprint(files: Iterable[Path]) -> list[list[Any]]:
+    """[path, size, modification time in ns] of each file: cheap to compute (no file is read), and it
+    changes when a file is edited, replaced or renamed, so a stage key holding it does too."""
+    fingerprints = []
+    for f in files:
+        stat = f.stat()
+        fingerprints.append([str(f), stat.st_size, stat.st_mtime_ns])
+    return fingerprints
