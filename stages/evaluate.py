@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,8 @@ from cram.stages.finetuning.finetune import bucket, load_task
 from cram.stages.finetuning.metrics import METRICS, REGRESSION_METRICS
 from cram.stages.finetuning.tasks import GLUE
 from cram.stages.shared import device as devices
+from cram.stages.shared.files import files_under, write_atomic
+from cram.stages.shared.files import fingerprint as fingerprint_files
 
 NAME = "evaluate"
 VERSION = "4"
@@ -150,7 +151,7 @@ def fingerprint(config: Config) -> list[list[Any]]:
     for task in config.tasks:
         root = Path(task.path).expanduser()
         if task.kind != "heldout-topic" and task.path and root.is_dir():
-            files += [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(root.rglob("*")) if f.is_file()]
+            files += fingerprint_files(files_under(root))
     return files
 
 
@@ -300,14 +301,14 @@ def _results(
 
 def _load_checkpoint(pretrain: Upstream, tokenize: Upstream):
     import sentencepiece as spm
-    from cram.model import ModelConfig
+    from cram.model.config import ModelConfig, ModelConfigError
     from cram.stages.shared.tensors import read_tensors
 
     config_path = pretrain.path("model_config")
     try:
-        cfg = ModelConfig(**json.loads(config_path.read_text(encoding="utf-8")))
-    except (OSError, json.JSONDecodeError, TypeError, ValueError) as e:
-        raise StageError(f"{config_path}: not a model config: {e}") from None
+        cfg = ModelConfig.from_json(config_path)
+    except ModelConfigError as e:
+        raise StageError(str(e)) from None
     tokenizer = spm.SentencePieceProcessor(model_file=str(tokenize.path("tokenizer")))
     if tokenizer.get_piece_size() != cfg.vocab_size:
         raise StageError(
@@ -381,6 +382,4 @@ def _headline(results: dict) -> dict[str, float]:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=1) + "\n")

@@ -14,12 +14,12 @@ from cram import model
 from cram.stages import StageError, Upstream, evaluate
 from cram.stages.evaluate import Config, TaskConfig
 from cram.stages.finetuning import finetune
+from cram.stages.shared.special import SPECIAL_IDS
 from torch._dynamo.utils import counters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 REPO = Path(__file__).resolve().parents[1]
-SPECIAL = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 TOPICS = {
     "Sports": "ball goal team match player league coach",
     "Music": "song guitar band album concert melody singer",
@@ -104,9 +104,9 @@ def upstream(tmp_path_factory):
         "inputs": {
             "tokenize": Upstream(
                 tokenize,
-                {"tokenizer": "tokenizer.model", "heldout": "heldout", "special_ids": SPECIAL, "vocab_size": 100},
+                {"tokenizer": "tokenizer.model", "heldout": "heldout", "special_ids": SPECIAL_IDS, "vocab_size": 100},
             ),
-            "pack": Upstream(pack, {"val": "val.npy", "seq_len": 32, "special_ids": SPECIAL}),
+            "pack": Upstream(pack, {"val": "val.npy", "seq_len": 32, "special_ids": SPECIAL_IDS}),
             "pretrain": Upstream(
                 pretrain,
                 {
@@ -266,9 +266,9 @@ def test_pairs_are_cut_longest_first_like_bert():
         for len_b in range(12):
             for budget in range(1, 14):
                 assert finetune._longest_first(len_a, len_b, budget) == one_at_a_time(len_a, len_b, budget)
-    row = finetune._join(([10, 11, 12, 13], [20, 21]), SPECIAL, max_length=7)
+    row = finetune._join(([10, 11, 12, 13], [20, 21]), SPECIAL_IDS, max_length=7)
     assert row.tolist() == [2, 10, 11, 3, 20, 21, 3]
-    assert finetune._join(([10, 11, 12, 13],), SPECIAL, max_length=4).tolist() == [2, 10, 11, 3]
+    assert finetune._join(([10, 11, 12, 13],), SPECIAL_IDS, max_length=4).tolist() == [2, 10, 11, 3]
 
 
 EVALUATE_WORKER = """
