@@ -1,16 +1,17 @@
 """What the `cram` commands print: the error line that ends a command, and the tables and lines drawn
-from run directories (a dry run's plan, a run's status, the runs under a root, a sweep's variants,
-what `gc` removed, a stage's log tail). `pipeline/cli.py` parses the command line and decides; this
-module only reads and shows."""
+from what the pipeline modules read (a dry run's plan, a run's status, what `inspect` shows of a stage,
+the runs under a root, a sweep's variants, what `gc` removed). `pipeline/cli.py` parses the command
+line and calls; this module only shows."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-import typer
-from cram.pipeline import curves, planning, rundir, store, sweep
+from cram.pipeline import config as cfg
+from cram.pipeline import planning, reading, store, sweep
+from cram.stages.shared.figures import is_number
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -23,19 +24,6 @@ def error(message: str) -> None:
     err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
-def fail(message: str, code: int = 2) -> NoReturn:
-    error(message)
-    raise typer.Exit(code)
-
-
-def records(run_dir: Path) -> dict[str, Any]:
-    """The stage records of a run directory's manifest; a command fails (exit 2) where there is none."""
-    try:
-        return rundir.records(run_dir)
-    except rundir.RunDirError as e:
-        fail(str(e))
-
-
 def print_plan(steps: list[planning.Step], run_dir: Path) -> None:
     table = Table(title=f"{run_dir} (dry run)", title_justify="left")
     for column in ("stage", "action", "reason", "key"):
@@ -46,72 +34,94 @@ def print_plan(steps: list[planning.Step], run_dir: Path) -> None:
     out.print(table)
 
 
-def print_status(run_dir: Path) -> None:
-    stages = records(run_dir)
+def print_status(run_dir: Path, stages: list[reading.Stage]) -> None:
     table = Table(title=str(run_dir), title_justify="left")
     for column in ("stage", "status", "key", "duration", "figures"):
         table.add_column(column, overflow="fold")
-    for stage, r in stages.items():
+    for s in stages:
+        r = s.record
         duration = "" if r.get("duration_s") is None else seconds(r["duration_s"])
-        state, note = planning.describe(run_dir, stage, r, stages)
-        detail = r.get("error") if state in ("failed", "killed") else _figures(r.get("outputs") or {})
-        detail = " ".join(x for x in (detail, note) if x)
-        table.add_row(stage, _styled(state), (r.get("key") or "")[:12], duration, escape(detail))
+        detail = r.get("error") if s.state in ("failed", "killed") else _figures(r.get("outputs") or {})
+        detail = " ".join(x for x in (detail, s.note) if x)
+        table.add_row(s.name, _styled(s.state), (r.get("key") or "")[:12], duration, escape(detail))
     out.print(table)
 
 
-def print_runs(root: Path) -> None:
+def print_stage(name: str, record: dict[str, Any], config: dict[str, Any], events: Path, tail: list[str]) -> None:
+    """What `cram inspect` shows of a stage: its record, its config section, outputs and log tail."""
+    out.rule(f"{name}: {record.get('status')}")
+    out.print(
+        f"key {record.get('key')}  started {record.get('started')}  ended {record.get('ended')}  "
+        f"duration {seconds(record['duration_s']) if record.get('duration_s') is not None else '-'}"
+    )
+    if record.get("error"):
+        out.print(f"[red]error:[/] {escape(record['error'])}", highlight=False)
+    out.print("[bold]config[/]")
+    out.print(cfg.to_toml({name: config.get(name, {})}).strip(), highlight=False, markup=False)
+    out.print("[bold]outputs[/]")
+    out.print_json(json.dumps(record.get("outputs") or {}))
+    if replay := _replay_budget(name, record.get("outputs") or {}):
+        out.print(f"[bold]same token budget elsewhere[/]: {replay}", highlight=False)
+    out.print(f"[bold]log tail[/] ({events})")
+    for event in tail:
+        out.print(event, highlight=False, markup=False)
+
+
+def print_runs(root: Path, found: list[reading.Newest]) -> None:
     """The runs under ROOT with their newest stage and its status; a manifest that cannot be read is a
-    row and a warning, never the end of the list."""
+    row and a warning."""
     table = Table(title=str(root), title_justify="left")
     for column in ("run", "newest stage", "status", "started"):
         table.add_column(column)
-    unreadable = []
-    for path in sorted(p for p in root.iterdir() if (p / rundir.MANIFEST).is_file()):
-        try:
-            stages = rundir.Manifest.load(path).records
-        except rundir.RunDirError as e:  # one bad run must not hide the others
-            table.add_row(path.name, "-", "[red]unreadable manifest[/]", "-")
-            unreadable.append(str(e))
-            continue
-        started = {k: r for k, r in stages.items() if r.get("started")}
-        if not started:
-            table.add_row(path.name, "-", "-", "-")
-            continue
-        newest = max(started, key=lambda k: started[k]["started"])
-        r = started[newest]
-        table.add_row(path.name, newest, _styled(planning.describe(path, newest, r)[0]), r["started"])
+    for run in found:
+        if run.unreadable is not None:
+            table.add_row(run.run, "-", "[red]unreadable manifest[/]", "-")
+        elif run.stage is None:
+            table.add_row(run.run, "-", "-", "-")
+        else:
+            table.add_row(run.run, run.stage, _styled(run.state), run.started)
     out.print(table)
-    for message in unreadable:
-        err.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    for run in found:
+        if run.unreadable is not None:
+            err.print(f"[yellow]warning:[/] {escape(run.unreadable)}", highlight=False, soft_wrap=True)
 
 
-def print_sweep(found: list[sweep.Variant]) -> None:
+def print_variant(outcome: sweep.Outcome, of: int, dry_run: bool) -> None:
+    """A sweep variant's line before it runs; on a dry run, its plan."""
+    doing = outcome.doing
+    if outcome.holder is not None:
+        doing = f"in use by pid {outcome.holder}: left to it (another `cram sweep`?)"
+    out.rule(f"{outcome.number}/{of} {outcome.variant.name}: {doing or 'done'}")
+    if dry_run and outcome.doing and outcome.holder is None:
+        print_plan(outcome.steps, outcome.variant.run_dir)
+
+
+def print_sweep(results: sweep.Results) -> None:
     """One row per variant: its status, the config keys that differ, the figures of the last stage."""
-    run_dirs = [v.run_dir for v in found if (v.run_dir / rundir.MANIFEST).is_file()]
-    if not run_dirs:
+    if not results.runs:
         return
-    try:
-        diff, figures = curves.config_diff(run_dirs), curves.stage_figures(run_dirs)
-    except curves.CurvesError as e:
-        fail(str(e))
-    diff.pop("run.name", None)  # the row says it
-    last = list(figures.values())[-1] if figures else {}
-    last = {k: v for k, v in last.items() if not k.endswith("_s")}  # timings: not a result
     table = Table(title="sweep", title_justify="left")
-    for column in ("run", "status", *diff, *last):
+    for column in ("run", "status", *results.diff, *results.figures):
         table.add_column(column, overflow="fold")
-    for i, run_dir in enumerate(run_dirs):
-        stages = records(run_dir)
-        final = list(stages)[-1] if stages else None
-        state = planning.describe(run_dir, final, stages[final])[0] if final else "-"
+    for i, (run, state) in enumerate(zip(results.runs, results.states)):
         table.add_row(
-            run_dir.name,
+            run,
             _styled(state),
-            *(escape(json.dumps(v[i])) for v in diff.values()),
-            *(f"{v[i]:.4g}" if isinstance(v[i], float) else str(v[i]) for v in last.values()),
+            *(escape(json.dumps(v[i])) for v in results.diff.values()),
+            *(f"{v[i]:.4g}" if isinstance(v[i], float) else str(v[i]) for v in results.figures.values()),
         )
     out.print(table)
+
+
+def print_elsewhere(outcomes: list[sweep.Outcome]) -> None:
+    """The variants left to another process running them."""
+    elsewhere = [o.variant.name for o in outcomes if o.holder is not None]
+    if elsewhere:
+        out.print(
+            f"{len(elsewhere)} variant(s) run by another process: {', '.join(elsewhere)}; "
+            "run this sweep again once it is done to see them finished here",
+            highlight=False,
+        )
 
 
 def print_collected(removed: list[store.Garbage], busy: list[Path], dry_run: bool) -> None:
@@ -126,23 +136,13 @@ def print_collected(removed: list[store.Garbage], busy: list[Path], dry_run: boo
     out.print(summary, highlight=False)
 
 
-def log_tail(run_dir: Path, stage: str, n: int) -> list[str]:
-    """The last `n` events of `stage` in the run's events.jsonl, one line each."""
-    path = run_dir / rundir.EVENTS
-    if n == 0 or not path.is_file():
-        return []
-    shown = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if event.get("stage") != stage:
-            continue
-        rest = {k: v for k, v in event.items() if k not in ("event", "timestamp", "level", "stage", "run", "logger")}
-        extras = " ".join(f"{k}={v}" for k, v in rest.items())
-        shown.append(f"{event.get('timestamp', '')} {event.get('level', ''):7} {event.get('event', '')} {extras}")
-    return shown[-n:]
+def _replay_budget(stage: str, outputs: dict[str, Any]) -> str:
+    """The overrides that train a finished pretrain's token count again on any hardware: a time budget
+    buys different tokens on another machine, a token budget does not."""
+    if stage != "pretrain" or not outputs.get("tokens_seen"):
+        return ""
+    limits = {"tokens": outputs["tokens_seen"], "hours": 0, "steps": 0}  # 0: no such limit
+    return " ".join(f"--set pretrain.budget.{k}={v}" for k, v in limits.items())
 
 
 def seconds(s: float) -> str:
@@ -158,7 +158,7 @@ def _bytes(n: int) -> str:
 
 
 def _figures(outputs: dict[str, Any], limit: int = 6) -> str:
-    numbers = [(k, v) for k, v in outputs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    numbers = [(k, v) for k, v in outputs.items() if is_number(v)]
     return "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in numbers[:limit])
 
 

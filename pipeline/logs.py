@@ -6,6 +6,7 @@ Records from the standard `logging` module (torch, datasets) go through the same
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -83,3 +84,21 @@ def _for_people(logger: object, method: str, event: dict) -> dict:
 
 def get(**bound: object) -> structlog.stdlib.BoundLogger:
     return structlog.get_logger("cram").bind(**bound)
+
+
+def tail(events_file: Path, stage: str, n: int) -> list[str]:
+    """The last `n` events of `stage` in a run's events file, one line each."""
+    if n == 0 or not events_file.is_file():
+        return []
+    shown = []
+    for line in events_file.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if event.get("stage") != stage:
+            continue
+        rest = {k: v for k, v in event.items() if k not in ("event", "timestamp", "level", "stage", "run", "logger")}
+        extras = " ".join(f"{k}={v}" for k, v in rest.items())
+        shown.append(f"{event.get('timestamp', '')} {event.get('level', ''):7} {event.get('event', '')} {extras}")
+    return shown[-n:]

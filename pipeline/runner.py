@@ -8,6 +8,9 @@ stage's earlier done record: it is kept beside it as `attempt`. Under torchrun e
 alone holds the locks, writes the manifest and links; stages with `DISTRIBUTED = True` run on every
 rank, the others on rank 0 while the rest wait. `default_stages` is the one place the CLI (and bench/)
 finds the stages to run, and where tests swap in fake ones.
+
+    steps = plan(conf, modules, run_dir, only="pretrain")
+    rank = run_pipeline(conf, run_dir, steps)  # raises StageFailed, Interrupted, rundir.RunDirError, ...
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import socket
 import subprocess
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -27,19 +31,21 @@ from typing import Any
 import structlog
 from cram import stages
 from cram.pipeline import config as cfg
-from cram.pipeline import logs, ranks, rundir, store
+from cram.pipeline import logs, planning, ranks, rundir, store
+from cram.pipeline.errors import CramError, Interrupted
 from cram.pipeline.planning import Step
 from cram.stages.shared import loggers as stage_loggers
 
 _VERSIONED = ("torch", "numpy", "datasets", "sentencepiece", "safetensors", "structlog", "typer")
 
 
-class StageFailed(Exception):
-    """A stage raised; `exit_code` is 2 for bad input or config (StageError), 1 otherwise."""
+class StageFailed(CramError):
+    """A stage raised; `exit_code` is 2 for bad input or config (StageError), 1 otherwise. The message
+    names the log, where the traceback is."""
 
     def __init__(self, stage: str, message: str, exit_code: int, log_path: Path):
-        super().__init__(f"stage '{stage}' failed: {message}")
-        self.stage, self.exit_code, self.log_path = stage, exit_code, log_path
+        super().__init__(f"stage '{stage}' failed: {message} (log: {log_path})", exit_code)
+        self.stage, self.log_path = stage, log_path
 
 
 def default_stages() -> list[ModuleType]:
@@ -48,6 +54,57 @@ def default_stages() -> list[ModuleType]:
 
 def config_classes(modules: list[ModuleType]) -> dict[str, type]:
     return {m.NAME: m.Config for m in modules}
+
+
+def load_saved(run_dir: Path, modules: list[ModuleType]) -> cfg.PipelineConfig:
+    """The config a run was started with, to continue it."""
+    saved = run_dir / rundir.CONFIG
+    if not saved.is_file():
+        raise CramError(f"{saved}: no saved config; is {run_dir} a run directory?")
+    return cfg.load(saved, config_classes(modules))
+
+
+def plan(
+    config: cfg.PipelineConfig,
+    modules: list[ModuleType],
+    run_dir: Path,
+    only: str | None = None,
+    start: str | None = None,
+    force: tuple[str, ...] = (),
+) -> list[Step]:
+    """planning.plan, after refusing a file where `run_dir` or a folder above it must be a folder."""
+    blocking = next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise CramError(
+            f"{blocking}: a file, where the run directory {run_dir} needs a folder (see run.root and run.name)"
+        )
+    return planning.plan(config, modules, run_dir, only=only, start=start, force=force)
+
+
+def run_pipeline(config: cfg.PipelineConfig, run_dir: Path, steps: list[Step]) -> int:
+    """Execute `steps` as this process's part of the run: under torchrun, inside the process group (ended
+    on every path, see ranks.finish_distributed); logging to the run's events file; rank 0 holding the
+    run's lock. Returns this process's rank."""
+    rank, world_size = ranks.init_distributed(config.run.device)
+    main = rank == 0
+    try:
+        try:
+            logs.configure(run_dir / rundir.EVENTS if main else None, console=main)
+        except OSError as e:
+            raise CramError(f"{run_dir}: cannot write the run's log ({e.strerror}: {e.filename})") from None
+        if main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            with rundir.locked(run_dir, logs.get(run=run_dir.name)):
+                execute(config, steps, run_dir, cfg.to_toml(config.to_dict()), rank, world_size)
+        else:
+            execute(config, steps, run_dir, "", rank, world_size)
+    except OSError as e:  # the run directory itself: read-only, full, or gone; a stage's own errors are StageFailed
+        raise CramError(f"{run_dir}: cannot write the run ({e.strerror}: {e.filename})") from None
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted; continue with: cram resume {run_dir}") from None
+    finally:
+        ranks.finish_distributed()
+    return rank
 
 
 def execute(
@@ -71,7 +128,7 @@ def execute(
                 log.info("skip", stage=step.name, reason=step.reason)
             continue
         _run_step(config, step, run_dir, manifest, rank, world_size)
-    return manifest.data["stages"]
+    return manifest.records
 
 
 def _run_step(
@@ -110,6 +167,24 @@ def _reuse(step: Step, run_dir: Path, entry: Path, manifest: rundir.Manifest, lo
     log.info("reused from the store", key=step.key[:12], entry=str(entry))
 
 
+@dataclass
+class _Attempt:
+    """This try at a stage as the manifest records it. Where the stage has a done result that is still
+    intact (`keep`), the attempt is saved beside it and replaces it only by succeeding."""
+
+    manifest: rundir.Manifest
+    stage: str
+    keep: bool = False
+    record: dict[str, Any] = field(default_factory=dict)
+
+    def save(self, **changes: Any) -> None:
+        self.record.update(changes)
+        if self.keep:
+            self.manifest.update(self.stage, attempt=self.record)
+        else:
+            self.manifest.put(self.stage, dict(self.record))
+
+
 def _compute(
     config: cfg.PipelineConfig,
     step: Step,
@@ -121,113 +196,117 @@ def _compute(
     log: Any,
 ) -> None:
     main = rank == 0
-    resumable = getattr(step.module, "RESUMABLE", False)
-    on_this_rank = main or getattr(step.module, "DISTRIBUTED", False)
     partial = stored.partial(step.name, step.key)
-    log_path = run_dir / rundir.EVENTS
-    attempt: dict[str, Any] = {}
-    keep = False  # the record is a done result this attempt must not replace unless it succeeds
-
-    def save() -> None:
-        if keep:
-            manifest.update(step.name, attempt=attempt)
-        else:
-            manifest.put(step.name, dict(attempt))
-
+    attempt = _Attempt(manifest, step.name)
     try:
         if main:
-            previous = manifest.stage(step.name) or {}
-            intact = store.problem(run_dir / step.name, previous.get("key", "")) is None
-            keep = previous.get("status") == "done" and intact
-            _mention_other_partial(previous, step, stored, log)
-            if partial.exists() and not (resumable and step.reason != "forced"):
-                shutil.rmtree(partial)
-            partial.mkdir(parents=True, exist_ok=True)
-            attempt.update(
-                key=step.key,
-                config_hash=step.config_hash,
-                inputs_hash=step.inputs_hash,
-                upstream_keys=step.upstream_keys,
-                version=step.module.VERSION,
-                status="running",
-                started=rundir.now(),
-                ended=None,
-                duration_s=None,
-                outputs={},
-                error=None,
-                pid=os.getpid(),
-                host=socket.gethostname(),
-                git_commit=_git_commit(),
-                versions=_versions(),
-            )
-            save()
-            log.info("start", reason=step.reason, key=step.key[:12], dir=str(partial))
+            _begin(attempt, step, run_dir, stored, partial, log)
         ranks.barrier(world_size)
         # Other ranks read the manifest rank 0 has written, which holds the upstream outputs.
         records = manifest if main else rundir.Manifest.load(run_dir)
         inputs = {
             name: stages.Upstream(run_dir / name, records.stage(name)["outputs"]) for name in step.module.UPSTREAM
         }
-        ctx = stages.Context(
-            seed=config.run.seed,
-            device=config.run.device,
-            run_dir=run_dir,
-            log=log,
-            rank=rank,
-            world_size=world_size,
-            metrics=stage_loggers.make(
-                config.run.loggers if main else (), run_dir / "logs", run_dir.name, step.name, config.to_dict()
-            ),
-        )
+        ctx = _context(config, step, run_dir, rank, world_size, log)
         started = time.perf_counter()
-        error: tuple[str, int] | None = None
         outputs: dict[str, Any] = {}
-        if on_this_rank:
-            finished = False
-            try:
-                outputs = step.module.run(config.stages[step.name], inputs, partial, ctx)
-                json.dumps(outputs)  # outputs must be JSON: fail here, not when the manifest is saved
-                finished = True
-            except stages.StageError as e:
-                error = (str(e), 2)
-            except Exception as e:  # a stage's own bug or crash: keep the traceback in the log
-                log.error("stage raised", exc_info=True)
-                error = (f"{type(e).__name__}: {e}", 1)
-            finally:
-                ctx.metrics.close(failed=not finished)  # an error or Ctrl-C: the experiment run is marked failed
+        error: tuple[str, int] | None = None
+        if main or getattr(step.module, "DISTRIBUTED", False):
+            outputs, error = _call(config, step, inputs, partial, ctx, log)
         error = ranks.agree(error, world_size)
+        duration = round(time.perf_counter() - started, 3)
         if error is not None:
             if main:
-                attempt.update(
-                    status="failed",
-                    ended=rundir.now(),
-                    error=error[0],
-                    duration_s=round(time.perf_counter() - started, 3),
-                )
-                save()
-                log.error("failed", error=error[0], **({"kept": "the earlier result"} if keep else {}))
-            raise StageFailed(step.name, error[0], error[1], log_path)
+                attempt.save(status="failed", ended=rundir.now(), error=error[0], duration_s=duration)
+                log.error("failed", error=error[0], **({"kept": "the earlier result"} if attempt.keep else {}))
+            raise StageFailed(step.name, error[0], error[1], run_dir / rundir.EVENTS)
         if main:
-            duration = round(time.perf_counter() - started, 3)
             record = {
-                **attempt,
+                **attempt.record,
                 "status": "done",
                 "ended": rundir.now(),
                 "duration_s": duration,
                 "outputs": outputs,
                 "pid": None,
             }
-            entry = stored.finish(partial, step.name, step.key, record)
-            store.link(run_dir, step.name, entry)
+            store.link(run_dir, step.name, stored.finish(partial, step.name, step.key, record))
             manifest.put(step.name, record)
             log.info("done", duration_s=duration)
         ranks.barrier(world_size)
     except KeyboardInterrupt:
-        if main and attempt.get("status") == "running":
-            attempt.update(status="interrupted", ended=rundir.now(), error="interrupted (Ctrl-C)")
-            save()
+        if main and attempt.record.get("status") == "running":
+            attempt.save(status="interrupted", ended=rundir.now(), error="interrupted (Ctrl-C)")
             log.warning("interrupted")
         raise
+
+
+def _begin(attempt: _Attempt, step: Step, run_dir: Path, stored: store.Store, partial: Path, log: Any) -> None:
+    """Rank 0: make the partial folder (re-entered by a resumable stage) and record the attempt as running."""
+    previous = attempt.manifest.stage(step.name) or {}
+    intact = store.problem(run_dir / step.name, previous.get("key", "")) is None
+    attempt.keep = previous.get("status") == "done" and intact
+    _mention_other_partial(previous, step, stored, log)
+    if partial.exists() and not (getattr(step.module, "RESUMABLE", False) and step.reason != "forced"):
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True, exist_ok=True)
+    attempt.save(
+        key=step.key,
+        config_hash=step.config_hash,
+        inputs_hash=step.inputs_hash,
+        upstream_keys=step.upstream_keys,
+        version=step.module.VERSION,
+        status="running",
+        started=rundir.now(),
+        ended=None,
+        duration_s=None,
+        outputs={},
+        error=None,
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        git_commit=_git_commit(),
+        versions=_versions(),
+    )
+    log.info("start", reason=step.reason, key=step.key[:12], dir=str(partial))
+
+
+def _context(
+    config: cfg.PipelineConfig, step: Step, run_dir: Path, rank: int, world_size: int, log: Any
+) -> stages.Context:
+    return stages.Context(
+        seed=config.run.seed,
+        device=config.run.device,
+        run_dir=run_dir,
+        log=log,
+        rank=rank,
+        world_size=world_size,
+        metrics=stage_loggers.make(
+            config.run.loggers if rank == 0 else (), run_dir / "logs", run_dir.name, step.name, config.to_dict()
+        ),
+    )
+
+
+def _call(
+    config: cfg.PipelineConfig,
+    step: Step,
+    inputs: dict[str, stages.Upstream],
+    partial: Path,
+    ctx: stages.Context,
+    log: Any,
+) -> tuple[dict[str, Any], tuple[str, int] | None]:
+    """The stage's outputs, or the error it raised with its exit code (2 bad input or config, 1 a crash)."""
+    finished = False
+    try:
+        outputs = step.module.run(config.stages[step.name], inputs, partial, ctx)
+        json.dumps(outputs)  # outputs must be JSON: fail here, not when the manifest is saved
+        finished = True
+        return outputs, None
+    except stages.StageError as e:
+        return {}, (str(e), 2)
+    except Exception as e:  # a stage's own bug or crash: keep the traceback in the log
+        log.error("stage raised", exc_info=True)
+        return {}, (f"{type(e).__name__}: {e}", 1)
+    finally:
+        ctx.metrics.close(failed=not finished)  # an error or Ctrl-C: the experiment run is marked failed
 
 
 def _mention_other_partial(previous: dict[str, Any], step: Step, stored: store.Store, log: Any) -> None:

@@ -1,10 +1,13 @@
 """Sweeps: every combination of `--grid KEY=V1,V2,...` as its own run, named from its overrides.
 
     grid = parse_grid(["pretrain.optimizer.lr=1e-3,3e-3", "pretrain.model.layers=2,4"])
-    for v in variants(config_path, classes, grid, overrides=["pretrain.budget.hours=0.01"]): ...
+    found = variants(config_path, classes, grid, overrides=["pretrain.budget.hours=0.01"])
+    outcomes = run_sweep(found, modules)
+    raise_for_failures(outcomes)
 
-Every combination's config is validated before anything runs. Variants share every stage whose key
-they share through the stage store, so a sweep over pretraining settings tokenizes and packs once.
+Every combination's config is validated, and planned, before anything runs. Variants share every
+stage whose key they share through the stage store, so a sweep over pretraining settings tokenizes
+and packs once.
 """
 
 from __future__ import annotations
@@ -13,14 +16,18 @@ import dataclasses
 import hashlib
 import itertools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
 
 from cram.pipeline import config as cfg
-from cram.pipeline import planning, rundir
+from cram.pipeline import curves, planning, rundir, runner
+from cram.pipeline.errors import CramError, Interrupted, exit_code
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9.-]+")
 _NAMED_BY_THE_SWEEP = ("run.name", "run.root")
+_ENDS_A_VARIANT = (CramError, planning.PlanError, rundir.RunDirError)  # a failed stage, a held lock, ...
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,30 @@ class Variant:
     @property
     def run_dir(self) -> Path:
         return Path(self.config.run.root) / self.name
+
+
+@dataclass
+class Outcome:
+    """A variant's turn in a sweep: its plan, what that does in a line ("" when the variant is done), the
+    pid of another process running it (left to it), and the error that ended it."""
+
+    number: int
+    variant: Variant
+    steps: list[planning.Step] = field(default_factory=list)
+    doing: str = ""
+    holder: int | None = None
+    error: Exception | None = None
+
+
+@dataclass(frozen=True)
+class Results:
+    """The variants that have a run directory, each one's status, the config keys that differ and the
+    figures of the last stage (each a value per run)."""
+
+    runs: list[str]
+    states: list[str]
+    diff: dict[str, list[Any]]
+    figures: dict[str, list[Any]]
 
 
 def parse_grid(items: list[str]) -> dict[str, list[str]]:
@@ -93,6 +124,68 @@ def summary(steps: list[planning.Step]) -> str:
         for action, what in (("run", "to run"), ("reuse", "from the store"))
         if any(s.action == action for s in steps)
     )
+
+
+def run_sweep(
+    found: list[Variant],
+    modules: list[ModuleType],
+    dry_run: bool = False,
+    show: Callable[[Outcome], None] = lambda outcome: None,
+    failed: Callable[[Outcome], None] = lambda outcome: None,
+) -> list[Outcome]:
+    """Run each variant that is not done and that no other process is running, in order; several sweeps
+    can share the work. `show` is told of each variant before it runs (or, on a dry run, instead),
+    `failed` of each that fails, which does not stop the others; Ctrl-C stops the sweep (Interrupted)."""
+    for v in found:  # all checked before any runs
+        planning.plan(v.config, modules, v.run_dir)
+    outcomes = []
+    made: dict[str, str] = {}  # with dry_run: key -> the variant that would compute it
+    for number, variant in enumerate(found, 1):
+        outcome = Outcome(number, variant)
+        outcomes.append(outcome)
+        try:
+            # Planned again: the variants before it may have made some of its stages.
+            steps = runner.plan(variant.config, modules, variant.run_dir)
+            outcome.steps = made_earlier(steps, made, variant.name) if dry_run else steps
+            outcome.doing = summary(outcome.steps)
+            holder = rundir.read_lock(variant.run_dir / rundir.LOCK)
+            if outcome.doing and holder is not None and rundir.holder_state(holder) == "live":
+                outcome.holder = holder["pid"]
+            show(outcome)
+            if outcome.doing and outcome.holder is None and not dry_run:
+                runner.run_pipeline(variant.config, variant.run_dir, outcome.steps)
+        except Interrupted as e:
+            outcome.error = e
+            failed(outcome)
+            raise Interrupted("sweep interrupted; run the same `cram sweep` command to continue it") from None
+        except _ENDS_A_VARIANT as e:
+            outcome.error = e
+            failed(outcome)
+    return outcomes
+
+
+def raise_for_failures(outcomes: list[Outcome]) -> None:
+    """One error naming the variants that failed, with the first one's exit code."""
+    failed = [o for o in outcomes if o.error is not None]
+    if failed:
+        names = ", ".join(o.variant.name for o in failed)
+        raise CramError(f"{len(failed)} of {len(outcomes)} variants failed: {names}", exit_code(failed[0].error))
+
+
+def results(found: list[Variant]) -> Results:
+    run_dirs = [v.run_dir for v in found if (v.run_dir / rundir.MANIFEST).is_file()]
+    if not run_dirs:
+        return Results([], [], {}, {})
+    diff, figures = curves.config_diff(run_dirs), curves.stage_figures(run_dirs)
+    diff.pop("run.name", None)  # the row says it
+    last = list(figures.values())[-1] if figures else {}
+    last = {k: v for k, v in last.items() if not k.endswith("_s")}  # timings: not a result
+    states = []
+    for run_dir in run_dirs:
+        stages = rundir.records(run_dir)
+        final = list(stages)[-1] if stages else None
+        states.append(planning.describe(run_dir, final, stages[final])[0] if final else "-")
+    return Results([d.name for d in run_dirs], states, diff, last)
 
 
 def made_earlier(steps: list[planning.Step], made: dict[str, str], name: str) -> list[planning.Step]:

@@ -1,0 +1,28 @@
+"""The errors that end a `cram` command where no module's own error (cfg.ConfigError, rundir.RunDirError,
+planning.PlanError, ...) fits, and the exit code of each: 0 ok, 1 a stage failed, 2 bad usage, config
+or input, 130 interrupted. `pipeline/cli.py` turns every one into its line and exit code in one place.
+"""
+
+from __future__ import annotations
+
+
+class CramError(Exception):
+    """An error whose message is the whole story for the person at the terminal (a missing folder, a
+    file where a folder goes, a stage that failed): the command ends with it and `exit_code`."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class Interrupted(CramError):
+    """Ctrl-C; the message says how to continue."""
+
+    def __init__(self, message: str):
+        super().__init__(message, 130)
+
+
+def exit_code(error: Exception) -> int:
+    """The exit code a command ends with after `error`: its own where it has one, 2 (bad usage, config
+    or input) for the modules' own errors."""
+    return error.exit_code if isinstance(error, CramError) else 2

@@ -1,0 +1,78 @@
+"""What the commands that show runs read from run directories: a run's stage records and their status
+as `cram status` shows it, the newest stage of each run under a root, a run's saved config.
+
+    for stage in status(Path("runs/default")): print(stage.name, stage.state, stage.note)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cram.pipeline import config as cfg
+from cram.pipeline import planning, rundir
+from cram.pipeline.errors import CramError
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A stage's manifest record, with its status checked against the files and processes (see
+    planning.describe) and a note on a kept attempt or a replaced upstream."""
+
+    name: str
+    record: dict[str, Any]
+    state: str
+    note: str
+
+
+@dataclass(frozen=True)
+class Newest:
+    """A run under a root and its newest started stage (`stage` None: none has started), or, where its
+    manifest cannot be read, why (`unreadable`)."""
+
+    run: str
+    stage: str | None = None
+    state: str = ""
+    started: str = ""
+    unreadable: str | None = None
+
+
+def folder(path: Path) -> Path:
+    """`path`, which must be an existing folder (a runs root)."""
+    if not path.is_dir():
+        raise CramError(f"{path}: no such directory")
+    return path
+
+
+def status(run_dir: Path) -> list[Stage]:
+    stages = rundir.records(run_dir)
+    return [Stage(name, r, *planning.describe(run_dir, name, r, stages)) for name, r in stages.items()]
+
+
+def newest(root: Path) -> list[Newest]:
+    """Every run under `root`, by name; a manifest that cannot be read is an entry, never the end of the list."""
+    found = []
+    for path in sorted(p for p in folder(root).iterdir() if (p / rundir.MANIFEST).is_file()):
+        try:
+            stages = rundir.Manifest.load(path).records
+        except rundir.RunDirError as e:  # one bad run must not hide the others
+            found.append(Newest(path.name, unreadable=str(e)))
+            continue
+        started = {k: r for k, r in stages.items() if r.get("started")}
+        if not started:
+            found.append(Newest(path.name))
+            continue
+        stage = max(started, key=lambda k: started[k]["started"])
+        r = started[stage]
+        found.append(Newest(path.name, stage, planning.describe(path, stage, r)[0], r["started"]))
+    return found
+
+
+def saved_config(run_dir: Path) -> dict[str, Any]:
+    """The resolved config a run saved as TOML, as a dict; empty where it has none yet."""
+    saved = run_dir / rundir.CONFIG
+    try:
+        return cfg.tomllib.loads(saved.read_text(encoding="utf-8")) if saved.is_file() else {}
+    except (OSError, UnicodeDecodeError, cfg.tomllib.TOMLDecodeError) as e:
+        raise CramError(f"{saved}: not a readable config ({e})") from None
