@@ -5,12 +5,11 @@ seed, its upstream stages' keys and, for a stage that reads files outside the ru
 stage whose manifest record is done under that key, with its files intact, is skipped; one whose key has
 an entry in the stage store (made by any run under the same root) is reused; the others run, with the
 reason ("new", "config changed", "upstream changed", ...). Each stage's own `validate` runs here, so bad
-config fails before the first stage runs. `describe` says how `cram status` sees a stage's record.
+config fails before the first stage runs.
 """
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
@@ -153,38 +152,6 @@ def _why_not_done(record: dict[str, Any] | None, key: str, config_hash: str, ups
     if record.get("upstream_keys") != upstream:
         return "upstream changed"
     return "inputs changed"
-
-
-def describe(
-    run_dir: Path, name: str, record: dict[str, Any], records: dict[str, Any] | None = None
-) -> tuple[str, str]:
-    """A stage's status as `cram status` shows it, checked against the files and the processes, and a
-    note on an unfinished attempt kept beside a done result, or on a result made from an upstream
-    result that the run has since replaced (given all the run's `records`)."""
-    status = record.get("status", "?")
-    if status == "done" and (missing := store.problem(run_dir / name, record.get("key", ""))):
-        return "missing", f"not done: {missing}"
-    replaced = [
-        u
-        for u, k in (record.get("upstream_keys") or {}).items()
-        if status == "done" and records and (records.get(u) or {}).get("key") not in (None, k)
-    ]
-    if status == "running" and _gone(record):
-        return "killed", f"pid {record['pid']} ended without a word (killed); cram resume {run_dir} continues it"
-    notes = [f"(made from an earlier {', '.join(replaced)}: re-run to bring it up to date)"] if replaced else []
-    attempt = record.get("attempt")
-    if isinstance(attempt, dict):
-        state = "killed" if attempt.get("status") == "running" and _gone(attempt) else attempt.get("status")
-        error = f": {attempt['error']}" if attempt.get("error") else ""
-        notes.append(f"(a newer attempt, key {str(attempt.get('key'))[:12]}, {state}{error}; this result is kept)")
-    return status, " ".join(notes)
-
-
-def _gone(record: dict[str, Any]) -> bool:
-    """A record says running, but its process on this host has ended (killed: it could not say)."""
-    pid = record.get("pid")
-    here = socket.gethostname()
-    return isinstance(pid, int) and record.get("host", here) == here and not rundir.pid_alive(pid)
 
 
 def _check_upstream_done(steps: list[Step]) -> None:

@@ -6,19 +6,20 @@ as `cram status` shows it, the newest stage of each run under a root, a run's sa
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from cram.pipeline import config as cfg
-from cram.pipeline import planning, rundir
+from cram.pipeline import rundir, store
 from cram.pipeline.errors import CramError
 
 
 @dataclass(frozen=True)
 class Stage:
     """A stage's manifest record, with its status checked against the files and processes (see
-    planning.describe) and a note on a kept attempt or a replaced upstream."""
+    checked_status) and a note on a kept attempt or a replaced upstream."""
 
     name: str
     record: dict[str, Any]
@@ -47,7 +48,7 @@ def folder(path: Path) -> Path:
 
 def status(run_dir: Path) -> list[Stage]:
     stages = rundir.records(run_dir)
-    return [Stage(name, r, *planning.describe(run_dir, name, r, stages)) for name, r in stages.items()]
+    return [Stage(name, r, *checked_status(run_dir, name, r, stages)) for name, r in stages.items()]
 
 
 def newest(root: Path) -> list[Newest]:
@@ -65,7 +66,7 @@ def newest(root: Path) -> list[Newest]:
             continue
         stage = max(started, key=lambda k: started[k]["started"])
         r = started[stage]
-        found.append(Newest(path.name, stage, planning.describe(path, stage, r)[0], r["started"]))
+        found.append(Newest(path.name, stage, checked_status(path, stage, r)[0], r["started"]))
     return found
 
 
@@ -76,3 +77,35 @@ def saved_config(run_dir: Path) -> dict[str, Any]:
         return cfg.tomllib.loads(saved.read_text(encoding="utf-8")) if saved.is_file() else {}
     except (OSError, UnicodeDecodeError, cfg.tomllib.TOMLDecodeError) as e:
         raise CramError(f"{saved}: not a readable config ({e})") from None
+
+
+def checked_status(
+    run_dir: Path, name: str, record: dict[str, Any], records: dict[str, Any] | None = None
+) -> tuple[str, str]:
+    """A stage's status as `cram status` shows it, checked against the files and the processes, and a
+    note on an unfinished attempt kept beside a done result, or on a result made from an upstream
+    result that the run has since replaced (given all the run's `records`)."""
+    status = record.get("status", "?")
+    if status == "done" and (missing := store.problem(run_dir / name, record.get("key", ""))):
+        return "missing", f"not done: {missing}"
+    replaced = [
+        u
+        for u, k in (record.get("upstream_keys") or {}).items()
+        if status == "done" and records and (records.get(u) or {}).get("key") not in (None, k)
+    ]
+    if status == "running" and _gone(record):
+        return "killed", f"pid {record['pid']} ended without a word (killed); cram resume {run_dir} continues it"
+    notes = [f"(made from an earlier {', '.join(replaced)}: re-run to bring it up to date)"] if replaced else []
+    attempt = record.get("attempt")
+    if isinstance(attempt, dict):
+        state = "killed" if attempt.get("status") == "running" and _gone(attempt) else attempt.get("status")
+        error = f": {attempt['error']}" if attempt.get("error") else ""
+        notes.append(f"(a newer attempt, key {str(attempt.get('key'))[:12]}, {state}{error}; this result is kept)")
+    return status, " ".join(notes)
+
+
+def _gone(record: dict[str, Any]) -> bool:
+    """A record says running, but its process on this host has ended (killed: it could not say)."""
+    pid = record.get("pid")
+    here = socket.gethostname()
+    return isinstance(pid, int) and record.get("host", here) == here and not rundir.pid_alive(pid)

@@ -22,7 +22,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 from cram.pipeline import config as cfg
-from cram.pipeline import curves, planning, rundir, runner
+from cram.pipeline import curves, planning, reading, rundir, runner
 from cram.pipeline.errors import CramError, Interrupted, exit_code
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9.-]+")
@@ -184,7 +184,7 @@ def results(found: list[Variant]) -> Results:
     for run_dir in run_dirs:
         stages = rundir.records(run_dir)
         final = list(stages)[-1] if stages else None
-        states.append(planning.describe(run_dir, final, stages[final])[0] if final else "-")
+        states.append(reading.checked_status(run_dir, final, stages[final])[0] if final else "-")
     return Results([d.name for d in run_dirs], states, diff, last)
 
 
