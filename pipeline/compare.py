@@ -33,6 +33,12 @@ HIDDEN_SUFFIXES = ("_baseline", "_time_s")  # per-task reference figures, the sa
 FORMATS = (".csv", ".md")
 
 
+class CompareError(CurvesError):
+    """A comparison that cannot be made (no such run, a figure no run has, an output format it cannot
+    write): one line naming the pattern, path or figure. A kind of CurvesError, since the comparison
+    reads the runs' figures and curves and fails the same way when they cannot be read."""
+
+
 @dataclass(frozen=True)
 class Table:
     """`rows[i][j]` is run i's value in `columns[j]`; the first column is the run, then `n_config` config
@@ -69,7 +75,7 @@ class Table:
 
 def check_out(path: Path) -> None:
     if path.suffix.lower() not in FORMATS:
-        raise CurvesError(f"--out {path}: write a .csv or a .md file")
+        raise CompareError(f"--out {path}: write a .csv or a .md file")
 
 
 def expand(patterns: Sequence[str | Path]) -> list[Path]:
@@ -81,11 +87,11 @@ def expand(patterns: Sequence[str | Path]) -> list[Path]:
         if glob.has_magic(pattern):
             matches = [Path(p) for p in sorted(glob.glob(pattern)) if _is_run_dir(Path(p))]
             if not matches:
-                raise CurvesError(f"{pattern}: matches no run directory")
+                raise CompareError(f"{pattern}: matches no run directory")
         else:
             if not _is_run_dir(Path(pattern)):
                 hint = f"; the runs under it: '{Path(pattern) / '*'}'" if Path(pattern).is_dir() else ""
-                raise CurvesError(f"{pattern}: not a run directory (no {rundir.MANIFEST}){hint}")
+                raise CompareError(f"{pattern}: not a run directory (no {rundir.MANIFEST}){hint}")
             matches = [Path(pattern)]
         found.update(dict.fromkeys(matches))
     return list(found)
@@ -98,11 +104,11 @@ def compare_table(
     all_figures: bool = False,
 ) -> Table:
     """The comparison of `run_dirs`; `sort` is a figure name (`mlm_loss` or `evaluate.mlm_loss`), best
-    first unless `descending` says the order. Raises CurvesError for a run directory without a config
+    first unless `descending` says the order. Raises CompareError for a run directory without a config
     or manifest, or an unknown figure (naming the closest ones)."""
     run_dirs = list(run_dirs)
     if not run_dirs:
-        raise CurvesError("no run directories to compare")
+        raise CompareError("no run directories to compare")
     diff = {k: v for k, v in curves.config_diff(run_dirs).items() if k != "run.name"}  # the run column says it
     figures = {
         f"{stage}.{name}": [v if is_number(v) else MISSING for v in values]
@@ -154,11 +160,11 @@ def _resolve(name: str, figures: dict[str, list[Any]]) -> str:
     if len(bare) == 1:
         return bare[0]
     if len(bare) > 1:
-        raise CurvesError(f"--sort {name}: more than one stage has it; use one of {', '.join(bare)}")
+        raise CompareError(f"--sort {name}: more than one stage has it; use one of {', '.join(bare)}")
     names = sorted({k.split(".", 1)[1] for k in figures} | set(figures))
     close = difflib.get_close_matches(name, names, n=3, cutoff=0.4)
     hint = f"; closest: {', '.join(close)}" if close else f"; figures: {', '.join(figures) or 'none'}"
-    raise CurvesError(f"--sort {name}: no run has this figure{hint}")
+    raise CompareError(f"--sort {name}: no run has this figure{hint}")
 
 
 def _is_headline(key: str) -> bool:
