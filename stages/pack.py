@@ -25,7 +25,7 @@ from cram.stages import Context, StageError, Upstream
 from cram.stages.data import shards
 
 NAME = "pack"
-VERSION = "1"  # the out-of-core pack writes the same bytes as the in-memory one did
+VERSION = "1"
 UPSTREAM = ("tokenize",)
 RESUMABLE = False
 

@@ -30,7 +30,7 @@ from cram.stages.data.source import CorpusConfig
 from cram.stages.shared.special import SPECIAL_IDS
 
 NAME = "tokenize"
-VERSION = "2"  # 2: streamed, parallel read and encode; a big corpus's tokenizer sample spans the corpus
+VERSION = "2"
 UPSTREAM: tuple[str, ...] = ()
 RESUMABLE = False
 # How many processes and how big their batches: the outputs are the same bytes either way (tested), so
