@@ -2,8 +2,10 @@
 
 The budget (hours, steps or tokens, whichever runs out first) defines progress in [0, 1]; the lr
 schedule and the batch-size ramp both follow that progress, as in cramming. This module holds the
-stage's config, its checks and `run`; the loop is `stages/training.py`, the budget clock and what the
-ranks agree on `stages/budget.py`, metrics, progress bar and MFU `stages/telemetry.py`.
+stage's config, its checks and `run`; under `stages/pretraining/`: the loop (`loop.py`) and its hooks
+(`hooks.py`: logging, checkpoints, the divergence check), the training state (`state.py`), checkpoints
+(`checkpoint.py`), the batch stream (`batches.py`), the budget clock and what the ranks agree on
+(`budget.py`), metrics, progress bar and MFU (`telemetry.py`).
 
 Checkpoints in `checkpoints/step-N/` make the stage resumable: a re-run in the same folder continues
 from the newest one, and since batches and masks are functions of (seed, data position) alone, a
@@ -20,12 +22,19 @@ import json
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from cram.model.config import ModelConfig, OptimizerConfig
 from cram.stages import Context, StageError, Upstream
 from cram.stages.shared import device as devices
-from cram.stages.shared.masking import Masking, mask_spec
+from cram.stages.shared.masking import Masking, MaskSpec, mask_spec
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+    from cram.stages.pretraining.loop import Hook, Steps
+    from cram.stages.pretraining.state import Params, TrainState
+    from cram.stages.pretraining.telemetry import ProgressBar
 
 NAME = "pretrain"
 VERSION = "4"
@@ -157,17 +166,56 @@ def validate(config: Config, pipeline: Any) -> None:
 
 
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
-    import numpy as np
-    import torch
     from cram import model
-    from cram.stages.pretraining import checkpoint
-    from cram.stages.pretraining.budget import progress
-    from cram.stages.pretraining.loop import Steps, canary, fresh_state, train
-    from cram.stages.pretraining.telemetry import MetricsLog, mfu, peak_flops
-    from cram.stages.shared.collectives import agree_on
-    from cram.stages.shared.val_mlm import MASK_SEED, val_mlm
+    from cram.stages.pretraining.loop import train
+    from cram.stages.pretraining.telemetry import ProgressBar, peak_flops
 
-    pack = inputs["pack"]
+    setup = _setup(config, inputs["pack"], ctx)
+    state, resumed = _start(config, setup, out_dir, ctx)
+    steps = _make_steps(config, setup, ctx.world_size, compile=config.compile)
+    if ctx.is_main and config.val_blocks and state.val_loss_start is None:
+        state.val_loss_start = _val_loss(config, setup, state.params)
+    compile_s, canary_diff = _compile(config, setup, ctx, steps, state)
+    flops_per_token = model.flops_per_token(setup.model, setup.spec.per_sequence / setup.model.max_seq_len)
+    if ctx.is_main:  # measured on a CPU, which takes seconds: before the budget clock starts
+        peak_flops(setup.device, setup.autocast)
+    with ProgressBar(ctx.is_main) as bar:
+        hooks = _hooks(config, ctx, steps, out_dir, flops_per_token, bar, last_saved=state.step if resumed else -1)
+        train(config, ctx, steps, state, setup.blocks, hooks)
+
+    outputs = {
+        "params": "params.safetensors",
+        "model_config": "model.json",
+        "metrics": "metrics.jsonl",
+        "checkpoints": "checkpoints",
+        "masking": dataclasses.asdict(config.masking),
+    }
+    if not ctx.is_main:
+        return outputs
+    _write_model(out_dir / outputs["params"], out_dir / outputs["model_config"], setup, state)
+    figures = _figures(config, setup, ctx, state, flops_per_token, compile_s, canary_diff)
+    ctx.log.info("trained", **figures)
+    ctx.metrics.log(state.step, figures, prefix="final/")
+    return {**outputs, **figures}
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What `run` reads and derives before training: the data, the model, its masking and device."""
+
+    blocks: np.ndarray  # [blocks, seq_len] integers, memory-mapped: the training data
+    val: np.ndarray  # the same, held out
+    model: ModelConfig  # at the data's vocabulary and sequence length
+    spec: MaskSpec
+    device: torch.device
+    autocast: torch.dtype | None  # the forward's autocast dtype; None: fp32
+
+
+def _setup(config: Config, pack: Upstream, ctx: Context) -> _Setup:
+    """The packed data and the model config, checked; what `StageError`s a bad config or input raises."""
+    import numpy as np
+    from cram import model
+
     blocks = np.load(pack.path("train"), mmap_mode="r")
     val = np.load(pack.path("val"), mmap_mode="r")
     seq_len, special = int(pack.outputs["seq_len"]), pack.outputs["special_ids"]
@@ -181,109 +229,151 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         )
     spec = mask_spec(config.masking, special, cfg.vocab_size, seq_len)
     device = devices.resolve(ctx.device)
-    autocast = devices.autocast_dtype(config.precision, device)
+    return _Setup(blocks, val, cfg, spec, device, devices.autocast_dtype(config.precision, device))
 
-    # Continue from the newest checkpoint (the one rank 0 sees, on every rank), or start afresh.
+
+def _start(config: Config, setup: _Setup, out_dir: Path, ctx: Context) -> tuple[TrainState, bool]:
+    """The state of the newest checkpoint (the one rank 0 sees, on every rank), or a fresh one, on the
+        device; and whether it was resumed. Rank 0's metrics.jsonl loses the lines written after that state
+    (a killed run's), all of them on a fresh start."""
+    from cram import model
+    from cram.stages.pretraining import checkpoint
+    from cram.stages.pretraining.state import TrainState
+    from cram.stages.pretraining.telemetry import MetricsLog
+    from cram.stages.shared.collectives import agree_on
+
     resume_from = agree_on(checkpoint.latest(out_dir / "checkpoints", ctx.log), ctx.world_size)
     if resume_from is None:
-        params = model.init(cfg, ctx.seed)
-        opt_state, state = model.adamw_init(params), fresh_state(ctx.seed)
+        params = model.init(setup.model, ctx.seed)
+        state = TrainState(seed=ctx.seed, params=params, opt_state=model.adamw_init(params))
     else:
-        params, opt_state, state = checkpoint.load(resume_from)
-        if state["seed"] != ctx.seed:
-            raise StageError(f"{resume_from}: saved with seed {state['seed']}, the run has seed {ctx.seed}")
-        ctx.log.info("resume", checkpoint=str(resume_from), step=state["step"], elapsed_s=state["elapsed_s"])
-    params = {k: v.to(device) for k, v in params.items()}
-    opt_state = {k: v.to(device) for k, v in opt_state.items()}
+        params, opt_state, counters = checkpoint.load(resume_from)
+        state = TrainState.from_json(counters, params, opt_state)
+        if state.seed != ctx.seed:
+            raise StageError(f"{resume_from}: saved with seed {state.seed}, the run has seed {ctx.seed}")
+        ctx.log.info("resume", checkpoint=str(resume_from), step=state.step, elapsed_s=state.elapsed_s)
+    state.params = {k: v.to(setup.device) for k, v in state.params.items()}
+    state.opt_state = {k: v.to(setup.device) for k, v in state.opt_state.items()}
     if ctx.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        MetricsLog(out_dir / "metrics.jsonl").truncate(state["step"])
+        MetricsLog(out_dir / "metrics.jsonl").truncate(state.step)
+    return state, resume_from is not None
 
-    reduce_grads = model.make_grad_all_reduce(ctx.world_size) if ctx.world_size > 1 else None
-    # One microbatch per step (no ramp to grow): the whole step is one graph. Otherwise two graphs,
-    # accumulate (per microbatch) and apply (per step), since a graph cannot loop over a varying count.
-    single = config.batch_size == ctx.world_size * config.microbatch
 
-    def make_steps(compile: bool) -> Steps:
-        how = dict(compile=compile, backend=config.backend)
-        return Steps(
-            whole=model.make_train_step(
-                cfg, config.optimizer, autocast_dtype=autocast, reduce_grads=reduce_grads, **how
-            )
-            if single
-            else None,
-            accumulate=None if single else model.make_accumulate_step(cfg, autocast_dtype=autocast, **how),
-            apply=None if single else model.make_apply_step(config.optimizer, reduce_grads=reduce_grads, **how),
-            spec=spec,
-            generator=torch.Generator(device=device),
-            device=device,
-            autocast=autocast,
+def _make_steps(config: Config, setup: _Setup, world_size: int, compile: bool) -> Steps:
+    """The training steps, compiled or eager. One microbatch per step (no ramp to grow): the whole step is
+    one graph. Otherwise two graphs, accumulate (per microbatch) and apply (per step), since a graph cannot
+    loop over a varying count."""
+    import torch
+    from cram import model
+    from cram.stages.pretraining.loop import Steps
+
+    reduce_grads = model.make_grad_all_reduce(world_size) if world_size > 1 else None
+    single = config.batch_size == world_size * config.microbatch
+    how = dict(compile=compile, backend=config.backend)
+    whole = accumulate = apply = None
+    if single:
+        whole = model.make_train_step(
+            setup.model, config.optimizer, autocast_dtype=setup.autocast, reduce_grads=reduce_grads, **how
         )
+    else:
+        accumulate = model.make_accumulate_step(setup.model, autocast_dtype=setup.autocast, **how)
+        apply = model.make_apply_step(config.optimizer, reduce_grads=reduce_grads, **how)
+    generator = torch.Generator(device=setup.device)
+    return Steps(whole, accumulate, apply, setup.spec, generator, setup.device, setup.autocast)
 
-    steps = make_steps(config.compile)
-    # Two forward passes over a few hundred blocks are not worth a compile.
-    evaluate = model.make_eval_step(cfg, compile=False, autocast_dtype=autocast)
 
-    def val_loss(params: dict) -> float:
-        """The held-out MLM loss on the first `val_blocks` blocks, masked as evaluate masks them."""
-        return val_mlm(
-            evaluate,
-            params,
-            val[: config.val_blocks],
-            spec,
-            seed=MASK_SEED,
-            batch_size=config.microbatch,
-            device=device,
-        )["loss"]
+def _val_loss(config: Config, setup: _Setup, params: Params) -> float:
+    """The held-out MLM loss on the first `val_blocks` blocks, masked as evaluate masks them. Two forward
+    passes over a few hundred blocks are not worth a compile."""
+    from cram import model
+    from cram.stages.shared.val_mlm import MASK_SEED, val_mlm
 
-    if ctx.is_main and config.val_blocks and state["val_loss_start"] is None:
-        state["val_loss_start"] = val_loss(params)
-    compile_s, canary_diff = 0.0, None
-    if config.compile and progress(config.budget, state, state["elapsed_s"]) < 1:
-        compile_s = steps.warm_up(params, opt_state, blocks, config.microbatch)
-        if config.canary_steps:
-            canary_diff = canary(config, ctx, steps, make_steps(False), params, opt_state, blocks)
-    flops_per_token = model.flops_per_token(cfg, spec.per_sequence / seq_len)
+    evaluate = model.make_eval_step(setup.model, compile=False, autocast_dtype=setup.autocast)
+    return val_mlm(
+        evaluate,
+        params,
+        setup.val[: config.val_blocks],
+        setup.spec,
+        seed=MASK_SEED,
+        batch_size=config.microbatch,
+        device=setup.device,
+    )["loss"]
+
+
+def _compile(
+    config: Config, setup: _Setup, ctx: Context, steps: Steps, state: TrainState
+) -> tuple[float, float | None]:
+    """Before the budget clock, unless `steps` are eager or the budget is spent: compile them, then run the
+    canary against eager steps. Returns (seconds compiling, the canary's difference or None)."""
+    from cram.stages.pretraining.budget import progress
+    from cram.stages.pretraining.loop import canary
+
+    if not config.compile or not progress(config.budget, state, state.elapsed_s) < 1:
+        return 0.0, None
+    compile_s = steps.warm_up(state.params, state.opt_state, setup.blocks, config.microbatch)
+    if not config.canary_steps:
+        return compile_s, None
+    eager = _make_steps(config, setup, ctx.world_size, compile=False)
+    return compile_s, canary(config, ctx, steps, eager, state.params, state.opt_state, setup.blocks)
+
+
+def _hooks(
+    config: Config, ctx: Context, steps: Steps, out_dir: Path, flops_per_token: float, bar: ProgressBar, last_saved: int
+) -> list[Hook]:
+    """The loop's side jobs, in the order they run: the divergence check, the report, checkpoints (rank 0)."""
+    from cram.stages.pretraining.hooks import Checkpointer, DivergenceCheck, Report
+    from cram.stages.pretraining.telemetry import MetricsLog
+
+    hooks: list[Hook] = [
+        DivergenceCheck(config.log_every_steps, out_dir / "checkpoints"),
+        Report(config, ctx, steps, flops_per_token, MetricsLog(out_dir / "metrics.jsonl"), bar),
+    ]
     if ctx.is_main:
-        peak_flops(device, autocast)  # measured on a CPU, which takes seconds: before the budget clock starts
+        hooks.append(Checkpointer(config, out_dir / "checkpoints", last_saved, ctx.log))
+    return hooks
 
-    last_saved = -1 if resume_from is None else state["step"]
-    params, opt_state = train(
-        config, ctx, steps, params, opt_state, state, blocks, out_dir, last_saved, flops_per_token
-    )
 
-    outputs = {
-        "params": "params.safetensors",
-        "model_config": "model.json",
-        "metrics": "metrics.jsonl",
-        "checkpoints": "checkpoints",
-        "masking": dataclasses.asdict(config.masking),
-    }
-    if not ctx.is_main:
-        return outputs
-    checkpoint.write_tensors(out_dir / outputs["params"], params)
-    (out_dir / outputs["model_config"]).write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
-    tokens_per_s = state["tokens_seen"] / state["elapsed_s"] if state["elapsed_s"] else 0.0
-    figures = {
-        "final_loss": state["loss_end"],
-        "loss_start": state["loss_start"],
-        "val_loss_start": state["val_loss_start"],
-        "val_loss_end": val_loss(params) if config.val_blocks else None,
-        "steps": state["step"],
-        "tokens_seen": state["tokens_seen"],
-        "flops_seen": flops_per_token * state["tokens_seen"],  # model FLOPs: a budget that carries across hardware
-        "wall_s": round(state["elapsed_s"], 3),
+def _write_model(params_path: Path, config_path: Path, setup: _Setup, state: TrainState) -> None:
+    from cram.stages.pretraining import checkpoint
+
+    checkpoint.write_tensors(params_path, state.params)
+    config_path.write_text(json.dumps(dataclasses.asdict(setup.model), indent=1) + "\n")
+
+
+def _figures(
+    config: Config,
+    setup: _Setup,
+    ctx: Context,
+    state: TrainState,
+    flops_per_token: float,
+    compile_s: float,
+    canary_diff: float | None,
+) -> dict[str, Any]:
+    """The stage's results: losses, throughput, what training cost."""
+    import torch
+    from cram import model
+    from cram.stages.pretraining.telemetry import mfu
+
+    elapsed_s = state.elapsed_s
+    tokens_per_s = state.tokens_seen / elapsed_s if elapsed_s else 0.0
+    return {
+        "final_loss": state.loss_end,
+        "loss_start": state.loss_start,
+        "val_loss_start": state.val_loss_start,
+        "val_loss_end": _val_loss(config, setup, state.params) if config.val_blocks else None,
+        "steps": state.step,
+        "tokens_seen": state.tokens_seen,
+        "flops_seen": flops_per_token * state.tokens_seen,  # model FLOPs: a budget that carries across hardware
+        "wall_s": round(elapsed_s, 3),
         "compile_s": round(compile_s, 3),
         "canary_diff": canary_diff,
         "tokens_per_s": round(tokens_per_s, 1),
-        "mfu": mfu(flops_per_token, tokens_per_s, device, ctx.world_size, autocast),
-        "precision": "bf16" if autocast == torch.bfloat16 else "fp32",
-        "data_wait": round(state["data_wait_s"] / state["elapsed_s"], 4) if state["elapsed_s"] else 0.0,
-        "num_params": model.num_params(params),
+        "mfu": mfu(flops_per_token, tokens_per_s, setup.device, ctx.world_size, setup.autocast),
+        "precision": "bf16" if setup.autocast == torch.bfloat16 else "fp32",
+        "data_wait": round(state.data_wait_s / elapsed_s, 4) if elapsed_s else 0.0,
+        "num_params": model.num_params(state.params),
     }
-    ctx.log.info("trained", **figures)
-    ctx.metrics.log(state["step"], figures, prefix="final/")
-    return {**outputs, **figures}
 
 
 def _model_config(model, arch: Architecture, vocab_size: int, seq_len: int, pad_id: int):

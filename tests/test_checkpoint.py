@@ -72,3 +72,58 @@ def test_a_checkpoint_without_checksums_is_checked_by_reading_it(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="step-3/params.safetensors: unreadable"):
         checkpoint.load(tmp_path / "step-3")
     assert checkpoint.latest(tmp_path) == tmp_path / "step-2"
+
+
+# state.json as the string-keyed state dict of the loop wrote it, before the state was a dataclass.
+OLD_STATE_JSON = """{
+ "step": 10,
+ "sequences": 136,
+ "tokens_seen": 4352,
+ "elapsed_s": 0.17682863300001372,
+ "data_wait_s": 0.0008339570000543972,
+ "progress": 1.0,
+ "seed": 0,
+ "loss_start": 5.525416374206543,
+ "loss_end": 5.549246470133464,
+ "val_loss_start": 5.5419464111328125,
+ "unlogged": [
+  [
+   5.550357818603516,
+   0.0078125,
+   0.8546714782714844
+  ]
+ ]
+}"""
+
+
+def test_a_state_json_in_the_old_dict_form_resumes_and_round_trips(tmp_path):
+    from cram.stages.pretraining.state import TrainState
+
+    tensors = {"w": torch.ones(2)}
+    old = checkpoint.save(tmp_path / "old", 10, tensors, tensors, json.loads(OLD_STATE_JSON), keep=1)
+    assert (old / checkpoint.STATE).read_text() == OLD_STATE_JSON
+    params, opt_state, counters = checkpoint.load(old)
+    state = TrainState.from_json(counters, params, opt_state)
+    assert (state.step, state.sequences, state.seed, state.unlogged) == (
+        10,
+        136,
+        0,
+        [[5.550357818603516, 0.0078125, 0.8546714782714844]],
+    )
+    assert torch.equal(state.params["w"], tensors["w"])
+    new = checkpoint.save(tmp_path / "new", state.step, state.params, state.opt_state, state.to_json(), keep=1)
+    assert (new / checkpoint.STATE).read_text() == OLD_STATE_JSON
+    # A fresh state is the fresh dict the loop started from.
+    assert TrainState(seed=3).to_json() == {
+        "step": 0,
+        "sequences": 0,
+        "tokens_seen": 0,
+        "elapsed_s": 0.0,
+        "data_wait_s": 0.0,
+        "progress": 0.0,
+        "seed": 3,
+        "loss_start": None,
+        "loss_end": None,
+        "val_loss_start": None,
+        "unlogged": [],
+    }

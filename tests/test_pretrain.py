@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 import torch
 from cram.stages import StageError, Upstream, pretrain
-from cram.stages.pretraining import checkpoint
+from cram.stages.pretraining import checkpoint, hooks
 from cram.stages.pretraining import loop as training
 from cram.stages.pretraining.batches import Prefetcher, read_sequences
 from cram.stages.pretraining.budget import progress as budget_progress
+from cram.stages.pretraining.state import TrainState
 from cram.stages.shared.masking import MaskSpec, mask_tokens
 from safetensors.torch import load_file
 
@@ -193,7 +194,7 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoin
 
     monkeypatch.setattr(model, "make_accumulate_step", diverging_at_step_3)
     config = small(log_every_steps=2, checkpoint_every_steps=1, keep_checkpoints=5, batch_size=16)
-    with pytest.raises(training.DivergedError, match=r"not finite at step 3; last good checkpoint: .*step-2"):
+    with pytest.raises(hooks.DivergedError, match=r"not finite at step 3; last good checkpoint: .*step-2"):
         pretrain.run(config, {"pack": pack}, tmp_path / "out", make_ctx())
     assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["step-1", "step-2"]
     assert not (tmp_path / "out" / "params.safetensors").exists()
@@ -227,7 +228,7 @@ def test_a_steps_or_tokens_budget_from_toml_has_no_hidden_time_limit(tmp_path):
         budget = load_pretrain(tmp_path, f"[pretrain.budget]\n{limit}\n").budget
         assert budget.hours is None
         ten_hours = 36000.0
-        assert budget_progress(budget, {"step": 1, "tokens_seen": 128}, ten_hours) < 1
+        assert budget_progress(budget, TrainState(seed=0, step=1, tokens_seen=128), ten_hours) < 1
     # No limit at all: the 3.5-minute default; 0 drops a limit the file sets (as a replay needs).
     assert load_pretrain(tmp_path, "[pretrain]\n").budget == pretrain.Budget(hours=pretrain.DEFAULT_HOURS)
     replay = load_pretrain(
@@ -241,9 +242,9 @@ def test_checkpoint_every_minutes_switches_off_from_toml(tmp_path, pack, make_ct
 
     config = load_pretrain(tmp_path, "[pretrain]\ncheckpoint_every_minutes = 0\n")
     assert config.checkpoint_every_minutes == 0
-    assert not training.checkpoint_due(config, step=10**6, last_saved_at=time.perf_counter() - 10**6)
+    assert not hooks.checkpoint_due(config, step=10**6, last_saved_at=time.perf_counter() - 10**6)
     on = load_pretrain(tmp_path, "[pretrain]\ncheckpoint_every_minutes = 0.0001\n")
-    assert training.checkpoint_due(on, step=1, last_saved_at=time.perf_counter() - 1)
+    assert hooks.checkpoint_due(on, step=1, last_saved_at=time.perf_counter() - 1)
     with pytest.raises(ConfigError, match="checkpoint_every_minutes: -1.0 must be > 0, or 0 for off"):
         load_pretrain(tmp_path, "[pretrain]\ncheckpoint_every_minutes = -1.0\n")
     with pytest.raises(ConfigError, match="hours: -1.0 must be > 0, or 0 for no hours limit"):

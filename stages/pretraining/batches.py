@@ -55,7 +55,8 @@ def read_sequences(blocks: np.ndarray, seed: int, first: int, count: int, orders
 class Prefetcher:
     """This rank's microbatches from global sequence `start` on, read ahead by a background thread.
 
-    `next()` blocks only when the thread has fallen behind; `wait_s` adds up that blocked time.
+    `next()` blocks only when the thread has fallen behind; `wait_s` adds up that blocked time, on top of
+    `waited_s` (what a resumed run carries over from its checkpoint).
     """
 
     def __init__(
@@ -69,8 +70,9 @@ class Prefetcher:
         world_size: int = 1,
         depth: int = 4,
         pin: bool = False,
+        waited_s: float = 0.0,
     ):
-        self.wait_s = 0.0
+        self.wait_s = waited_s
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(

@@ -8,18 +8,21 @@ counts, and rank 0's newest checkpoint is the one every rank resumes from.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cram.stages.pretraining.state import TrainState
 
 
-def progress(budget: Any, state: dict, elapsed_s: float) -> float:
+def progress(budget: Any, state: TrainState, elapsed_s: float) -> float:
     """How much of `budget` (a `pretrain.Budget`) is spent, in [0, 1+): the largest fraction of any limit."""
     spent = [0.0]
     if budget.hours is not None:
         spent.append(elapsed_s / (3600 * budget.hours))
     if budget.steps is not None:
-        spent.append(state["step"] / budget.steps)
+        spent.append(state.step / budget.steps)
     if budget.tokens is not None:
-        spent.append(state["tokens_seen"] / budget.tokens)
+        spent.append(state.tokens_seen / budget.tokens)
     return max(spent)
 
 

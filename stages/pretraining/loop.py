@@ -1,4 +1,5 @@
-"""The pretraining loop: step until the budget is spent, logging and checkpointing on the way.
+"""The pretraining loop: step until the budget is spent, with side jobs (logging, checkpointing, the
+divergence check) as hooks that the loop runs when they fall due.
 
 Each optimizer step accumulates `n_micro` microbatches of a fixed shape and then applies AdamW; the
 number of microbatches grows with the budget's progress (cramming's batch ramp). Both reach the
@@ -8,17 +9,26 @@ compiled steps as tensors, so nothing recompiles.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cram.stages import Context
 from cram.stages.pretraining.budget import Clock, progress
-from cram.stages.pretraining.telemetry import LOGGED, Interval, MetricsLog, ProgressBar, mfu, peak_memory_gb, short
+from cram.stages.pretraining.state import Params, TrainState
+from cram.stages.pretraining.telemetry import Interval
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+    from cram.stages.pretraining.batches import Microbatch, Prefetcher
+    from cram.stages.shared.masking import MaskSpec
 
 
-class DivergedError(RuntimeError):
-    """The loss or the gradient norm stopped being finite."""
+class Batches(Protocol):
+    """A stream of this rank's microbatches."""
+
+    def next(self) -> Microbatch: ...
 
 
 @dataclass
@@ -28,28 +38,33 @@ class Steps:
     `whole` (one graph: forward, backward, clipping, AdamW) when every step is one microbatch;
     otherwise `accumulate` per microbatch and `apply` per step (two graphs)."""
 
-    whole: Any
-    accumulate: Any
-    apply: Any
-    spec: Any
-    generator: Any
-    device: Any
-    autocast: Any  # the forward's autocast dtype; None: fp32
+    # (params, opt_state, batch, lr) -> (params, opt_state, {loss, accuracy, grad_norm})
+    whole: Callable[[Params, Params, Params, torch.Tensor], tuple[Params, Params, Params]] | None
+    # (params, grads, batch) -> (grads, {loss, accuracy})
+    accumulate: Callable[[Params, Params, Params], tuple[Params, Params]] | None
+    # (params, opt_state, grads, n_micro, lr) -> (params, opt_state, {grad_norm})
+    apply: Callable[[Params, Params, Params, torch.Tensor, torch.Tensor], tuple[Params, Params, Params]] | None
+    spec: MaskSpec
+    generator: torch.Generator
+    device: torch.device
+    autocast: torch.dtype | None  # the forward's autocast dtype; None: fp32
 
-    def batch(self, micro) -> dict:
+    def batch(self, micro: Microbatch) -> Params:
         from cram.stages.shared.masking import mask_tokens
 
         self.generator.manual_seed(micro.mask_seed)
         ids = micro.ids.to(self.device, non_blocking=True)
         return mask_tokens(ids, self.spec, self.generator)
 
-    def scalar(self, value: float):
+    def scalar(self, value: float) -> torch.Tensor:
         import torch
         from cram.stages.shared.device import to_device
 
         return to_device(torch.tensor(value, dtype=torch.float32), self.device)
 
-    def step(self, params: dict, opt_state: dict, data, n_micro: int, lr: float) -> tuple[dict, dict, Any]:
+    def step(
+        self, params: Params, opt_state: Params, data: Batches, n_micro: int, lr: float
+    ) -> tuple[Params, Params, torch.Tensor]:
         """One optimizer step over `n_micro` microbatches from `data`: (params, opt_state, [loss, accuracy,
         grad_norm] on the device)."""
         import torch
@@ -65,7 +80,7 @@ class Steps:
         params, opt_state, m = self.apply(params, opt_state, grads, self.scalar(n_micro), self.scalar(lr))
         return params, opt_state, torch.stack([loss / n_micro, accuracy / n_micro, m["grad_norm"]])
 
-    def warm_up(self, params: dict, opt_state: dict, train, microbatch: int) -> float:
+    def warm_up(self, params: Params, opt_state: Params, train: np.ndarray, microbatch: int) -> float:
         """Compile the steps on a throwaway batch, before the budget clock starts; return seconds.
 
         The steps are pure functions, so discarding their results leaves the training state as it was.
@@ -89,7 +104,9 @@ class CanaryError(RuntimeError):
     """The compiled steps disagree with the same steps run eagerly."""
 
 
-def canary(config: Any, ctx: Context, compiled: Steps, eager: Steps, params: dict, opt_state: dict, blocks) -> float:
+def canary(
+    config: Any, ctx: Context, compiled: Steps, eager: Steps, params: Params, opt_state: Params, blocks: np.ndarray
+) -> float:
     """Run `config.canary_steps` optimizer steps compiled and eagerly from the same state on the same
     batches (the stream's first, one microbatch a step as the ramp starts, at the peak lr so that
     updates compound); raise `CanaryError` when loss, accuracy or gradient norm differ by more than
@@ -129,139 +146,81 @@ def canary(config: Any, ctx: Context, compiled: Steps, eager: Steps, params: dic
     return worst
 
 
-def fresh_state(seed: int) -> dict[str, Any]:
-    # The seed and the data position are the whole random state: batches and masks derive from them.
-    return {
-        "step": 0,
-        "sequences": 0,  # data position: global sequences consumed
-        "tokens_seen": 0,
-        "elapsed_s": 0.0,  # budget time spent, carried over across resumes
-        "data_wait_s": 0.0,  # of which waiting for batches
-        "progress": 0.0,  # schedule position
-        "seed": seed,
-        "loss_start": None,
-        "loss_end": None,
-        "val_loss_start": None,
-        "unlogged": [],  # metrics of the steps since the last log line, so that resuming keeps the curve
-    }
+@dataclass
+class StepInfo:
+    """What the loop hands its hooks: the state after a step, how that step was taken, and the readings a
+    hook may take. `final`: the budget is spent, and the loop calls its hooks one last time."""
+
+    state: TrainState
+    metrics: Interval  # [loss, accuracy, grad_norm] of each step since the last log step
+    clock: Clock
+    data: Prefetcher
+    lr: float = 0.0
+    batch: int = 0  # global sequences in the step
+    final: bool = False
+
+    def sync(self) -> None:
+        """Bring the state's budget seconds and data wait up to now."""
+        self.state.elapsed_s = self.clock.local()
+        self.state.data_wait_s = self.data.wait_s
+
+
+class Hook(Protocol):
+    """A side job of the loop with its own cadence: after every step, and once more when the budget is
+    spent, the loop calls each hook that is `due`, in order."""
+
+    def due(self, info: StepInfo) -> bool: ...
+
+    def __call__(self, info: StepInfo) -> None: ...
 
 
 def train(
-    config: Any,
-    ctx: Context,
-    steps: Steps,
-    params: dict,
-    opt_state: dict,
-    state: dict,
-    data_blocks,
-    out_dir: Path,
-    last_saved: int,
-    flops_per_token: float,
-) -> tuple[dict, dict]:
-    """Step until the budget of `config` (a `pretrain.Config`) is spent, logging and checkpointing
-    (the last checkpoint is the end). Returns the final (params, opt_state); `state` is updated in place."""
+    config: Any, ctx: Context, steps: Steps, state: TrainState, blocks: np.ndarray, hooks: Sequence[Hook]
+) -> None:
+    """Step until the budget of `config` (a `pretrain.Config`) is spent, from `state` on (updated in place),
+    over `blocks`, the packed training data."""
     from cram import model
-    from cram.stages.pretraining import checkpoint
     from cram.stages.pretraining.batches import Prefetcher
 
-    seq_len = data_blocks.shape[1]
+    seq_len = blocks.shape[1]
     target_micro = config.batch_size // (ctx.world_size * config.microbatch)
     clock = Clock(
-        state["elapsed_s"],
+        state.elapsed_s,
         agree=ctx.world_size > 1 and config.budget.hours is not None,
         device=steps.device,
         every=config.clock_sync_every_steps,
         end_s=None if config.budget.hours is None else 3600 * config.budget.hours,
     )
-    last_saved_at = time.perf_counter()
-    metrics_log = MetricsLog(out_dir / "metrics.jsonl")
-    lr = batch = 0.0
-    wait_before_s = state["data_wait_s"]
-
-    def save() -> None:
-        """Write a checkpoint, unless the state went non-finite: then the next log step raises."""
-        nonlocal last_saved, last_saved_at
-        if interval.first_bad_step() is not None or not all_finite(params):
-            return
-        state["elapsed_s"] = clock.local()
-        state["data_wait_s"] = wait_before_s + data.wait_s
-        state["progress"] = progress(config.budget, state, state["elapsed_s"])
-        state["unlogged"] = interval.fetch()
-        checkpoint.save(out_dir / "checkpoints", state["step"], params, opt_state, state, config.keep_checkpoints)
-        last_saved, last_saved_at = state["step"], time.perf_counter()
-        ctx.log.info("checkpoint", step=state["step"])
-
-    def log(interval: Interval) -> None:
-        """Raise if the interval diverged (on every rank alike), else record its metrics."""
-        stats = interval.close(state, data.wait_s, ctx.world_size, steps.device)
-        if stats["bad_step"] is not None:
-            raise DivergedError(
-                f"pretrain: loss or gradient norm is not finite at step {stats['bad_step']}; last good "
-                f"checkpoint: {checkpoint.latest(out_dir / 'checkpoints') or 'none'} (try a lower optimizer.lr)"
-            )
-        if state["loss_start"] is None:
-            state["loss_start"] = stats["loss"]
-        state["loss_end"] = stats["loss"]
-        if not ctx.is_main:
-            return
-        elapsed = clock.local()
-        record = {
-            "step": state["step"],
-            "progress": round(progress(config.budget, state, elapsed), 6),
-            "elapsed_s": round(elapsed, 3),
-            "loss": stats["loss"],
-            "accuracy": stats["accuracy"],
-            "grad_norm": stats["grad_norm"],
-            "lr": lr,
-            "batch_size": batch,
-            "tokens_seen": state["tokens_seen"],
-            "tokens_per_s": round(stats["tokens_per_s"], 1),
-            "mfu": mfu(flops_per_token, stats["tokens_per_s"], steps.device, ctx.world_size, steps.autocast),
-            "data_wait": round(stats["data_wait"], 4),
-            "peak_mem_gb": round(peak_memory_gb(steps.device), 3),
-        }
-        metrics_log.write(record)
-        ctx.metrics.log(state["step"], record)
-        # One line per log step (torchtitan's): what a job log or a console without the bar shows.
-        ctx.log.info("step", **{k: short(record[k]) for k in LOGGED})
-        bar.update(record)
-
-    with (
-        Prefetcher(
-            data_blocks,
-            seed=ctx.seed,
-            start=state["sequences"],
-            microbatch=config.microbatch,
-            rank=ctx.rank,
-            world_size=ctx.world_size,
-            depth=config.prefetch,
-            pin=steps.device.type == "cuda",
-        ) as data,
-        ProgressBar(ctx.is_main) as bar,
-    ):
-        interval = Interval(state, data.wait_s, rows=state["unlogged"])
-        while (spent := progress(config.budget, state, clock.agreed(state["step"]))) < 1:
+    with Prefetcher(
+        blocks,
+        seed=ctx.seed,
+        start=state.sequences,
+        microbatch=config.microbatch,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        depth=config.prefetch,
+        pin=steps.device.type == "cuda",
+        waited_s=state.data_wait_s,
+    ) as data:
+        metrics = Interval(state, data.wait_s, rows=state.unlogged)
+        info = StepInfo(state, metrics, clock, data)
+        while (spent := progress(config.budget, state, clock.agreed(state.step))) < 1:
             n_micro = micro_steps(spent, config.ramp, target_micro)
-            lr = config.optimizer.lr * model.lr_schedule(config.schedule, spent, **config.schedule_args)
-            params, opt_state, row = steps.step(params, opt_state, data, n_micro, lr)
-            interval.add(row)
-            batch = n_micro * ctx.world_size * config.microbatch
-            state["step"] += 1
-            state["sequences"] += batch
-            state["tokens_seen"] += batch * seq_len
-            if state["step"] == 1 or state["step"] % config.log_every_steps == 0:
-                log(interval)
-                interval = Interval(state, data.wait_s)
-            if ctx.is_main and checkpoint_due(config, state["step"], last_saved_at):
-                save()
-        if interval.rows or interval.pending:
-            log(interval)
-            interval = Interval(state, data.wait_s)
-        state["elapsed_s"] = clock.local()
-        state["data_wait_s"] = wait_before_s + data.wait_s
-        if ctx.is_main and last_saved != state["step"]:
-            save()
-    return params, opt_state
+            info.lr = config.optimizer.lr * model.lr_schedule(config.schedule, spent, **config.schedule_args)
+            info.batch = n_micro * ctx.world_size * config.microbatch
+            params, opt_state, row = steps.step(state.params, state.opt_state, data, n_micro, info.lr)
+            metrics.add(row)
+            state.advance(params, opt_state, info.batch, seq_len)
+            _run_due(hooks, info)
+        info.final = True
+        info.sync()
+        _run_due(hooks, info)
+
+
+def _run_due(hooks: Sequence[Hook], info: StepInfo) -> None:
+    for hook in hooks:
+        if hook.due(info):
+            hook(info)
 
 
 def micro_steps(progress: float, ramp: float, target: int) -> int:
@@ -269,18 +228,3 @@ def micro_steps(progress: float, ramp: float, target: int) -> int:
     if ramp == 0:
         return target
     return min(target, int(progress / ramp * target) + 1)
-
-
-def checkpoint_due(config: Any, step: int, last_saved_at: float) -> bool:
-    """Whether a checkpoint is due by `checkpoint_every_steps` or `checkpoint_every_minutes` (0: off)."""
-    by_steps = config.checkpoint_every_steps > 0 and step % config.checkpoint_every_steps == 0
-    by_time = config.checkpoint_every_minutes > 0 and (
-        time.perf_counter() - last_saved_at >= 60 * config.checkpoint_every_minutes
-    )
-    return by_steps or by_time
-
-
-def all_finite(params: dict) -> bool:
-    import torch
-
-    return bool(torch.stack([p.isfinite().all() for p in params.values()]).all())

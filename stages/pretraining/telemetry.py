@@ -8,10 +8,13 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cram.stages.shared.collectives import mean_over_ranks
 from cram.stages.shared.files import write_atomic
+
+if TYPE_CHECKING:
+    from cram.stages.pretraining.state import TrainState
 
 # The fields of the per-step console line (metrics.jsonl keeps every field of a record).
 LOGGED = ("step", "loss", "accuracy", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_mem_gb", "data_wait")
@@ -44,11 +47,16 @@ class MetricsLog:
 class Interval:
     """The per-step metrics since the last log line, kept on the device until they are needed."""
 
-    def __init__(self, state: dict, wait_s: float, rows: list[list[float]] = ()):
-        self.rows = list(rows)  # [loss, accuracy, grad_norm] per step, fetched (some from a checkpoint)
+    def __init__(self, state: TrainState, wait_s: float, rows: list[list[float]] = ()):
+        self.restart(state, wait_s, rows)
+
+    def restart(self, state: TrainState, wait_s: float, rows: list[list[float]] = ()) -> None:
+        """Start over after the step `state` is at; `rows`: the fetched rows of the steps up to it, which
+        the interval then begins with (those a checkpoint kept unlogged)."""
+        self.rows = list(rows)  # [loss, accuracy, grad_norm] per step, fetched
         self.pending: list = []  # the same, still on the device
-        self.first_step = state["step"] + 1 - len(self.rows)
-        self.tokens = state["tokens_seen"]
+        self.first_step = state.step + 1 - len(self.rows)
+        self.tokens = state.tokens_seen
         self.started = time.perf_counter()
         self.wait_s = wait_s
 
@@ -61,7 +69,9 @@ class Interval:
                 return self.first_step + i
         return None
 
-    def close(self, state: dict, wait_s: float, world_size: int, device) -> dict[str, Any]:
+    def close(self, state: TrainState, wait_s: float, world_size: int, device: Any) -> dict[str, float]:
+        """Loss and accuracy averaged over the interval (and the ranks), the last gradient norm, tokens/s
+        and the fraction of the time spent waiting for data."""
         rows = self.fetch()
         loss = sum(r[0] for r in rows) / len(rows)
         accuracy = sum(r[1] for r in rows) / len(rows)
@@ -72,9 +82,8 @@ class Interval:
             "loss": loss,
             "accuracy": accuracy,
             "grad_norm": rows[-1][2],
-            "tokens_per_s": (state["tokens_seen"] - self.tokens) / seconds,
+            "tokens_per_s": (state.tokens_seen - self.tokens) / seconds,
             "data_wait": (wait_s - self.wait_s) / seconds,
-            "bad_step": self.first_bad_step(),
         }
 
     def fetch(self) -> list[list[float]]:

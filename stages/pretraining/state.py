@@ -1,0 +1,56 @@
+"""The training state: the tensors being trained and the counters that say where training stands.
+
+The counters are a checkpoint's `state.json`; their JSON keys are a file format that resumes read, so
+a field here is a key there, in this order. The seed and the data position are the whole random state:
+batches and masks derive from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+Params = dict[str, "Tensor"]
+
+# Fields that are tensors, saved as safetensors beside state.json rather than in it.
+_TENSORS = ("params", "opt_state")
+
+
+@dataclass(kw_only=True)
+class TrainState:
+    step: int = 0
+    sequences: int = 0  # data position: global sequences consumed
+    tokens_seen: int = 0
+    elapsed_s: float = 0.0  # budget time spent, carried over across resumes
+    data_wait_s: float = 0.0  # of which waiting for batches
+    progress: float = 0.0  # schedule position
+    seed: int
+    loss_start: float | None = None
+    loss_end: float | None = None
+    val_loss_start: float | None = None
+    unlogged: list[list[float]] = field(default_factory=list)  # [loss, accuracy, grad_norm] of the steps
+    # since the last log line, so that a resumed run logs the curve an uninterrupted one would
+    params: Params = field(default_factory=dict, repr=False)
+    opt_state: Params = field(default_factory=dict, repr=False)
+
+    def advance(self, params: Params, opt_state: Params, sequences: int, seq_len: int) -> None:
+        """Take the result of one optimizer step over `sequences` (global) sequences of `seq_len` tokens."""
+        self.params, self.opt_state = params, opt_state
+        self.step += 1
+        self.sequences += sequences
+        self.tokens_seen += sequences * seq_len
+
+    def to_json(self) -> dict[str, Any]:
+        """The counters, as `state.json` holds them."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _TENSORS}
+
+    @classmethod
+    def from_json(
+        cls, counters: dict[str, Any], params: Params | None = None, opt_state: Params | None = None
+    ) -> TrainState:
+        """The state of a checkpoint: its `state.json` and its tensors."""
+        return cls(**counters, params=params or {}, opt_state=opt_state or {})
