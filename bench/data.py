@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 
 import structlog
+
 from cram.pipeline import config as cfg
 from cram.pipeline import runner
 from cram.stages import Context, Upstream, pack, tokenize

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+
 from cram import model
 from cram.stages.pretraining.batches import epoch_order
 from cram.stages.shared.masking import Masking, mask_seed, mask_spec, mask_tokens

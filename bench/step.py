@@ -60,6 +60,7 @@ def main() -> None:
         print(json.dumps(time_in_turn(args, rows)))
     else:
         import torch
+
         from cram import model
 
         args.peak = args.peak or model.peak_flops(args.device, torch.bfloat16 if args.dtype == "bf16" else None)
@@ -181,6 +182,7 @@ def make_batch(cfg, batch: int, device, seed: int) -> dict:
 
 def cram_row(cfg, device, autocast, backend: str, compiled: bool):
     import torch
+
     from cram import model
 
     params = {name: p.to(device) for name, p in model.init(cfg, seed=0).items()}
@@ -266,6 +268,7 @@ def timed(step, batch, device) -> float:
 
 def print_table(args: argparse.Namespace, results: list[dict]) -> None:
     import torch
+
     from cram import model
 
     cfg = model.PRESETS[args.config]

@@ -28,8 +28,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-from cram.model.config import ModelConfig
 from torch import Tensor
+
+from cram.model.config import ModelConfig
 
 INIT_STD = 0.02  # cramming's and BERT's normal init for every matrix
 

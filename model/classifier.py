@@ -18,10 +18,11 @@ from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
+
 from cram.model.bert import INIT_STD, encode
 from cram.model.config import ModelConfig, OptimizerConfig
 from cram.model.step import autocast, compiled, make_apply_step
-from torch import Tensor
 
 Pooling = Literal["first", "mean"]
 POOLINGS: tuple[str, ...] = ("first", "mean")

@@ -11,8 +11,9 @@ from __future__ import annotations
 import time
 
 import torch
-from cram.model.config import ModelConfig
 from torch import Tensor
+
+from cram.model.config import ModelConfig
 
 # Dense bf16 tensor-core peaks from the vendors' data sheets, matched as substrings of
 # torch.cuda.get_device_name(); first match wins, so the more specific names come first.

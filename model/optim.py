@@ -9,8 +9,9 @@ from __future__ import annotations
 import math
 
 import torch
-from cram.model.config import OptimizerConfig
 from torch import Tensor
+
+from cram.model.config import OptimizerConfig
 
 
 def decays(param: Tensor) -> bool:

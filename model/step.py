@@ -12,10 +12,11 @@ import types
 from typing import Callable
 
 import torch
+from torch import Tensor
+
 from cram.model.bert import mlm_loss
 from cram.model.config import ModelConfig, OptimizerConfig
 from cram.model.optim import adamw_update
-from torch import Tensor
 
 Params = dict[str, Tensor]
 GradReducer = Callable[[Params], Params]

@@ -27,6 +27,7 @@ from types import ModuleType
 from typing import Any, Callable, List, Optional
 
 import typer
+
 from cram.pipeline import compare as comparing
 from cram.pipeline import config as cfg
 from cram.pipeline import curves, errors, logs, planning, reading, rundir, runner, store, sweep

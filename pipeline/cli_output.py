@@ -9,12 +9,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cram.pipeline import config as cfg
-from cram.pipeline import planning, reading, store, sweep
-from cram.stages.shared.figures import is_number
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+from cram.pipeline import config as cfg
+from cram.pipeline import planning, reading, store, sweep
+from cram.stages.shared.figures import is_number
 
 out = Console()
 err = Console(stderr=True)

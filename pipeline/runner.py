@@ -29,6 +29,7 @@ from types import ModuleType
 from typing import Any
 
 import structlog
+
 from cram import stages
 from cram.pipeline import config as cfg
 from cram.pipeline import logs, planning, ranks, rundir, store

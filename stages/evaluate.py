@@ -220,6 +220,7 @@ def _work(
 ) -> tuple[dict | None, dict[int, dict], tuple[list, list]]:
     """This rank's share: the masked-LM numbers (rank 0) and its (task, seed) fine-tunes."""
     import torch
+
     from cram.stages.finetuning.finetune import Tuner, encode, finetune_seed, share_out
 
     tokenize, special = inputs["tokenize"], inputs["tokenize"].outputs["special_ids"]
@@ -301,6 +302,7 @@ def _results(
 
 def _load_checkpoint(pretrain: Upstream, tokenize: Upstream):
     import sentencepiece as spm
+
     from cram.model.config import ModelConfig, ModelConfigError
     from cram.stages.shared.tensors import read_tensors
 
@@ -335,6 +337,7 @@ def _evaluate_mlm(
     """Mean loss and accuracy over every masked token of the held-out blocks, masked as pretrain masks
     its held-out blocks (`stages/shared/val_mlm.py`) at `masking`'s rate."""
     import numpy as np
+
     from cram import model
     from cram.stages.shared.masking import Masking, mask_spec
     from cram.stages.shared.val_mlm import val_mlm

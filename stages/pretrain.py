@@ -32,6 +32,7 @@ from cram.stages.shared.masking import Masking, MaskSpec, mask_spec
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
     from cram.stages.pretraining.loop import Hook, Steps
     from cram.stages.pretraining.state import Params, TrainState
     from cram.stages.pretraining.telemetry import ProgressBar
@@ -214,6 +215,7 @@ class _Setup:
 def _setup(config: Config, pack: Upstream, ctx: Context) -> _Setup:
     """The packed data and the model config, checked; what `StageError`s a bad config or input raises."""
     import numpy as np
+
     from cram import model
 
     blocks = np.load(pack.path("train"), mmap_mode="r")
@@ -265,6 +267,7 @@ def _make_steps(config: Config, setup: _Setup, world_size: int, compile: bool) -
     one graph. Otherwise two graphs, accumulate (per microbatch) and apply (per step), since a graph cannot
     loop over a varying count."""
     import torch
+
     from cram import model
     from cram.stages.pretraining.loop import Steps
 
@@ -352,6 +355,7 @@ def _figures(
 ) -> dict[str, Any]:
     """The stage's results: losses, throughput, what training cost."""
     import torch
+
     from cram import model
     from cram.stages.pretraining.telemetry import mfu
 

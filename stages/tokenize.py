@@ -215,6 +215,7 @@ def _training_lines(text_shards: list[Path], characters: int, config: Config) ->
     tokenizer_max_chars: every document when they fit, else a random share of them (fixed seed)
     spread over the whole corpus, not just its first files."""
     import numpy as np
+
     from cram.stages.data.shards import read_batches
 
     budget = config.tokenizer_max_chars

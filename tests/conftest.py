@@ -20,6 +20,7 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(_CACHE / "inductor")
 def make_ctx(tmp_path):
     """Build a `stages.Context` for calling a stage's `run` directly, without the runner."""
     import structlog
+
     from cram.stages import Context
 
     def make(seed: int = 0, device: str = "cpu", **kw) -> Context:

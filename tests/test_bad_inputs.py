@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from cram.pipeline import cli
 from typer.testing import CliRunner
+
+from cram.pipeline import cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

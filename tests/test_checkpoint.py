@@ -6,6 +6,7 @@ import json
 import pytest
 import structlog
 import torch
+
 from cram.stages.pretraining import checkpoint
 
 

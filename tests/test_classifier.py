@@ -5,6 +5,8 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
 from cram import model
 from cram.model.classifier import (
     classify,
@@ -14,7 +16,6 @@ from cram.model.classifier import (
     make_finetune_step,
     pool,
 )
-from torch._dynamo.utils import counters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,11 +6,12 @@ import io
 import json
 
 import pytest
+from test_curves import fake_run
+from typer.testing import CliRunner
+
 from cram.pipeline import cli, curves
 from cram.pipeline.compare import MISSING, compare_table, expand
 from cram.pipeline.curves import CurvesError
-from test_curves import fake_run
-from typer.testing import CliRunner
 
 
 def set_outputs(run, stage, **figures):

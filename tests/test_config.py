@@ -7,8 +7,9 @@ from typing import Literal
 
 import fake_stages
 import pytest
-from cram.pipeline import cli, config, runner
 from typer.testing import CliRunner
+
+from cram.pipeline import cli, config, runner
 
 
 @dataclass(frozen=True)

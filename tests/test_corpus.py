@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+
 from cram.stages import StageError
 from cram.stages.data import corpus, hub
 from cram.stages.data.corpus import documents, package_file, units

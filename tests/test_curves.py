@@ -4,8 +4,9 @@ import json
 import sys
 
 import pytest
-from cram.pipeline import cli, curves
 from typer.testing import CliRunner
+
+from cram.pipeline import cli, curves
 
 CONFIG = """[run]
 name = "{name}"

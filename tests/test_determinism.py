@@ -12,10 +12,11 @@ import shutil
 import pytest
 import structlog
 import torch
-from cram.stages import pretrain
-from cram.stages.pretraining import checkpoint
 from safetensors.torch import load_file
 from test_pretrain import pack, same_tensors, small  # noqa: F401 (pack is a fixture)
+
+from cram.stages import pretrain
+from cram.stages.pretraining import checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from torch._dynamo.utils import counters
+
 from cram import model
 from cram.stages import StageError, Upstream, evaluate
 from cram.stages.evaluate import Config, TaskConfig
 from cram.stages.finetuning import finetune
 from cram.stages.shared.special import SPECIAL_IDS
-from torch._dynamo.utils import counters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

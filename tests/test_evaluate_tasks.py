@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+
 from cram.stages import StageError
 from cram.stages.evaluate import Config, TaskConfig
 from cram.stages.finetuning import metrics, tasks

@@ -5,6 +5,9 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
 from cram import model
 from cram.model import ModelConfig
 from cram.model.classifier import init_head, make_finetune_step
@@ -12,8 +15,6 @@ from cram.pipeline import cli
 from cram.pipeline.export import ExportError, export, load_export, transformers_blockers
 from cram.stages import tokenize
 from cram.stages.shared.special import SPECIAL_IDS
-from safetensors.torch import save_file
-from typer.testing import CliRunner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

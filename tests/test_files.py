@@ -8,6 +8,7 @@ import json
 import os
 
 import pytest
+
 from cram.model.config import ModelConfig, ModelConfigError
 from cram.pipeline import rundir
 from cram.stages.shared.figures import is_number

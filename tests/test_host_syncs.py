@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from cram import model
 from cram.stages.pretraining.budget import Clock
 from cram.stages.shared.device import to_device

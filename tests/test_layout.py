@@ -10,6 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
 from cram.pipeline import config as cfg
 from cram.pipeline import planning, runner
 

@@ -9,6 +9,7 @@ import struct
 from pathlib import Path
 
 import pytest
+
 from cram.pipeline import config as cfg
 from cram.stages.shared import loggers
 
@@ -100,8 +101,9 @@ def test_logger_names_are_checked_with_the_config(monkeypatch):
 
 def test_a_missing_logger_package_fails_before_any_stage_runs(tmp_path, monkeypatch):
     import fake_stages
-    from cram.pipeline import cli, runner
     from typer.testing import CliRunner
+
+    from cram.pipeline import cli, runner
 
     monkeypatch.setattr(runner, "default_stages", fake_stages.modules)
     real = importlib.util.find_spec
@@ -163,8 +165,9 @@ def test_wandb_offline_run_holds_the_logged_keys(tmp_path, wandb_home):
 def test_a_stage_that_fails_closes_its_wandb_run_as_failed(tmp_path, monkeypatch, wandb_home, failure):
     pytest.importorskip("wandb")
     import fake_stages
-    from cram.pipeline import cli, runner
     from typer.testing import CliRunner
+
+    from cram.pipeline import cli, runner
 
     def logging(module):  # the fake stages log nothing: log one record, then run as before
         def run(config, inputs, out_dir, ctx):

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+
 from cram import model
 from cram.model import ModelConfig, OptimizerConfig
 from cram.pipeline.export import to_transformers_state

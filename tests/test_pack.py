@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from cram.stages import StageError, Upstream, pack
 from cram.stages.shared.special import SPECIAL_IDS
 
@@ -197,8 +198,9 @@ def test_tokenize_then_pack_on_the_default_corpus_through_cram(tmp_path, monkeyp
     and a bad input exits 2 with nothing marked done."""
     import json
 
-    from cram.pipeline import cli
     from typer.testing import CliRunner
+
+    from cram.pipeline import cli
 
     monkeypatch.chdir(tmp_path)
     root = f'run.root="{tmp_path / "runs"}"'

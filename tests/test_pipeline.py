@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from cram.pipeline import cli
 from typer.testing import CliRunner
+
+from cram.pipeline import cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 

@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
+
 from cram.stages import StageError, Upstream, pretrain
 from cram.stages.pretraining import checkpoint, hooks
 from cram.stages.pretraining import loop as training
@@ -23,13 +25,12 @@ from cram.stages.pretraining.batches import Prefetcher, read_sequences
 from cram.stages.pretraining.budget import progress as budget_progress
 from cram.stages.pretraining.state import TrainState
 from cram.stages.shared.masking import MaskSpec, mask_tokens
-from safetensors.torch import load_file
+from cram.stages.shared.special import SPECIAL_IDS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, SEQ = 256, 32
-SPECIAL = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 
 
 @pytest.fixture
@@ -40,7 +41,7 @@ def pack(tmp_path) -> Upstream:
     rng = np.random.default_rng(0)
     np.save(folder / "train.npy", rng.integers(5, VOCAB, size=(512, SEQ), dtype=np.uint16))
     np.save(folder / "val.npy", rng.integers(5, VOCAB, size=(64, SEQ), dtype=np.uint16))
-    outputs = {"train": "train.npy", "val": "val.npy", "seq_len": SEQ, "vocab_size": VOCAB, "special_ids": SPECIAL}
+    outputs = {"train": "train.npy", "val": "val.npy", "seq_len": SEQ, "vocab_size": VOCAB, "special_ids": SPECIAL_IDS}
     return Upstream(folder, outputs)
 
 
@@ -90,9 +91,9 @@ def test_stream_is_a_permutation_per_epoch_and_shards_by_rank():
 
 
 def test_masking_picks_exactly_k_non_special_positions():
-    spec = MaskSpec(per_sequence=8, mask_id=4, vocab_size=VOCAB, special_ids=tuple(SPECIAL.values()))
+    spec = MaskSpec(per_sequence=8, mask_id=4, vocab_size=VOCAB, special_ids=tuple(SPECIAL_IDS.values()))
     ids = torch.randint(5, VOCAB, (64, SEQ))
-    ids[:, 0], ids[:, -1] = SPECIAL["cls"], SPECIAL["sep"]
+    ids[:, 0], ids[:, -1] = SPECIAL_IDS["cls"], SPECIAL_IDS["sep"]
     batch = mask_tokens(ids, spec, torch.Generator().manual_seed(0))
     rows = batch["mlm_positions"].view(64, 8) // SEQ
     cols = batch["mlm_positions"].view(64, 8) % SEQ

@@ -2,8 +2,9 @@
 
 import io
 
-from cram.stages.shared.progress import track
 from rich.console import Console
+
+from cram.stages.shared.progress import track
 
 
 def test_a_terminal_gets_a_bar_with_the_label_and_the_count():

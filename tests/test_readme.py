@@ -8,8 +8,9 @@ import re
 import shlex
 from pathlib import Path
 
-from cram.pipeline import cli
 from typer.testing import CliRunner
+
+from cram.pipeline import cli
 
 REPO = Path(__file__).resolve().parents[1]
 

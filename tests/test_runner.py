@@ -12,8 +12,9 @@ from pathlib import Path
 
 import fake_stages
 import pytest
-from cram.pipeline import cli, rundir, runner, store
 from typer.testing import CliRunner
+
+from cram.pipeline import cli, rundir, runner, store
 
 TESTS = Path(__file__).parent
 REPO = TESTS.parent

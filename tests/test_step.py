@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+
 from cram import model
 from cram.model import ModelConfig, OptimizerConfig
 from cram.stages.shared.special import SPECIAL_IDS

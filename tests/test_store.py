@@ -13,8 +13,9 @@ from pathlib import Path
 import fake_stages
 import pytest
 import test_runner
-from cram.pipeline import planning, rundir, runner, store
 from test_runner import TESTS, _reasons
+
+from cram.pipeline import planning, rundir, runner, store
 
 pipe = test_runner.pipe  # the fixture: cram on the fake stages in a temporary folder
 

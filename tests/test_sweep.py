@@ -5,6 +5,7 @@ from __future__ import annotations
 import fake_stages
 import pytest
 import test_runner
+
 from cram.pipeline import config as cfg
 from cram.pipeline import sweep
 

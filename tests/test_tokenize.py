@@ -7,6 +7,7 @@ import json
 import random
 
 import pytest
+
 from cram.stages import StageError, tokenize
 from cram.stages.data.source import CorpusConfig
 

@@ -111,6 +111,7 @@ def task_result(
 ) -> dict:
     """A task's results from its seeds' runs (in seed order): per-seed scores, medians, the baseline."""
     import numpy as np
+
     from cram.stages.finetuning.tasks import majority_baseline
 
     scores = {t: {m: [r["scores"][t][m] for r in runs] for m in task.metrics} for t in task.tests}
@@ -182,6 +183,7 @@ class Tuner:
         """Params fine-tuned from the pretrained ones with a fresh head, and the last epoch's mean loss."""
         import numpy as np
         import torch
+
         from cram import model
         from cram.model.classifier import init_head
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from cram.stages import StageError
 from cram.stages.finetuning.metrics import REGRESSION_METRICS, score
 

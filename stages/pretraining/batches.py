@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from cram.stages.shared.masking import mask_seed
 
 _STOP_POLL_S = 0.1

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from cram.stages import StageError
 from cram.stages.shared.tensors import TensorFileError, read_tensors, write_tensors
 

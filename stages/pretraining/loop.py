@@ -21,6 +21,7 @@ from cram.stages.pretraining.telemetry import Interval
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
     from cram.stages.pretraining.batches import Microbatch, Prefetcher
     from cram.stages.shared.masking import MaskSpec
 
@@ -58,6 +59,7 @@ class Steps:
 
     def scalar(self, value: float) -> torch.Tensor:
         import torch
+
         from cram.stages.shared.device import to_device
 
         return to_device(torch.tensor(value, dtype=torch.float32), self.device)
@@ -86,6 +88,7 @@ class Steps:
         The steps are pure functions, so discarding their results leaves the training state as it was.
         """
         import torch
+
         from cram.stages.pretraining.batches import Microbatch, read_sequences
 
         began = time.perf_counter()
@@ -112,6 +115,7 @@ def canary(
     updates compound); raise `CanaryError` when loss, accuracy or gradient norm differ by more than
     `config.canary_tolerance` (relative). Returns the largest difference, the worst over all ranks."""
     import torch
+
     from cram.stages.pretraining.batches import Microbatch, read_sequences
     from cram.stages.shared.collectives import all_gather
     from cram.stages.shared.masking import mask_seed

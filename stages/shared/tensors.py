@@ -7,10 +7,11 @@ import json
 from pathlib import Path
 
 import torch
-from cram.stages import StageError
-from cram.stages.shared.files import atomic
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from cram.stages import StageError
+from cram.stages.shared.files import atomic
 
 _ORDER = "cram.order"  # safetensors metadata key: the dict's key order (the format sorts names)
 

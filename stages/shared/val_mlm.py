@@ -30,6 +30,7 @@ def val_mlm(
     on the device: one host sync at the end.
     """
     import torch
+
     from cram.stages.shared.device import to_device
 
     sums = []
@@ -50,6 +51,7 @@ def mask_blocks(rows, first: int, spec: Any, seed: int) -> dict:
     """The MLM batch (on the CPU) for `rows` [B, S], row i being held-out block `first + i`."""
     import numpy as np
     import torch
+
     from cram.stages.shared.masking import mask_seed, mask_tokens
 
     ids = torch.from_numpy(np.asarray(rows, dtype=np.int64))
