@@ -21,5 +21,12 @@ if ! "$python" -c "import transformers" 2>/dev/null && [ -d "$wheels" ]; then
 fi
 
 cd "$root"
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+# Without an install (a bare GPU machine, no network to build one), `cram` is the repository's three
+# source folders linked into a temporary namespace package.
+if ! "$python" -c "import cram.model" 2>/dev/null; then
+    shim="$(mktemp -d)"
+    mkdir "$shim/cram"
+    for folder in model pipeline stages; do ln -s "$root/$folder" "$shim/cram/$folder"; done
+    export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
+fi
 exec "$python" bench/step.py --config base --device cuda "$@"
