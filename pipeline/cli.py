@@ -128,7 +128,7 @@ def _run(
     force: tuple[str, ...] = (),
     dry_run: bool = False,
 ) -> None:
-    steps = runner.plan(conf, modules, run_dir, only, start, force)
+    steps = planning.plan(conf, modules, run_dir, only=only, start=start, force=force)
     if dry_run:
         print_plan(steps, run_dir)
     elif runner.run_pipeline(conf, run_dir, steps) == 0:

@@ -45,6 +45,11 @@ def plan(
     force: tuple[str, ...] = (),
 ) -> list[Step]:
     """Each stage with run/skip and why. `only` runs one stage; `start` forces it and all after it."""
+    blocking = next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise PlanError(
+            f"{blocking}: a file, where the run directory {run_dir} needs a folder (see run.root and run.name)"
+        )
     names = [m.NAME for m in modules]
     for given in (only, start, *force):
         if given is not None and given not in names:

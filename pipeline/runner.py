@@ -32,7 +32,7 @@ import structlog
 
 from cram import stages
 from cram.pipeline import config as cfg
-from cram.pipeline import logs, planning, ranks, rundir, store
+from cram.pipeline import logs, ranks, rundir, store
 from cram.pipeline.errors import CramError, Interrupted
 from cram.pipeline.planning import Step
 from cram.stages.shared import loggers as stage_loggers
@@ -63,23 +63,6 @@ def load_saved(run_dir: Path, modules: list[ModuleType]) -> cfg.PipelineConfig:
     if not saved.is_file():
         raise CramError(f"{saved}: no saved config; is {run_dir} a run directory?")
     return cfg.load(saved, config_classes(modules))
-
-
-def plan(
-    config: cfg.PipelineConfig,
-    modules: list[ModuleType],
-    run_dir: Path,
-    only: str | None = None,
-    start: str | None = None,
-    force: tuple[str, ...] = (),
-) -> list[Step]:
-    """planning.plan, after refusing a file where `run_dir` or a folder above it must be a folder."""
-    blocking = next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None)
-    if blocking is not None:
-        raise CramError(
-            f"{blocking}: a file, where the run directory {run_dir} needs a folder (see run.root and run.name)"
-        )
-    return planning.plan(config, modules, run_dir, only=only, start=start, force=force)
 
 
 def run_pipeline(config: cfg.PipelineConfig, run_dir: Path, steps: list[Step]) -> int:

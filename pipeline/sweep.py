@@ -145,7 +145,7 @@ def run_sweep(
         outcomes.append(outcome)
         try:
             # Planned again: the variants before it may have made some of its stages.
-            steps = runner.plan(variant.config, modules, variant.run_dir)
+            steps = planning.plan(variant.config, modules, variant.run_dir)
             outcome.steps = made_earlier(steps, made, variant.name) if dry_run else steps
             outcome.doing = summary(outcome.steps)
             holder = rundir.read_lock(variant.run_dir / rundir.LOCK)

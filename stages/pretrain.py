@@ -236,7 +236,7 @@ def _setup(config: Config, pack: Upstream, ctx: Context) -> _Setup:
 
 def _start(config: Config, setup: _Setup, out_dir: Path, ctx: Context) -> tuple[TrainState, bool]:
     """The state of the newest checkpoint (the one rank 0 sees, on every rank), or a fresh one, on the
-        device; and whether it was resumed. Rank 0's metrics.jsonl loses the lines written after that state
+    device; and whether it was resumed. Rank 0's metrics.jsonl loses the lines written after that state
     (a killed run's), all of them on a fresh start."""
     from cram import model
     from cram.stages.pretraining import checkpoint
