@@ -70,12 +70,21 @@ class Table:
     def write(self, path: Path) -> None:
         """Write as CSV or markdown by the suffix of `path`, atomically."""
         check_out(path)
-        write_atomic(path, self.csv() if path.suffix.lower() == ".csv" else self.markdown())
+        try:
+            write_atomic(path, self.csv() if path.suffix.lower() == ".csv" else self.markdown())
+        except OSError as e:
+            raise CompareError(f"--out {path}: cannot be written ({e.strerror}: {e.filename})") from None
 
 
 def check_out(path: Path) -> None:
+    """Refuse an --out that cannot be written before anything is read: a format other than CSV and
+    markdown, a folder that does not exist, or a folder in its place."""
     if path.suffix.lower() not in FORMATS:
         raise CompareError(f"--out {path}: write a .csv or a .md file")
+    if not path.parent.is_dir():
+        raise CompareError(f"--out {path}: the folder {path.parent} does not exist; create it or choose another path")
+    if path.is_dir():
+        raise CompareError(f"--out {path}: a folder; name a .csv or .md file")
 
 
 def expand(patterns: Sequence[str | Path]) -> list[Path]:

@@ -29,10 +29,26 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The pretrain stage's metrics.jsonl rows, in order."""
     record = _stages(run_dir).get("pretrain") or {}
     name = (record.get("outputs") or {}).get("metrics")
-    path = run_dir / "pretrain" / name if name else None
+    path = run_dir / "pretrain" / name if isinstance(name, str) and name else None
     if path is None or not path.is_file():
         raise CurvesError(f"{run_dir}: no pretrain metrics (stage status {record.get('status', 'missing')})")
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CurvesError(f"{path}: cannot be read ({e})") from None
+    return [_row(path, number, line) for number, line in enumerate(lines, 1) if line.strip()]
+
+
+def _row(path: Path, number: int, line: str) -> dict[str, Any]:
+    """A metrics.jsonl line as a row (an object with `tokens_seen`, the plots' x axis): CurvesError naming
+    the file and line otherwise."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise CurvesError(f"{path}: line {number} is not valid JSON ({e})") from None
+    if not isinstance(row, dict) or not is_number(row.get("tokens_seen")):
+        raise CurvesError(f"{path}: line {number} is not a metrics row (an object with tokens_seen): {line[:60]}")
+    return row
 
 
 def plot_run(run_dir: Path) -> Any:
@@ -41,7 +57,7 @@ def plot_run(run_dir: Path) -> Any:
     rows = read_metrics(run_dir)
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
     for ax, (key, label) in zip(axes.flat, PANELS):
-        points = [(r["tokens_seen"], r[key]) for r in rows if key in r]
+        points = [(r["tokens_seen"], r[key]) for r in rows if is_number(r.get(key))]
         ax.plot([x for x, _ in points], [y for _, y in points], linewidth=1.2)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -59,7 +75,7 @@ def plot_losses(run_dirs: list[Path]) -> Any:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     for run_dir in run_dirs:
-        rows = read_metrics(run_dir)
+        rows = [r for r in read_metrics(run_dir) if is_number(r.get("loss"))]
         ax.plot([r["tokens_seen"] for r in rows], [r["loss"] for r in rows], label=run_dir.name, linewidth=1.2)
     ax.set_xlabel("tokens seen")
     ax.set_ylabel("loss")
@@ -70,8 +86,12 @@ def plot_losses(run_dirs: list[Path]) -> Any:
 
 
 def save(fig: Any, path: Path) -> None:
-    fig.savefig(path, dpi=100)
-    _pyplot().close(fig)
+    try:
+        fig.savefig(path, dpi=100)
+    except OSError as e:
+        raise CurvesError(f"--plot {path}: cannot be written ({e.strerror or e})") from None
+    finally:
+        _pyplot().close(fig)
 
 
 def config_diff(run_dirs: list[Path]) -> dict[str, list[Any]]:
@@ -121,8 +141,10 @@ def _config(run_dir: Path) -> dict[str, Any]:
         raise CurvesError(f"{path}: no saved config; is {run_dir} a run directory?")
     try:
         return cfg.tomllib.loads(path.read_text(encoding="utf-8"))
-    except cfg.tomllib.TOMLDecodeError as e:
+    except (cfg.tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise CurvesError(f"{path}: not valid TOML ({e})") from None
+    except OSError as e:
+        raise CurvesError(f"{path}: cannot be read ({e.strerror})") from None
 
 
 def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:

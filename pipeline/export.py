@@ -240,6 +240,9 @@ def model_card(run_dir: Path, fmt: str) -> str:
     return "\n".join(lines)
 
 
+_NEEDED = {"tokenize": ("tokenizer", "special_ids"), "pretrain": ("params", "model_config")}  # what export reads
+
+
 def _finished_run(run_dir: Path) -> dict[str, Any]:
     try:
         stages = rundir.records(run_dir)
@@ -253,7 +256,13 @@ def _finished_run(run_dir: Path) -> dict[str, Any]:
                 f"{run_dir}: stage {stage} is not done (status {record.get('status', 'missing')}); "
                 f"run it first: cram resume {run_dir}"
             )
-        run[stage], run[f"{stage}_dir"] = record["outputs"], run_dir / stage
+        run[stage], run[f"{stage}_dir"] = record.get("outputs") or {}, run_dir / stage
+        missing = [k for k in _NEEDED[stage] if k not in run[stage]]
+        if missing:
+            raise ExportError(
+                f"{run_dir / rundir.MANIFEST}: stage {stage} is done, but its outputs lack {', '.join(missing)}; "
+                f"re-run it: cram run {run_dir / rundir.CONFIG} --force {stage}"
+            )
     for stage, key in (("tokenize", "tokenizer"), ("pretrain", "params"), ("pretrain", "model_config")):
         path = run[f"{stage}_dir"] / str(run[stage].get(key))
         if not path.is_file():

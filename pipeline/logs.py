@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
 import structlog
+
+from cram.pipeline.errors import CramError
 
 _SHARED = [
     structlog.contextvars.merge_contextvars,
@@ -39,6 +42,7 @@ def configure(events_file: Path | None = None, console: bool = True, level: int 
         renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
         _installed.append(_handler(_CurrentStderr(), _for_people, renderer))
     if events_file is not None:
+        _refuse_dangling_link(events_file.parent)
         events_file.parent.mkdir(parents=True, exist_ok=True)
         file_handler = logging.FileHandler(events_file, encoding="utf-8")
         _installed.append(
@@ -47,6 +51,16 @@ def configure(events_file: Path | None = None, console: bool = True, level: int 
     for handler in _installed:
         root.addHandler(handler)
     root.setLevel(level)
+
+
+def _refuse_dangling_link(folder: Path) -> None:
+    """A link to nothing on the way to `folder` (a runs root moved away) would fail its mkdir with a bare
+    "File exists": name the link and where it points instead."""
+    link = next((p for p in (folder, *folder.parents) if p.is_symlink() and not p.exists()), None)
+    if link is not None:
+        raise CramError(
+            f"{link}: a link to {os.readlink(link)}, which does not exist; create that folder or remove the link"
+        )
 
 
 class _CurrentStderr(logging.StreamHandler):
@@ -96,9 +110,9 @@ def tail(events_file: Path, stage: str, n: int) -> list[str]:
             event = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if event.get("stage") != stage:
+        if not isinstance(event, dict) or event.get("stage") != stage:  # a line not written by cram
             continue
         rest = {k: v for k, v in event.items() if k not in ("event", "timestamp", "level", "stage", "run", "logger")}
         extras = " ".join(f"{k}={v}" for k, v in rest.items())
-        shown.append(f"{event.get('timestamp', '')} {event.get('level', ''):7} {event.get('event', '')} {extras}")
+        shown.append(f"{event.get('timestamp', '')} {str(event.get('level', '')):7} {event.get('event', '')} {extras}")
     return shown[-n:]

@@ -63,6 +63,9 @@ class Manifest:
                 f'{path}: not a cram manifest (expected {{"stages": {{name: record}}}}); '
                 "move it away to start the run afresh"
             )
+        wrong = next((w for name, r in stages.items() if (w := _wrong_field(r, f"stages.{name}"))), None)
+        if wrong is not None:
+            raise RunDirError(f"{path}: not a cram manifest ({wrong}); move it away to start the run afresh")
         return cls(path, data)
 
     @property
@@ -85,6 +88,46 @@ class Manifest:
 
     def save(self) -> None:
         write_atomic(self.path, json.dumps(self.data, indent=2, sort_keys=False) + "\n")
+
+
+_NULL = type(None)
+_TEXT = ((str, _NULL), "a string or null")
+_TABLE = ((dict, _NULL), "an object or null")
+# The type of each record field that commands read: checked once, where every manifest is read, so that
+# no command meets a hand-edited or damaged value it cannot use. A field left out is allowed.
+_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "status": ((str,), "a string"),
+    **dict.fromkeys(("key", "config_hash", "inputs_hash", "version", "started", "ended"), _TEXT),
+    **dict.fromkeys(("error", "host", "git_commit", "reused"), _TEXT),
+    "duration_s": ((int, float, _NULL), "a number or null"),
+    "pid": ((int, _NULL), "an integer or null"),
+    **dict.fromkeys(("outputs", "upstream_keys", "versions", "attempt"), _TABLE),
+    "attempts": ((list,), "a list"),
+}
+
+
+def _wrong_field(record: dict[str, Any], where: str) -> str | None:
+    """What is wrong with the field types of a stage record (or of an attempt kept in it), naming the
+    field and its value; None when nothing is."""
+    for name, (allowed, expected) in _FIELDS.items():
+        value = record.get(name)
+        if name in record and (not isinstance(value, allowed) or isinstance(value, bool)):
+            return f"{where}.{name}: expected {expected}, got {_shown(value)}"
+    upstream = record.get("upstream_keys") or {}
+    if not all(isinstance(k, str) for k in upstream.values()):
+        return f"{where}.upstream_keys: expected keys (strings) by stage, got {_shown(upstream)}"
+    kept = {"attempt": record.get("attempt")} | {f"attempts[{i}]": a for i, a in enumerate(record.get("attempts", []))}
+    for name, attempt in kept.items():
+        if attempt is not None and not isinstance(attempt, dict):
+            return f"{where}.{name}: expected an object, got {_shown(attempt)}"
+        if attempt and (wrong := _wrong_field(attempt, f"{where}.{name}")):
+            return wrong
+    return None
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def records(run_dir: Path) -> dict[str, dict[str, Any]]:

@@ -193,12 +193,22 @@ def collect(root: Path, log: Any, dry_run: bool = False) -> tuple[list[Garbage],
 
     A run refers to the key of each stage record (and of a record's unfinished attempt) and to what
     its `<stage>` links point at. An entry whose key lock is held is being written or linked: skipped.
-    Each removal happens under the key's lock, after the references are read again.
+    Each removal happens under the key's lock, after the references are read again. A store that cannot
+    be changed (a read-only root) is a StoreError saying what was removed before that.
     """
-    store = Store(root / STORE)
-    if not store.root.is_dir():
-        return [], []
     removed: list[Garbage] = []
+    try:
+        busy = _collect(Store(root / STORE), root, log, dry_run, removed)
+    except OSError as e:
+        done = f"{len(removed)} item(s) removed before that" if removed and not dry_run else "nothing removed"
+        raise StoreError(f"{root}: its store cannot be changed ({e.strerror}: {e.filename}); {done}") from None
+    return removed, busy
+
+
+def _collect(store: Store, root: Path, log: Any, dry_run: bool, removed: list[Garbage]) -> list[Path]:
+    """`collect`'s work: each item removed is added to `removed` as it goes; returns the items in use."""
+    if not store.root.is_dir():
+        return []
     busy: list[Path] = []
     groups: dict[tuple[str, str], list[Path]] = {}
     for path in sorted(store.root.iterdir()):
@@ -208,9 +218,8 @@ def collect(root: Path, log: Any, dry_run: bool = False) -> tuple[list[Garbage],
             groups.setdefault((m["stage"], m["key"]), []).append(path)
     referenced = references(root)
     for (stage, key), paths in groups.items():
-        retired = [p for p in paths if ".retired-" in p.name]
         if (stage, key) in referenced:
-            removed += [_remove(p, dry_run) for p in retired]
+            removed.extend(_remove(p, dry_run) for p in paths if ".retired-" in p.name)
             continue
         lock = store.lock(stage, key)
         fd = take_lock(lock, log, wait=False) if lock.exists() or not dry_run else None
@@ -220,13 +229,13 @@ def collect(root: Path, log: Any, dry_run: bool = False) -> tuple[list[Garbage],
         try:
             if not dry_run and (stage, key) in references(root):  # linked since the first look
                 continue
-            removed += [_remove(p, dry_run) for p in paths if p != lock]
+            removed.extend(_remove(p, dry_run) for p in paths if p != lock)  # each added once it is gone
             if not dry_run:
                 lock.unlink()  # while holding it, as `Store.locked` does
         finally:
             if fd is not None:
                 os.close(fd)
-    return removed, busy
+    return busy
 
 
 def references(root: Path) -> set[tuple[str, str]]:

@@ -40,7 +40,15 @@ class Upstream:
     outputs: dict[str, Any]
 
     def path(self, key: str) -> Path:
-        return self.dir / self.outputs[key]
+        """`dir / outputs[key]`; StageError naming the folder and the key where the outputs name no such
+        file (a manifest edited by hand, or damaged): a downstream stage cannot go on without it."""
+        name = self.outputs.get(key)
+        if not isinstance(name, str) or not name:
+            raise StageError(
+                f"{self.dir}: its stage's recorded outputs name no '{key}' (got {name!r}); "
+                f"re-run it with --force {self.dir.name}"
+            )
+        return self.dir / name
 
 
 @dataclass(frozen=True)
