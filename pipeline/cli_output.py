@@ -41,7 +41,7 @@ def print_status(run_dir: Path, stages: list[reading.Stage]) -> None:
         table.add_column(column, overflow="fold")
     for s in stages:
         r = s.record
-        duration = "" if r.get("duration_s") is None else seconds(r["duration_s"])
+        duration = _duration(r)
         detail = r.get("error") if s.state in ("failed", "killed") else _figures(r.get("outputs") or {})
         detail = " ".join(x for x in (detail, s.note) if x)
         table.add_row(s.name, _styled(s.state), (r.get("key") or "")[:12], duration, escape(detail))
@@ -53,7 +53,7 @@ def print_stage(name: str, record: dict[str, Any], config: dict[str, Any], event
     out.rule(f"{name}: {record.get('status')}")
     out.print(
         f"key {record.get('key')}  started {record.get('started')}  ended {record.get('ended')}  "
-        f"duration {seconds(record['duration_s']) if record.get('duration_s') is not None else '-'}"
+        f"duration {_duration(record) or '-'}"
     )
     if record.get("error"):
         out.print(f"[red]error:[/] {escape(record['error'])}", highlight=False)
@@ -144,6 +144,15 @@ def _replay_budget(stage: str, outputs: dict[str, Any]) -> str:
         return ""
     limits = {"tokens": outputs["tokens_seen"], "hours": 0, "steps": 0}  # 0: no such limit
     return " ".join(f"--set pretrain.budget.{k}={v}" for k, v in limits.items())
+
+
+def _duration(record: dict[str, Any]) -> str:
+    """A stage's time: every try's added up (the manifest's `duration_s`), and how many tries when more
+    than one (an interrupted and resumed stage)."""
+    if record.get("duration_s") is None:
+        return ""
+    tries = len(record.get("attempts") or [])
+    return seconds(record["duration_s"]) + (f" ({tries} tries)" if tries > 1 else "")
 
 
 def seconds(s: float) -> str:

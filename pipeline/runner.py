@@ -168,6 +168,34 @@ class _Attempt:
         else:
             self.manifest.put(self.stage, dict(self.record))
 
+    def closing(self, status: str, duration_s: float) -> dict[str, Any]:
+        """The fields that end this try: its end, every try at this key with this one last (`attempts`:
+        started, ended, duration_s, status), and `duration_s`, their durations added up: a stage
+        interrupted and resumed took all of its tries' time, not the last one's."""
+        ended = rundir.now()
+        this = {"started": self.record.get("started"), "ended": ended, "duration_s": duration_s, "status": status}
+        tries = [*self.record.get("attempts", []), this]
+        total = sum(t["duration_s"] for t in tries if isinstance(t.get("duration_s"), (int, float)))
+        return {"ended": ended, "attempts": tries, "duration_s": round(total, 3)}
+
+
+def _earlier_tries(previous: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    """The unfinished tries at `key` before this one, from the record it follows (or the attempt kept
+    beside a done result): their `attempts`, and the try a killed process could not close (its
+    duration unknown)."""
+    for record in (previous.get("attempt") or {}, previous):
+        if record.get("key") == key and record.get("status") != "done":
+            tries = list(record.get("attempts", []))
+            if record.get("status") == "running" or "attempts" not in record:  # killed, or written before attempts
+                fields = ("started", "ended", "duration_s")
+                tries.append({**{f: record.get(f) for f in fields}, "status": _closed_as(record)})
+            return tries
+    return []
+
+
+def _closed_as(record: dict[str, Any]) -> str:
+    return "killed" if record.get("status") == "running" else str(record.get("status"))
+
 
 def _compute(
     config: cfg.PipelineConfig,
@@ -182,6 +210,7 @@ def _compute(
     main = rank == 0
     partial = stored.partial(step.name, step.key)
     attempt = _Attempt(manifest, step.name)
+    started = time.perf_counter()
     try:
         if main:
             _begin(attempt, step, run_dir, stored, partial, log)
@@ -192,7 +221,6 @@ def _compute(
             name: stages.Upstream(run_dir / name, records.stage(name)["outputs"]) for name in step.module.UPSTREAM
         }
         ctx = _context(config, step, run_dir, rank, world_size, log)
-        started = time.perf_counter()
         outputs: dict[str, Any] = {}
         error: tuple[str, int] | None = None
         if main or getattr(step.module, "DISTRIBUTED", False):
@@ -201,25 +229,25 @@ def _compute(
         duration = round(time.perf_counter() - started, 3)
         if error is not None:
             if main:
-                attempt.save(status="failed", ended=rundir.now(), error=error[0], duration_s=duration)
+                attempt.save(status="failed", error=error[0], **attempt.closing("failed", duration))
                 log.error("failed", error=error[0], **({"kept": "the earlier result"} if attempt.keep else {}))
             raise StageFailed(step.name, error[0], error[1], run_dir / rundir.EVENTS)
         if main:
             record = {
                 **attempt.record,
                 "status": "done",
-                "ended": rundir.now(),
-                "duration_s": duration,
+                **attempt.closing("done", duration),
                 "outputs": outputs,
                 "pid": None,
             }
             store.link(run_dir, step.name, stored.finish(partial, step.name, step.key, record))
             manifest.put(step.name, record)
-            log.info("done", duration_s=duration)
+            log.info("done", duration_s=record["duration_s"])
         ranks.barrier(world_size)
     except KeyboardInterrupt:
         if main and attempt.record.get("status") == "running":
-            attempt.save(status="interrupted", ended=rundir.now(), error="interrupted (Ctrl-C)")
+            duration = round(time.perf_counter() - started, 3)
+            attempt.save(status="interrupted", error="interrupted (Ctrl-C)", **attempt.closing("interrupted", duration))
             log.warning("interrupted")
         raise
 
@@ -243,6 +271,7 @@ def _begin(attempt: _Attempt, step: Step, run_dir: Path, stored: store.Store, pa
         started=rundir.now(),
         ended=None,
         duration_s=None,
+        attempts=_earlier_tries(previous, step.key),
         outputs={},
         error=None,
         pid=os.getpid(),

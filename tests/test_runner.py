@@ -154,6 +154,37 @@ def test_ctrl_c_marks_the_stage_interrupted_not_done(pipe, monkeypatch):
     assert pipe.calls() == ["alpha", "beta", "beta", "gamma"]
 
 
+def test_duration_adds_up_every_try_and_the_manifest_keeps_each(pipe, monkeypatch):
+    monkeypatch.setenv("FAKE_SLOW", "beta")
+    monkeypatch.setenv("FAKE_INTERRUPT", "beta")
+    pipe.run(code=130)
+    pipe.run(code=130)
+    monkeypatch.delenv("FAKE_INTERRUPT")
+    pipe.run()
+    beta = pipe.manifest()["beta"]
+    tries = beta["attempts"]
+    assert [t["status"] for t in tries] == ["interrupted", "interrupted", "done"]
+    assert all(t["duration_s"] >= 3 and t["started"] < t["ended"] for t in tries)
+    assert beta["duration_s"] == pytest.approx(sum(t["duration_s"] for t in tries), abs=0.01)
+    assert len(pipe.manifest()["alpha"]["attempts"]) == 1  # done at once
+    status = pipe.cram("status", pipe.run_dir).output
+    assert f"{beta['duration_s']:.1f}s (3 tries)" in status
+
+
+def test_a_killed_try_is_kept_with_its_duration_unknown(pipe, monkeypatch):
+    monkeypatch.setenv("FAKE_INTERRUPT", "beta")
+    pipe.run(code=130)
+    monkeypatch.delenv("FAKE_INTERRUPT")
+    manifest = json.loads((pipe.run_dir / "manifest.json").read_text())
+    beta = manifest["stages"]["beta"]
+    beta.update(status="running", pid=0, ended=None, duration_s=None, attempts=[])  # as a killed process leaves it
+    (pipe.run_dir / "manifest.json").write_text(json.dumps(manifest))
+    pipe.run()
+    tries = pipe.manifest()["beta"]["attempts"]
+    assert [(t["status"], t["duration_s"]) for t in tries][0] == ("killed", None)
+    assert [t["status"] for t in tries] == ["killed", "done"]
+
+
 def _start_hanging_in_beta(pipe, tmp_path) -> subprocess.Popen:
     """`cram run` in a subprocess, returned once it is inside stage beta (which then hangs)."""
     script = (
