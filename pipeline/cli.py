@@ -130,7 +130,7 @@ def _run(
 ) -> None:
     steps = planning.plan(conf, modules, run_dir, only=only, start=start, force=force)
     if dry_run:
-        print_plan(steps, run_dir)
+        print_plan(steps, run_dir, conf)
     elif runner.run_pipeline(conf, run_dir, steps) == 0:
         print_status(run_dir, reading.status(run_dir))
 

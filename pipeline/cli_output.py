@@ -25,7 +25,9 @@ def error(message: str) -> None:
     err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
-def print_plan(steps: list[planning.Step], run_dir: Path) -> None:
+def print_plan(steps: list[planning.Step], run_dir: Path, config: cfg.PipelineConfig | None = None) -> None:
+    """A dry run's plan; below it, what each stage that would run says of its work (its optional
+    `describe(config, pipeline)`: evaluate's fine-tune steps), given the run's `config`."""
     table = Table(title=f"{run_dir} (dry run)", title_justify="left")
     for column in ("stage", "action", "reason", "key"):
         table.add_column(column)
@@ -33,6 +35,10 @@ def print_plan(steps: list[planning.Step], run_dir: Path) -> None:
         style = {"run": "bold green", "reuse": "cyan"}.get(s.action, "dim")
         table.add_row(s.name, f"[{style}]{s.action}[/]", s.reason, s.key[:12])
     out.print(table)
+    for s in steps:
+        if config is not None and s.action == "run" and hasattr(s.module, "describe"):
+            if described := s.module.describe(config.stages[s.name], config):
+                out.print(f"{s.name}: {escape(described)}", highlight=False, soft_wrap=True)
 
 
 def print_status(run_dir: Path, stages: list[reading.Stage]) -> None:
@@ -94,7 +100,7 @@ def print_variant(outcome: sweep.Outcome, of: int, dry_run: bool) -> None:
         doing = f"in use by pid {outcome.holder}: left to it (another `cram sweep`?)"
     out.rule(f"{outcome.number}/{of} {outcome.variant.name}: {doing or 'done'}")
     if dry_run and outcome.doing and outcome.holder is None:
-        print_plan(outcome.steps, outcome.variant.run_dir)
+        print_plan(outcome.steps, outcome.variant.run_dir, outcome.variant.config)
 
 
 def print_sweep(results: sweep.Results) -> None:

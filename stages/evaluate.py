@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,6 +183,29 @@ def validate(config: Config, pipeline: Any) -> None:
                 f"{where}: kind 'heldout-topic' needs labelled documents, and the corpus has no "
                 "labels (tokenize.corpus.label_field, or text files); drop this task or add labels"
             )
+
+
+def describe(config: Config, pipeline: Any) -> str:
+    """For a dry run: each task's fine-tune steps per seed (epochs x ceil(train examples / batch_size)),
+    where its local files tell them; a held-out-topic task's examples are known only after tokenize,
+    a GLUE task's from the hub once fetched."""
+    parts = []
+    for i, task in enumerate(config.tasks):
+        epochs, seeds = config.setting(task, "epochs"), config.setting(task, "seeds")
+        if task.kind == "heldout-topic":
+            steps = "steps known after tokenize"
+        elif not task.path:
+            steps = "steps known once fetched from the hub"
+        else:
+            batches = math.ceil(len(load_task(task, i, None).train.labels) / config.batch_size)
+            steps = f"{_count(epochs * batches, 'step')} ({_count(epochs, 'epoch')} x {_count(batches, 'batch')}"
+            steps += f" of {config.batch_size})"
+        parts.append(f"{task.name} {steps} x {_count(seeds, 'seed')}")
+    return "fine-tunes " + "; ".join(parts) if parts else ""
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('ch') else 's'}"
 
 
 def _has_labels(corpus: Any) -> bool:

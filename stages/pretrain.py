@@ -172,6 +172,8 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     from cram.stages.pretraining.telemetry import ProgressBar, peak_flops
 
     setup = _setup(config, inputs["pack"], ctx)
+    if ctx.is_main:
+        _warn_of_data_limits(config, setup, ctx)
     state, resumed = _start(config, setup, out_dir, ctx)
     steps = _make_steps(config, setup, ctx.world_size, compile=config.compile)
     if ctx.is_main and config.val_blocks and state.val_loss_start is None:
@@ -193,6 +195,8 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     }
     if not ctx.is_main:
         return outputs
+    if _planned_passes(config, setup, ctx.world_size) is None:  # a time budget: the passes are known now
+        _warn_of_repeats(state.sequences / len(setup.blocks), len(setup.blocks), ctx, "made")
     _write_model(out_dir / outputs["params"], out_dir / outputs["model_config"], setup, state)
     figures = _figures(config, setup, ctx, state, flops_per_token, compile_s, canary_diff)
     ctx.log.info("trained", **figures)
@@ -232,6 +236,44 @@ def _setup(config: Config, pack: Upstream, ctx: Context) -> _Setup:
     spec = mask_spec(config.masking, special, cfg.vocab_size, seq_len)
     device = devices.resolve(ctx.device)
     return _Setup(blocks, val, cfg, spec, device, devices.autocast_dtype(config.precision, device))
+
+
+MAX_PASSES = 4  # more passes over the training blocks than this: a warning that the data is too small
+
+
+def _warn_of_data_limits(config: Config, setup: _Setup, ctx: Context) -> None:
+    """Say when the data holds less than the config asks for: fewer held-out blocks than `val_blocks`,
+    or so few training blocks that a step or token budget passes over them many times."""
+    if config.val_blocks > len(setup.val):
+        ctx.log.warning(
+            f"pretrain.val_blocks = {config.val_blocks}, but pack's val holds {len(setup.val)} blocks: "
+            f"the held-out loss uses those {len(setup.val)}"
+        )
+    passes = _planned_passes(config, setup, ctx.world_size)
+    if passes is not None:
+        _warn_of_repeats(passes, len(setup.blocks), ctx, "makes about")
+
+
+def _planned_passes(config: Config, setup: _Setup, world_size: int) -> float | None:
+    """The passes over the training blocks that the step or token budget makes, the batch ramp averaged
+    over (at most) 10,000 points; None for a time budget alone, whose steps depend on the speed."""
+    from cram.stages.pretraining.loop import micro_steps
+
+    budget, seq_len = config.budget, setup.blocks.shape[1]
+    sequences = [] if budget.tokens is None else [budget.tokens / seq_len]
+    if budget.steps is not None:
+        target, points = config.batch_size // (world_size * config.microbatch), min(budget.steps, 10_000)
+        mean = sum(micro_steps(i / points, config.ramp, target) for i in range(points)) / points
+        sequences.append(budget.steps * mean * world_size * config.microbatch)
+    return min(sequences) / len(setup.blocks) if sequences else None
+
+
+def _warn_of_repeats(passes: float, blocks: int, ctx: Context, verb: str) -> None:
+    if passes > MAX_PASSES:
+        ctx.log.warning(
+            f"the budget {verb} {passes:.1f} passes over the {blocks} training blocks (more than "
+            f"{MAX_PASSES}): each block is seen that often; a larger corpus or a smaller budget repeats less"
+        )
 
 
 def _start(config: Config, setup: _Setup, out_dir: Path, ctx: Context) -> tuple[TrainState, bool]:

@@ -436,6 +436,18 @@ def test_editing_a_task_file_reruns_evaluate_alone(ws):
     assert plan == {"tokenize": "skip", "pack": "skip", "pretrain": "skip", "evaluate": "run"}, result.output
 
 
+def test_a_dry_run_says_each_tasks_fine_tune_steps(ws):
+    topic = '{kind="heldout-topic", name="topic", label_field="topic"}'
+    result = cram(*RUN, *FORCE_EVAL, "--dry-run", *sets(**{"evaluate.tasks": f"[{TASK}, {topic}]"}))
+    assert result.exit_code == 0, result.output
+    line = result.output.strip().splitlines()[-1]
+    # 24 training rows in batches of 4, one epoch, one seed (the stage's settings)
+    assert line == (
+        "evaluate: fine-tunes sent 6 steps (1 epoch x 6 batches of 4) x 1 seed; "
+        "topic steps known after tokenize x 1 seed"
+    ), result.output
+
+
 def test_ls_lists_every_run_and_marks_the_unreadable_one(ws):
     shutil.copytree(ws / "runs" / "base", ws / "runs" / "broken")
     (ws / "runs" / "broken" / "manifest.json").write_text("{")

@@ -17,7 +17,9 @@ from typing import Any, Callable
 
 from cram.stages import Context, StageError, Upstream
 from cram.stages.shared.device import to_device
-from cram.stages.shared.progress import track
+from cram.stages.shared.progress import Every, track
+
+PROGRESS_EVERY_S = 30.0  # a fine-tune's progress line in the log this often (and when it starts)
 
 
 def load_task(task_cfg: Any, index: int, tokenize: Upstream):
@@ -91,7 +93,8 @@ def finetune_seed(tuner: Tuner, task_cfg: Any, task, data: Encoded, seed: int, c
     began = time.perf_counter()
     config = tuner.config
     epochs, lr = config.setting(task_cfg, "epochs"), config.setting(task_cfg, "lr")
-    params, loss = tuner.train(task.num_outputs, data.train, epochs, lr, seed, f"{task.name} seed {seed}")
+    label, log = f"{task.name} seed {seed}", ctx.log.bind(task=task.name, seed=seed)
+    params, loss = tuner.train(task.num_outputs, data.train, epochs, lr, seed, label, log)
     scores = {}
     for test, (rows, lengths, labels) in data.tests.items():
         outputs = tuner.outputs(params, rows, lengths)
@@ -179,8 +182,11 @@ class Tuner:
             make_classify_eval_step(dataclasses.replace(cfg, dropout=0.0), **kw),
         )
 
-    def train(self, num_outputs: int, train, epochs: int, lr: float, seed: int, label: str = "fine-tune"):
-        """Params fine-tuned from the pretrained ones with a fresh head, and the last epoch's mean loss."""
+    def train(
+        self, num_outputs: int, train, epochs: int, lr: float, seed: int, label: str = "fine-tune", log: Any = None
+    ):
+        """Params fine-tuned from the pretrained ones with a fresh head, and the last epoch's mean loss.
+        `log` (bound to the task and seed) gets a progress line at the start and every PROGRESS_EVERY_S."""
         import numpy as np
         import torch
 
@@ -196,6 +202,9 @@ class Tuner:
         rng = np.random.default_rng(seed)
         steps_per_epoch = math.ceil(len(rows) / size)
         total = steps_per_epoch * epochs
+        every = Every(PROGRESS_EVERY_S)
+        if log is not None:
+            log.info("fine-tuning", step=f"0/{total}", epochs=epochs, examples=len(rows))
         for epoch in range(epochs):
             order = rng.permutation(len(rows))
             losses = []
@@ -210,6 +219,9 @@ class Tuner:
                 )
                 params, opt_state, metrics = self.step(params, opt_state, batch, lr_now)
                 losses.append(metrics["loss"])
+                if log is not None and every.due():  # the loss read here is the one host sync in 30 s
+                    step = epoch * steps_per_epoch + i + 1
+                    log.info("fine-tuning", step=f"{step}/{total}", loss=round(float(metrics["loss"]), 4))
         return params, float(torch.stack(losses).mean())
 
     def outputs(self, params: dict, rows: list, lengths):

@@ -1,8 +1,10 @@
-"""Progress bars for people: on stderr, in a terminal only (logs and CI output stay plain)."""
+"""Progress for people: bars on stderr, in a terminal only (logs and CI output stay plain), and the
+clock of progress lines, which a log and a console that is not a terminal get instead."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, TypeVar
+import time
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 T = TypeVar("T")
 
@@ -31,3 +33,19 @@ def track(items: Iterable[T], label: str, total: int, done: int = 0, console: An
         for item in items:
             yield item
             bar.advance(task)
+
+
+class Every:
+    """Due once every `seconds`, the first time `seconds` after it is made: when a long loop writes its
+    next progress line, so that a run without a terminal (a log, CI) does not look hung."""
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic):
+        self.seconds, self.clock = seconds, clock
+        self.last = clock()
+
+    def due(self) -> bool:
+        now = self.clock()
+        if now - self.last < self.seconds:
+            return False
+        self.last = now
+        return True
