@@ -95,11 +95,11 @@ def test_a_broken_long_json_line_is_refused_with_its_line(tmp_path):
 @pytest.mark.parametrize(
     "name, content, fmt",
     [
-        ("a.txt", "First.\n\nSecond.\n", None),
-        ("a.jsonl", '{"extract": "First."}\n{"extract": "Second."}\n', None),
-        ("a.json", '[{"extract": "First."}, {"extract": "Second."}]', None),
-        ("a.csv", "extract,title\nFirst.,t1\nSecond.,t2\n", None),
-        ("a.tsv", "extract\ttitle\nFirst.\tt1\nSecond.\tt2\n", None),
+        ("a.txt", "First.\n\nSecond.\n", "auto"),
+        ("a.jsonl", '{"extract": "First."}\n{"extract": "Second."}\n', "auto"),
+        ("a.json", '[{"extract": "First."}, {"extract": "Second."}]', "auto"),
+        ("a.csv", "extract,title\nFirst.,t1\nSecond.,t2\n", "auto"),
+        ("a.tsv", "extract\ttitle\nFirst.\tt1\nSecond.\tt2\n", "auto"),
     ],
 )
 def test_a_utf8_byte_order_mark_is_dropped(tmp_path, name, content, fmt):
@@ -148,7 +148,7 @@ def test_the_format_comes_from_the_extension(tmp_path):
     assert files("data/*.txt").format == "text" and files("a.md", "b.text").format == "text"
     assert files("x.ndjson").format == "jsonl" and files("x.parquet").format == "parquet"
     assert files("x.tsv").format == "tsv" and files("x.JSON").format == "json"
-    assert files("no-extension").format is None and files("a.txt", "b.jsonl").format is None
+    assert files("no-extension").format == "auto" and files("a.txt", "b.jsonl").format == "auto"
     assert CorpusConfig().format == "json"  # the default package corpus, its cache key unchanged
     assert CorpusConfig(kind="hub", name="x").format == "json"
     (tmp_path / "a.txt").write_text("Plain text.\n")
@@ -175,7 +175,7 @@ def test_the_format_comes_from_the_extension(tmp_path):
         (
             "a.data",
             "extract,title\nx,y\n",
-            None,
+            "auto",
             'not JSON (starts with "extract,titl"); set tokenize.corpus.format = "csv"',
         ),
         ("a.data", "PAR1\x00\x01", "jsonl", 'set tokenize.corpus.format = "parquet"'),

@@ -42,7 +42,7 @@ def file_format(path: Path, config: CorpusConfig) -> str:
     """The format of one local corpus file: the configured one, else its extension's, else "json"
     (every corpus's default before formats were told from extensions; `check_start` names the
     format to set when the file's first bytes say otherwise)."""
-    return config.format or format_of(str(path)) or "json"
+    return (config.format if config.format != "auto" else format_of(str(path))) or "json"
 
 
 def open_file(path: Path) -> Any:
@@ -202,9 +202,10 @@ def check_start(path: Path, fmt: str, config: CorpusConfig) -> None:
         head = f.read(4096)
     text = head.decode("utf-8", errors="replace").removeprefix(_BOM).lstrip()
     guess = _guess_format(head, text, config)
+    if fmt in ("csv", "tsv") and guess in ("text", fmt):  # a header without the text column is told as such
+        check_text_column(csv_header(path, fmt), config, str(path))
+        return
     if not text or fmt == "text" or guess == fmt or (fmt == "json" and guess == "jsonl"):
-        if fmt in ("csv", "tsv") and text:
-            check_text_column(csv_header(path, fmt), config, str(path))
         return
     preview = "".join(c if c.isprintable() else "?" for c in text.split("\n", 1)[0][:12])
     raise StageError(f'{path}: not {_FORMAT_NAMES[fmt]} (starts with "{preview}"); set {WHERE}.format = "{guess}"')

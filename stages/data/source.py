@@ -44,10 +44,10 @@ class CorpusConfig:
     split: str = "train"
     # files and package: "text" is plain text, "json" a list of records or an object of
     # key -> record (the key is the title when the record has none), "jsonl" one record a line,
-    # "csv"/"tsv" a header row naming the columns. Not given: from the extension (EXTENSIONS) of
-    # the paths (or the package file), or of each file when the paths do not name one ("json" for
+    # "csv"/"tsv" a header row naming the columns. "auto": from the extension (EXTENSIONS) of the
+    # paths (or the package file), or of each file when the paths do not name one ("json" for
     # another extension).
-    format: Format | None = None
+    format: Literal["auto", "text", "json", "jsonl", "parquet", "csv", "tsv"] = "auto"
     text_unit: Literal["paragraph", "line", "file"] = "paragraph"  # a document, in "text" files
     text_field: str = "extract"
     # Record fields; "" (or None) for none. The held-out split hashes the title (the text, when
@@ -68,16 +68,17 @@ class CorpusConfig:
             raise ValueError('name: kind = "hub" needs a dataset name')
         if not self.text_field:
             raise ValueError("text_field: must name the field that holds the text")
-        if self.format is None:
+        if self.format == "auto":
             object.__setattr__(self, "format", self._format_from_extensions())
 
-    def _format_from_extensions(self) -> Format | None:
+    def _format_from_extensions(self) -> str:
         """The one format the configured paths' extensions name. A hub or disk corpus has no format:
         "json" there keeps the cache keys made when "json" was every corpus's default."""
         if self.kind not in ("files", "package"):
             return "json"
         found = {format_of(path) for path in (self.paths if self.kind == "files" else (self.file,))}
-        return found.pop() if len(found) == 1 else None
+        only = found.pop() if len(found) == 1 else None
+        return only or "auto"
 
 
 @dataclass(frozen=True)
