@@ -2,7 +2,7 @@
 folder on disk, or a dataset on the Hugging Face hub, read as a stream.
 
 Every source is cut into `Unit`s that separate processes can read side by side (byte ranges of
-text and JSON-lines files cut between documents, parquet row groups, `datasets` shards, hub
+text, JSON-lines and CSV files cut between documents, parquet row groups, `datasets` shards, hub
 shards); `documents` gives a unit's non-empty documents in batches of string columns `text`,
 `title` and `label` ("" where the source has none). Nothing holds more than one unit's documents
 (~16 MB of text) at a time, except a `format = "json"` file, which is one JSON document and is
