@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 
 from cram.stages import Context, StageError, Upstream
-from cram.stages.data import corpus, shards
+from cram.stages.data import corpus, readers, shards
 from cram.stages.data.source import CorpusConfig
 from cram.stages.shared.special import SPECIAL_IDS
 
@@ -79,6 +79,9 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     scratch = out_dir / "scratch"  # the training documents' text, between the read and the encoding
     totals, text_shards, has_heldout = _read_corpus(config, out_dir, scratch, num_proc)
     read_s = time.perf_counter() - started
+    if totals["documents_cut"] or totals["records_skipped"]:
+        cut, skipped, limit = totals["documents_cut"], totals["records_skipped"], readers.MAX_DOCUMENT_CHARS
+        ctx.log.warning("documents over the size limit", cut=cut, skipped=skipped, limit_chars=limit)
     ctx.log.info(
         "corpus read",
         documents=totals["documents"],
@@ -113,6 +116,8 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         "documents": totals["documents"],
         "heldout_documents": totals["heldout"],
         "characters": totals["characters"],
+        "documents_cut": totals["documents_cut"],  # text over readers.MAX_DOCUMENT_CHARS, in pieces
+        "records_skipped": totals["records_skipped"],  # records over it
         "text_mb": round(totals["bytes"] / 1e6, 3),
         "total_tokens": n_tokens,
         "tokens_per_char": round(n_tokens / max(totals["characters"], 1), 4),
@@ -137,9 +142,12 @@ def _read_corpus(config: Config, out_dir: Path, scratch: Path, num_proc: int) ->
     units = corpus.units(config.corpus, num_proc)
     jobs = [(unit, i, config, scratch, out_dir / "heldout", SHARD_BYTES) for i, unit in enumerate(units)]
     parts = _parallel(_split_unit, jobs, num_proc)
-    totals = {key: sum(part[key] for part in parts) for key in ("documents", "heldout", "characters", "bytes")}
+    keys = ("documents", "heldout", "characters", "bytes", *readers.TALLY)
+    totals = {key: sum(part[key] for part in parts) for key in keys}
     if totals["documents"] + totals["heldout"] == 0:
-        raise StageError(f"tokenize.corpus: {_source(config.corpus)}: the corpus is empty (no document with text)")
+        skipped = totals["records_skipped"]
+        why = f"; {skipped:,} records over {readers.MAX_DOCUMENT_CHARS:,} characters skipped" if skipped else ""
+        raise StageError(f"tokenize.corpus: {_source(config.corpus)}: the corpus is empty (no document with text{why})")
     if totals["documents"] == 0:
         raise StageError(f"tokenize.heldout_fraction: {config.heldout_fraction} leaves no training document")
     heldout_shards = [part["heldout_shard"] for part in parts if part["heldout_shard"]]
@@ -151,10 +159,24 @@ def _read_corpus(config: Config, out_dir: Path, scratch: Path, num_proc: int) ->
 
 
 def validate(config: Config, pipeline: Any) -> None:
-    """Checked by the runner before any stage runs: the local corpus can be found."""
+    """Checked by the runner before any stage runs: the local corpus can be found, each local file's
+    first bytes fit its format and, for a held-out-topic evaluation, its records have the label field."""
     unavailable = next((entry[1] for entry in corpus.fingerprint(config.corpus) if entry[0] == "unavailable"), None)
     if unavailable is not None:
         raise StageError(unavailable)
+    local = corpus.local_files(config.corpus)
+    for path, fmt in local:
+        readers.check_start(path, fmt, config.corpus)
+    if local and config.corpus.label_field and config.heldout_fraction > 0 and _classifies_topics(pipeline):
+        problem = readers.label_problem(*local[0], config.corpus)
+        if problem:
+            raise StageError(problem)
+
+
+def _classifies_topics(pipeline: Any) -> bool:
+    """Whether the pipeline evaluates on the held-out documents' labels (a "heldout-topic" task)."""
+    evaluate = pipeline.stages.get("evaluate")
+    return any(task.kind == "heldout-topic" for task in getattr(evaluate, "tasks", ()))
 
 
 def fingerprint(config: Config) -> list[list[Any]]:
@@ -227,21 +249,11 @@ def _training_lines(text_shards: list[Path], characters: int, config: Config) ->
             chosen = rng.random(len(texts)) < share
             for text in (t for t, keep in zip(texts, chosen) if keep):
                 for line in text.splitlines():
-                    for piece in _cut(line.strip(), config.max_line_chars):
+                    for piece in readers.cut_text(line.strip(), config.max_line_chars):
                         yield piece
                         budget -= len(piece)
                         if budget <= 0:
                             return
-
-
-def _cut(line: str, limit: int) -> Iterator[str]:
-    while len(line) > limit:
-        at = line.rfind(" ", limit // 2, limit + 1)
-        at = at if at > 0 else limit
-        yield line[:at]
-        line = line[at:].lstrip()
-    if line:
-        yield line
 
 
 def _rule_name(config: Config) -> str:
@@ -270,7 +282,7 @@ def _split_unit(job: tuple) -> dict[str, Any]:
     counts: dict[str, Any] = {"documents": 0, "heldout": 0, "characters": 0, "bytes": 0, "text": []}
     train, shard_bytes = None, 0
     with shards.ShardWriter(heldout_dir / f"data-{index:05d}.arrow", shards.DOCUMENTS) as heldout:
-        for batch in corpus.documents(unit, config.corpus, config.batch_size):
+        for batch in corpus.documents(unit, config.corpus, config.batch_size, counts):
             flags = [is_heldout(t, x, config.heldout_fraction) for t, x in zip(batch["title"], batch["text"])]
             held = [i for i, f in enumerate(flags) if f]
             if held:

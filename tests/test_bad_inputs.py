@@ -297,6 +297,29 @@ CASES = [
         ],
         "needs labelled documents",
     ),
+    # the corpus: a wrong format, a CSV without the text column, records without the label field
+    (
+        "corpus wrong format",
+        rewrite("book.txt", "The Tragedie of Hamlet\n"),
+        [*RUN, *sets(**{"tokenize.corpus.paths": '["book.txt"]', "tokenize.corpus.format": '"json"'})],
+        'book.txt: not JSON (starts with "The Tragedie"); set tokenize.corpus.format = "text"',
+    ),
+    (
+        "corpus csv column",
+        rewrite("c.csv", "body,topic\na b,x\n"),
+        [*RUN, *sets(**{"tokenize.corpus.paths": '["c.csv"]', "tokenize.corpus.format": '"csv"'})],
+        "c.csv: no text column 'text' (tokenize.corpus.text_field); columns are: body, topic",
+    ),
+    (
+        "corpus without labels",
+        rewrite("plain.jsonl", '{"text": "a b c"}\n' * 5),
+        [
+            *RUN,
+            *tasks(kind='"heldout-topic"', name='"topic"', path='""', text_fields="[]", metrics="[]"),
+            *sets(**{"tokenize.corpus.paths": '["plain.jsonl"]'}),
+        ],
+        "plain.jsonl: records without the label field 'topic' (tokenize.corpus.label_field)",
+    ),
     # the command line and the config file
     ("only and from", nothing, [*RUN, "--only", "pack", "--from", "pretrain"], "--only pack and --from pretrain"),
     ("unknown stage", nothing, [*RUN, "--only", "train"], "unknown stage 'train'"),

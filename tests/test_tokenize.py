@@ -9,6 +9,7 @@ import random
 import pytest
 
 from cram.stages import StageError, tokenize
+from cram.stages.data import readers
 from cram.stages.data.source import CorpusConfig
 
 SECRET = "quixotically"  # appears only in held-out documents
@@ -174,10 +175,10 @@ def test_an_empty_corpus_is_a_stage_error(tmp_path, make_ctx):
 
 def test_long_lines_are_cut_for_tokenizer_training():
     line = " ".join(["word"] * 1000)  # 4,999 characters
-    pieces = list(tokenize._cut(line, 2000))
+    pieces = list(readers.cut_text(line, 2000))
     assert all(len(p) <= 2000 for p in pieces) and len(pieces) == 3
     assert " ".join(pieces) == line
-    assert list(tokenize._cut("x" * 4500, 2000)) == ["x" * 2000, "x" * 2000, "x" * 500]
+    assert list(readers.cut_text("x" * 4500, 2000)) == ["x" * 2000, "x" * 2000, "x" * 500]
 
 
 def test_a_corpus_too_small_for_the_vocab_is_a_stage_error(tmp_path, make_ctx):

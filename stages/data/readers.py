@@ -1,8 +1,10 @@
 """The corpus readers, one a format: each turns one `corpus.Unit` into batches of string columns
 `text`, `title` and `label` ("" where the source has none), checking records and columns as it goes.
 
-- text and JSON lines: a byte range of a file, decoded and split into documents (paragraphs, lines or
-  the whole file) or records; an error names the file and line.
+- text, JSON lines and CSV/TSV: a byte range of a file, decoded and split into documents (paragraphs,
+  lines or the whole file) or records (CSV: named by the file's header row); an error names the file
+  and line. A document over MAX_DOCUMENT_CHARS is cut into pieces (text) or skipped (a JSON line, a
+  CSV record), and counted in the caller's tally; a UTF-8 byte-order mark opening a file is dropped.
 - json: a whole file holding a list of records or an object of key -> record.
 - parquet: row groups of a file (`parquet_row_groups` says how they are grouped into units).
 - arrow: one shard of a `datasets` folder (`load_disk` opens the folder).
@@ -21,12 +23,26 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from cram.stages import StageError
 from cram.stages.data import hub
+from cram.stages.data.source import format_of
 
 if TYPE_CHECKING:
     from cram.stages.data.source import CorpusConfig, Unit
+
 WHERE = "tokenize.corpus"  # the config section that errors name
+# A longer document (a text paragraph or line, a JSON line, a CSV record) is cut (text) or skipped
+# (records): what one process holds stays bounded, and no tokenizer or model needs one this long.
+MAX_DOCUMENT_CHARS = 16 << 20
+TALLY = ("documents_cut", "records_skipped")  # what the readers count of documents over the limit
+_BOM = "\ufeff"
 PARAGRAPH_BREAK = re.compile(rb"\n[ \t\r\f\v]*\n")
 _PARAGRAPH_BREAK_TEXT = re.compile(PARAGRAPH_BREAK.pattern.decode())
+
+
+def file_format(path: Path, config: CorpusConfig) -> str:
+    """The format of one local corpus file: the configured one, else its extension's, else "json"
+    (every corpus's default before formats were told from extensions; `check_start` names the
+    format to set when the file's first bytes say otherwise)."""
+    return (config.format if config.format != "auto" else format_of(str(path))) or "json"
 
 
 def open_file(path: Path) -> Any:
@@ -36,14 +52,34 @@ def open_file(path: Path) -> Any:
         raise _vanished(path) from None
 
 
-def byte_range_documents(unit: Unit, config: CorpusConfig, batch_size: int) -> Iterator[dict[str, list[str]]]:
-    """The documents (text) or records (JSON lines) in bytes [start, stop) of a file."""
+def byte_range_documents(
+    unit: Unit, config: CorpusConfig, batch_size: int, tally: dict[str, int]
+) -> Iterator[dict[str, list[str]]]:
+    """The documents (text) or records (JSON lines, CSV) in bytes [start, stop) of a file."""
+    content, head_cut, tail_cut = _read_range(unit, config)
+    if unit.format == "text":
+        tally["documents_cut"] += tail_cut
+        for texts in _batched(_text_pieces(content, config.text_unit, tally), batch_size):
+            yield {"text": texts, "title": [""] * len(texts), "label": [""] * len(texts)}
+    elif unit.format in ("csv", "tsv"):
+        yield from _batched(_csv_records(content, unit, config, tally), batch_size)
+    else:
+        yield from _batched(_jsonl_records(content, unit, config, (head_cut, tail_cut), tally), batch_size)
+
+
+def _read_range(unit: Unit, config: CorpusConfig) -> tuple[str, bool, bool]:
+    """Bytes [start, stop) of the unit's file decoded (less a UTF-8 BOM at the file's start), and
+    whether the range starts and ends inside a document (a cut that `corpus.units` forced in a
+    document over MAX_DOCUMENT_CHARS: every other cut follows a line break)."""
     path = Path(unit.source)
     with open_file(path) as f:
-        f.seek(unit.start)
+        size = os.fstat(f.fileno()).st_size
+        f.seek(max(unit.start - 1, 0))
+        head_cut = unit.start > 0 and f.read(1) != b"\n"
         raw = f.read(unit.stop - unit.start)
     if len(raw) < unit.stop - unit.start:
         raise StageError(f"{path}: the file changed while it was read (it is shorter than {unit.stop:,} bytes)")
+    tail_cut = unit.stop < size and not raw.endswith(b"\n")
     try:
         content = raw.decode("utf-8", errors=config.encoding_errors)
     except UnicodeDecodeError as e:
@@ -52,13 +88,33 @@ def byte_range_documents(unit: Unit, config: CorpusConfig, batch_size: int) -> I
             f"{path}:{_line_number(path, at)}: byte {at:,} is not valid UTF-8; fix the file or set "
             f'{WHERE}.encoding_errors = "replace"'
         ) from None
-    del raw
-    if config.format == "text":
-        for texts in _batched(_text_documents(content, config.text_unit), batch_size):
-            yield {"text": texts, "title": [""] * len(texts), "label": [""] * len(texts)}
-        return
-    records = []
-    for i, line in enumerate(content.split("\n")):
+    return (content.removeprefix(_BOM) if unit.start == 0 else content), head_cut, tail_cut
+
+
+def _text_pieces(content: str, text_unit: str, tally: dict[str, int]) -> Iterator[str]:
+    for document in _text_documents(content, text_unit):
+        for i, piece in enumerate(cut_text(document, MAX_DOCUMENT_CHARS)):
+            tally["documents_cut"] += i > 0
+            yield piece
+
+
+def _jsonl_records(
+    content: str, unit: Unit, config: CorpusConfig, cut: tuple[bool, bool], tally: dict[str, int]
+) -> Iterator[tuple[str, str, str]]:
+    """The records of a unit of JSON lines; a line over MAX_DOCUMENT_CHARS (or the pieces of one that
+    forced cuts split between units: counted where it starts) is skipped unparsed."""
+    path = Path(unit.source)
+    lines = content.split("\n")
+    head_cut, tail_cut = cut
+    if head_cut:
+        lines[0] = ""
+    if tail_cut and (len(lines) > 1 or not head_cut):
+        lines[-1] = ""
+        tally["records_skipped"] += 1
+    for i, line in enumerate(lines):
+        if len(line) > MAX_DOCUMENT_CHARS:
+            tally["records_skipped"] += 1
+            continue
         if not line.strip():
             continue
         try:
@@ -68,12 +124,138 @@ def byte_range_documents(unit: Unit, config: CorpusConfig, batch_size: int) -> I
             problem = f"not valid JSON ({e.msg}: column {e.colno}); a truncated or broken line?"
         if problem:  # line numbers are counted only when an error needs one
             raise StageError(f"{path}:{_line_number(path, unit.start) + i}: {problem}")
-        records.append(_fields(record, config, ""))
-        if len(records) == batch_size:
-            yield _columns(records)
-            records = []
-    if records:
-        yield _columns(records)
+        yield _fields(record, config, "")
+
+
+def csv_reader(lines: Any, fmt: str) -> Any:
+    """A strict csv reader of comma- (csv) or tab- (tsv) separated lines, quoted fields allowed to
+    hold line breaks. Its field limit is raised from 128 KiB: a long text is a valid field (the
+    setting is per process, and only raises a limit)."""
+    import csv
+
+    csv.field_size_limit(2**31 - 1)
+    return csv.reader(lines, delimiter="," if fmt == "csv" else "\t", strict=True)
+
+
+def csv_header(path: Path, fmt: str) -> list[str]:
+    """The column names of a CSV/TSV file: its first record."""
+    import csv
+
+    with open_file(path) as f:
+        lines = (line.decode("utf-8", errors="replace").removeprefix(_BOM) for line in f)
+        try:
+            return next(csv_reader(lines, fmt), [])
+        except csv.Error as e:
+            raise StageError(f"{path}:1: not a readable {fmt} header ({e})") from None
+
+
+def _csv_records(content: str, unit: Unit, config: CorpusConfig, tally: dict[str, int]) -> Iterator[tuple]:
+    """The records of a unit of a CSV/TSV file, fields found by the header's names; a record whose
+    text is over MAX_DOCUMENT_CHARS is skipped."""
+    import csv
+    import io
+
+    path = Path(unit.source)
+    header = csv_header(path, unit.format or "csv")
+    check_text_column(header, config, str(path))
+    where = {name: header.index(name) for name in (config.title_field, config.label_field) if name in header}
+    text_at = header.index(config.text_field)
+    reader = csv_reader(io.StringIO(content, newline=""), unit.format or "csv")
+    try:
+        for row in reader:
+            if reader.line_num == 1 and unit.start == 0 or not row:
+                continue
+            if len(row) != len(header):
+                problem = f"{len(row)} fields where the header has {len(header)}; an unquoted separator?"
+                raise StageError(f"{path}:{_line_number(path, unit.start) + reader.line_num - 1}: {problem}")
+            if len(row[text_at]) > MAX_DOCUMENT_CHARS:
+                tally["records_skipped"] += 1
+                continue
+            title, label = (row[where[n]] if n in where else "" for n in (config.title_field, config.label_field))
+            yield row[text_at], title, _label(label, config.unlabeled)
+    except csv.Error as e:
+        raise StageError(f"{path}:{_line_number(path, unit.start) + reader.line_num - 1}: {e}") from None
+
+
+def cut_text(text: str, limit: int) -> Iterator[str]:
+    """`text` in pieces of at most `limit` characters, each cut at a space in its second half when
+    there is one, the blanks after a cut dropped. Time linear in the text's length."""
+    start, end = 0, len(text)
+    while end - start > limit:
+        at = text.rfind(" ", start + limit // 2, start + limit + 1)
+        at = at if at > start else start + limit
+        yield text[start:at]
+        start = at
+        while start < end and text[start].isspace():
+            start += 1
+    if start < end:
+        yield text[start:]
+
+
+_FORMAT_NAMES = {"json": "JSON", "jsonl": "JSON lines", "parquet": "parquet", "csv": "CSV", "tsv": "TSV"}
+
+
+def check_start(path: Path, fmt: str, config: CorpusConfig) -> None:
+    """The first bytes of a local corpus file against its format: on a mismatch, the error names
+    the format to set (checked before any stage runs, so a wrong format costs no tokenize run)."""
+    with open_file(path) as f:
+        head = f.read(4096)
+    text = head.decode("utf-8", errors="replace").removeprefix(_BOM).lstrip()
+    guess = _guess_format(head, text, config)
+    if fmt in ("csv", "tsv") and guess in ("text", fmt):  # a header without the text column is told as such
+        check_text_column(csv_header(path, fmt), config, str(path))
+        return
+    if not text or fmt == "text" or guess == fmt or (fmt == "json" and guess == "jsonl"):
+        return
+    preview = "".join(c if c.isprintable() else "?" for c in text.split("\n", 1)[0][:12])
+    raise StageError(f'{path}: not {_FORMAT_NAMES[fmt]} (starts with "{preview}"); set {WHERE}.format = "{guess}"')
+
+
+def _guess_format(head: bytes, text: str, config: CorpusConfig) -> str:
+    """The format a file's first bytes look like."""
+    if head.startswith(b"PAR1"):
+        return "parquet"
+    if text.startswith("["):
+        return "json"
+    if text.startswith("{"):
+        return "jsonl" if re.search(r"}[ \t\r]*\n[ \t\r]*{", text) else "json"
+    first_line = text.split("\n", 1)[0]
+    for fmt, separator in (("csv", ","), ("tsv", "\t")):
+        if config.text_field in (name.strip().strip('"') for name in first_line.split(separator)):
+            return fmt
+    return "text"
+
+
+def label_problem(path: Path, fmt: str, config: CorpusConfig) -> str | None:
+    """Why a local file's records have no label field, when they plainly have none: a CSV header or a
+    parquet schema without it, or JSON lines none of whose first records (in its first MiB) has it."""
+    label = config.label_field
+    if fmt in ("csv", "tsv"):
+        missing = label not in csv_header(path, fmt)
+    elif fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        missing = label not in pq.read_schema(path).names
+    elif fmt == "jsonl":
+        with open_file(path) as f:
+            lines = f.read(1 << 20).decode("utf-8", errors="replace").removeprefix(_BOM).split("\n")[:1000]
+        records = [r for r in map(_json_or_none, lines) if isinstance(r, dict)]
+        missing = bool(records) and not any(label in r for r in records)
+    else:
+        return None
+    return (
+        f"{path}: records without the label field '{label}' ({WHERE}.label_field), which the "
+        "held-out-topic task classifies by; set it to the field that holds the topic, or drop the task"
+        if missing
+        else None
+    )
+
+
+def _json_or_none(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
 
 
 def json_documents(path: Path, config: CorpusConfig, batch_size: int) -> Iterator[dict[str, list[str]]]:
@@ -213,7 +395,7 @@ def _json_records(path: Path, config: CorpusConfig) -> Iterator[tuple[str, str, 
             f"{path}:{_line_number(path, e.start)}: byte {e.start:,} is not valid UTF-8; fix the file or set "
             f'{WHERE}.encoding_errors = "replace"'
         ) from None
-    data = _parse_json(content, str(path))
+    data = _parse_json(content.removeprefix(_BOM), str(path))
     del raw, content
     if isinstance(data, dict):
         for key, record in data.items():

@@ -6,6 +6,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+Format = Literal["text", "json", "jsonl", "parquet", "csv", "tsv"]
+# A file's format from its extension, when `format` is not given.
+EXTENSIONS: dict[str, Format] = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".json": "json",
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".tsv": "tsv",
+}
+
+
+def format_of(path: str) -> Format | None:
+    """The format a file's extension names, None for another extension."""
+    dot = path.rfind(".")
+    return EXTENSIONS.get(path[dot:].lower()) if dot > path.rfind("/") else None
+
 
 @dataclass(frozen=True)
 class CorpusConfig:
@@ -23,8 +43,11 @@ class CorpusConfig:
     subset: str | None = None
     split: str = "train"
     # files and package: "text" is plain text, "json" a list of records or an object of
-    # key -> record (the key is the title when the record has none), "jsonl" one record a line
-    format: Literal["text", "json", "jsonl", "parquet"] = "json"
+    # key -> record (the key is the title when the record has none), "jsonl" one record a line,
+    # "csv"/"tsv" a header row naming the columns. "auto": from the extension (EXTENSIONS) of the
+    # paths (or the package file), or of each file when the paths do not name one ("json" for
+    # another extension).
+    format: Literal["auto", "text", "json", "jsonl", "parquet", "csv", "tsv"] = "auto"
     text_unit: Literal["paragraph", "line", "file"] = "paragraph"  # a document, in "text" files
     text_field: str = "extract"
     # Record fields; "" (or None) for none. The held-out split hashes the title (the text, when
@@ -45,13 +68,25 @@ class CorpusConfig:
             raise ValueError('name: kind = "hub" needs a dataset name')
         if not self.text_field:
             raise ValueError("text_field: must name the field that holds the text")
+        if self.format == "auto":
+            object.__setattr__(self, "format", self._format_from_extensions())
+
+    def _format_from_extensions(self) -> str:
+        """The one format the configured paths' extensions name. A hub or disk corpus has no format:
+        "json" there keeps the cache keys made when "json" was every corpus's default."""
+        if self.kind not in ("files", "package"):
+            return "json"
+        found = {format_of(path) for path in (self.paths if self.kind == "files" else (self.file,))}
+        only = found.pop() if len(found) == 1 else None
+        return only or "auto"
 
 
 @dataclass(frozen=True)
 class Unit:
     """A piece of the corpus that one process reads on its own, start to end, in a bounded memory.
 
-    kind "bytes": bytes [start, stop) of a text or JSON-lines file, cut between documents;
+    kind "bytes": bytes [start, stop) of a text, JSON-lines or CSV file (`format` says which), cut
+    between documents (or, past a document of MAX_DOCUMENT_CHARS, inside it: `corpus.units`);
     "json": a whole JSON file (a JSON document cannot be read in pieces); "parquet": row groups
     [start, stop) of a parquet file; "arrow": one shard of a `datasets` folder; "hub": shard `start`
     of `stop` of a streamed hub dataset.
@@ -63,3 +98,4 @@ class Unit:
     stop: int = 0
     label_names: tuple[str, ...] | None = None  # a class-label column's names (arrow, hub)
     offline: bool = False  # hub: decided once by the main process, so workers do not probe again
+    format: Format | None = None  # bytes: the file's format (the config's, or its extension's)

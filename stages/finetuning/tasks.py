@@ -342,6 +342,11 @@ def load_topics(name: str, path: Path, test_fraction: float) -> Task:
     for i, label in enumerate(rows["label"]):
         if label not in TOPIC_LEFT_OUT:
             by_topic.setdefault(label, []).append(i)
+    if not by_topic:
+        raise StageError(
+            f"{path}: records without the label field: none of the {len(rows['label']):,} held-out articles has a "
+            "topic; set tokenize.corpus.label_field to the corpus field that holds it"
+        )
     # A topic needs two articles, one for each half.
     names = tuple(sorted(t for t, idx in by_topic.items() if len(idx) >= 2))
     if len(names) < 2:
