@@ -205,10 +205,14 @@ def fast_tokenizer(sp_model: Path, special_ids: dict[str, int]) -> Any:
 def model_card(run_dir: Path, fmt: str) -> str:
     """README.md of an export: how to load it, the run's figures per stage and its resolved config."""
     stages = rundir.Manifest.load(run_dir).records
-    config = (run_dir / rundir.CONFIG).read_text(encoding="utf-8") if (run_dir / rundir.CONFIG).is_file() else ""
+    saved = run_dir / rundir.CONFIG
+    try:
+        config = saved.read_text(encoding="utf-8") if saved.is_file() else ""
+    except (OSError, UnicodeDecodeError) as e:
+        raise ExportError(f"{saved}: not a readable config ({e}); the model card quotes it") from None
     if fmt == "cram":
         usage = (
-            "from pathlib import Path\n\nimport model\nfrom pipeline.export import load_export\n\n"
+            "from pathlib import Path\n\nfrom cram import model\nfrom cram.pipeline.export import load_export\n\n"
             'cfg, params, tokenizer = load_export(Path("DIR"))\nhidden = model.encode(params, cfg, input_ids, mask)'
         )
     else:

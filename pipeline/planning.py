@@ -45,11 +45,7 @@ def plan(
     force: tuple[str, ...] = (),
 ) -> list[Step]:
     """Each stage with run/skip and why. `only` runs one stage; `start` forces it and all after it."""
-    blocking = next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None)
-    if blocking is not None:
-        raise PlanError(
-            f"{blocking}: a file, where the run directory {run_dir} needs a folder (see run.root and run.name)"
-        )
+    _refuse_file_in_the_way(run_dir)
     names = [m.NAME for m in modules]
     for given in (only, start, *force):
         if given is not None and given not in names:
@@ -97,6 +93,14 @@ def plan(
     _check_upstream_done(steps)
     _validate(config, steps)
     return steps
+
+
+def _refuse_file_in_the_way(run_dir: Path) -> None:
+    blocking = next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise PlanError(
+            f"{blocking}: a file, where the run directory {run_dir} needs a folder (see run.root and run.name)"
+        )
 
 
 def _validate(config: cfg.PipelineConfig, steps: list[Step]) -> None:
