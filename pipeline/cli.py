@@ -257,9 +257,9 @@ def verify(path: Path = typer.Argument(Path("runs"), help="A runs root (its whol
     """Hash every stage output under PATH; name each damaged one, which the next run computes again."""
     checked = store.check_all(path)
     print_verified(checked)
-    damaged = sum(c.problem is not None for c in checked)
-    if damaged:
-        raise errors.CramError(f"{damaged} damaged; cram run (or cram resume RUN) computes them again", 1)
+    broken = sum(c.problem is not None for c in checked)
+    if broken:
+        raise errors.CramError(f"{broken} damaged or missing; cram run (or cram resume RUN) computes them again", 1)
 
 
 def _check_plot_path(plot: Path) -> None:

@@ -141,7 +141,8 @@ def print_verified(checked: list[store.Checked]) -> None:
     """What `verify` found: a line for each damaged (or missing) stage output, then the count of each kind."""
     for c in checked:
         if c.problem is not None:
-            out.print(f"damaged: {c.problem}", highlight=False, soft_wrap=True)
+            label = "damaged" if c.problem.damaged else "missing"
+            out.print(f"{label}: {c.problem}", highlight=False, soft_wrap=True)
     intact = [c for c in checked if c.problem is None]
     sizes_only = sum(not c.hashed for c in intact)
     note = f" ({sizes_only} made before checksums: sizes checked)" if sizes_only else ""

@@ -417,3 +417,10 @@ def test_verify_names_what_is_damaged_and_trusts_markers_without_hashes_on_sizes
     out = pipe.cram("verify", pipe.run_dir).output
     assert "3 of 3 stage output(s) intact (1 made before checksums: sizes checked)" in out
     pipe.cram("verify", pipe.run_dir / "alpha", code=2)
+
+
+def test_verify_says_missing_for_an_entry_whose_files_were_deleted(pipe):
+    pipe.run()
+    (_entry(pipe, "beta") / "result.json").unlink()
+    out = pipe.cram("verify", pipe.run_dir, code=1).output
+    assert f"missing: {pipe.run_dir / 'beta'}/result.json was deleted" in out and "2 of 3" in out
