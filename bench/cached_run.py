@@ -4,11 +4,18 @@
 
 Runs the pipeline once to fill the cache if it is not done (not timed), then times `cram run` as a
 fresh process, as a user would start it, several times, and prints the median and the worst.
+
+`--against SRC` times another version too, interleaved (this one, SRC, this one, ...): SRC is put first
+on PYTHONPATH, so it must hold that version's package as `SRC/cram/{model,pipeline,stages}`, e.g.
+
+    git archive main | tar -x -C /tmp/base && mkdir /tmp/base/src/cram && touch /tmp/base/src/cram/__init__.py
+    for d in model pipeline stages; do ln -s /tmp/base/$d /tmp/base/src/cram/$d; done
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -23,6 +30,7 @@ def main() -> None:
     parser.add_argument("config", nargs="?", default="pipeline.toml")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--against", type=Path, help="Also time the cram package under SRC, interleaved.")
     args = parser.parse_args()
     command = [*CRAM, "run", args.config, *[a for kv in args.overrides for a in ("--set", kv)]]
 
@@ -31,16 +39,20 @@ def main() -> None:
         print("filling the cache first (not timed) ...", flush=True)
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
 
-    times = []
+    versions = {"this checkout": None, **({str(args.against): args.against} if args.against else {})}
+    times: dict[str, list[float]] = {name: [] for name in versions}
     for _ in range(args.repeat):
-        start = time.perf_counter()
-        subprocess.run(command, check=True, capture_output=True)
-        times.append(time.perf_counter() - start)
-    print("| command | runs | median s | max s |\n|---|---|---|---|")
-    print(
-        f"| cram run {Path(args.config)} (all cached) | {args.repeat} | "
-        f"{statistics.median(times):.2f} | {max(times):.2f} |"
-    )
+        for name, src in versions.items():
+            env = {**os.environ, "PYTHONPATH": str(src)} if src else None
+            start = time.perf_counter()
+            subprocess.run(command, check=True, capture_output=True, env=env)
+            times[name].append(time.perf_counter() - start)
+    print("| command | code | runs | median s | max s |\n|---|---|---|---|---|")
+    for name, values in times.items():
+        print(
+            f"| cram run {Path(args.config)} (all cached) | {name} | {args.repeat} | "
+            f"{statistics.median(values):.2f} | {max(values):.2f} |"
+        )
 
 
 if __name__ == "__main__":

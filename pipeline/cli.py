@@ -14,6 +14,7 @@
     cram ls runs                                 every run with its newest stage
     cram sweep pipeline.toml --grid pretrain.optimizer.lr=1e-3,3e-3 [--grid ...] [--set ...]
     cram gc runs [--dry-run]                     remove store entries that no run refers to
+    cram verify runs | runs/default              hash every stored output; name the damaged ones (exit 1)
 
 Exit codes: 0 ok, 1 a stage failed, 2 bad usage, config or input, 130 interrupted.
 """
@@ -43,6 +44,7 @@ from cram.pipeline.cli_output import (
     print_status,
     print_sweep,
     print_variant,
+    print_verified,
 )
 
 # The modules' own errors: bad usage, config or input (exit 2). errors.CramError carries its own code.
@@ -248,6 +250,16 @@ def collect_garbage(
     logs.configure(None)
     removed, busy = store.collect(root, logs.get(), dry_run)
     print_collected(removed, busy, dry_run)
+
+
+@app.command("verify")
+def verify(path: Path = typer.Argument(Path("runs"), help="A runs root (its whole store) or a run directory.")) -> None:
+    """Hash every stage output under PATH; name each damaged one, which the next run computes again."""
+    checked = store.check_all(path)
+    print_verified(checked)
+    broken = sum(c.problem is not None for c in checked)
+    if broken:
+        raise errors.CramError(f"{broken} damaged or missing; cram run (or cram resume RUN) computes them again", 1)
 
 
 def _check_plot_path(plot: Path) -> None:

@@ -143,6 +143,18 @@ def print_collected(removed: list[store.Garbage], busy: list[Path], dry_run: boo
     out.print(summary, highlight=False)
 
 
+def print_verified(checked: list[store.Checked]) -> None:
+    """What `verify` found: a line for each damaged (or missing) stage output, then the count of each kind."""
+    for c in checked:
+        if c.problem is not None:
+            label = "damaged" if c.problem.damaged else "missing"
+            out.print(f"{label}: {c.problem}", highlight=False, soft_wrap=True)
+    intact = [c for c in checked if c.problem is None]
+    sizes_only = sum(not c.hashed for c in intact)
+    note = f" ({sizes_only} made before checksums: sizes checked)" if sizes_only else ""
+    out.print(f"{len(intact)} of {len(checked)} stage output(s) intact{note}", highlight=False)
+
+
 def _replay_budget(stage: str, outputs: dict[str, Any]) -> str:
     """The overrides that train a finished pretrain's token count again on any hardware: a time budget
     buys different tokens on another machine, a token budget does not."""

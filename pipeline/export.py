@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from cram.model.config import ModelConfig, ModelConfigError
-from cram.pipeline import rundir
+from cram.pipeline import rundir, store
 from cram.stages.shared.figures import is_number
 
 FORMATS = ("cram", "transformers")
@@ -274,6 +274,10 @@ def _finished_run(run_dir: Path) -> dict[str, Any]:
                 f"{path}: missing, though stage {stage} is done; re-run it: "
                 f"cram run {run_dir / rundir.CONFIG} --force {stage}"
             )
+        # What is copied must be what the stage wrote: a damaged file is refused (and noted in its entry).
+        damage = store.verify(run[f"{stage}_dir"], stages[stage].get("key", ""), [str(run[stage].get(key))])
+        if damage is not None:
+            raise ExportError(f"{damage}; nothing exported: cram resume {run_dir} computes {stage} again")
     return run
 
 

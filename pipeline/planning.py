@@ -2,10 +2,11 @@
 
 A stage's key is a digest of its name, version, config (less the fields its `NOT_IN_KEY` names), the run's
 seed, its upstream stages' keys and, for a stage that reads files outside the run, their fingerprint. A
-stage whose manifest record is done under that key, with its files intact, is skipped; one whose key has
-an entry in the stage store (made by any run under the same root) is reused; the others run, with the
-reason ("new", "config changed", "upstream changed", ...). Each stage's own `validate` runs here, so bad
-config fails before the first stage runs.
+stage whose manifest record is done under that key, with its files intact (`store.problem`: sizes, and
+the hash of any file written to since), is skipped; one whose key has an entry in the stage store (made
+by any run under the same root) is reused; the others run, with the reason ("new", "config changed",
+"files damaged", ...). Each stage's own `validate` runs here, so bad config fails before the first
+stage runs.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def plan(
     force: tuple[str, ...] = (),
 ) -> list[Step]:
     """Each stage with run/skip and why. `only` runs one stage; `start` forces it and all after it."""
-    _refuse_file_in_the_way(run_dir)
+    _check_folder(run_dir)
     names = [m.NAME for m in modules]
     for given in (only, start, *force):
         if given is not None and given not in names:
@@ -74,7 +75,7 @@ def plan(
         )
         keys[module.NAME] = key
         record = manifest.stage(module.NAME)
-        done = _is_done(record, key, run_dir / module.NAME)
+        done, broken = _is_done(record, key, run_dir / module.NAME)
         in_store = not done and store.problem(stored.entry(module.NAME, key), key) is None
         chosen = (only is None or module.NAME == only) and (start is None or i >= names.index(start))
         selected[module.NAME] = chosen
@@ -85,7 +86,7 @@ def plan(
         elif in_store:
             action, reason = "reuse", "in store"
         elif chosen:
-            action, reason = "run", _why_not_done(record, key, config_hash, upstream)
+            action, reason = "run", _why_not_done(record, key, config_hash, upstream, broken)
         else:
             action, reason = "skip", "not selected"
         steps.append(Step(module.NAME, module, key, config_hash, inputs_hash, upstream, action, reason))
@@ -95,7 +96,8 @@ def plan(
     return steps
 
 
-def _refuse_file_in_the_way(run_dir: Path) -> None:
+def _check_folder(run_dir: Path) -> None:
+    """Refuse a file where the run directory or a folder above it must be."""
     blocking = next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise PlanError(
@@ -140,20 +142,27 @@ def _link_only_what_is_needed(steps: list[Step], selected: dict[str, bool]) -> l
     return steps
 
 
-def _is_done(record: dict[str, Any] | None, key: str, view: Path) -> bool:
-    return (
-        bool(record)
-        and record.get("status") == "done"
-        and record.get("key") == key
-        and store.problem(view, key) is None
-    )
+def _is_done(record: dict[str, Any] | None, key: str, view: Path) -> tuple[bool, store.Problem | None]:
+    """Whether the stage is done under `key` with its files intact; if recorded done, why they are not."""
+    if not record or record.get("status") != "done" or record.get("key") != key:
+        return False, None
+    broken = store.problem(view, key)
+    return broken is None, broken
 
 
-def _why_not_done(record: dict[str, Any] | None, key: str, config_hash: str, upstream: dict[str, str]) -> str:
+def _why_not_done(
+    record: dict[str, Any] | None,
+    key: str,
+    config_hash: str,
+    upstream: dict[str, str],
+    broken: store.Problem | None,
+) -> str:
     if not record or "key" not in record:
         return "new"
     if record["key"] == key:
-        return "files missing" if record.get("status") == "done" else "incomplete"
+        if record.get("status") != "done":
+            return "incomplete"
+        return "files damaged" if broken is not None and broken.damaged else "files missing"
     if (record.get("attempt") or {}).get("key") == key:
         return "incomplete"
     if record.get("config_hash") != config_hash:

@@ -133,7 +133,7 @@ def _run_step(
                 held.enter_context(stored.locked(step.name, step.key, log))
             entry = stored.entry(step.name, step.key)
             # Looked at again under the lock: another process may have finished (or gc removed) it.
-            reuse = main and step.reason != "forced" and store.problem(entry, step.key) is None
+            reuse = main and step.reason != "forced" and _intact(entry, step, log)
             if ranks.from_rank_0(reuse, world_size):
                 if main:
                     _reuse(step, run_dir, entry, manifest, log)
@@ -142,6 +142,26 @@ def _run_step(
             _compute(config, step, run_dir, stored, manifest, rank, world_size, log)
     finally:
         structlog.contextvars.unbind_contextvars("stage")
+
+
+def _intact(entry: Path, step: Step, log: Any) -> bool:
+    """Whether the store's entry for the step's key can be linked: there, and every file hashes as it was
+    written (a run that links it reads it). A damaged one is computed again, as a missing one is."""
+    trouble = store.verify(entry, step.key)
+    if trouble is not None and trouble.damaged:
+        log.warning("a damaged store entry is computed again", problem=str(trouble))
+    return trouble is None
+
+
+def _damaged_upstream(step: Step, run_dir: Path) -> tuple[str, int] | None:
+    """Rank 0: the error that stops the step before it starts when an upstream output it reads no longer
+    hashes as written (a change that kept its size and time, unseen by the plan). The entry is noted as
+    damaged, so the next `cram run` computes it again."""
+    for name in step.module.UPSTREAM:
+        trouble = store.verify(run_dir / name, step.upstream_keys[name])
+        if trouble is not None:
+            return f"{trouble}; stage '{step.name}' did not start: cram run computes {name} again", 2
+    return None
 
 
 def _reuse(step: Step, run_dir: Path, entry: Path, manifest: rundir.Manifest, log: Any) -> None:
@@ -208,6 +228,9 @@ def _compute(
     log: Any,
 ) -> None:
     main = rank == 0
+    damaged = ranks.agree(_damaged_upstream(step, run_dir) if main else None, world_size)
+    if damaged is not None:
+        raise CramError(*damaged)
     partial = stored.partial(step.name, step.key)
     attempt = _Attempt(manifest, step.name)
     started = time.perf_counter()

@@ -6,8 +6,18 @@
     ROOT/<run>/<stage> -> ../.store/<stage>-<key>   a run's view of the entry it uses (relative symlink)
 
 An entry appears by renaming its finished partial folder, after `.cram-entry.json` (its stage, key,
-outputs and every file with its size) is written into it; an entry whose marker is missing or whose
-files no longer match it is not trusted. Nothing in the store is deleted except by `collect` (`cram gc`).
+outputs and every file with its size, modification time and sha256) is written into it; an entry whose
+marker is missing or whose files no longer match it is not trusted. Nothing in the store is deleted
+except by `collect` (`cram gc`).
+
+Checking stays cheap where it runs often and whole where a file is read:
+- `problem` (every plan, `cram status`): the marker, each file's size, the damage note, and the hash of
+  each file whose modification time is not the one recorded (written to since: a same-size edit).
+- `verify` (linking an entry from the store, a stage's upstream before it runs, `cram export`,
+  `cram verify`): every file's hash, each file once per process while it is unchanged.
+A hash that differs writes `.cram-damaged` into the entry, so every later check (the next plan too)
+treats it like a missing file: `files damaged`, recomputed. A marker written before hashes were
+recorded has sizes only and is trusted on sizes, as it was.
 """
 
 from __future__ import annotations
@@ -21,19 +31,38 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from cram.pipeline import rundir
-from cram.stages.shared.files import write_atomic
+from cram.stages.shared.files import CONTENT_HASH, content_hash, write_atomic
 
 STORE = ".store"
 MARKER = ".cram-entry.json"
+DAMAGED = ".cram-damaged"  # in an entry a check found damaged: its one line says which file
 _ITEM = re.compile(r"(?P<stage>[A-Za-z0-9_]+)-(?P<key>[0-9a-f]{64})(?P<kind>|\.partial|\.lock|\.retired-\d+)")
 _DELETING = ".deleting-"
 
 
 class StoreError(Exception):
-    """The store cannot be collected safely (a run directory that cannot be read); exit code 2."""
+    """The store cannot be collected safely (a run directory that cannot be read), or a path to check is
+    neither a run nor a runs root; exit code 2."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a stage output cannot be trusted, as one line; `damaged` when a file's bytes are not the ones
+    written (the plan then says `files damaged`, not `files missing`)."""
+
+    text: str
+    damaged: bool = False
+
+    def __str__(self) -> str:
+        return self.text
+
+
+# Files this process has hashed and found as written (or written itself), by what would change if they
+# were written to since: each is read once per process however many steps read it.
+_hashed: set[tuple[str, int, int, int, int]] = set()
 
 
 @dataclass(frozen=True)
@@ -76,6 +105,7 @@ class Store:
         if entry.exists():
             os.replace(entry, entry.with_name(f"{entry.name}.retired-{time.time_ns()}"))
         os.replace(partial, entry)
+        _hashed.update(_identity(p) for p in _files(entry) if p.name != MARKER)  # just hashed
         return entry
 
 
@@ -115,8 +145,16 @@ def take_lock(path: Path, log: Any, wait: bool) -> int | None:
 def write_marker(folder: Path, stage: str, key: str, record: dict[str, Any]) -> None:
     """`record` is the manifest record of the run that made the entry: a run that reuses the entry copies
     it (outputs, versions, git commit), so its manifest says how the files were made."""
-    files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(_files(folder)) if p.name != MARKER}
-    marker = {"stage": stage, "key": key, "record": record, "files": files}
+    paths = {str(p.relative_to(folder)): p for p in sorted(_files(folder)) if p.name not in (MARKER, DAMAGED)}
+    stats = {name: p.stat() for name, p in paths.items()}
+    marker = {
+        "stage": stage,
+        "key": key,
+        "record": record,
+        "files": {name: stat.st_size for name, stat in stats.items()},
+        "mtime_ns": {name: stat.st_mtime_ns for name, stat in stats.items()},
+        CONTENT_HASH: {name: content_hash(p) for name, p in paths.items()},
+    }
     write_atomic(folder / MARKER, json.dumps(marker, indent=1) + "\n")
 
 
@@ -128,28 +166,91 @@ def read_marker(folder: Path) -> dict[str, Any] | None:
     return marker if isinstance(marker, dict) else None
 
 
-def problem(folder: Path, key: str) -> str | None:
+def problem(folder: Path, key: str) -> Problem | None:
     """Why the stage output at `folder` (a run's `<stage>` link or a store entry) cannot be trusted for
-    `key`, or None when it can. A real folder without a marker was made before the store existed:
-    it is trusted as it was then."""
+    `key`, or None when it can: the cheap check of every plan (see the module's docstring). A real folder
+    without a marker was made before the store existed: it is trusted as it was then."""
     if folder.is_symlink() and not folder.exists():
-        return f"{folder} points to {os.readlink(folder)}, which does not exist"
+        return Problem(f"{folder} points to {os.readlink(folder)}, which does not exist")
     if not folder.is_dir():
-        return f"{folder} does not exist"
+        return Problem(f"{folder} does not exist")
     if not (folder / MARKER).exists() and not folder.is_symlink():
         return None
     marker = read_marker(folder)
     if marker is None:
-        return f"{folder / MARKER} is missing or unreadable"
+        return Problem(f"{folder / MARKER} is missing or unreadable")
     if marker.get("key") != key:
-        return f"{folder} holds key {str(marker.get('key'))[:12]}, not {key[:12]}"
+        return Problem(f"{folder} holds key {str(marker.get('key'))[:12]}, not {key[:12]}")
+    if (folder / DAMAGED).is_file():
+        return Problem((folder / DAMAGED).read_text(encoding="utf-8", errors="replace").strip(), damaged=True)
     for name, size in (marker.get("files") or {}).items():
         path = folder / name
         if not path.is_file():
-            return f"{path} was deleted"
+            return Problem(f"{path} was deleted")
         if path.stat().st_size != size:
-            return f"{path} has {path.stat().st_size} bytes, {size} when it was written"
+            return Problem(f"{path} has {path.stat().st_size} bytes, {size} when it was written")
+    return _touched_files(folder, marker)
+
+
+def verify(folder: Path, key: str, names: Iterable[str] | None = None) -> Problem | None:
+    """`problem`, then the hash of every file of the entry at `folder` (or of `names` alone): what reads an
+    entry calls this first. None for an intact entry, or one whose marker predates hashes (sizes only)."""
+    if (trouble := problem(folder, key)) is not None:
+        return trouble
+    hashes = (read_marker(folder) or {}).get(CONTENT_HASH)
+    if not isinstance(hashes, dict):
+        return None
+    return _damage(folder, hashes, hashes if names is None else [n for n in names if n in hashes])
+
+
+def hashed(folder: Path) -> bool:
+    """Whether the marker at `folder` records hashes (one written before them records sizes only)."""
+    return isinstance((read_marker(folder) or {}).get(CONTENT_HASH), dict)
+
+
+def _touched_files(folder: Path, marker: dict[str, Any]) -> Problem | None:
+    """The hash of each file whose modification time is not the one recorded: one written to since (the
+    same size or not), or copied without its times. A copy's intact files get their new times recorded,
+    so they are not hashed again."""
+    hashes, times = marker.get(CONTENT_HASH), marker.get("mtime_ns")
+    if not isinstance(hashes, dict) or not isinstance(times, dict):
+        return None
+    now = {name: (folder / name).stat().st_mtime_ns for name in hashes}
+    touched = [name for name, mtime in now.items() if times.get(name) != mtime]
+    if not touched:
+        return None
+    if (damage := _damage(folder, hashes, touched)) is not None:
+        return damage
+    try:
+        write_atomic(folder / MARKER, json.dumps({**marker, "mtime_ns": now}, indent=1) + "\n")
+    except OSError:  # a read-only copy: hashed again next time, still correct
+        pass
     return None
+
+
+def _damage(folder: Path, hashes: dict[str, str], names: Iterable[str]) -> Problem | None:
+    """The first of `names` whose hash is not the recorded one, noted in the entry (`DAMAGED`) so that
+    every later check sees it without hashing again."""
+    for name in names:
+        path = folder / name
+        seen = _identity(path)
+        if seen in _hashed:
+            continue
+        if content_hash(path) != hashes[name]:
+            damage = Problem(f"{path}: damaged, its {CONTENT_HASH} is not the one written", damaged=True)
+            try:
+                write_atomic(folder / DAMAGED, f"{damage}\n")
+            except OSError:  # a read-only copy: found again by hashing
+                pass
+            return damage
+        _hashed.add(seen)
+    return None
+
+
+def _identity(path: Path) -> tuple[str, int, int, int, int]:
+    """What changes when a file is written to, replaced or even has its time set back (ctime)."""
+    stat = path.stat()
+    return (os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
 
 
 def link(run_dir: Path, stage: str, entry: Path) -> None:
@@ -180,6 +281,29 @@ def _adopt(run_dir: Path, stage: str, folder: Path) -> None:
         write_marker(folder, stage, key, {k: v for k, v in record.items() if k != "attempt"})
     entry = store.entry(stage, key)
     os.replace(folder, entry if not entry.exists() else entry.with_name(f"{entry.name}.retired-{time.time_ns()}"))
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A stage output `cram verify` hashed: `problem` None when intact; `hashed` False when its marker
+    predates hashes (checked on sizes only)."""
+
+    path: Path
+    problem: Problem | None
+    hashed: bool
+
+
+def check_all(path: Path) -> list[Checked]:
+    """`verify` every finished entry in a runs root's store, or every done stage of one run directory."""
+    if (path / rundir.MANIFEST).is_file():
+        records = rundir.Manifest.load(path).records
+        found = [(path / s, r.get("key", "")) for s, r in records.items() if (r or {}).get("status") == "done"]
+    elif path.is_dir() and ((path / STORE).is_dir() or any((p / rundir.MANIFEST).is_file() for p in path.iterdir())):
+        items = ((p, _ITEM.fullmatch(p.name)) for p in sorted(Store(path / STORE).root.glob("*")))
+        found = [(p, m["key"]) for p, m in items if m and not m["kind"] and p.is_dir()]
+    else:
+        raise StoreError(f"{path}: neither a run directory (no {rundir.MANIFEST}) nor a runs root (no {STORE})")
+    return [Checked(folder, verify(folder, key), hashed(folder)) for folder, key in found]
 
 
 @dataclass(frozen=True)

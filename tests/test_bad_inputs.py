@@ -16,7 +16,7 @@ from typing import Callable
 import pytest
 from typer.testing import CliRunner
 
-from cram.pipeline import cli
+from cram.pipeline import cli, store
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -116,11 +116,12 @@ def _statuses(run: Path) -> list[str]:
 
 
 def snapshot(run: Path) -> dict[str, str]:
-    """Every file of the run but its event log (which may record the refusal), by content."""
+    """Every file of the run by content, but its event log (which may record the refusal) and the note a
+    check leaves in an output it found damaged (so that the next run computes it again)."""
     return {
         str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(run.rglob("*"))
-        if p.is_file() and p.name != "events.jsonl"
+        if p.is_file() and p.name not in ("events.jsonl", store.DAMAGED)
     }
 
 
@@ -152,6 +153,30 @@ def rewrite(path: str, text: str | bytes) -> Callable[[Path], None]:
 
 def remove(path: str) -> Callable[[Path], None]:
     return lambda ws: (ws / path).unlink()
+
+
+def flip(path: str, keep_time: bool = False) -> Callable[[Path], None]:
+    """Invert 1,000 bytes of `path` in place: the same size, and with `keep_time` the same modification
+    time, as a disk's or a careless tool's damage may leave it."""
+
+    def change(ws: Path) -> None:
+        target = ws / path
+        stat = target.stat()
+        data = bytearray(target.read_bytes())
+        start = len(data) // 3
+        data[start : start + 1000] = bytes(b ^ 0xFF for b in data[start : start + 1000])
+        target.write_bytes(bytes(data))
+        if keep_time:
+            os.utime(target, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+    return change
+
+
+def sizes_only(folder: Path) -> None:
+    """Rewrite the store marker at `folder` as it was before checksums: stage, key, record and sizes."""
+    marker = json.loads((folder / store.MARKER).read_text())
+    kept = ("stage", "key", "record", "files")
+    (folder / store.MARKER).write_text(json.dumps({k: v for k, v in marker.items() if k in kept}))
 
 
 def nothing(ws: Path) -> None:
@@ -418,6 +443,20 @@ CASES = [
         ["export", "runs/base", "--to", "out"],
         "stage pretrain is done, but its outputs lack params, model_config",
     ),
+    # a stored file whose bytes changed though its size did not: refused where it would be copied out
+    (
+        "export damaged params",
+        flip("runs/base/pretrain/params.safetensors"),
+        ["export", "runs/base", "--to", "out"],
+        "params.safetensors: damaged, its sha256 is not the one written; nothing exported",
+    ),
+    (
+        "export damaged tokenizer",
+        flip("runs/base/tokenize/tokenizer.model", keep_time=True),
+        ["export", "runs/base", "--to", "out"],
+        "tokenizer.model: damaged",
+    ),
+    ("verify no run", nothing, ["verify", "tasks"], "tasks: neither a run directory"),
 ]
 
 
@@ -437,7 +476,7 @@ def test_bad_input_is_one_line_exit_2_and_loses_nothing(ws, setup, args, message
 
 
 def test_enough_bad_inputs():
-    assert len(CASES) >= 40
+    assert len(CASES) >= 43
 
 
 def test_the_finished_run_is_all_cached(ws):
@@ -510,7 +549,8 @@ def test_a_single_long_document_is_named_as_such(ws):
 
 def test_damaged_final_params_are_named_when_evaluate_reads_them(ws):
     params = ws / "runs" / "base" / "pretrain" / "params.safetensors"
-    data = params.read_bytes()  # same size: the store's marker checks sizes, so a truncation re-runs pretrain
+    sizes_only(params.parent)  # made before checksums: only a size change re-runs pretrain
+    data = params.read_bytes()
     params.write_bytes(b"\xff" * 100 + data[100:])
     result = cram(*RUN, *FORCE_EVAL)
     assert result.exit_code == 2, result.output
@@ -641,3 +681,65 @@ def test_no_command_ends_in_a_traceback_on_a_damaged_run(finished, tmp_path, mon
         if escaped or "Traceback" in result.output or result.exit_code not in (0, 1, 2):
             failures.append(f"{' '.join(args)}: exit {result.exit_code} {result.exception!r}")
     assert not failures, "\n".join(failures)
+
+
+@pytest.fixture
+def linked(finished, tmp_path, monkeypatch) -> Path:
+    """A copy of the finished workspace with the run's links kept: its stages are the store's entries."""
+    copy = tmp_path / "linked"
+    shutil.copytree(finished, copy, symlinks=True)
+    monkeypatch.chdir(copy)
+    return copy
+
+
+def _plan(result) -> dict[str, tuple[str, str]]:
+    rows = [line.strip("│ ").split("│") for line in result.output.splitlines() if line.startswith("│")]
+    return {cells[0].strip(): (cells[1].strip(), cells[2].strip()) for cells in rows}
+
+
+@pytest.mark.parametrize(
+    "stage, name",
+    [
+        ("tokenize", "tokenizer.model"),
+        ("tokenize", "tokens/data-00000.arrow"),
+        ("pack", "train.npy"),
+        ("pretrain", "params.safetensors"),
+    ],
+)
+def test_a_same_size_change_to_a_stored_file_is_found_and_its_stage_computed_again(linked, stage, name):
+    path = Path("runs/base") / stage / name
+    flip(str(path))(linked)
+    plan = _plan(cram(*RUN, "--dry-run"))  # the file's time changed: the plan hashes it
+    assert plan[stage] == ("run", "files damaged") and plan["evaluate"] == ("skip", "done"), plan
+    result = cram("verify", "runs/base")
+    assert result.exit_code == 1, result.output
+    assert f"damaged: {path}: damaged" in result.output and "3 of 4 stage output(s) intact" in result.output
+    started = json.loads((linked / "runs/base/manifest.json").read_text())["stages"][stage]["started"]
+    result = cram(*RUN)
+    assert result.exit_code == 0, result.output
+    assert json.loads((linked / "runs/base/manifest.json").read_text())["stages"][stage]["started"] != started
+    assert cram("verify", "runs").exit_code == 0  # the damaged entry was set aside for gc
+    assert cram("export", "runs/base", "--to", "out").exit_code == 0
+
+
+def test_a_change_that_kept_size_and_time_is_found_when_the_file_is_read_and_by_verify(linked):
+    flip("runs/base/pretrain/params.safetensors", keep_time=True)(linked)
+    assert _plan(cram(*RUN, "--dry-run"))["pretrain"] == ("skip", "done")  # the plan's cheap check misses it
+    result = cram(*RUN, *FORCE_EVAL)  # evaluate reads the params: hashed first
+    assert result.exit_code == 2, result.output
+    error = result.output.strip().splitlines()[-1]
+    assert "pretrain/params.safetensors: damaged" in error and "stage 'evaluate' did not start" in error
+    assert _plan(cram(*RUN, "--dry-run"))["pretrain"] == ("run", "files damaged")  # noted in the entry
+    flip("runs/base/tokenize/tokenizer.model", keep_time=True)(linked)
+    result = cram("verify", "runs")
+    assert result.exit_code == 1 and "tokenizer.model: damaged" in result.output, result.output
+    assert _plan(cram(*RUN, "--dry-run"))["tokenize"] == ("run", "files damaged")
+
+
+def test_an_output_made_before_checksums_is_trusted_on_its_sizes(linked):
+    for stage in STAGES:
+        sizes_only(linked / "runs" / "base" / stage)
+    flip("runs/base/pack/train.npy")(linked)
+    assert set(_plan(cram(*RUN, "--dry-run")).values()) == {("skip", "done")}
+    result = cram("verify", "runs/base")
+    assert result.exit_code == 0 and "4 of 4 stage output(s) intact (4 made before checksums" in result.output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -358,3 +359,68 @@ def test_a_result_kept_after_its_upstream_changed_says_so_and_keeps_what_it_was_
     assert "made from an earlier beta" in status and "this result is kept" in status
     pipe.cram("gc", pipe.run_dir.parent)
     assert first_beta.is_dir()  # the params gamma describes are kept while gamma's record is
+
+
+def _damage_keeping_time(path: Path) -> None:
+    """Change a byte of `path` but keep its size and modification time: what a plan cannot see."""
+    stat = path.stat()
+    data = path.read_bytes()
+    path.write_bytes(data[:-2] + bytes([data[-2] ^ 1]) + data[-1:])
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_a_damaged_entry_is_computed_again_not_linked_into_another_run(pipe):
+    pipe.run()
+    pipe.calls()
+    _damage_keeping_time(_entry(pipe, "beta") / "result.json")
+    other = pipe.run_dir.parent / "other"
+    assert _reasons(pipe.run("--name", "other", "--dry-run").output)["beta"] == ("reuse", "in store")
+    out = pipe.run("--name", "other").output
+    assert "a damaged store entry is computed again" in out and "result.json: damaged" in out
+    assert _calls(other) == ["beta"]  # linking means reading: hashed first, then computed; gamma still linked
+    assert json.loads((other / "beta" / "result.json").read_text()) == {"total": 11}
+    assert _reasons(pipe.run("--dry-run").output)["beta"] == ("skip", "done")  # the first run's link: the new entry
+    assert len(list((pipe.run_dir.parent / store.STORE).glob("beta-*.retired-*"))) == 1  # the damaged one, for gc
+
+
+def test_each_entry_records_sizes_times_and_hashes_and_a_copy_is_hashed_once(pipe, tmp_path, monkeypatch):
+    pipe.run()
+    marker = store.read_marker(_entry(pipe, "beta"))
+    result = _entry(pipe, "beta") / "result.json"
+    assert set(marker["files"]) == set(marker["sha256"]) == set(marker["mtime_ns"]) == {"attempts", "result.json"}
+    assert marker["files"]["result.json"] == result.stat().st_size
+    assert marker["sha256"]["result.json"] == hashlib.sha256(result.read_bytes()).hexdigest()
+    assert marker["mtime_ns"]["result.json"] == result.stat().st_mtime_ns
+    copy = tmp_path / "copy" / "t"
+    copy.parent.mkdir()
+    subprocess.run(["cp", "-rL", str(pipe.run_dir), str(copy)], check=True)  # new files, new times
+    again = ["run", pipe.config, "--set", f"run.root='{copy.parent}'", "--dry-run"]
+    assert set(_reasons(pipe.cram(*again).output).values()) == {("skip", "done")}  # hashed, found intact
+    assert store.read_marker(copy / "beta")["mtime_ns"]["result.json"] == (copy / "beta/result.json").stat().st_mtime_ns
+    monkeypatch.setattr(store, "content_hash", lambda path: pytest.fail(f"{path} hashed again"))
+    assert set(_reasons(pipe.cram(*again).output).values()) == {("skip", "done")}  # the new times are recorded
+
+
+def test_verify_names_what_is_damaged_and_trusts_markers_without_hashes_on_sizes(pipe):
+    pipe.run()
+    assert "3 of 3 stage output(s) intact" in pipe.cram("verify", pipe.run_dir.parent).output
+    _damage_keeping_time(_entry(pipe, "gamma") / "result.json")
+    out = pipe.cram("verify", pipe.run_dir.parent, code=1).output
+    assert f"damaged: {_entry(pipe, 'gamma')}/result.json: damaged" in out and "2 of 3" in out
+    assert "missing" in pipe.cram("status", pipe.run_dir).output
+    assert _reasons(pipe.run("--dry-run").output)["gamma"] == ("run", "files damaged")
+    pipe.run()
+    marker = _entry(pipe, "alpha") / store.MARKER
+    old = {k: v for k, v in json.loads(marker.read_text()).items() if k in ("stage", "key", "record", "files")}
+    marker.write_text(json.dumps(old))  # as written before checksums
+    _damage_keeping_time(_entry(pipe, "alpha") / "result.json")
+    out = pipe.cram("verify", pipe.run_dir).output
+    assert "3 of 3 stage output(s) intact (1 made before checksums: sizes checked)" in out
+    pipe.cram("verify", pipe.run_dir / "alpha", code=2)
+
+
+def test_verify_says_missing_for_an_entry_whose_files_were_deleted(pipe):
+    pipe.run()
+    (_entry(pipe, "beta") / "result.json").unlink()
+    out = pipe.cram("verify", pipe.run_dir, code=1).output
+    assert f"missing: {pipe.run_dir / 'beta'}/result.json was deleted" in out and "2 of 3" in out
