@@ -198,5 +198,6 @@ def _styled(status: str) -> str:
         "interrupted": "yellow",
         "killed": "yellow",
         "missing": "red",
+        "damaged": "red",
     }.get(status, "white")
     return f"[{colour}]{status}[/]"

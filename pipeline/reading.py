@@ -86,8 +86,8 @@ def checked_status(
     note on an unfinished attempt kept beside a done result, or on a result made from an upstream
     result that the run has since replaced (given all the run's `records`)."""
     status = record.get("status", "?")
-    if status == "done" and (missing := store.problem(run_dir / name, record.get("key", ""))):
-        return "missing", f"not done: {missing}"
+    if status == "done" and (trouble := store.problem(run_dir / name, record.get("key", ""))):
+        return ("damaged" if trouble.damaged else "missing"), f"not done: {trouble}"
     replaced = [
         u
         for u, k in (record.get("upstream_keys") or {}).items()

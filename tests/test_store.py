@@ -407,7 +407,7 @@ def test_verify_names_what_is_damaged_and_trusts_markers_without_hashes_on_sizes
     _damage_keeping_time(_entry(pipe, "gamma") / "result.json")
     out = pipe.cram("verify", pipe.run_dir.parent, code=1).output
     assert f"damaged: {_entry(pipe, 'gamma')}/result.json: damaged" in out and "2 of 3" in out
-    assert "missing" in pipe.cram("status", pipe.run_dir).output
+    assert "damaged" in pipe.cram("status", pipe.run_dir).output
     assert _reasons(pipe.run("--dry-run").output)["gamma"] == ("run", "files damaged")
     pipe.run()
     marker = _entry(pipe, "alpha") / store.MARKER
