@@ -21,6 +21,9 @@ _LAZY = {
     "init": "cram.model.bert",
     "mlm_logits": "cram.model.bert",
     "mlm_loss": "cram.model.bert",
+    "MemoryEstimate": "cram.model.memory",
+    "parameter_count": "cram.model.memory",
+    "training_memory": "cram.model.memory",
     "flops_per_token": "cram.model.flops",
     "num_params": "cram.model.flops",
     "peak_flops": "cram.model.flops",
@@ -46,6 +49,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "PRESETS",
+    "MemoryEstimate",
     "SCHEDULES",
     "ModelConfig",
     "OptimizerConfig",
@@ -63,5 +67,7 @@ __all__ = [
     "mlm_logits",
     "mlm_loss",
     "num_params",
+    "parameter_count",
     "peak_flops",
+    "training_memory",
 ]

@@ -12,6 +12,7 @@ import difflib
 import hashlib
 import json
 import math
+import re
 import sys
 import types
 import typing
@@ -31,6 +32,9 @@ class ConfigError(Exception):
     """A bad config file, section, key or value; the message says which and what is allowed."""
 
 
+MAX_SEED = 2**63 - 1
+
+
 @dataclass(frozen=True)
 class RunConfig:
     name: str = "default"
@@ -40,8 +44,14 @@ class RunConfig:
     loggers: tuple[str, ...] = ()  # experiment loggers besides metrics.jsonl: "tensorboard", "wandb"
 
     def __post_init__(self) -> None:
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device: {self.device!r} is not one of auto, cpu, cuda, cuda:N")
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
+            raise ValueError(f"device: {self.device!r} is not one of auto, cpu, cuda, cuda:N (N a device index)")
+        # numpy and torch take seeds up to 2**64 - 1, torch's manual_seed down to -2**63: a seed in
+        # [0, 2**63 - 1] is one every stage accepts, with room for evaluate's seed + k.
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed: {self.seed} must be in [0, 2**63 - 1]")
+        if not self.root.strip():
+            raise ValueError(f"root: {self.root!r} must name a folder for the runs, e.g. 'runs'")
         stage_loggers.check(self.loggers)
 
 

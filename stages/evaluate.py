@@ -12,6 +12,7 @@ graph and prediction another, each compiled at most once per length bucket.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -27,6 +28,7 @@ from cram.stages.finetuning.tasks import GLUE
 from cram.stages.shared import device as devices
 from cram.stages.shared.files import files_under, write_atomic
 from cram.stages.shared.files import fingerprint as fingerprint_files
+from cram.stages.shared.masking import masked_per_sequence
 
 NAME = "evaluate"
 VERSION = "4"
@@ -85,12 +87,16 @@ class TaskConfig:
             raise ValueError(f"lr: {self.lr} must be > 0")
 
 
+DEFAULT_TASK = TaskConfig(epochs=2, seeds=3, lr=1e-3, max_length=64)
+
+
 @dataclass(frozen=True)
 class Config:
     # Fine-tuning follows cramming's GLUE rules: one set of hyper-parameters for every task.
     # The default: the held-out topics, sized for the default CPU pipeline (about a minute on 2
     # cores). Minutes of pretraining leave a tiny model that learns nothing at GLUE's 4e-5 in 2 epochs.
-    tasks: list[TaskConfig] = field(default_factory=lambda: [TaskConfig(epochs=2, seeds=3, lr=1e-3, max_length=64)])
+    # Without labelled held-out articles it is left out (`_fitting_tasks`): a default must fit any corpus.
+    tasks: list[TaskConfig] = field(default_factory=lambda: [DEFAULT_TASK])
     epochs: int = 5
     batch_size: int = 16
     lr: float = 4e-5
@@ -157,38 +163,29 @@ def fingerprint(config: Config) -> list[list[Any]]:
 
 
 def validate(config: Config, pipeline: Any) -> None:
-    """What `run` would reject about the tasks before it fine-tunes anything, checked by the runner
-    before the first stage runs: the device, each local task's files (read in full: fields, labels,
-    encoding), and a held-out-topic task that the tokenize stage's settings leave without articles."""
+    """What `run` would reject before it fine-tunes anything, checked by the runner before the first
+    stage runs: the device and compile backend, the held-out masking rate and seed, each local task's
+    files (read in full: fields, labels, encoding), and a held-out-topic task that the tokenize
+    stage's settings leave without articles (the default task is then left out, not refused)."""
     devices.check(pipeline.run.device)
+    devices.check_backend(config.backend, "evaluate.backend")
     tokenize, pack = pipeline.stages.get("tokenize"), pipeline.stages.get("pack")
+    if config.mlm and config.mlm_mask_rate and pack is not None:
+        masked_per_sequence(config.mlm_mask_rate, pack.seq_len, "evaluate.mlm_mask_rate")
+    if not 0 <= config.mlm_seed < 2**63:
+        raise StageError(f"evaluate.mlm_seed: {config.mlm_seed} must be in [0, 2**63 - 1]")
+    if tokenize is not None:
+        config = _fitting_tasks(config, lambda: _topic_gap(tokenize))
     for i, task in enumerate(config.tasks):
-        where = f"evaluate.tasks[{i}]"
-        max_length = config.setting(task, "max_length")
-        if pack is not None and bucket(max_length, config.buckets) > pack.seq_len:
-            raise StageError(
-                f"{where}: max_length {max_length} pads to {bucket(max_length, config.buckets)}, "
-                f"beyond pack.seq_len = {pack.seq_len}, the model's positions"
-            )
-        if task.kind != "heldout-topic":
-            if task.path:  # GLUE from the hub is fetched when the stage runs, not to check a config
-                load_task(task, i, None)
-        elif tokenize is not None and tokenize.heldout_fraction == 0:
-            raise StageError(
-                f"{where}: kind 'heldout-topic' classifies the articles tokenize holds out, and "
-                "tokenize.heldout_fraction = 0 holds out none; raise it or drop this task"
-            )
-        elif tokenize is not None and not _has_labels(tokenize.corpus):
-            raise StageError(
-                f"{where}: kind 'heldout-topic' needs labelled documents, and the corpus has no "
-                "labels (tokenize.corpus.label_field, or text files); drop this task or add labels"
-            )
+        _check_task(config, task, f"evaluate.tasks[{i}]", i, tokenize, pack)
 
 
 def describe(config: Config, pipeline: Any) -> str:
     """For a dry run: each task's fine-tune steps per seed (epochs x ceil(train examples / batch_size)),
     where its local files tell them; a held-out-topic task's examples are known only after tokenize,
     a GLUE task's from the hub once fetched."""
+    if (tokenize := pipeline.stages.get("tokenize")) is not None:
+        config = _fitting_tasks(config, lambda: _topic_gap(tokenize))
     parts = []
     for i, task in enumerate(config.tasks):
         epochs, seeds = config.setting(task, "epochs"), config.setting(task, "seeds")
@@ -208,12 +205,50 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('ch') else 's'}"
 
 
-def _has_labels(corpus: Any) -> bool:
-    plain_text = corpus.kind in ("files", "package") and corpus.format == "text"
-    return bool(corpus.label_field) and not plain_text
+_TOPIC_REMEDY = "drop this task, or give tokenize labelled documents to hold out"
+
+
+def _check_task(config: Config, task: TaskConfig, where: str, index: int, tokenize: Any, pack: Any) -> None:
+    max_length = config.setting(task, "max_length")
+    if pack is not None and bucket(max_length, config.buckets) > pack.seq_len:
+        raise StageError(
+            f"{where}: max_length {max_length} pads to {bucket(max_length, config.buckets)}, "
+            f"beyond pack.seq_len = {pack.seq_len}, the model's positions"
+        )
+    if task.kind != "heldout-topic":
+        if task.path:  # GLUE from the hub is fetched when the stage runs, not to check a config
+            load_task(task, index, None)
+    elif tokenize is not None and _topic_gap(tokenize):
+        raise StageError(f"{where}: kind 'heldout-topic' {_topic_gap(tokenize)}; {_TOPIC_REMEDY}")
+
+
+def _topic_gap(tokenize: Any) -> str | None:
+    """Why tokenize's settings (its Config) leave a held-out-topic task no articles to classify; None
+    when they do not."""
+    if tokenize.heldout_fraction == 0:
+        return "classifies the articles tokenize holds out, and tokenize.heldout_fraction = 0 holds out none"
+    plain_text = tokenize.corpus.kind in ("files", "package") and tokenize.corpus.format == "text"
+    if not tokenize.corpus.label_field or plain_text:
+        return "needs labelled documents, and the corpus has no labels (tokenize.corpus.label_field, or text files)"
+    return None
+
+
+def _fitting_tasks(config: Config, gap: Callable[[], str | None], log: Any = None) -> Config:
+    """`config` without its default topic task when `gap()` says why the corpus gives it nothing to
+    classify (noted in `log`): only the masked-LM numbers then. A topic task the config names itself
+    is kept, to be refused; `gap` is asked only about the default task."""
+    if config.tasks != [DEFAULT_TASK]:
+        return config
+    reason = gap()
+    if reason is None:
+        return config
+    if log is not None:
+        log.info("no topic task", reason=f"the default task, kind 'heldout-topic', {reason}")
+    return dataclasses.replace(config, tasks=[])
 
 
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
+    config = _fitting_tasks(config, lambda: _heldout_gap(inputs["tokenize"]), ctx.log)
     cfg, params, tokenizer = _load_checkpoint(inputs["pretrain"], inputs["tokenize"])
     _check_lengths(config, cfg)
     seeds = [[ctx.seed + k for k in range(config.setting(tc, "seeds"))] for tc in config.tasks]
@@ -226,6 +261,18 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     _write_json(out_dir / "results.json", results)
     ctx.metrics.log(inputs["pretrain"].outputs.get("steps", 0), _headline(results))  # at the end of pretraining
     return {"results": "results.json", **_headline(results)}
+
+
+def _heldout_gap(tokenize: Upstream) -> str | None:
+    """Why tokenize's outputs give a held-out-topic task no articles to classify; None when they do not."""
+    from cram.stages.finetuning.tasks import has_topics
+
+    heldout = tokenize.outputs.get("heldout")
+    if heldout is None:
+        return "classifies the articles tokenize holds out, and it held out none"
+    if not has_topics(tokenize.dir / heldout):
+        return "needs labelled documents, and the held-out articles have no labels"
+    return None
 
 
 def _check_lengths(config: Config, cfg: Any) -> None:

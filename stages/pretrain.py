@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from cram.model.config import ModelConfig, OptimizerConfig
 from cram.stages import Context, StageError, Upstream
 from cram.stages.shared import device as devices
-from cram.stages.shared.masking import Masking, MaskSpec, mask_spec
+from cram.stages.shared.masking import Masking, MaskSpec, mask_spec, masked_per_sequence
 
 if TYPE_CHECKING:
     import numpy as np
@@ -153,7 +153,8 @@ class Config:
 def validate(config: Config, pipeline: Any) -> None:
     """What `run` would reject before training, checked by the runner before the first stage runs:
     the model preset and overrides (at the vocab size and sequence length that tokenize and pack
-    are set to make), the schedule and its arguments, and the device."""
+    are set to make), the schedule and its arguments, a masking rate that masks no token of a block,
+    the device, the compile backend, and a model and microbatch that cannot fit in the device's memory."""
     from cram import model
     from cram.stages.shared.special import SPECIAL_IDS
 
@@ -161,9 +162,12 @@ def validate(config: Config, pipeline: Any) -> None:
     preset = model.PRESETS.get(config.model.preset)
     vocab_size = tokenize.vocab_size if tokenize is not None else getattr(preset, "vocab_size", 0)
     seq_len = pack.seq_len if pack is not None else getattr(preset, "max_seq_len", 0)
-    _model_config(model, config.model, vocab_size, seq_len, SPECIAL_IDS["pad"])
+    cfg = _model_config(model, config.model, vocab_size, seq_len, SPECIAL_IDS["pad"])
     _check_schedule(model, config)
+    per_sequence = masked_per_sequence(config.masking.rate, seq_len, "pretrain.masking.rate")
     devices.check(pipeline.run.device)
+    devices.check_backend(config.backend, "pretrain.backend")
+    _check_memory(config, cfg, per_sequence, pipeline.run.device)
 
 
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
@@ -432,6 +436,31 @@ def _model_config(model, arch: Architecture, vocab_size: int, seq_len: int, pad_
         )
     except (TypeError, ValueError) as e:
         raise StageError(f"pretrain.model: {e}") from None
+
+
+# Refused only past this share of the device's memory: the estimate is rough, and a config that
+# may just fit is left to try rather than refused.
+MEMORY_SHARE = 0.9
+
+
+def _check_memory(config: Config, cfg: ModelConfig, per_sequence: int, device_name: str) -> None:
+    """StageError when one training step's estimated peak (`model.training_memory`) clearly exceeds the
+    device's memory, naming the estimate, the memory and the settings that lower it."""
+    from cram import model
+
+    device = devices.resolve(device_name)
+    autocast = devices.autocast_dtype(config.precision, device) is not None
+    need = model.training_memory(cfg, config.microbatch, config.microbatch * per_sequence, autocast)
+    have = devices.memory_bytes(device)
+    if need.total > MEMORY_SHARE * have:
+        gib = 2**30
+        raise StageError(
+            f"pretrain: a training step needs about {need.total / gib:,.1f} GiB ({need.state / gib:,.1f} GiB "
+            f"parameters, AdamW state and gradients of {model.parameter_count(cfg):,} parameters, "
+            f"{need.activations / gib:,.1f} GiB activations of microbatch {config.microbatch}), more than "
+            f"{MEMORY_SHARE:.0%} of the {have / gib:,.1f} GiB of {device}; lower pretrain.microbatch, "
+            "or pretrain.model.hidden, layers or intermediate"
+        )
 
 
 def _check_schedule(model, config: Config) -> None:

@@ -188,6 +188,11 @@ def one_class(ws: Path) -> None:
         (ws / "tasks" / f"{split}.csv").write_text("text,label\n" + "good cat,1\n" * 6)
 
 
+def float_labels(ws: Path) -> None:
+    (ws / "tasks" / "train.csv").unlink()
+    (ws / "tasks" / "train.jsonl").write_text('{"text": "cat", "label": 0.5}\n{"text": "dog", "label": 1}\n')
+
+
 def log_folder_is_a_file(ws: Path) -> None:  # what a read-only run directory does too (tests run as root here)
     shutil.rmtree(ws / "runs" / "base" / "logs")
     (ws / "runs" / "base" / "logs").write_text("")
@@ -256,6 +261,39 @@ CASES = [
         [*RUN, *sets(**{"pretrain.microbatch": '"big"'})],
         "pretrain.microbatch: expected an integer, got 'big'",
     ),
+    ("seed negative", nothing, [*RUN, *sets(**{"run.seed": "-1"})], "seed: -1 must be in [0, 2**63 - 1]"),
+    ("seed 2**64", nothing, [*RUN, *sets(**{"run.seed": str(2**64)})], f"seed: {2**64} must be in [0, 2**63 - 1]"),
+    ("root empty", nothing, [*RUN, *sets(**{"run.root": '""'})], "root: '' must name a folder"),
+    ("device index", nothing, [*RUN, *sets(**{"run.device": '"cuda:abc"'})], "device: 'cuda:abc' is not one of"),
+    ("backend empty", nothing, [*RUN, *sets(**{"pretrain.backend": '""'})], "pretrain.backend: '' is not a torch"),
+    (
+        "backend unknown",
+        nothing,
+        [*RUN, *sets(**{"pretrain.backend": '"no-such-backend"'})],
+        "pretrain.backend: 'no-such-backend' is not a torch.compile backend; choose one of",
+    ),
+    ("evaluate backend", nothing, [*RUN, *sets(**{"evaluate.backend": '"nope"'})], "evaluate.backend: 'nope' is not"),
+    (
+        "masks no token",
+        nothing,
+        [*RUN, *sets(**{"pack.seq_len": "8", "pretrain.masking.rate": "0.05"})],
+        "pretrain.masking.rate: 0.05 masks no token of a 8-token block",
+    ),
+    (
+        "mlm masks no token",
+        nothing,
+        [*RUN, *sets(**{"evaluate.mlm_mask_rate": "0.02"})],
+        "evaluate.mlm_mask_rate: 0.02 masks no token of a 16-token block",
+    ),
+    ("mlm seed", nothing, [*RUN, *sets(**{"evaluate.mlm_seed": "-1"})], "evaluate.mlm_seed: -1 must be in"),
+    ("memory hidden", nothing, [*RUN, *sets(**{"pretrain.model.hidden": "1000000"})], "lower pretrain.microbatch"),
+    ("memory layers", nothing, [*RUN, *sets(**{"pretrain.model.layers": "10000000"})], "GiB parameters, AdamW state"),
+    (
+        "memory microbatch",
+        nothing,
+        [*RUN, *sets(**{"pretrain.microbatch": "1000000000", "pretrain.batch_size": "1000000000"})],
+        "GiB activations of microbatch 1000000000), more than 90% of the",
+    ),
     ("unknown key", nothing, [*RUN, *sets(**{"pretrain.lr": "1e-3"})], "unknown key 'lr'"),
     ("unknown section", rewrite("pipeline.toml", PIPELINE + "\n[pretrian]\n"), RUN, "unknown section [pretrian]"),
     ("bad --set", nothing, [*RUN, "--set", "lr"], "expected section.key=value"),
@@ -294,6 +332,36 @@ CASES = [
         "glue/SST-2/train.tsv: not UTF-8",
     ),
     ("task no test file", remove("tasks/test.csv"), RUN, "has no test|dev|validation.csv or .jsonl"),
+    (
+        "task label per example",
+        rewrite("tasks/train.csv", "text,label\n" + "".join(f"cat sat,0.{i}\n" for i in range(1, 10))),
+        RUN,
+        "holds 9 classes in 9 examples, each label once",
+    ),
+    (
+        "task label float",
+        float_labels,
+        RUN,
+        "label 0.5 of field 'label' is not a class",
+    ),
+    (
+        "task regression nan",
+        rewrite("tasks/train.csv", "text,label\ncat sat,nan\ndog ran,1.5\n"),
+        [*RUN, *tasks(metrics='["pearson"]')],
+        "tasks/train.csv: label 'nan' of field 'label' is not a finite number",
+    ),
+    (
+        "task regression inf",
+        rewrite("tasks/train.csv", "text,label\ncat sat,inf\ndog ran,1.5\n"),
+        [*RUN, *tasks(metrics='["pearson"]')],
+        "label 'inf' of field 'label' is not a finite number",
+    ),
+    (
+        "task regression constant",
+        rewrite("tasks/train.csv", "text,label\ncat sat,2\ndog ran,2\n"),
+        [*RUN, *tasks(metrics='["spearman"]')],
+        "field 'label' holds one value only (2); a correlation with a constant target is undefined",
+    ),
     ("task unseen label", rewrite("tasks/test.csv", "text,label\ncat sat,7\n"), RUN, "label '7' of field 'label'"),
     ("task empty", rewrite("tasks/train.csv", "text,label\n"), RUN, "tasks/train.csv: no records"),
     (
@@ -743,3 +811,19 @@ def test_an_output_made_before_checksums_is_trusted_on_its_sizes(linked):
     assert set(_plan(cram(*RUN, "--dry-run")).values()) == {("skip", "done")}
     result = cram("verify", "runs/base")
     assert result.exit_code == 0 and "4 of 4 stage output(s) intact (4 made before checksums" in result.output
+
+
+def test_an_unlabelled_corpus_without_evaluate_tasks_evaluates_the_masked_lm_alone(ws):
+    """evaluate's default task classifies held-out topics; a corpus without labels leaves it out (one
+    log line says why) instead of refusing a config that never asked for it."""
+    (ws / "pipeline.toml").write_text(PIPELINE.replace(f"tasks = [{TASK}]\n", "buckets = [16, 32, 64]\n", 1))
+    (ws / "pipeline.toml").write_text((ws / "pipeline.toml").read_text().replace("buckets = [16]\n", "", 1))
+    unlabelled = sets(**{"tokenize.corpus.label_field": '""', "run.name": '"plain"'})
+    result = cram(*RUN, *unlabelled, "--dry-run")
+    assert result.exit_code == 0, result.output
+    result = cram(*RUN, *unlabelled)
+    assert result.exit_code == 0, result.output
+    results = json.loads((ws / "runs" / "plain" / "evaluate" / "results.json").read_text())
+    assert results["tasks"] == {} and "loss" in results["mlm"]
+    events = (ws / "runs" / "plain" / "logs" / "events.jsonl").read_text()
+    assert events.count('"no topic task"') == 1 and "needs labelled documents" in events

@@ -84,6 +84,12 @@ def test_a_full_file_maps_onto_typed_frozen_dataclasses(tmp_path):
     assert train.betas == (0.8, 0.9) and train.extra == {"a": 1}
 
 
+def test_the_run_section_takes_the_edges_of_each_range(tmp_path):
+    conf = load("[run]\nseed = 9223372036854775807\ndevice = 'cuda:12'\nroot = '/tmp/runs'", tmp_path=tmp_path)
+    assert conf.run.seed == 2**63 - 1 and conf.run.device == "cuda:12" and conf.run.root == "/tmp/runs"
+    assert load("[run]\nseed = 0\ndevice = 'cpu'", tmp_path=tmp_path).run.seed == 0
+
+
 def test_missing_sections_take_their_defaults(tmp_path):
     assert load("", tmp_path=tmp_path).stages["train"] == Stage()
 
@@ -103,6 +109,12 @@ def test_missing_sections_take_their_defaults(tmp_path):
         ("[train]\nsteps = 0", "[train] steps: 0 must be at least 1"),
         ("[[train.tasks]]\nweight = 'x'", "train.tasks[0].weight: expected a number, got 'x'"),
         ("[run]\ndevice = 'tpu'", "[run] device: 'tpu' is not one of auto, cpu, cuda, cuda:N"),
+        ("[run]\ndevice = 'cuda:abc'", "[run] device: 'cuda:abc' is not one of auto, cpu, cuda, cuda:N"),
+        ("[run]\ndevice = 'cuda:'", "[run] device: 'cuda:' is not one of"),
+        ("[run]\nseed = -1", "[run] seed: -1 must be in [0, 2**63 - 1]"),
+        ("[run]\nseed = 9223372036854775808", "[run] seed: 9223372036854775808 must be in [0, 2**63 - 1]"),
+        ("[run]\nroot = ''", "[run] root: '' must name a folder"),
+        ("[run]\nroot = '  '", "[run] root: '  ' must name a folder"),
         ("[train\nlr = 1", "not valid TOML"),
     ],
 )

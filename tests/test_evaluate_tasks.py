@@ -2,6 +2,7 @@
 local GLUE layouts, custom CSV/JSON-lines tasks, the held-out topics, and the errors bad input gets."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -282,3 +283,37 @@ def test_task_config_rejects(kwargs, message):
 def test_stage_config_rejects(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Config(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "train, metric, message",
+    [
+        ('{"text": "a", "y": 0.5}\n{"text": "b", "y": 1}\n', "accuracy", "label 0.5 of field 'y' is not a class"),
+        ('{"text": "a", "y": true}\n{"text": "b", "y": 1}\n', "accuracy", "label True of field 'y' is not a class"),
+        ('{"text": "a", "y": [1]}\n{"text": "b", "y": 1}\n', "accuracy", "label [1] of field 'y' is not a class"),
+        ("".join(f'{{"text": "t{i}", "y": "{i}.5"}}\n' for i in range(5)), "accuracy", "holds 5 classes in 5 examples"),
+        (
+            '{"text": "a", "y": NaN}\n{"text": "b", "y": 1}\n',
+            "pearson",
+            "label nan of field 'y' is not a finite number",
+        ),
+        ('{"text": "a", "y": "inf"}\n{"text": "b", "y": 1}\n', "pearson", "label 'inf' of field 'y' is not a finite"),
+        ('{"text": "a", "y": 1e300}\n{"text": "b", "y": 1}\n', "pearson", "label 1e+300 of field 'y' is not a finite"),
+        ('{"text": "a", "y": true}\n{"text": "b", "y": 1}\n', "pearson", "label True of field 'y' is not a finite"),
+        ('{"text": "a", "y": 2}\n{"text": "b", "y": 2.0}\n', "spearman", "field 'y' holds one value only (2)"),
+    ],
+)
+def test_custom_labels_are_what_their_metrics_claim(tmp_path, train, metric, message):
+    (tmp_path / "train.jsonl").write_text(train)
+    (tmp_path / "test.jsonl").write_text('{"text": "c", "y": 1}\n')
+    with pytest.raises(StageError, match=re.escape(message)):
+        tasks.load_custom("c", str(tmp_path), ("text",), "y", (metric,), "t")
+
+
+def test_integer_and_string_classes_and_varied_targets_load(tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"text": "a", "y": 1}\n{"text": "b", "y": "two"}\n{"text": "c", "y": 1}\n')
+    (tmp_path / "test.jsonl").write_text('{"text": "c", "y": 1}\n')
+    assert tasks.load_custom("c", str(tmp_path), ("text",), "y", ("accuracy",), "t").label_names == ("1", "two")
+    (tmp_path / "train.jsonl").write_text('{"text": "a", "y": "1.5"}\n{"text": "b", "y": -2}\n')
+    regression = tasks.load_custom("c", str(tmp_path), ("text",), "y", ("pearson",), "t")
+    np.testing.assert_array_equal(regression.train.labels, np.array([1.5, -2.0], dtype=np.float32))

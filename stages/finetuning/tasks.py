@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -237,22 +238,41 @@ def load_custom(
         raise StageError(f"{where}.path: {folder} is not a directory (of train and test .csv or .jsonl files)")
     train_file = _find_split(folder, ("train",), where)
     test_file = _find_split(folder, ("test", "dev", "validation"), where)
-    regression = all(m in REGRESSION_METRICS for m in metrics)
-    train_texts, train_labels = _read_records(train_file, text_fields, label_field)
-    test_texts, test_labels = _read_records(test_file, text_fields, label_field)
-    if regression:
-        return Task(
-            name,
-            tuple(metrics),
-            (),
-            _float_labels(train_texts, train_labels, train_file),
-            {"test": _float_labels(test_texts, test_labels, test_file)},
+    train = (train_file, *_read_records(train_file, text_fields, label_field))
+    test = (test_file, *_read_records(test_file, text_fields, label_field))
+    if all(m in REGRESSION_METRICS for m in metrics):
+        return _regression_task(name, tuple(metrics), train, test, label_field)
+    return _classification_task(name, tuple(metrics), train, test, label_field)
+
+
+def _regression_task(name: str, metrics: tuple[str, ...], train: tuple, test: tuple, label_field: str) -> Task:
+    """`train` and `test`: (file, texts, labels). The training targets must vary: a correlation with a
+    constant is undefined (and the majority baseline would score 0 for it)."""
+    train_examples = _float_labels(train[1], train[2], train[0], label_field)
+    if len(set(train_examples.labels.tolist())) < 2:
+        raise StageError(
+            f"{train[0]}: field {label_field!r} holds one value only ({train_examples.labels[0]:g}); "
+            "a correlation with a constant target is undefined"
         )
+    return Task(name, metrics, (), train_examples, {"test": _float_labels(test[1], test[2], test[0], label_field)})
+
+
+def _classification_task(name: str, metrics: tuple[str, ...], train: tuple, test: tuple, label_field: str) -> Task:
+    """`train` and `test`: (file, texts, labels). Two classes or more, each label a string or an integer,
+    and not one class per example (a column of ids or scores, which no classifier can learn)."""
+    (train_file, train_texts, train_labels), (test_file, test_texts, test_labels) = train, test
+    for file, labels in ((train_file, train_labels), (test_file, test_labels)):
+        _check_class_labels(labels, file, label_field)
     names = _ordered_names({str(v) for v in train_labels})
     if len(names) < 2:
         raise StageError(
             f"{train_file}: field {label_field!r} holds one class only ({names[0]!r}); a classifier "
             "needs two or more (for a regression, choose the metrics pearson or spearman)"
+        )
+    if len(names) == len(train_labels) > 2:
+        raise StageError(
+            f"{train_file}: field {label_field!r} holds {len(names)} classes in {len(names)} examples, each "
+            "label once: no class to learn (for a regression, choose the metrics pearson or spearman)"
         )
     unseen = sorted({str(v) for v in test_labels} - set(names))
     if unseen:
@@ -262,8 +282,17 @@ def load_custom(
     def examples(texts, labels) -> Examples:
         return Examples(texts, np.asarray([ids[str(v)] for v in labels], dtype=np.int64))
 
-    train, test = examples(train_texts, train_labels), examples(test_texts, test_labels)
-    return Task(name, tuple(metrics), names, train, {"test": test})
+    return Task(name, metrics, names, examples(train_texts, train_labels), {"test": examples(test_texts, test_labels)})
+
+
+def _check_class_labels(labels: list, path: Path, label_field: str) -> None:
+    """A class label is a string or an integer: a JSON float, bool, list or object is no class name."""
+    bad = next((v for v in labels if isinstance(v, bool) or not isinstance(v, (str, int))), None)
+    if bad is not None:
+        raise StageError(
+            f"{path}: label {bad!r} of field {label_field!r} is not a class; class labels are strings or "
+            "integers (for a regression, choose the metrics pearson or spearman)"
+        )
 
 
 def _find_split(folder: Path, stems: Sequence[str], where: str) -> Path:
@@ -309,11 +338,27 @@ def _parse_records(path: Path) -> list[dict]:
     return records
 
 
-def _float_labels(texts, labels, path: Path) -> Examples:
+def _float_labels(texts, labels, path: Path, label_field: str) -> Examples:
+    """Regression targets: finite numbers, in float32 too (a nan or inf target makes every correlation nan)."""
+    with np.errstate(over="ignore"):
+        values = np.asarray([_as_float(v) for v in labels], dtype=np.float32)
+    bad = np.flatnonzero(~np.isfinite(values))
+    if bad.size:
+        raise StageError(
+            f"{path}: label {labels[bad[0]]!r} of field {label_field!r} is not a finite number; "
+            "the metrics ask for regression"
+        )
+    return Examples(texts, values)
+
+
+def _as_float(value: object) -> float:
+    """`value` as a number, nan when it is none (a bool, a word, a list)."""
+    if isinstance(value, bool):
+        return math.nan
     try:
-        return Examples(texts, np.asarray([float(v) for v in labels], dtype=np.float32))
-    except (TypeError, ValueError):
-        raise StageError(f"{path}: a regression label is not a number; the metrics ask for regression") from None
+        return float(value)
+    except (TypeError, ValueError, OverflowError):
+        return math.nan
 
 
 def _ordered_names(values: set[str]) -> tuple[str, ...]:
@@ -362,6 +407,14 @@ def load_topics(name: str, path: Path, test_fraction: float) -> Task:
         return Examples([(rows["text"][i],) for i, _ in pairs], np.asarray([y for _, y in pairs], dtype=np.int64))
 
     return Task(name, ("accuracy", "macro_f1"), names, examples(train), {"test": examples(test)})
+
+
+def has_topics(path: Path) -> bool:
+    """Whether the held-out articles at `path` carry any topic label (an unlabelled corpus gives them none)."""
+    import datasets
+
+    data = datasets.load_from_disk(str(path))
+    return "label" in data.column_names and any(label not in TOPIC_LEFT_OUT for label in data.unique("label"))
 
 
 def majority_baseline(task: Task, test: Examples) -> dict[str, float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from cram.stages import StageError
@@ -21,10 +22,36 @@ def resolve(name: str) -> Any:
 
 
 def check(name: str) -> None:
-    """Raise StageError when `run.device` names CUDA and there is none; torch is imported only then,
-    so that validating a config that asks for no GPU stays cheap."""
+    """Raise StageError when `run.device` names CUDA and there is none, or a CUDA device index this
+    machine lacks; torch is imported only then, so that validating a config that asks for no GPU stays cheap."""
     if name.startswith("cuda"):
-        resolve(name)
+        device = resolve(name)
+        import torch
+
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise StageError(
+                f"run.device: {name!r} but this machine has {count} CUDA device(s): cuda:0 to cuda:{count - 1}"
+            )
+
+
+def check_backend(backend: str, key: str) -> None:
+    """Raise StageError when `backend` is no `torch.compile` backend (those of
+    `torch._dynamo.list_backends`, debugging ones such as "aot_eager" included); nothing is compiled."""
+    import torch._dynamo
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise StageError(f"{key}: {backend!r} is not a torch.compile backend; choose one of {', '.join(known)}")
+
+
+def memory_bytes(device: Any) -> int:
+    """The total memory of `device` (a `torch.device`): the GPU's on CUDA, the machine's RAM otherwise."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def autocast_dtype(precision: str, device: Any) -> Any:

@@ -49,17 +49,26 @@ class MaskSpec:
 
 def mask_spec(masking: Masking, special: dict[str, int], vocab_size: int, seq_len: int):
     """The masking of pretraining for blocks of `seq_len`; evaluate masks its held-out blocks alike."""
-    per_sequence = round(masking.rate * seq_len)
-    if per_sequence < 1:
-        raise StageError(f"pretrain.masking.rate: {masking.rate} masks no token of a {seq_len}-token block")
     return MaskSpec(
-        per_sequence=per_sequence,
+        per_sequence=masked_per_sequence(masking.rate, seq_len, "pretrain.masking.rate"),
         mask_id=special["mask"],
         vocab_size=vocab_size,
         special_ids=tuple(sorted(set(special.values()))),
         replace_with_mask=masking.mask_token,
         replace_with_random=masking.random_token,
     )
+
+
+def masked_per_sequence(rate: float, seq_len: int, key: str) -> int:
+    """How many positions of a `seq_len`-token block a masking `rate` masks; StageError naming `key`
+    when that is none (no loss to learn from). Torch-free: the stages' `validate` call it too."""
+    per_sequence = round(rate * seq_len)
+    if per_sequence < 1:
+        raise StageError(
+            f"{key}: {rate} masks no token of a {seq_len}-token block (pack.seq_len); "
+            f"it must be above {0.5 / seq_len:.3g}"
+        )
+    return per_sequence
 
 
 def mask_seed(seed: int, first: int, stream: int = 0) -> int:
