@@ -151,6 +151,16 @@ def rewrite(path: str, text: str | bytes) -> Callable[[Path], None]:
     return change
 
 
+def parquet(path: str, columns: dict[str, list]) -> Callable[[Path], None]:
+    def write(ws: Path) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table(columns), ws / path)
+
+    return write
+
+
 def remove(path: str) -> Callable[[Path], None]:
     return lambda ws: (ws / path).unlink()
 
@@ -541,6 +551,33 @@ def test_bad_input_is_one_line_exit_2_and_loses_nothing(ws, setup, args, message
     if "manifest" not in " ".join(args) and (run / "manifest.json").read_text().startswith("{\n"):
         assert _statuses(run) == ["done"] * 4
     assert not (ws / "out").is_dir()
+
+
+# A text field that holds no text is refused, not trained on as its str(): found only when tokenize reads
+# the records, so the stage fails with the line (exit 2) and the run's earlier result is kept.
+UNREADABLE_TEXT = [
+    (
+        "corpus text a number",
+        rewrite("n.jsonl", '{"text": "a b", "topic": "x"}\n{"text": 12345, "topic": "y"}\n'),
+        [*RUN, *sets(**{"tokenize.corpus.paths": '["n.jsonl"]'})],
+        "n.jsonl:2: text field 'text' holds int 12345, not text (tokenize.corpus.text_field)",
+    ),
+    (
+        "corpus text column of numbers",
+        parquet("n.parquet", {"text": [12, 7], "topic": ["x", "y"]}),
+        [*RUN, *sets(**{"tokenize.corpus.paths": '["n.parquet"]', "tokenize.corpus.format": '"parquet"'})],
+        "n.parquet: row 1: text field 'text' holds int 12, not text",
+    ),
+]
+
+
+@pytest.mark.parametrize("setup, args, message", [c[1:] for c in UNREADABLE_TEXT], ids=[c[0] for c in UNREADABLE_TEXT])
+def test_a_text_field_that_holds_no_text_is_refused_when_read(ws, setup, args, message):
+    setup(ws)
+    result = cram(*args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output.strip().splitlines()[-1], result.output
+    assert _statuses(ws / "runs" / "base") == ["done"] * 4
 
 
 def test_enough_bad_inputs():

@@ -293,8 +293,10 @@ def parquet_documents(unit: Unit, config: CorpusConfig, batch_size: int) -> Iter
         names = file.schema_arrow.names
         fields = (config.text_field, config.title_field, config.label_field)
         wanted = list(dict.fromkeys(c for c in fields if c in names))
+        row = sum(file.metadata.row_group(g).num_rows for g in range(unit.start))
         for batch in file.iter_batches(batch_size, row_groups=range(unit.start, unit.stop), columns=wanted):
-            yield _standardise(batch.to_pydict(), config, None, str(path))
+            yield _standardise(batch.to_pydict(), config, None, str(path), row)
+            row += batch.num_rows
     except FileNotFoundError:
         raise _vanished(path) from None
     except OSError as e:  # a truncated or corrupt file
@@ -450,7 +452,16 @@ def _record_problem(record: Any, config: CorpusConfig) -> str | None:
             f"no text field '{config.text_field}' ({WHERE}.text_field); "
             f"fields are: {', '.join(map(str, record)) or 'none'}"
         )
-    return None
+    return _not_text(record[config.text_field], config.text_field)
+
+
+def _not_text(value: Any, field: str) -> str | None:
+    """Why `value` of the text field is no text (a number, a list, a record), or None: a corpus is
+    trained on what it says, never on a stringified `12345` or `['a']`."""
+    if value is None or isinstance(value, str):
+        return None
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    return f"text field '{field}' holds {type(value).__name__} {shown}, not text ({WHERE}.text_field)"
 
 
 def _as_text(value: Any) -> str:
@@ -463,11 +474,20 @@ def _label(value: Any, unlabeled: tuple[str, ...]) -> str:
 
 
 def _standardise(
-    batch: dict[str, list], config: CorpusConfig, label_names: tuple[str, ...] | None, source: str
+    batch: dict[str, list],
+    config: CorpusConfig,
+    label_names: tuple[str, ...] | None,
+    source: str,
+    first_row: int | None = None,
 ) -> dict[str, list[str]]:
-    """A batch of source columns reduced to string columns text, title, label."""
+    """A batch of source columns reduced to string columns text, title, label. `first_row`: the source's
+    row number of the batch's first row, where the source has one (an error then names the row)."""
     check_text_column(list(batch), config, source)
     rows = len(batch[config.text_field])
+    for i, value in enumerate(batch[config.text_field]):
+        if problem := _not_text(value, config.text_field):
+            where = source if first_row is None else f"{source}: row {first_row + i + 1}"
+            raise StageError(f"{where}: {problem}")
     titles = batch.get(config.title_field or "", [None] * rows)
     labels = batch.get(config.label_field or "", [None] * rows)
     if label_names is not None:
