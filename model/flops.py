@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from cram.model.config import ModelConfig
+from cram.model.memory import parameters
 
 # Dense bf16 tensor-core peaks from the vendors' data sheets, matched as substrings of
 # torch.cuda.get_device_name(); first match wins, so the more specific names come first.
@@ -35,15 +36,9 @@ def num_params(params: dict[str, Tensor]) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, masked_fraction: float) -> float:
+    counted = parameters(cfg)
     H, L, S = cfg.hidden, cfg.layers, cfg.max_seq_len
-    per_layer = 4 * H * H + H * cfg.intermediate + cfg.ffn_inner * H + 2 * H  # qkv, out, up, down, 2 norms
-    encoder = L * per_layer + H  # and the final norm
-    if cfg.embedding_norm:
-        encoder += H
-    if not cfg.first_attn_norm:
-        encoder -= H
-    head = H * H + H if cfg.head_transform else 0
-    return 6 * encoder + 12 * L * H * S + 6 * (H * cfg.vocab_size + head) * masked_fraction
+    return 6 * counted.encoder + 12 * L * H * S + 6 * (H * cfg.vocab_size + counted.head) * masked_fraction
 
 
 def peak_flops(device: str | torch.device, dtype: torch.dtype | None = None) -> float:

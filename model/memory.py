@@ -44,16 +44,38 @@ class MemoryEstimate:
         return self.state + max(self.activations, self.update)
 
 
-def parameter_count(cfg: ModelConfig) -> int:
-    """The number of parameters `model.init(cfg)` makes (`model/bert.py` lists them)."""
+@dataclass(frozen=True)
+class Parameters:
+    """How many parameters `model.init(cfg)` makes (`model/bert.py` lists them), by part: the token
+    embeddings, the positions, the encoder (its layers and norms) and the head before the tied decoder."""
+
+    embedding: int
+    positions: int
+    encoder: int
+    head: int
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.positions + self.encoder + self.head
+
+
+def parameters(cfg: ModelConfig) -> Parameters:
     H, norm = cfg.hidden, cfg.hidden * (2 if cfg.norm_bias else 1)
-    per_layer = 3 * H * H + H * H + cfg.intermediate * H + H * cfg.ffn_inner + 2 * norm
-    count = cfg.vocab_size * H + cfg.layers * per_layer + norm  # and the final norm
-    count -= 0 if cfg.first_attn_norm else norm
-    count += norm if cfg.embedding_norm else 0
-    count += H * H + norm if cfg.head_transform else 0
-    count += {"sinusoidal": 1, "learned": cfg.max_seq_len * H}.get(cfg.position, 0)
-    return count
+    per_layer = 3 * H * H + H * H + cfg.intermediate * H + H * cfg.ffn_inner + 2 * norm  # qkv, out, up, down, norms
+    encoder = cfg.layers * per_layer + norm  # and the final norm
+    encoder -= 0 if cfg.first_attn_norm else norm
+    encoder += norm if cfg.embedding_norm else 0
+    return Parameters(
+        embedding=cfg.vocab_size * H,
+        positions={"sinusoidal": 1, "learned": cfg.max_seq_len * H}.get(cfg.position, 0),
+        encoder=encoder,
+        head=H * H + norm if cfg.head_transform else 0,
+    )
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """The number of parameters `model.init(cfg)` makes."""
+    return parameters(cfg).total
 
 
 def training_memory(cfg: ModelConfig, microbatch: int, masked_rows: int, autocast: bool) -> MemoryEstimate:
