@@ -10,7 +10,6 @@ aside as `step-N.corrupt` (kept, never read again) and returns the newest intact
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from cram.stages import StageError
+from cram.stages.shared.files import content_hash
 from cram.stages.shared.tensors import TensorFileError, read_tensors, write_tensors
 
 PARAMS = "params.safetensors"
@@ -41,7 +41,7 @@ def save(root: Path, step: int, params: dict, opt_state: dict, state: dict[str, 
     write_tensors(tmp / PARAMS, params)
     write_tensors(tmp / OPTIMIZER, opt_state)
     _write_json(tmp / STATE, state)
-    _write_json(tmp / CHECKSUMS, {name: _sha256(tmp / name) for name in (PARAMS, OPTIMIZER, STATE)})
+    _write_json(tmp / CHECKSUMS, {name: content_hash(tmp / name) for name in (PARAMS, OPTIMIZER, STATE)})
     if final.exists():  # the same step saved again (a resumed run that had nothing left to do)
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -88,7 +88,7 @@ def verify(path: Path) -> None:
             raise CheckpointError(f"{sums_path}: no checksum for {name}")
         if not (path / name).is_file():
             raise CheckpointError(f"{path / name}: missing")
-        if _sha256(path / name) != sums[name]:
+        if content_hash(path / name) != sums[name]:
             raise CheckpointError(f"{path / name}: does not match its checksum in {CHECKSUMS} (truncated or changed)")
 
 
@@ -124,11 +124,3 @@ def _write_json(path: Path, obj: Any) -> None:
         json.dump(obj, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()

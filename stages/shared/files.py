@@ -62,5 +62,8 @@ CONTENT_HASH = "sha256"
 def content_hash(path: Path) -> str:
     """The hex digest of `path`'s bytes (CONTENT_HASH): unlike the fingerprint, it reads the whole file,
     and changes when any byte changes, even where the size and the modification time do not."""
+    digest = hashlib.new(CONTENT_HASH)
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, CONTENT_HASH).hexdigest()
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
