@@ -158,7 +158,7 @@ def inspect(
         out.print(f"curves: {plot}")
     if stage is not None and stage not in stages:
         raise errors.CramError(f"{run_dir}: no stage '{stage}' in the manifest (it has: {', '.join(stages) or 'none'})")
-    conf = reading.saved_config(run_dir)
+    conf = rundir.saved_config(run_dir, required=False)
     events = run_dir / rundir.EVENTS
     for name in [stage] if stage else list(stages):
         print_stage(name, stages[name], conf, events, logs.tail(events, name, lines))

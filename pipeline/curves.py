@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cram.pipeline import config as cfg
 from cram.pipeline import rundir
 from cram.stages.shared.figures import is_number
 
@@ -136,15 +135,10 @@ def _stages(run_dir: Path) -> dict[str, Any]:
 
 
 def _config(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / rundir.CONFIG
-    if not path.is_file():
-        raise CurvesError(f"{path}: no saved config; is {run_dir} a run directory?")
     try:
-        return cfg.tomllib.loads(path.read_text(encoding="utf-8"))
-    except (cfg.tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise CurvesError(f"{path}: not valid TOML ({e})") from None
-    except OSError as e:
-        raise CurvesError(f"{path}: cannot be read ({e.strerror})") from None
+        return rundir.saved_config(run_dir)
+    except rundir.RunDirError as e:
+        raise CurvesError(str(e)) from None
 
 
 def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:

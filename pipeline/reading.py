@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cram.pipeline import config as cfg
 from cram.pipeline import rundir, store
 from cram.pipeline.errors import CramError
 
@@ -68,15 +67,6 @@ def newest(root: Path) -> list[Newest]:
         r = started[stage]
         found.append(Newest(path.name, stage, checked_status(path, stage, r)[0], r["started"]))
     return found
-
-
-def saved_config(run_dir: Path) -> dict[str, Any]:
-    """The resolved config a run saved as TOML, as a dict; empty where it has none yet."""
-    saved = run_dir / rundir.CONFIG
-    try:
-        return cfg.tomllib.loads(saved.read_text(encoding="utf-8")) if saved.is_file() else {}
-    except (OSError, UnicodeDecodeError, cfg.tomllib.TOMLDecodeError) as e:
-        raise CramError(f"{saved}: not a readable config ({e})") from None
 
 
 def checked_status(

@@ -12,6 +12,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
 
+from cram.pipeline.config import tomllib
 from cram.stages.shared.files import temp_path, write_atomic
 
 MANIFEST = "manifest.json"
@@ -136,6 +137,20 @@ def records(run_dir: Path) -> dict[str, dict[str, Any]]:
     if not (run_dir / MANIFEST).is_file():
         raise RunDirError(f"{run_dir}: no {MANIFEST}; not a run directory")
     return Manifest.load(run_dir).records
+
+
+def saved_config(run_dir: Path, required: bool = True) -> dict[str, Any]:
+    """The resolved config a run saved (`config.toml`) as a dict; where it has none, RunDirError when
+    `required`, else an empty dict (a run that has not started its first stage)."""
+    path = run_dir / CONFIG
+    if not path.is_file():
+        if required:
+            raise RunDirError(f"{path}: no saved config; is {run_dir} a run directory?")
+        return {}
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise RunDirError(f"{path}: not a readable config ({e})") from None
 
 
 def pid_alive(pid: int) -> bool:
