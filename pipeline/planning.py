@@ -119,15 +119,33 @@ def _validate(config: cfg.PipelineConfig, steps: list[Step]) -> None:
 
 def keyed_config(module: ModuleType, stage_config: Any) -> dict[str, Any]:
     """The stage's config as its cache key sees it: without the fields its `NOT_IN_KEY` names (dotted
-    paths such as "log_every_steps"), which change how a stage reports, not what it computes."""
+    paths such as "log_every_steps"), which change how a stage reports, not what it computes; and without
+    the fields its `NEW_OPTIONS` names while they hold their default. Those are options added after the
+    stage's key was fixed: at their default they compute what the stage computed before them, so a store
+    filled before they existed stays valid."""
     plain = cfg.as_plain(stage_config)
     for dotted in getattr(module, "NOT_IN_KEY", ()):
-        *parents, leaf = dotted.split(".")
-        table = plain
-        for part in parents:
-            table = table.get(part) or {}
-        table.pop(leaf, None)
+        _pop(plain, dotted)
+    new_options = getattr(module, "NEW_OPTIONS", ())
+    if new_options:
+        defaults = cfg.as_plain(type(stage_config)())
+        for dotted in new_options:
+            if _get(plain, dotted) == _get(defaults, dotted):
+                _pop(plain, dotted)
     return plain
+
+
+def _get(table: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        table = table.get(part) if isinstance(table, dict) else None
+    return table
+
+
+def _pop(table: dict[str, Any], dotted: str) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        table = table.get(part) or {}
+    table.pop(leaf, None)
 
 
 def _link_only_what_is_needed(steps: list[Step], selected: dict[str, bool]) -> list[Step]:

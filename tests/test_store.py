@@ -424,3 +424,20 @@ def test_verify_says_missing_for_an_entry_whose_files_were_deleted(pipe):
     (_entry(pipe, "beta") / "result.json").unlink()
     out = pipe.cram("verify", pipe.run_dir, code=1).output
     assert f"missing: {pipe.run_dir / 'beta'}/result.json was deleted" in out and "2 of 3" in out
+
+
+def test_a_new_option_at_its_default_is_left_out_of_the_key_and_in_it_otherwise():
+    from cram.stages import pretrain
+
+    class Stage:
+        NOT_IN_KEY = pretrain.NOT_IN_KEY
+        NEW_OPTIONS = ("masking.rate", "microbatch")
+
+    base = planning.keyed_config(pretrain, pretrain.Config())
+    keyed = planning.keyed_config(Stage, pretrain.Config())
+    assert "microbatch" not in keyed and "rate" not in keyed["masking"]
+    assert {k: v for k, v in base.items() if k not in ("microbatch", "masking")} == {
+        k: v for k, v in keyed.items() if k not in ("microbatch", "masking")
+    }
+    changed = planning.keyed_config(Stage, pretrain.Config(microbatch=16))
+    assert changed["microbatch"] == 16
