@@ -61,8 +61,10 @@ def plan(
         keyed = keyed_config(module, stage_config)
         upstream = {u: keys[u] for u in module.UPSTREAM}
         config_hash = cfg.digest({"version": module.VERSION, "config": keyed, "seed": config.run.seed})
-        # A stage that reads files outside the run (a corpus) says what of them its output depends on.
-        inputs_hash = cfg.digest(module.fingerprint(stage_config)) if hasattr(module, "fingerprint") else None
+        # A stage that reads files outside the run (a corpus, a checkpoint) says what of them its output
+        # depends on; None: none with this config.
+        outside = module.fingerprint(stage_config) if hasattr(module, "fingerprint") else None
+        inputs_hash = None if outside is None else cfg.digest(outside)
         key = cfg.digest(
             {
                 "stage": module.NAME,

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from cram.model.config import ModelConfig, OptimizerConfig
 from cram.stages import Context, StageError, Upstream
 from cram.stages.shared import device as devices
+from cram.stages.shared import pretrained
 from cram.stages.shared.masking import Masking, MaskSpec, mask_spec, masked_per_sequence
 
 if TYPE_CHECKING:
@@ -45,6 +46,8 @@ DISTRIBUTED = True  # the runner calls `run` on every rank
 # How often it logs and checkpoints changes what it reports, not what it computes: not in the cache key,
 # so changing them keeps a finished result and resumes an interrupted one.
 NOT_IN_KEY = ("log_every_steps", "checkpoint_every_minutes", "checkpoint_every_steps", "keep_checkpoints")
+# Options added after the stage's key was fixed: at their default they are left out of it (planning.keyed_config).
+NEW_OPTIONS = ("init",)
 
 
 # vocab_size, max_seq_len and pad_id come from the data; dropout is fine-tuning's (evaluate's).
@@ -75,6 +78,8 @@ class Budget:
     With no limit given at all, the budget is `DEFAULT_HOURS` (3.5 minutes). `0` switches a limit off
     (TOML has no null): `--set pretrain.budget.hours=0` drops a file's time limit, say to replay a
     token budget. A limit switched off is stored as None, so `0` and leaving it out share a cache key.
+    Every limit given 0 is a zero budget (stored as `tokens = 0`): no step is taken, and the model is
+    the one training would start from (`pretrain.init`'s checkpoint), evaluated as it is.
     """
 
     hours: float | None = None
@@ -89,10 +94,17 @@ class Budget:
         for key, value in limits.items():
             if value is not None and value < 0:
                 raise ValueError(f"{key}: {value} must be > 0, or 0 for no {key} limit")
+        zero = all(not value for value in limits.values())
+        for key, value in limits.items():
             if value == 0:
                 object.__setattr__(self, key, None)
-        if all(getattr(self, key) is None for key in limits):
-            raise ValueError("hours, steps, tokens: every limit is 0 (off); keep at least one > 0")
+        if zero:
+            object.__setattr__(self, "tokens", 0)
+
+    @property
+    def zero(self) -> bool:
+        """No step is taken."""
+        return self.tokens == 0
 
 
 @dataclass(frozen=True)
@@ -122,6 +134,11 @@ class Config:
     canary_tolerance: float = 0.02
     # torchrun with an hours budget: rank 0's clock is broadcast every this many steps, extrapolated between
     clock_sync_every_steps: int = 10
+    # An existing encoder to start from instead of a random init (stages/shared/pretrained.py): a transformers
+    # model folder (ModernBERT, BERT, RoBERTa), a cram export or a run directory. The architecture is the
+    # checkpoint's (`[pretrain.model]` may only repeat it), its tokenizer the default of `tokenize.tokenizer`,
+    # its files' contents part of the cache key; the optimizer starts fresh. "": the preset's random init.
+    init: str = ""
 
     def __post_init__(self) -> None:
         positive = {
@@ -150,24 +167,54 @@ class Config:
             raise ValueError(f"val_blocks: {self.val_blocks} must be >= 0")
 
 
+def fingerprint(config: Config) -> list[list[str]] | None:
+    """The contents of `init`'s checkpoint, which the stage's output depends on; None without one."""
+    if not config.init:
+        return None
+    return pretrained.fingerprint(_pretrained(config))
+
+
 def validate(config: Config, pipeline: Any) -> None:
     """What `run` would reject before training, checked by the runner before the first stage runs:
-    the model preset and overrides (at the vocab size and sequence length that tokenize and pack
-    are set to make), the schedule and its arguments, a masking rate that masks no token of a block,
-    the device, the compile backend, and a model and microbatch that cannot fit in the device's memory."""
+    the model preset and overrides, or `init`'s checkpoint and what it must agree with (at the vocab size
+    and sequence length that tokenize and pack are set to make), the schedule and its arguments, a
+    masking rate that masks no token of a block, the device, the compile backend, and a model and
+    microbatch that cannot fit in the device's memory."""
     from cram import model
-    from cram.stages.shared.special import SPECIAL_IDS
 
     tokenize, pack = pipeline.stages.get("tokenize"), pipeline.stages.get("pack")
     preset = model.PRESETS.get(config.model.preset)
-    vocab_size = tokenize.vocab_size if tokenize is not None else getattr(preset, "vocab_size", 0)
+    vocab_size, special = _tokenizer_facts(tokenize, preset)
     seq_len = pack.seq_len if pack is not None else getattr(preset, "max_seq_len", 0)
-    cfg = _model_config(model, config.model, vocab_size, seq_len, SPECIAL_IDS["pad"])
+    if config.init and tokenize is not None and not getattr(tokenize, "tokenizer", ""):
+        raise StageError(
+            f"pretrain.init: {config.init} holds no tokenizer ({' or '.join(pretrained.TOKENIZER_FILES)}) and "
+            "tokenize.tokenizer is not set; a tokenizer trained anew would not match the checkpoint's "
+            "embeddings: set tokenize.tokenizer to the one the checkpoint was trained with"
+        )
+    cfg = _model_config(model, config, vocab_size, seq_len, special["pad"])
     _check_schedule(model, config)
     per_sequence = masked_per_sequence(config.masking.rate, seq_len, "pretrain.masking.rate")
     devices.check(pipeline.run.device)
     devices.check_backend(config.backend, "pretrain.backend")
-    _check_memory(config, cfg, per_sequence, pipeline.run.device)
+    _check_memory(config, dataclasses.replace(cfg, max_seq_len=seq_len), per_sequence, pipeline.run.device)
+
+
+def _tokenizer_facts(tokenize: Any, preset: ModelConfig | None) -> tuple[int, dict[str, int]]:
+    """(vocab size, special ids) that tokenize is set to make: a given tokenizer's, or those it trains."""
+    from cram.stages.shared.special import SPECIAL_IDS
+
+    if tokenize is None:
+        return getattr(preset, "vocab_size", 0), dict(SPECIAL_IDS)
+    if not getattr(tokenize, "tokenizer", ""):
+        return tokenize.vocab_size, dict(SPECIAL_IDS)
+    from cram.stages.shared.tokenizer import TokenizerError, load
+
+    try:
+        found = load(Path(tokenize.tokenizer))
+    except TokenizerError as e:
+        raise StageError(f"tokenize.tokenizer: {e}") from None
+    return found.vocab_size, found.special_ids
 
 
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
@@ -183,7 +230,8 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     if ctx.is_main and config.val_blocks and state.val_loss_start is None:
         state.val_loss_start = _val_loss(config, setup, state.params)
     compile_s, canary_diff = _compile(config, setup, ctx, steps, state)
-    flops_per_token = model.flops_per_token(setup.model, setup.spec.per_sequence / setup.model.max_seq_len)
+    trained = dataclasses.replace(setup.model, max_seq_len=setup.blocks.shape[1])  # a checkpoint may have more
+    flops_per_token = model.flops_per_token(trained, setup.spec.per_sequence / trained.max_seq_len)
     if ctx.is_main:  # measured on a CPU, which takes seconds: before the budget clock starts
         peak_flops(setup.device, setup.autocast)
     with ProgressBar(ctx.is_main) as bar:
@@ -229,15 +277,16 @@ def _setup(config: Config, pack: Upstream, ctx: Context) -> _Setup:
     blocks = np.load(pack.path("train"), mmap_mode="r")
     val = np.load(pack.path("val"), mmap_mode="r")
     seq_len, special = int(pack.outputs["seq_len"]), pack.outputs["special_ids"]
+    vocab_size = int(pack.outputs["vocab_size"])  # the tokenizer's: a checkpoint may have more embedding rows
     _check_data(blocks, val, seq_len, pack)
-    cfg = _model_config(model, config.model, int(pack.outputs["vocab_size"]), seq_len, special["pad"])
+    cfg = _model_config(model, config, vocab_size, seq_len, special["pad"])
     _check_schedule(model, config)
     if config.batch_size % (ctx.world_size * config.microbatch):
         raise StageError(
             f"pretrain.batch_size: {config.batch_size} must be a multiple of microbatch x ranks "
             f"({ctx.world_size * config.microbatch})"
         )
-    spec = mask_spec(config.masking, special, cfg.vocab_size, seq_len)
+    spec = mask_spec(config.masking, special, vocab_size, seq_len)  # random replacements are real tokens
     device = devices.resolve(ctx.device)
     return _Setup(blocks, val, cfg, spec, device, devices.autocast_dtype(config.precision, device))
 
@@ -292,7 +341,7 @@ def _start(config: Config, setup: _Setup, out_dir: Path, ctx: Context) -> tuple[
 
     resume_from = agree_on(checkpoint.latest(out_dir / "checkpoints", ctx.log), ctx.world_size)
     if resume_from is None:
-        params = model.init(setup.model, ctx.seed)
+        params = _pretrained_params(config, ctx) if config.init else model.init(setup.model, ctx.seed)
         state = TrainState(seed=ctx.seed, params=params, opt_state=model.adamw_init(params))
     else:
         params, opt_state, counters = checkpoint.load(resume_from)
@@ -306,6 +355,19 @@ def _start(config: Config, setup: _Setup, out_dir: Path, ctx: Context) -> tuple[
         out_dir.mkdir(parents=True, exist_ok=True)
         MetricsLog(out_dir / "metrics.jsonl").truncate(state.step)
     return state, resume_from is not None
+
+
+def _pretrained_params(config: Config, ctx: Context) -> Params:
+    import time
+
+    started = time.perf_counter()
+    found = _pretrained(config)
+    try:
+        _, params = pretrained.load(found)
+    except pretrained.PretrainedError as e:
+        raise StageError(f"pretrain.init: {e}") from None
+    ctx.log.info("init", checkpoint=str(found.folder), kind=found.kind, seconds=round(time.perf_counter() - started, 2))
+    return params
 
 
 def _make_steps(config: Config, setup: _Setup, world_size: int, compile: bool) -> Steps:
@@ -426,7 +488,10 @@ def _figures(
     }
 
 
-def _model_config(model, arch: Architecture, vocab_size: int, seq_len: int, pad_id: int):
+def _model_config(model, config: Config, vocab_size: int, seq_len: int, pad_id: int) -> ModelConfig:
+    if config.init:
+        return _checkpoint_config(config, vocab_size, seq_len, pad_id)
+    arch = config.model
     if arch.preset not in model.PRESETS:
         raise StageError(f"pretrain.model.preset: {arch.preset!r} is not one of {', '.join(model.PRESETS)}")
     overrides = {k: v for k, v in dataclasses.asdict(arch).items() if k != "preset" and v is not None}
@@ -436,6 +501,47 @@ def _model_config(model, arch: Architecture, vocab_size: int, seq_len: int, pad_
         )
     except (TypeError, ValueError) as e:
         raise StageError(f"pretrain.model: {e}") from None
+
+
+def _pretrained(config: Config):
+    try:
+        return pretrained.locate(Path(config.init))
+    except pretrained.PretrainedError as e:
+        raise StageError(f"pretrain.init: {e}") from None
+
+
+def _checkpoint_config(config: Config, vocab_size: int, seq_len: int, pad_id: int) -> ModelConfig:
+    """`init`'s architecture, checked against `[pretrain.model]`, the tokenizer and the block length; its
+    weights are read from the files' headers only."""
+    try:
+        cfg, _ = pretrained.load(_pretrained(config), shapes_only=True)
+    except pretrained.PretrainedError as e:
+        raise StageError(f"pretrain.init: {e}") from None
+    if config.model.preset != Architecture().preset:
+        raise StageError(
+            f"pretrain.model.preset: {config.model.preset!r}, but the architecture is pretrain.init's "
+            f"checkpoint ({config.init}); leave the preset out"
+        )
+    for key, value in dataclasses.asdict(config.model).items():
+        if key != "preset" and value is not None and value != getattr(cfg, key):
+            raise StageError(
+                f"pretrain.model.{key}: {value!r} contradicts the checkpoint's {getattr(cfg, key)!r} "
+                f"(pretrain.init = {config.init}); leave it out"
+            )
+    if vocab_size > cfg.vocab_size:
+        raise StageError(
+            f"tokenize.tokenizer: {vocab_size:,} tokens, more than the {cfg.vocab_size:,} embedding rows of "
+            f"pretrain.init's checkpoint ({config.init}): it is not the tokenizer the checkpoint was trained with"
+        )
+    if cfg.position == "learned" and seq_len > cfg.max_seq_len:
+        raise StageError(
+            f"pack.seq_len: {seq_len} is beyond the {cfg.max_seq_len} positions of pretrain.init's "
+            f"checkpoint ({config.init})"
+        )
+    try:
+        return dataclasses.replace(cfg, pad_id=pad_id)
+    except ValueError as e:
+        raise StageError(f"pretrain.init: {e}") from None
 
 
 # Refused only past this share of the device's memory: the estimate is rough, and a config that

@@ -211,8 +211,20 @@ def test_bad_config_and_data_are_stage_errors(pack, tmp_path, make_ctx):
     np.save(pack.path("val"), np.zeros((4, SEQ + 1), dtype=np.uint16))
     with pytest.raises(StageError, match=r"val.npy: shape \(4, 33\)"):
         pretrain.run(small(), {"pack": pack}, tmp_path / "d", make_ctx())
-    with pytest.raises(ValueError, match="every limit is 0"):
-        pretrain.Budget(hours=0, steps=0)
+
+
+def test_a_zero_budget_takes_no_step_and_writes_the_model_it_starts_from(pack, tmp_path, make_ctx):
+    from cram import model
+
+    assert pretrain.Budget(hours=0, steps=0) == pretrain.Budget(tokens=0) and pretrain.Budget(tokens=0).zero
+    assert not pretrain.Budget(steps=0, tokens=5).zero
+    config = small(budget=pretrain.Budget(tokens=0), compile=True)
+    out = pretrain.run(config, {"pack": pack}, tmp_path / "out", make_ctx())
+    assert out["steps"] == 0 and out["tokens_seen"] == 0 and out["compile_s"] == 0
+    assert out["val_loss_start"] == out["val_loss_end"]
+    fresh = model.init(model.ModelConfig.from_json(tmp_path / "out" / "model.json"), seed=0)
+    written = load_file(tmp_path / "out" / "params.safetensors")
+    assert written.keys() == fresh.keys() and all(torch.equal(written[k], fresh[k]) for k in fresh)
 
 
 def load_pretrain(tmp_path, toml: str, *overrides: str) -> pretrain.Config:

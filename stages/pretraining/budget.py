@@ -22,7 +22,7 @@ def progress(budget: Any, state: TrainState, elapsed_s: float) -> float:
     if budget.steps is not None:
         spent.append(state.step / budget.steps)
     if budget.tokens is not None:
-        spent.append(state.tokens_seen / budget.tokens)
+        spent.append(state.tokens_seen / budget.tokens if budget.tokens else 1.0)  # a zero budget: spent
     return max(spent)
 
 
