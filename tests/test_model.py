@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from cram import model
 from cram.model import ModelConfig, OptimizerConfig
-from cram.pipeline.export import to_transformers_state
+from cram.model.hf import to_transformers
 
 # Small enough for float64 finite differences over every parameter.
 MICRO = ModelConfig(vocab_size=24, hidden=8, layers=2, heads=2, intermediate=16, max_seq_len=6)
@@ -239,7 +239,7 @@ def test_matches_modernbert_from_transformers():
         )
     ).eval()
     # The export's mapping; the decoder is tied to the token embeddings, so it is the one name left out.
-    loaded = hf.load_state_dict(to_transformers_state(params), strict=False)
+    loaded = hf.load_state_dict(to_transformers(cfg, params, {"cls": 1, "sep": 2})[1], strict=False)
     assert loaded.missing_keys == ["decoder.weight"] and loaded.unexpected_keys == []
     assert hf.decoder.weight is hf.model.embeddings.tok_embeddings.weight
     ids = torch.randint(3, 97, (2, 16))
