@@ -168,6 +168,11 @@ def _modernbert_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
     global_every = _global_every(config, layers, where)
     theta, local_theta = _rope_thetas(config, where)
     local = global_every > 1 and layers > 1
+    window = config.get("local_attention", 128)
+    if local and window < 1:
+        raise UnsupportedCheckpoint(
+            f"{where}/config.json: local_attention={window} with sliding layers; cram reads >= 1"
+        )
     return dict(
         _common_fields(config),
         intermediate=2 * config.get("intermediate_size", 1152),  # transformers counts one GLU half
@@ -175,7 +180,7 @@ def _modernbert_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
         position="rope",
         rope_theta=theta,
         local_rope_theta=local_theta if local and local_theta != theta else None,
-        local_attention=config.get("local_attention", 128) if local else 0,
+        local_attention=window if local else 0,
         global_every=global_every if local else 1,
         glu=True,
         head_transform=True,

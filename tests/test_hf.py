@@ -106,6 +106,8 @@ def test_the_configs_map_onto_cram_fields(checkpoints):
     assert (bert.post_norm, bert.token_types, bert.position_offset, bert.max_seq_len) == (True, 2, 0, S)
     roberta, _ = from_transformers(*checkpoints["roberta"][1:], where="ckpt")
     assert (roberta.position_offset, roberta.max_seq_len, roberta.token_types, roberta.pad_id) == (2, S, 1, 1)
+    _, config, state = checkpoints["roberta"]
+    assert from_transformers({**config, "model_type": "xlm-roberta"}, state, where="ckpt")[0] == roberta
 
 
 def test_the_older_modernbert_config_spelling_reads_the_same(checkpoints):
@@ -201,6 +203,7 @@ REFUSALS = [
     ("modernbert", {"model_type": "gpt2"}, "model_type='gpt2'"),
     ("modernbert", {"layer_types": ["sliding_attention", "full_attention"] * 2}, "layer_types="),
     ("modernbert", {"layer_types": ["full_attention"] * 3}, "layer_types="),
+    ("modernbert", {"local_attention": 0}, "local_attention=0"),
     (
         "modernbert",
         {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0}}},
