@@ -1,24 +1,32 @@
 """The encoder as pure functions over a flat `dict[str, Tensor]` of parameters.
 
 Parameter names (stable: checkpoints and exports rely on them). H = hidden, V = vocab_size,
-I = intermediate, F = I // 2 with a GLU and I without:
+I = intermediate, F = I // 2 with a GLU and I without, S = max_seq_len, T = token_types:
 
     embed.tokens.weight          [V, H]   also the tied decoder
+    embed.types.weight           [T, H]   token_types > 0: every token adds row 0
     embed.positions.scale        [1]      position="sinusoidal": learnable scale, starts at position_scale
-    embed.positions.weight       [S, H]   position="learned" (S = max_seq_len)
+    embed.positions.weight       [O+S, H] position="learned" (O = position_offset): position p reads row p + O
     embed.norm.weight            [H]      embedding_norm
-    layers.{i}.attn_norm.weight  [H]      absent in layer 0 when first_attn_norm is False
+    layers.{i}.attn_norm.weight  [H]      absent in layer 0 when first_attn_norm is False; post_norm: after the residual
     layers.{i}.attn.qkv.weight   [3H, H]  rows: all query heads, then all keys, then all values
+    layers.{i}.attn.qkv.bias     [3H]     linear_bias
     layers.{i}.attn.out.weight   [H, H]
-    layers.{i}.ffn_norm.weight   [H]
+    layers.{i}.attn.out.bias     [H]      linear_bias
+    layers.{i}.ffn_norm.weight   [H]      post_norm: after the residual
     layers.{i}.ffn.up.weight     [I, H]   GLU: first half is GELU-activated, second half is the gate
+    layers.{i}.ffn.up.bias       [I]      linear_bias
     layers.{i}.ffn.down.weight   [H, F]
-    final_norm.weight            [H]
+    layers.{i}.ffn.down.bias     [H]      linear_bias
+    final_norm.weight            [H]      absent with post_norm
     head.dense.weight            [H, H]   head_transform
+    head.dense.bias              [H]      head_transform and linear_bias
     head.norm.weight             [H]      head_transform
+    head.decoder.bias            [V]      decoder_bias: added to the tied decoder's logits
     <every norm>.bias            [H]      norm_bias: zero at init (cramming's nn.LayerNorm)
 
-No linear layer has a bias; LayerNorms have one only with `norm_bias` (ModernBERT: `norm_bias=False`).
+Biases are zero at init, tables and matrices normal(0.02), norm weights one. By default no linear layer
+has a bias and LayerNorms have one only with `norm_bias` (ModernBERT: `norm_bias=False`).
 RoPE rotates halves (`rotate_half`), as `transformers` does.
 """
 
@@ -35,73 +43,137 @@ from cram.model.config import ModelConfig
 INIT_STD = 0.02  # cramming's and BERT's normal init for every matrix
 
 
-def init(cfg: ModelConfig, seed: int) -> dict[str, Tensor]:
-    """Fresh fp32 CPU parameters; the same seed always gives the same values."""
-    gen = torch.Generator().manual_seed(seed)
-    H = cfg.hidden
-
-    def normal(*shape: int) -> Tensor:
-        return torch.randn(*shape, generator=gen) * INIT_STD
-
-    params = {"embed.tokens.weight": normal(cfg.vocab_size, H)}
+def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The name and shape of every parameter `init` makes, in its order."""
+    H, V = cfg.hidden, cfg.vocab_size
+    out: dict[str, tuple[int, ...]] = {"embed.tokens.weight": (V, H)}
 
     def norm(name: str) -> None:
-        params[name + ".weight"] = torch.ones(H)
+        out[name + ".weight"] = (H,)
         if cfg.norm_bias:
-            params[name + ".bias"] = torch.zeros(H)
+            out[name + ".bias"] = (H,)
 
+    def linear(name: str, outputs: int, inputs: int) -> None:
+        out[name + ".weight"] = (outputs, inputs)
+        if cfg.linear_bias:
+            out[name + ".bias"] = (outputs,)
+
+    if cfg.token_types:
+        out["embed.types.weight"] = (cfg.token_types, H)
     if cfg.position == "sinusoidal":
-        scale = 1.0 / math.sqrt(H) if cfg.position_scale is None else cfg.position_scale
-        params["embed.positions.scale"] = torch.full((1,), scale)
+        out["embed.positions.scale"] = (1,)
     elif cfg.position == "learned":
-        params["embed.positions.weight"] = normal(cfg.max_seq_len, H)
+        out["embed.positions.weight"] = (cfg.position_offset + cfg.max_seq_len, H)
     if cfg.embedding_norm:
         norm("embed.norm")
     for i in range(cfg.layers):
         p = f"layers.{i}."
         if i > 0 or cfg.first_attn_norm:
             norm(p + "attn_norm")
-        params[p + "attn.qkv.weight"] = normal(3 * H, H)
-        params[p + "attn.out.weight"] = normal(H, H)
+        linear(p + "attn.qkv", 3 * H, H)
+        linear(p + "attn.out", H, H)
         norm(p + "ffn_norm")
-        params[p + "ffn.up.weight"] = normal(cfg.intermediate, H)
-        params[p + "ffn.down.weight"] = normal(H, cfg.ffn_inner)
-    norm("final_norm")
+        linear(p + "ffn.up", cfg.intermediate, H)
+        linear(p + "ffn.down", H, cfg.ffn_inner)
+    if not cfg.post_norm:
+        norm("final_norm")
     if cfg.head_transform:
-        params["head.dense.weight"] = normal(H, H)
+        linear("head.dense", H, H)
         norm("head.norm")
+    if cfg.decoder_bias:
+        out["head.decoder.bias"] = (V,)
+    return out
+
+
+def init(cfg: ModelConfig, seed: int) -> dict[str, Tensor]:
+    """Fresh fp32 CPU parameters; the same seed always gives the same values."""
+    gen = torch.Generator().manual_seed(seed)
+    params = {}
+    for name, shape in shapes(cfg).items():
+        if name == "embed.positions.scale":
+            scale = 1.0 / math.sqrt(cfg.hidden) if cfg.position_scale is None else cfg.position_scale
+            params[name] = torch.full(shape, scale)
+        elif name.endswith(".bias"):
+            params[name] = torch.zeros(shape)
+        elif len(shape) == 1:  # a norm's weight
+            params[name] = torch.ones(shape)
+        else:
+            params[name] = torch.randn(*shape, generator=gen) * INIT_STD
     return params
 
 
 def encode(
-    params: dict[str, Tensor], cfg: ModelConfig, input_ids: Tensor, attention_mask: Tensor | None = None
+    params: dict[str, Tensor],
+    cfg: ModelConfig,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    document_ids: Tensor | None = None,
 ) -> Tensor:
-    """Hidden states [B, S, H] after the final norm. attention_mask: [B, S] bool, True = real token."""
+    """Hidden states [B, S, H] after the last norm. attention_mask: [B, S] bool, True = real token;
+    document_ids: [B, S] integers, a query reads only keys of its own document (packed blocks)."""
+    S = input_ids.shape[1]
+    x = _embed(params, cfg, input_ids)
+    rope = local_rope = None
+    if cfg.position == "rope":
+        rope = local_rope = _rope_tables(S, cfg.head_dim, cfg.rope_theta, x.device)
+        theta = cfg.local_rope_theta
+        if cfg.local_attention and theta is not None and theta != cfg.rope_theta:
+            local_rope = _rope_tables(S, cfg.head_dim, theta, x.device)
+    mask, local_mask = _masks(cfg, S, attention_mask, document_ids, x.device)
+    for i in range(cfg.layers):
+        p = f"layers.{i}."
+        kind = (local_mask, local_rope) if cfg.is_local(i) else (mask, rope)
+        if cfg.post_norm:
+            x = _norm(x + _attention(params, p, cfg, x, *kind), params, p + "attn_norm", cfg)
+            x = _norm(x + _feed_forward(params, p, cfg, x), params, p + "ffn_norm", cfg)
+            continue
+        h = _norm(x, params, p + "attn_norm", cfg) if i > 0 or cfg.first_attn_norm else x
+        x = x + _attention(params, p, cfg, h, *kind)
+        x = x + _feed_forward(params, p, cfg, _norm(x, params, p + "ffn_norm", cfg))
+    return x if cfg.post_norm else _norm(x, params, "final_norm", cfg)
+
+
+def _embed(params: dict[str, Tensor], cfg: ModelConfig, input_ids: Tensor) -> Tensor:
     S = input_ids.shape[1]
     x = F.embedding(input_ids, params["embed.tokens.weight"])
+    if cfg.token_types:
+        x = x + params["embed.types.weight"][0]
     if cfg.position == "sinusoidal":
         x = x + params["embed.positions.scale"] * _sinusoids(S, cfg.hidden, x.device)
     elif cfg.position == "learned":
-        x = x + params["embed.positions.weight"][:S]
-    rope = _rope_tables(S, cfg.head_dim, cfg.rope_theta, x.device) if cfg.position == "rope" else None
+        x = x + params["embed.positions.weight"][cfg.position_offset : cfg.position_offset + S]
     if cfg.embedding_norm:
         x = _norm(x, params, "embed.norm", cfg)
-    x = _dropout(x, cfg)
+    return _dropout(x, cfg)
+
+
+def _masks(
+    cfg: ModelConfig, S: int, attention_mask: Tensor | None, document_ids: Tensor | None, device: torch.device
+) -> tuple[Tensor | None, Tensor | None]:
+    """Boolean masks of the global and the local layers, broadcast over [B, heads, S, S]: True where a
+    query may read a key. None when every key may be read."""
     # Key-padding mask broadcast over heads and queries: a padded key is never attended to.
     mask = None if attention_mask is None else attention_mask[:, None, None, :]
-    for i in range(cfg.layers):
-        p = f"layers.{i}."
-        h = _norm(x, params, p + "attn_norm", cfg) if i > 0 or cfg.first_attn_norm else x
-        x = x + _attention(params, p, cfg, h, mask, rope)
-        x = x + _feed_forward(params, p, cfg, _norm(x, params, p + "ffn_norm", cfg))
-    return _norm(x, params, "final_norm", cfg)
+    if document_ids is None and not cfg.local_attention:
+        return mask, None
+    position = torch.arange(S, device=device)
+    # A query always reads itself: a padded query may find no readable key in its window or document,
+    # and a softmax over nothing is NaN, which reaches real tokens through 0 * NaN in the next layer.
+    itself = position[:, None] == position[None, :]
+    if document_ids is not None:
+        same = (document_ids[:, :, None] == document_ids[:, None, :])[:, None]
+        mask = (same if mask is None else same & mask) | itself
+    if not cfg.local_attention:
+        return mask, None
+    band = (position[:, None] - position[None, :]).abs() <= cfg.local_attention // 2
+    return mask, band if mask is None else (band & mask) | itself
 
 
 def mlm_logits(params: dict[str, Tensor], cfg: ModelConfig, hidden: Tensor) -> Tensor:
     """Vocabulary logits [..., V] of hidden states: the optional head transform, then the tied decoder."""
     if cfg.head_transform:
-        hidden = _norm(F.gelu(F.linear(hidden, params["head.dense.weight"])), params, "head.norm", cfg)
-    return F.linear(hidden, params["embed.tokens.weight"])
+        hidden = _norm(F.gelu(_linear(hidden, params, "head.dense", cfg)), params, "head.norm", cfg)
+    return F.linear(hidden, params["embed.tokens.weight"], params["head.decoder.bias"] if cfg.decoder_bias else None)
 
 
 def mlm_loss(params: dict[str, Tensor], cfg: ModelConfig, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
@@ -110,7 +182,7 @@ def mlm_loss(params: dict[str, Tensor], cfg: ModelConfig, batch: dict[str, Tenso
     Sparse prediction: only the K rows named by `mlm_positions` (flat indices into B*S) reach the
     vocabulary projection, and K is fixed per batch, so every shape is static.
     """
-    hidden = encode(params, cfg, batch["input_ids"], batch.get("attention_mask"))
+    hidden = encode(params, cfg, batch["input_ids"], batch.get("attention_mask"), batch.get("document_ids"))
     rows = hidden.flatten(0, 1).index_select(0, batch["mlm_positions"])
     logits = mlm_logits(params, cfg, rows)
     if logits.dtype in (torch.float16, torch.bfloat16):  # autocast: the softmax wants fp32
@@ -126,6 +198,10 @@ def _norm(x: Tensor, params: dict[str, Tensor], name: str, cfg: ModelConfig) -> 
     return F.layer_norm(x, (x.shape[-1],), params[name + ".weight"], bias, cfg.norm_eps)
 
 
+def _linear(x: Tensor, params: dict[str, Tensor], name: str, cfg: ModelConfig) -> Tensor:
+    return F.linear(x, params[name + ".weight"], params[name + ".bias"] if cfg.linear_bias else None)
+
+
 def _attention(
     params: dict[str, Tensor],
     p: str,
@@ -135,16 +211,17 @@ def _attention(
     rope: tuple[Tensor, Tensor] | None,
 ) -> Tensor:
     B, S, H = x.shape
-    qkv = F.linear(x, params[p + "attn.qkv.weight"]).view(B, S, 3, cfg.heads, cfg.head_dim)
+    qkv = _linear(x, params, p + "attn.qkv", cfg).view(B, S, 3, cfg.heads, cfg.head_dim)
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, S, head_dim]
     if rope is not None:
         q, k = _rotate(q, *rope), _rotate(k, *rope)
     out = _attend(q, k, v, mask, cfg.dropout)
-    return _dropout(F.linear(out.transpose(1, 2).reshape(B, S, H), params[p + "attn.out.weight"]), cfg)
+    return _dropout(_linear(out.transpose(1, 2).reshape(B, S, H), params, p + "attn.out", cfg), cfg)
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float) -> Tensor:
-    """softmax(q k^T / sqrt(d)) v over [B, heads, S, head_dim]; `mask` [B, 1, 1, S] is True where a key may be read."""
+    """softmax(q k^T / sqrt(d)) v over [B, heads, S, head_dim]; `mask` (broadcast to [B, heads, S, S], as
+    [B, 1, 1, S] for padding alone) is True where a key may be read."""
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
     # On a CPU the written-out product is faster than SDPA's flash kernel, which tiles for long
@@ -160,13 +237,13 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float
 
 
 def _feed_forward(params: dict[str, Tensor], p: str, cfg: ModelConfig, x: Tensor) -> Tensor:
-    h = F.linear(x, params[p + "ffn.up.weight"])
+    h = _linear(x, params, p + "ffn.up", cfg)
     if cfg.glu:
         h, gate = h.chunk(2, dim=-1)
         h = F.gelu(h) * gate
     else:
         h = F.gelu(h)
-    return _dropout(F.linear(h, params[p + "ffn.down.weight"]), cfg)
+    return _dropout(_linear(h, params, p + "ffn.down", cfg), cfg)
 
 
 def _dropout(x: Tensor, cfg: ModelConfig) -> Tensor:

@@ -41,7 +41,10 @@ class ModelConfig:
     """A pre-norm, bias-free BERT encoder. The defaults are crammed-BERT (Geiping & Goldstein).
 
     `position="rope", head_transform=True, embedding_norm=True, first_attn_norm=False` gives the
-    layer layout of `transformers`' ModernBERT (global attention in every layer).
+    layer layout of `transformers`' ModernBERT (with `local_attention`, `global_every`, `local_rope_theta`
+    and `decoder_bias` its local/global layers); `post_norm`, `linear_bias`, `norm_bias`, `decoder_bias`,
+    `token_types`, `position="learned"` and `glu=False` give BERT's (and `position_offset` RoBERTa's).
+    `model/hf.py` maps existing checkpoints onto these fields.
     """
 
     vocab_size: int = 32768
@@ -61,6 +64,14 @@ class ModelConfig:
     norm_eps: float = 1e-12
     pad_id: int = 0
     dropout: float = 0.0  # hidden, attention and embedding dropout: cramming fine-tunes with 0.1, pretrains without
+    local_attention: int = 0  # > 0: local layers read keys within local_attention // 2 on each side (ModernBERT)
+    global_every: int = 1  # with local_attention: layer i is global when i % global_every == 0 (ModernBERT: 3)
+    local_rope_theta: float | None = None  # rope theta of the local layers; None: rope_theta
+    linear_bias: bool = False  # every linear layer has a bias, zero at init (BERT)
+    post_norm: bool = False  # BERT's post-LN blocks, norm(x + f(x)), and no final norm
+    position_offset: int = 0  # learned positions: position p reads row p + offset (RoBERTa: pad_token_id + 1)
+    token_types: int = 0  # rows of a token-type table added to the embeddings; every token reads row 0 (BERT: 2)
+    decoder_bias: bool = False  # a bias over the vocabulary added to the tied decoder's logits
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "hidden", "layers", "heads", "intermediate", "max_seq_len"):
@@ -84,6 +95,22 @@ class ModelConfig:
             raise ValueError(f"model.position_scale={self.position_scale}: must be >= 0")
         if self.norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("model.norm_eps and model.rope_theta: must be positive")
+        self._check_layouts()
+
+    def _check_layouts(self) -> None:
+        for key in ("local_attention", "position_offset", "token_types"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"model.{key}={getattr(self, key)}: must be >= 0")
+        if self.global_every < 1:
+            raise ValueError(f"model.global_every={self.global_every}: must be a positive integer")
+        if self.local_rope_theta is not None and self.local_rope_theta <= 0:
+            raise ValueError(
+                f"model.local_rope_theta={self.local_rope_theta}: must be positive, or None for rope_theta"
+            )
+        if self.position_offset and self.position != "learned":
+            raise ValueError(f"model.position_offset={self.position_offset}: only learned positions have an offset")
+        if self.post_norm and not self.first_attn_norm:
+            raise ValueError("model.first_attn_norm=false: post_norm normalises after every block, so it must be true")
 
     @classmethod
     def from_json(cls, path: Path) -> ModelConfig:
@@ -111,6 +138,10 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` attends within the local window rather than to the whole sequence."""
+        return self.local_attention > 0 and layer % self.global_every != 0
 
     @property
     def ffn_inner(self) -> int:

@@ -47,7 +47,8 @@ class MemoryEstimate:
 @dataclass(frozen=True)
 class Parameters:
     """How many parameters `model.init(cfg)` makes (`model/bert.py` lists them), by part: the token
-    embeddings, the positions, the encoder (its layers and norms) and the head before the tied decoder."""
+    embeddings (and the token-type table), the positions, the encoder (its layers and norms) and the head
+    (the transform before the tied decoder, and the decoder's bias)."""
 
     embedding: int
     positions: int
@@ -61,15 +62,18 @@ class Parameters:
 
 def parameters(cfg: ModelConfig) -> Parameters:
     H, norm = cfg.hidden, cfg.hidden * (2 if cfg.norm_bias else 1)
+    bias = 1 if cfg.linear_bias else 0
     per_layer = 3 * H * H + H * H + cfg.intermediate * H + H * cfg.ffn_inner + 2 * norm  # qkv, out, up, down, norms
-    encoder = cfg.layers * per_layer + norm  # and the final norm
+    per_layer += bias * (3 * H + H + cfg.intermediate + H)
+    encoder = cfg.layers * per_layer + (0 if cfg.post_norm else norm)  # and the final norm
     encoder -= 0 if cfg.first_attn_norm else norm
     encoder += norm if cfg.embedding_norm else 0
+    head = (H * H + bias * H + norm if cfg.head_transform else 0) + (cfg.vocab_size if cfg.decoder_bias else 0)
     return Parameters(
-        embedding=cfg.vocab_size * H,
-        positions={"sinusoidal": 1, "learned": cfg.max_seq_len * H}.get(cfg.position, 0),
+        embedding=(cfg.vocab_size + cfg.token_types) * H,
+        positions={"sinusoidal": 1, "learned": (cfg.position_offset + cfg.max_seq_len) * H}.get(cfg.position, 0),
         encoder=encoder,
-        head=H * H + norm if cfg.head_transform else 0,
+        head=head,
     )
 
 

@@ -1,15 +1,17 @@
 """Export a finished run's encoder, and load cram's own export back.
 
     export(Path("runs/default"), Path("out/default"))                       # cram's format
-    export(Path("runs/default"), Path("out/hf"), fmt="transformers")        # a ModernBERT directory
+    export(Path("runs/default"), Path("out/hf"), fmt="transformers")        # a ModernBERT (or BERT) directory
     cfg, params, tokenizer = load_export(Path("out/default"))               # ready for model.encode
 
-cram's format: `params.safetensors` (cram's parameter names), `model.json` (the `ModelConfig`),
-`tokenizer.model` (sentencepiece), `special_ids.json` and a `README.md` model card.
+cram's format: `params.safetensors` (cram's parameter names), `model.json` (the `ModelConfig`), the run's
+tokenizer (`tokenizer.model`, sentencepiece, or `tokenizer.json` when tokenize reused a tokenizers one),
+`special_ids.json` and a `README.md` model card.
 The transformers format holds what `AutoModelForMaskedLM.from_pretrained` and
 `AutoTokenizer.from_pretrained` read: `config.json`, `model.safetensors`, `tokenizer.json`,
-`tokenizer_config.json`, and the same card. It exists only for the ModernBERT layout (see
-`transformers_blockers`); building its tokenizer needs `tokenizers` and `protobuf`.
+`tokenizer_config.json`, and the same card. It exists for the ModernBERT layout and, with `post_norm`,
+BERT's or RoBERTa's (`model/hf.py`, the one mapping, and its `transformers_blockers`); building its
+tokenizer from sentencepiece needs `tokenizers` and `protobuf`.
 Both formats hold `.cram-export`, the marker by which `--force` knows a folder it may replace: an
 earlier export, never a run, the runs folder or anything else.
 """
@@ -28,27 +30,7 @@ from cram.stages.shared.figures import is_number
 
 FORMATS = ("cram", "transformers")
 MARKER = ".cram-export"  # in every export: `--force` replaces a folder only when it holds this file
-# What a ModernBERT layer stack needs of cram's ModelConfig; every other field maps whatever its value.
-MODERNBERT_LAYOUT = {
-    "position": "rope",
-    "head_transform": True,
-    "first_attn_norm": False,
-    "glu": True,
-    "embedding_norm": True,
-    "norm_bias": False,
-}
-# cram's parameter names -> transformers' ModernBertForMaskedLM names, applied in this order.
-_RENAMES = (
-    ("embed.tokens", "model.embeddings.tok_embeddings"),
-    ("embed.norm", "model.embeddings.norm"),
-    ("final_norm", "model.final_norm"),
-    ("layers.", "model.layers."),
-    ("attn.qkv", "attn.Wqkv"),
-    ("attn.out", "attn.Wo"),
-    ("ffn_norm", "mlp_norm"),
-    ("ffn.up", "mlp.Wi"),
-    ("ffn.down", "mlp.Wo"),
-)
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")  # sentencepiece's, or a tokenizers one a run reused
 
 
 class ExportError(Exception):
@@ -61,8 +43,13 @@ def export(run_dir: Path, to: Path, fmt: str = "cram", force: bool = False) -> P
         raise ExportError(f"--format {fmt}: allowed {', '.join(FORMATS)}")
     run = _finished_run(run_dir)
     cfg = _model_config(run["pretrain_dir"] / run["pretrain"]["model_config"])
-    if fmt == "transformers" and (blockers := transformers_blockers(cfg)):
-        raise ExportError(f"{run_dir}: the model does not map onto transformers' ModernBERT; set {', '.join(blockers)}")
+    if fmt == "transformers":
+        from cram.model import hf  # torch: only an export to transformers needs it
+
+        if blockers := hf.transformers_blockers(cfg):
+            raise ExportError(
+                f"{run_dir}: the model does not map onto transformers' {hf.layout(cfg)}; set {', '.join(blockers)}"
+            )
     target = _check_target(run_dir, to, force)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -83,61 +70,17 @@ def export(run_dir: Path, to: Path, fmt: str = "cram", force: bool = False) -> P
 
 
 def load_export(path: Path) -> tuple[ModelConfig, dict[str, Any], Path]:
-    """(ModelConfig, fp32 params, sentencepiece model path) of a cram-format export."""
+    """(ModelConfig, fp32 params, tokenizer path) of a cram-format export: a sentencepiece `tokenizer.model`,
+    or the `tokenizer.json` of a run that reused a tokenizers tokenizer."""
     from safetensors.torch import load_file
 
-    for name in ("model.json", "params.safetensors", "tokenizer.model"):
+    for name in ("model.json", "params.safetensors"):
         if not (path / name).is_file():
             raise ExportError(f"{path}: no {name}; is it a cram-format export (`cram export RUN_DIR --to DIR`)?")
-    return _model_config(path / "model.json"), load_file(path / "params.safetensors"), path / "tokenizer.model"
-
-
-def transformers_blockers(cfg: ModelConfig) -> list[str]:
-    """`key=value` for every ModelConfig field that must change before the model maps onto ModernBERT."""
-    return [f"pretrain.model.{k}={json.dumps(v)}" for k, v in MODERNBERT_LAYOUT.items() if getattr(cfg, k) != v]
-
-
-def to_transformers_state(params: dict[str, Any]) -> dict[str, Any]:
-    """cram's params under ModernBertForMaskedLM's names. The decoder is tied to the token
-    embeddings there too, so it has no tensor of its own."""
-    state = {}
-    for name, tensor in params.items():
-        for old, new in _RENAMES:
-            name = name.replace(old, new)
-        state[name] = tensor
-    return state
-
-
-def transformers_config(cfg: ModelConfig, special_ids: dict[str, int]) -> dict[str, Any]:
-    """ModernBERT's config.json for `cfg`: every layer global, no biases, cram's norm eps and rope theta."""
-    return {
-        "architectures": ["ModernBertForMaskedLM"],
-        "model_type": "modernbert",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden,
-        "intermediate_size": cfg.intermediate // 2,  # transformers counts one half of the GLU's up-projection
-        "num_hidden_layers": cfg.layers,
-        "num_attention_heads": cfg.heads,
-        "max_position_embeddings": cfg.max_seq_len,
-        "hidden_activation": "gelu",
-        "classifier_activation": "gelu",
-        "norm_eps": cfg.norm_eps,
-        "norm_bias": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "decoder_bias": False,
-        "classifier_bias": False,
-        "global_attn_every_n_layers": 1,
-        "global_rope_theta": cfg.rope_theta,
-        "local_rope_theta": cfg.rope_theta,
-        "tie_word_embeddings": True,
-        "pad_token_id": special_ids["pad"],
-        "cls_token_id": special_ids["cls"],
-        "sep_token_id": special_ids["sep"],
-        "bos_token_id": special_ids["cls"],
-        "eos_token_id": special_ids["sep"],
-        "torch_dtype": "float32",
-    }
+    tokenizer = next((path / name for name in TOKENIZER_FILES if (path / name).is_file()), None)
+    if tokenizer is None:
+        raise ExportError(f"{path}: no {' or '.join(TOKENIZER_FILES)}; is it a cram-format export?")
+    return _model_config(path / "model.json"), load_file(path / "params.safetensors"), tokenizer
 
 
 def fast_tokenizer(sp_model: Path, special_ids: dict[str, int]) -> Any:
@@ -335,19 +278,27 @@ def _write_cram(run: dict[str, Any], out: Path) -> None:
     pretrain, tokenize = run["pretrain_dir"], run["tokenize_dir"]
     shutil.copyfile(pretrain / run["pretrain"]["params"], out / "params.safetensors")
     shutil.copyfile(pretrain / run["pretrain"]["model_config"], out / "model.json")
-    shutil.copyfile(tokenize / run["tokenize"]["tokenizer"], out / "tokenizer.model")
+    tokenizer = tokenize / run["tokenize"]["tokenizer"]
+    shutil.copyfile(tokenizer, out / ("tokenizer.json" if tokenizer.suffix == ".json" else "tokenizer.model"))
     (out / "special_ids.json").write_text(json.dumps(run["tokenize"]["special_ids"], indent=1) + "\n")
 
 
 def _write_transformers(run: dict[str, Any], cfg: ModelConfig, out: Path) -> None:
     from safetensors.torch import load_file, save_file
 
+    from cram.model import hf
+
     special = run["tokenize"]["special_ids"]
-    tokenizer = fast_tokenizer(run["tokenize_dir"] / run["tokenize"]["tokenizer"], special)
-    params = load_file(run["pretrain_dir"] / run["pretrain"]["params"])
-    save_file(to_transformers_state(params), out / "model.safetensors", metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(transformers_config(cfg, special), indent=2) + "\n")
-    tokenizer.save(str(out / "tokenizer.json"))
+    source = run["tokenize_dir"] / run["tokenize"]["tokenizer"]
+    if source.suffix == ".json":  # a tokenizers tokenizer, already in transformers' format: copied as it is
+        tokenizer = _tokenizer_json(source)
+        shutil.copyfile(source, out / "tokenizer.json")
+    else:
+        tokenizer = fast_tokenizer(source, special)
+        tokenizer.save(str(out / "tokenizer.json"))
+    config, state = hf.to_transformers(cfg, load_file(run["pretrain_dir"] / run["pretrain"]["params"]), special)
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     names = {f"{role}_token": tokenizer.id_to_token(i) for role, i in special.items()}
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -356,3 +307,11 @@ def _write_transformers(run: dict[str, Any], cfg: ModelConfig, out: Path) -> Non
         "model_input_names": ["input_ids", "attention_mask"],
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+def _tokenizer_json(path: Path) -> Any:
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as e:
+        raise ExportError(f"--format transformers needs tokenizers ({e}): pip install -e '.[export]'") from None
+    return Tokenizer.from_file(str(path))

@@ -47,7 +47,17 @@ DISTRIBUTED = True  # the runner calls `run` on every rank
 # so changing them keeps a finished result and resumes an interrupted one.
 NOT_IN_KEY = ("log_every_steps", "checkpoint_every_minutes", "checkpoint_every_steps", "keep_checkpoints")
 # Options added after the stage's key was fixed: at their default they are left out of it (planning.keyed_config).
-NEW_OPTIONS = ("init",)
+NEW_OPTIONS = (
+    "init",
+    "model.local_attention",
+    "model.global_every",
+    "model.local_rope_theta",
+    "model.linear_bias",
+    "model.post_norm",
+    "model.position_offset",
+    "model.token_types",
+    "model.decoder_bias",
+)
 
 
 # vocab_size, max_seq_len and pad_id come from the data; dropout is fine-tuning's (evaluate's).

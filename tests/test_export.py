@@ -11,8 +11,9 @@ from typer.testing import CliRunner
 from cram import model
 from cram.model import ModelConfig
 from cram.model.classifier import init_head, make_finetune_step
+from cram.model.hf import transformers_blockers
 from cram.pipeline import cli
-from cram.pipeline.export import ExportError, export, load_export, transformers_blockers
+from cram.pipeline.export import ExportError, export, load_export
 from cram.stages import tokenize
 from cram.stages.shared.special import SPECIAL_IDS
 
@@ -54,11 +55,13 @@ def sp_model(tmp_path_factory):
 
 
 def fake_run(root, sp_model, cfg=MODERNBERT, pretrain_status="done"):
-    """A run directory holding just what export reads: manifest, config, tokenizer, params, model.json."""
+    """A run directory holding just what export reads: manifest, config, tokenizer, params, model.json.
+    sp_model: a sentencepiece model, or the tokenizer.json of a run that reused a tokenizers tokenizer."""
     run = root / "runs" / "run"
     (run / "tokenize").mkdir(parents=True)
     (run / "pretrain").mkdir()
-    (run / "tokenize" / "tokenizer.model").write_bytes(sp_model.read_bytes())
+    tokenizer = "tokenizer.json" if sp_model.suffix == ".json" else "tokenizer.model"
+    (run / "tokenize" / tokenizer).write_bytes(sp_model.read_bytes())
     # Larger than init's 0.02 std so that the logits comparison is not between near-zero numbers.
     params = {k: v * 10 if v.ndim == 2 else v + 0.1 * torch.randn_like(v) for k, v in model.init(cfg, seed=0).items()}
     save_file(params, run / "pretrain" / "params.safetensors")
@@ -67,7 +70,7 @@ def fake_run(root, sp_model, cfg=MODERNBERT, pretrain_status="done"):
     stages = {
         "tokenize": {
             "status": "done",
-            "outputs": {"tokenizer": "tokenizer.model", "special_ids": SPECIAL_IDS},
+            "outputs": {"tokenizer": tokenizer, "special_ids": SPECIAL_IDS},
         },
         "pretrain": {
             "status": pretrain_status,
@@ -195,6 +198,49 @@ def test_transformers_export_matches_cram_logits_and_tokens(tmp_path, sp_model):
     before, after = SENTENCES[3].split("[MASK]")
     masked = tokenizer(SENTENCES[3], add_special_tokens=False)["input_ids"]
     assert masked == [*sp.encode(before), special["mask"], *sp.encode(after)]
+
+
+def test_a_bert_layout_and_a_reused_tokenizer_json_export_to_both_formats(tmp_path, sp_model):
+    transformers = pytest.importorskip("transformers")
+    from cram.pipeline.export import fast_tokenizer
+
+    tokenizer_json = tmp_path / "tokenizer.json"
+    fast_tokenizer(sp_model, SPECIAL_IDS).save(str(tokenizer_json))
+    bert = dataclasses.replace(
+        MODERNBERT,
+        position="learned",
+        first_attn_norm=True,
+        glu=False,
+        post_norm=True,
+        linear_bias=True,
+        norm_bias=True,
+        token_types=2,
+        decoder_bias=True,
+        norm_eps=1e-12,
+    )
+    run, params = fake_run(tmp_path, tokenizer_json, cfg=bert)
+    cfg, loaded, tokenizer = load_export(export(run, tmp_path / "cram"))
+    assert cfg == bert and tokenizer.name == "tokenizer.json" and tokenizer.read_bytes() == tokenizer_json.read_bytes()
+    assert not (tmp_path / "cram" / "tokenizer.model").exists()
+
+    out = export(run, tmp_path / "hf", fmt="transformers")
+    assert (out / "tokenizer.json").read_bytes() == tokenizer_json.read_bytes()  # copied, not rebuilt
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == "BertForMaskedLM"
+    ids = torch.randint(5, bert.vocab_size, (2, bert.max_seq_len))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, 10:] = False
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask.long()).logits
+    ours = model.mlm_logits(params, bert, model.encode(params, bert, ids, mask))
+    assert (ours[mask] - expected[mask]).abs().max().item() <= 1e-4
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert (hf_tokenizer.pad_token_id, hf_tokenizer.mask_token_id) == (SPECIAL_IDS["pad"], SPECIAL_IDS["mask"])
+
+    rope_bert = dataclasses.replace(bert, position="rope")
+    run, _ = fake_run(tmp_path / "b", sp_model, cfg=rope_bert)
+    with pytest.raises(ExportError, match="does not map onto transformers' BERT; set pretrain.model.position="):
+        export(run, tmp_path / "rope", fmt="transformers")
 
 
 @pytest.mark.parametrize(

@@ -72,6 +72,10 @@ def measured_step_peak(cfg: ModelConfig, microbatch: int, per_sequence: int, aut
         {"position": "sinusoidal", "first_attn_norm": True},
         {"glu": False},
         {"head_transform": False, "embedding_norm": False},
+        {"local_attention": 8, "global_every": 3, "local_rope_theta": 1e4, "decoder_bias": True},
+        {"linear_bias": True},
+        {"position": "learned", "first_attn_norm": True, "post_norm": True, "linear_bias": True, "norm_bias": True},
+        {"position": "learned", "position_offset": 2, "token_types": 2, "decoder_bias": True, "glu": False},
     ],
 )
 def test_parameter_count_is_what_init_makes(changes):

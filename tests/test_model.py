@@ -1,5 +1,6 @@
 """The functional encoder, its loss, AdamW, schedules and FLOP count (eager, no compiling)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -8,12 +9,16 @@ import torch.nn.functional as F
 
 from cram import model
 from cram.model import ModelConfig, OptimizerConfig
-from cram.pipeline.export import to_transformers_state
+from cram.model.hf import to_transformers
 
 # Small enough for float64 finite differences over every parameter.
 MICRO = ModelConfig(vocab_size=24, hidden=8, layers=2, heads=2, intermediate=16, max_seq_len=6)
 SMALL = dict(vocab_size=100, hidden=32, layers=3, heads=2, intermediate=64)
 MODERNBERT = dict(position="rope", head_transform=True, first_attn_norm=False)
+LOCAL = dict(MODERNBERT, local_attention=4, global_every=3, local_rope_theta=500.0, decoder_bias=True)
+BERT = dict(
+    position="learned", glu=False, head_transform=True, post_norm=True, linear_bias=True, norm_bias=True, token_types=2
+)
 
 
 def random_batch(cfg: ModelConfig, batch: int, per_seq: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -65,11 +70,38 @@ def test_presets_use_the_modernbert_layout_and_keep_crammed_bert():
     ].item() == pytest.approx(32**-0.5)
 
 
-@pytest.mark.parametrize("overrides", [{}, MODERNBERT, {"position": "learned", "glu": False}])
+def test_the_bert_and_local_layouts_add_their_parameters():
+    bert = ModelConfig(**SMALL, **BERT, decoder_bias=True, position_offset=2)
+    params = model.init(bert, seed=0)
+    H, inter = bert.hidden, bert.intermediate
+    assert params["embed.positions.weight"].shape == (2 + 128, H) and params["embed.types.weight"].shape == (2, H)
+    assert "final_norm.weight" not in params and "layers.0.attn_norm.weight" in params
+    assert {name: p.shape[0] for name, p in params.items() if name.startswith("layers.0.") and "bias" in name} == {
+        "layers.0.attn_norm.bias": H,
+        "layers.0.attn.qkv.bias": 3 * H,
+        "layers.0.attn.out.bias": H,
+        "layers.0.ffn_norm.bias": H,
+        "layers.0.ffn.up.bias": inter,
+        "layers.0.ffn.down.bias": H,
+    }
+    assert params["head.dense.bias"].shape == (H,) and params["head.decoder.bias"].shape == (bert.vocab_size,)
+    zero = [name for name in params if name.endswith(".bias") and "norm" not in name]
+    assert all(not params[name].any() for name in zero) and len(zero) == 3 * 4 + 2
+    assert (
+        model.init(ModelConfig(**SMALL, **LOCAL), seed=0).keys()
+        == model.init(ModelConfig(**SMALL, **MODERNBERT, decoder_bias=True), seed=0).keys()
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides", [{}, MODERNBERT, {"position": "learned", "glu": False}, LOCAL, {**BERT, "decoder_bias": True}]
+)
 def test_flops_per_token_counts_every_non_embedding_parameter(overrides):
     cfg = ModelConfig(**SMALL, **overrides)
     params = model.init(cfg, seed=0)
-    embedding = sum(p.numel() for name, p in params.items() if name.startswith(("embed.tokens", "embed.positions")))
+    embedding = sum(
+        p.numel() for name, p in params.items() if name.startswith(("embed.tokens", "embed.positions", "embed.types"))
+    )
     head = sum(p.numel() for name, p in params.items() if name.startswith("head."))
     non_embedding = model.num_params(params) - embedding - head
     decoder = (cfg.hidden * cfg.vocab_size + head) * 0.25
@@ -94,9 +126,13 @@ def test_invalid_config_names_the_key():
         ModelConfig(position="alibi")
 
 
-@pytest.mark.parametrize("position", ["sinusoidal", "learned", "rope"])
-def test_padding_never_changes_real_tokens(position):
-    cfg = ModelConfig(vocab_size=50, hidden=16, layers=2, heads=2, intermediate=32, max_seq_len=10, position=position)
+@pytest.mark.parametrize(
+    "position, overrides",
+    [("sinusoidal", {}), ("learned", {}), ("rope", {}), ("rope", LOCAL), ("learned", {**BERT, "position_offset": 3})],
+)
+def test_padding_never_changes_real_tokens(position, overrides):
+    overrides = {**overrides, "position": position}
+    cfg = ModelConfig(vocab_size=50, hidden=16, layers=2, heads=2, intermediate=32, max_seq_len=10, **overrides)
     params = model.init(cfg, seed=0)
     ids = torch.randint(1, 50, (2, 10))
     mask = torch.ones(2, 10, dtype=torch.bool)
@@ -107,6 +143,45 @@ def test_padding_never_changes_real_tokens(position):
     assert torch.allclose(hidden[mask], model.encode(params, cfg, other, mask)[mask], atol=1e-6)
     # Without the mask the padded tokens leak in: the test above is not vacuous.
     assert not torch.allclose(model.encode(params, cfg, ids)[1, :6], model.encode(params, cfg, other)[1, :6])
+
+
+@pytest.mark.parametrize("overrides", [MODERNBERT, {**LOCAL, "local_attention": 6}])
+def test_document_ids_encode_each_packed_document_as_if_alone(overrides):
+    # With rope a token sees only relative positions, so a document packed after another encodes as it
+    # does alone, once document_ids keep the two apart; padding after them changes nothing either.
+    cfg = ModelConfig(vocab_size=50, hidden=16, layers=3, heads=2, intermediate=32, max_seq_len=16, **overrides)
+    params = {k: v * 10 if v.ndim == 2 else v for k, v in model.init(cfg, seed=0).items()}
+    ids = torch.randint(1, 50, (1, 16))
+    documents = torch.tensor([[0] * 7 + [1] * 6 + [2] * 3])
+    mask = documents < 2
+    packed = model.encode(params, cfg, ids, mask, document_ids=documents)[0]
+    alone = [model.encode(params, cfg, ids[:, a:b])[0] for a, b in ((0, 7), (7, 13))]
+    assert torch.allclose(packed[:13], torch.cat(alone), atol=1e-5)
+    assert torch.isfinite(packed).all()  # padded queries see no real key of their document: not NaN
+    assert not torch.allclose(model.encode(params, cfg, ids, mask)[0, 7:13], alone[1], atol=1e-3)
+    batch = random_batch(cfg, batch=1, per_seq=4)
+    loss, _ = model.mlm_loss(
+        params, cfg, {**batch, "input_ids": ids, "attention_mask": mask, "document_ids": documents}
+    )
+    rows = model.mlm_logits(params, cfg, packed)[batch["mlm_positions"]]
+    assert loss.item() == pytest.approx(F.cross_entropy(rows, batch["mlm_labels"]).item(), rel=1e-5)
+
+
+def test_local_layers_read_keys_within_half_the_window_and_padding_never():
+    cfg = ModelConfig(vocab_size=50, hidden=16, layers=4, heads=2, intermediate=32, max_seq_len=8, **LOCAL)
+    assert [cfg.is_local(i) for i in range(4)] == [False, True, True, False]  # global when i % 3 == 0
+    padding = torch.tensor([[True] * 8, [True] * 3 + [False] * 5])
+    full, local = model.bert._masks(cfg, 8, padding, None, torch.device("cpu"))
+    assert torch.equal(full, padding[:, None, None, :])
+    i = torch.arange(8)
+    band = (i[:, None] - i[None, :]).abs() <= 2  # local_attention=4: two each side
+    assert torch.equal(local[0, 0], band)
+    # A padded query reads only itself when no real key is in its window (a softmax over nothing is NaN).
+    assert torch.equal(local[1, 0], (band & padding[1]) | torch.eye(8, dtype=torch.bool))
+    assert model.bert._masks(dataclasses.replace(cfg, local_attention=0), 8, None, None, torch.device("cpu")) == (
+        None,
+        None,
+    )
 
 
 def test_sparse_loss_equals_dense_loss_at_the_masked_positions():
@@ -123,7 +198,7 @@ def test_sparse_loss_equals_dense_loss_at_the_masked_positions():
     assert aux["accuracy"].item() == pytest.approx(hits.float().mean().item())
 
 
-@pytest.mark.parametrize("overrides", [{}, MODERNBERT])
+@pytest.mark.parametrize("overrides", [{}, MODERNBERT, LOCAL, {**BERT, "decoder_bias": True, "position_offset": 2}])
 def test_gradients_match_finite_differences_in_float64(overrides):
     cfg = ModelConfig(**{**MICRO.__dict__, **overrides})
     params = {k: v.double() * 10 if v.ndim == 2 else v.double() for k, v in model.init(cfg, seed=0).items()}
@@ -164,7 +239,7 @@ def test_matches_modernbert_from_transformers():
         )
     ).eval()
     # The export's mapping; the decoder is tied to the token embeddings, so it is the one name left out.
-    loaded = hf.load_state_dict(to_transformers_state(params), strict=False)
+    loaded = hf.load_state_dict(to_transformers(cfg, params, {"cls": 1, "sep": 2})[1], strict=False)
     assert loaded.missing_keys == ["decoder.weight"] and loaded.unexpected_keys == []
     assert hf.decoder.weight is hf.model.embeddings.tok_embeddings.weight
     ids = torch.randint(3, 97, (2, 16))

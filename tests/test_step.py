@@ -62,6 +62,48 @@ def test_each_step_is_one_graph_without_breaks(which):
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
 
 
+# The layouts of existing checkpoints (model/hf.py): ModernBERT's local/global layers, BERT's post-norm
+# blocks with biases, and packed documents kept apart by document_ids.
+LAYOUTS = {
+    "modernbert-local": dict(
+        layers=3,
+        position="rope",
+        head_transform=True,
+        first_attn_norm=False,
+        local_attention=4,
+        global_every=2,
+        local_rope_theta=500.0,
+        decoder_bias=True,
+    ),
+    "bert": dict(
+        position="learned",
+        position_offset=2,
+        glu=False,
+        head_transform=True,
+        post_norm=True,
+        linear_bias=True,
+        norm_bias=True,
+        token_types=2,
+        decoder_bias=True,
+    ),
+    "document_ids": dict(layers=2, position="rope", local_attention=4, global_every=2),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_checkpoint_layouts_compile_the_train_step_to_one_graph(layout):
+    cfg = ModelConfig(**{**TINIEST.__dict__, **LAYOUTS[layout]})
+    params, state = fresh(cfg)
+    batch = random_batch(cfg, 2, seed=0)
+    batch["attention_mask"] = torch.ones(2, cfg.max_seq_len, dtype=torch.bool)
+    batch["attention_mask"][1, 12:] = False
+    if layout == "document_ids":
+        batch["document_ids"] = (torch.arange(cfg.max_seq_len) >= 5).long().expand(2, -1).contiguous()
+    step = model.make_train_step(cfg, OPT, compile=False)
+    explanation = torch._dynamo.explain(step)(params, state, batch, torch.tensor(1e-3))
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
+
+
 def test_new_batches_lrs_evals_and_microbatch_counts_never_recompile():
     counters = torch._dynamo.utils.counters["stats"]
     graphs_before = counters["unique_graphs"]
