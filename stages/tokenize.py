@@ -329,9 +329,9 @@ def _parallel(work: Callable[[Any], Any], jobs: list[Any], num_proc: int) -> lis
 
 
 def _one_thread() -> None:
-    # A process per core already fills the machine: the `tokenizers` library's own threads in each would
-    # only compete for the cores (measured: no faster on 2 cores, bench/README.md "tokenize"). Alone in
-    # one process (num_proc 1) its threads are left on: they encode 1.3x faster there.
+    # A process per core already fills the machine, and turning ids into Python lists holds the GIL: the
+    # `tokenizers` library's own threads in each worker only compete for the cores (bench/README.md,
+    # "a given tokenizer"). In this process (num_proc 1) its threads stay on: alone they help.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
