@@ -94,6 +94,17 @@ def test_bert_and_roberta_folders_give_their_special_ids_and_vocab_size(folders)
     assert tokenizer.load(folders["bert"] / "tokenizer.json").special_ids == bert.special_ids
 
 
+def test_a_saved_truncation_or_padding_is_not_applied(tmp_path):
+    from tokenizers import Tokenizer
+
+    path = word_level(tmp_path / "tokenizer.json", ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]", "a", "b"])
+    saved = Tokenizer.from_file(str(path))
+    saved.enable_truncation(max_length=3)
+    saved.enable_padding(pad_id=3, pad_token="[PAD]", length=8)
+    saved.save(str(path))
+    assert tokenizer.load(path).encode(["a b a b a", "b"]) == [[5, 6, 5, 6, 5], [6]]
+
+
 def test_the_config_files_names_win_over_the_usual_ones(tmp_path):
     # Two mask-like tokens: the config's (an AddedToken dict, as transformers writes it) is the one.
     word_level(tmp_path / "tokenizer.json", ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]", "<extra_mask>", "a"])
@@ -178,7 +189,7 @@ def test_tokenize_encodes_in_parallel_exactly_as_the_tokenizer_does(folders, tmp
     assert not (out / "scratch").exists()
 
 
-def test_a_tokenizers_content_is_in_the_key_and_its_place_is_not(folders, tmp_path):
+def test_a_tokenizers_content_is_in_the_fingerprint_and_its_place_is_not(folders, tmp_path):
     import shutil
 
     copy = shutil.copytree(folders["bert"], tmp_path / "copy")

@@ -81,6 +81,9 @@ def _read_tokenizers(file: Path) -> tuple[str, Callable[[str], int | None], int,
         tokenizer = RustTokenizer.from_file(str(file))
     except Exception as e:  # the Rust reader raises a bare Exception with serde's message
         raise TokenizerError(f"{file}: not a readable tokenizer.json ({_first_line(e)})") from None
+    # A saved tokenizer.json may carry truncation (to 512 tokens, say) or padding: whole documents are wanted.
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
     # Ids past the vocabulary's count (a gap before an added token) would be out of the model's range.
     ids = tokenizer.get_vocab(with_added_tokens=True).values()
     vocab_size = max(tokenizer.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
