@@ -9,8 +9,9 @@ tokenizer's training data or the `tokens` output that pretraining reads.
 Three passes, each streaming and each but the second spread over `num_proc` processes, one corpus
 unit (`corpus.units`) at a time: read (standardise, split off the held-out documents, count) into
 shards of training text; train the tokenizer on a sample of at most `tokenizer_max_chars` (or copy
-the given one); encode each text shard into a shard of the `tokens` folder. Memory stays at a few units per process
-whatever the corpus size; the `tokens` and `heldout` outputs are ordinary `datasets` folders.
+the given one); encode each text shard into a shard of the `tokens` folder. Memory stays at a few
+units per process whatever the corpus size; the `tokens` and `heldout` outputs are ordinary
+`datasets` folders.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ NOT_IN_KEY = ("num_proc", "batch_size")
 # Options added after the key was fixed: at their default they are left out of it (planning.keyed_config).
 NEW_OPTIONS = ("tokenizer",)
 
-# Fixed ids, so the model and the evaluation can name them without reading the tokenizer.
+# The names of the special pieces in the tokenizers cram trains, at the fixed ids SPECIAL_IDS.
 _PIECES = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
 _MAX_PROCS = 8  # beyond this, reading the corpus, not encoding, is what limits a machine
 SHARD_BYTES = 16 << 20  # training text per shard of the encoding pass (and of the `tokens` output)
@@ -229,8 +230,8 @@ def _classifies_topics(pipeline: Any) -> bool:
 
 def fingerprint(config: Config) -> list[list[Any]]:
     """What the runner adds to this stage's key besides the config: the local corpus files' stats and
-    the content of a given tokenizer's files (by name and hash: where it lies does not matter). One that
-    cannot be found gives its error instead; `validate` reports it."""
+    the content of a given tokenizer's files (name and hash; its path is in the config). One that cannot
+    be found gives its error instead; `validate` reports it."""
     prints = corpus.fingerprint(config.corpus)
     if config.tokenizer:
         try:
