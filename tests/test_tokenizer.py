@@ -233,3 +233,18 @@ def test_a_pipeline_with_an_imported_tokenizer_runs_end_to_end(tmp_path, monkeyp
     assert flat[0] == special["cls"] and len(after_sep) > 10 and (after_sep == special["cls"]).all()
     assert stages["evaluate"]["outputs"]["mlm_loss"] > 0
     assert os.path.islink(run / "tokenize") and (run / "tokenize" / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_fresh_run_with_a_tokenizer_lacking_a_mask_writes_nothing(tmp_path, monkeypatch, dry_run):
+    monkeypatch.chdir(tmp_path)
+    write_workspace(tmp_path)
+    word_level(tmp_path / "nomask" / "tokenizer.json", ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "a"])
+    (tmp_path / "pipeline.toml").write_text(PIPELINE.replace("[tokenize]\n", '[tokenize]\ntokenizer = "nomask"\n'))
+    result = cram("run", "pipeline.toml", *(["--dry-run"] if dry_run else []))
+    assert result.exit_code == 2, result.output
+    assert result.output == (
+        "error: tokenize.tokenizer: nomask/tokenizer.json: no mask token "
+        "('[MASK]' or '<mask>' is not in its vocabulary)\n"
+    )
+    assert not (tmp_path / "runs").exists()
