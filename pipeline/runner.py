@@ -37,7 +37,7 @@ from cram.pipeline.errors import CramError, Interrupted
 from cram.pipeline.planning import Step
 from cram.stages.shared import loggers as stage_loggers
 
-_VERSIONED = ("torch", "numpy", "datasets", "sentencepiece", "safetensors", "structlog", "typer")
+_VERSIONED = ("torch", "numpy", "datasets", "sentencepiece", "tokenizers", "safetensors", "structlog", "typer")
 
 
 class StageFailed(CramError):

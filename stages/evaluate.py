@@ -314,7 +314,7 @@ def _work(
             masking = inputs["pretrain"].outputs["masking"]
             if config.mlm_mask_rate:
                 masking = {**masking, "rate": config.mlm_mask_rate}
-            mlm = _evaluate_mlm(config, cfg, on_device, inputs["pack"], masking, special, device, autocast, ctx)
+            mlm = _evaluate_mlm(config, cfg, on_device, inputs, masking, device, autocast, ctx)
         for j, (i, seed) in enumerate(jobs):
             if owner[j] == ctx.rank:
                 runs[j] = finetune_seed(tuner, tasks[i][0], tasks[i][1], encoded[i], seed, ctx)
@@ -372,21 +372,22 @@ def _results(
 
 
 def _load_checkpoint(pretrain: Upstream, tokenize: Upstream):
-    import sentencepiece as spm
-
     from cram.model.config import ModelConfig, ModelConfigError
     from cram.stages.shared.tensors import read_tensors
+    from cram.stages.shared.tokenizer import TokenizerError, load
 
     config_path = pretrain.path("model_config")
     try:
         cfg = ModelConfig.from_json(config_path)
-    except ModelConfigError as e:
+        tokenizer = load(tokenize.path("tokenizer"))
+    except (ModelConfigError, TokenizerError) as e:
         raise StageError(str(e)) from None
-    tokenizer = spm.SentencePieceProcessor(model_file=str(tokenize.path("tokenizer")))
-    if tokenizer.get_piece_size() != cfg.vocab_size:
+    # More embedding rows than tokens is fine (ModernBERT pads 50280 tokens to 50368 rows); fewer would
+    # leave ids without a row.
+    if tokenizer.vocab_size > cfg.vocab_size:
         raise StageError(
-            f"{config_path}: vocab_size {cfg.vocab_size} does not match the tokenizer's "
-            f"{tokenizer.get_piece_size()} pieces ({tokenize.path('tokenizer')})"
+            f"{config_path}: vocab_size {cfg.vocab_size} is below the tokenizer's "
+            f"{tokenizer.vocab_size} tokens ({tokenize.path('tokenizer')})"
         )
     params = read_tensors(pretrain.path("params"))
     embedding = params.get("embed.tokens.weight")
@@ -403,10 +404,11 @@ def _load_checkpoint(pretrain: Upstream, tokenize: Upstream):
 
 
 def _evaluate_mlm(
-    config: Config, cfg, params, pack: Upstream, masking: dict, special, device, autocast, ctx: Context
+    config: Config, cfg, params, inputs: dict[str, Upstream], masking: dict, device, autocast, ctx: Context
 ) -> dict:
     """Mean loss and accuracy over every masked token of the held-out blocks, masked as pretrain masks
-    its held-out blocks (`stages/shared/val_mlm.py`) at `masking`'s rate."""
+    its held-out blocks (`stages/shared/val_mlm.py`) at `masking`'s rate: random replacements are drawn
+    from the tokenizer's vocabulary, not from the model's rows past it (a model may have more)."""
     import numpy as np
 
     from cram import model
@@ -414,10 +416,12 @@ def _evaluate_mlm(
     from cram.stages.shared.val_mlm import val_mlm
 
     began = time.perf_counter()
+    pack = inputs["pack"]
     blocks = np.load(pack.path("val"), mmap_mode="r")
     if blocks.ndim != 2 or len(blocks) == 0:
         raise StageError(f"{pack.path('val')}: expected blocks [n, seq_len] with n > 0, got {list(blocks.shape)}")
-    spec = mask_spec(Masking(**masking), special, cfg.vocab_size, blocks.shape[1])
+    tokenize = inputs["tokenize"].outputs
+    spec = mask_spec(Masking(**masking), tokenize["special_ids"], tokenize["vocab_size"], blocks.shape[1])
     step = model.make_eval_step(cfg, compile=config.compile, backend=config.backend, autocast_dtype=autocast)
     # The last, shorter batch runs eagerly rather than compiling a second graph for one call.
     tail = model.make_eval_step(cfg, compile=False, autocast_dtype=autocast)

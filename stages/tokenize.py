@@ -1,5 +1,6 @@
 """Tokenize: read the corpus, hold out evaluation documents, train a sentencepiece tokenizer on the
-remaining (training) documents and write every training document as token ids.
+remaining (training) documents, or reuse an existing one (`tokenizer`), and write every training
+document as token ids.
 
 Held-out documents are chosen by a hash of their title (of their text when untitled), so the same
 documents are held out whatever the seed or the tokenizer settings; their text never reaches the
@@ -7,9 +8,10 @@ tokenizer's training data or the `tokens` output that pretraining reads.
 
 Three passes, each streaming and each but the second spread over `num_proc` processes, one corpus
 unit (`corpus.units`) at a time: read (standardise, split off the held-out documents, count) into
-shards of training text; train the tokenizer on a sample of at most `tokenizer_max_chars`; encode
-each text shard into a shard of the `tokens` folder. Memory stays at a few units per process
-whatever the corpus size; the `tokens` and `heldout` outputs are ordinary `datasets` folders.
+shards of training text; train the tokenizer on a sample of at most `tokenizer_max_chars` (or copy
+the given one); encode each text shard into a shard of the `tokens` folder. Memory stays at a few
+units per process whatever the corpus size; the `tokens` and `heldout` outputs are ordinary
+`datasets` folders.
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ from typing import Any, Callable, Iterator, Literal
 from cram.stages import Context, StageError, Upstream
 from cram.stages.data import corpus, readers, shards
 from cram.stages.data.source import CorpusConfig
+from cram.stages.shared.files import atomic, content_hash
 from cram.stages.shared.special import SPECIAL_IDS
+from cram.stages.shared.tokenizer import Tokenizer, TokenizerError
+from cram.stages.shared.tokenizer import files as tokenizer_files
+from cram.stages.shared.tokenizer import load as load_tokenizer
 
 NAME = "tokenize"
 VERSION = "2"
@@ -36,8 +42,10 @@ RESUMABLE = False
 # How many processes and how big their batches: the outputs are the same bytes either way (tested), so
 # a run on a machine with more cores, or with `num_proc` changed, reuses what is tokenized.
 NOT_IN_KEY = ("num_proc", "batch_size")
+# Options added after the key was fixed: at their default they are left out of it (planning.keyed_config).
+NEW_OPTIONS = ("tokenizer",)
 
-# Fixed ids, so the model and the evaluation can name them without reading the tokenizer.
+# The names of the special pieces in the tokenizers cram trains, at the fixed ids SPECIAL_IDS.
 _PIECES = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
 _MAX_PROCS = 8  # beyond this, reading the corpus, not encoding, is what limits a machine
 SHARD_BYTES = 16 << 20  # training text per shard of the encoding pass (and of the `tokens` output)
@@ -47,6 +55,10 @@ SHARD_BYTES = 16 << 20  # training text per shard of the encoding pass (and of t
 class Config:
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
     heldout_fraction: float = 0.2  # documents kept out of pretraining for evaluation; 0: none
+    # An existing tokenizer to encode with instead of training one: a tokenizer.json or a folder holding
+    # one (as transformers saves it), or a sentencepiece .model. Given one, the fields below that only
+    # train a tokenizer (model_type through max_line_chars) are ignored: its vocabulary is what it is.
+    tokenizer: str = ""
     model_type: Literal["bpe", "unigram"] = "bpe"
     vocab_size: int = 8192
     lowercase: bool = False
@@ -92,12 +104,11 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     )
 
     t0 = time.perf_counter()
-    model = train_tokenizer(_training_lines(text_shards, totals["characters"], config), config)
-    (out_dir / "tokenizer.model").write_bytes(model)
+    tokenizer = _make_tokenizer(config, out_dir, text_shards, totals["characters"])
     train_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    jobs = [(text, out_dir / "tokens" / f"data-{i:05d}.arrow", model) for i, text in enumerate(text_shards)]
+    jobs = [(text, out_dir / "tokens" / f"data-{i:05d}.arrow", tokenizer.file) for i, text in enumerate(text_shards)]
     counts = _parallel(_encode_shard, jobs, num_proc)
     shards.finish_folder(out_dir / "tokens", [tokens.name for _, tokens, _ in jobs], shards.TOKENS)
     encode_s = time.perf_counter() - t0
@@ -105,14 +116,12 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     n_tokens, n_unk = sum(c[0] for c in counts), sum(c[1] for c in counts)
     seconds = time.perf_counter() - started
     outputs = {
-        "tokenizer": "tokenizer.model",
+        "tokenizer": tokenizer.file.name,
         "tokens": "tokens",
         "heldout": "heldout" if has_heldout else None,
-        "vocab_size": config.vocab_size,
-        "special_ids": dict(SPECIAL_IDS),
-        "model_type": config.model_type,
-        "normalization": _rule_name(config),
-        "lowercase": config.lowercase,
+        "vocab_size": tokenizer.vocab_size,
+        "special_ids": tokenizer.special_ids,
+        **_tokenizer_settings(config),
         "documents": totals["documents"],
         "heldout_documents": totals["heldout"],
         "characters": totals["characters"],
@@ -124,13 +133,50 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         "unk_fraction": round(n_unk / max(n_tokens, 1), 6),
         "num_proc": num_proc,
         "read_seconds": round(read_s, 3),
-        "train_seconds": round(train_s, 3),
+        "train_seconds": round(train_s, 3),  # training the tokenizer, or copying the given one
         "encode_seconds": round(encode_s, 3),
         "seconds": round(seconds, 3),
         "mb_per_s": round(totals["bytes"] / 1e6 / encode_s, 2),  # encoding alone, the part that scales
     }
     ctx.log.info("tokenized", **{k: v for k, v in outputs.items() if isinstance(v, (int, float))})
     return outputs
+
+
+def _make_tokenizer(config: Config, out_dir: Path, text_shards: list[Path], characters: int) -> Tokenizer:
+    """The tokenizer of this run, in `out_dir`: the given one copied there, or one trained on the text."""
+    if config.tokenizer:
+        return _copy_tokenizer(_given_tokenizer(config), out_dir)
+    model = train_tokenizer(_training_lines(text_shards, characters, config), config)
+    with atomic(out_dir / "tokenizer.model") as tmp:
+        tmp.write_bytes(model)
+    return load_tokenizer(out_dir / "tokenizer.model")
+
+
+def _given_tokenizer(config: Config) -> Tokenizer:
+    """`config.tokenizer` loaded; StageError naming the key when it cannot be read or lacks a role."""
+    try:
+        return load_tokenizer(Path(os.path.expanduser(config.tokenizer)))
+    except TokenizerError as e:
+        raise StageError(f"tokenize.tokenizer: {e}") from None
+
+
+def _copy_tokenizer(source: Tokenizer, out_dir: Path) -> Tokenizer:
+    """The tokenizer file, under its usual name, and its config files copied into `out_dir`: the run
+    keeps what it was encoded with even if the source changes, and later stages read it from there."""
+    name = "tokenizer.json" if source.kind == "tokenizers" else "tokenizer.model"
+    file, *config_files = tokenizer_files(source.file)
+    for src, dst in [(file, out_dir / name), *((f, out_dir / f.name) for f in config_files)]:
+        with atomic(dst) as tmp:
+            shutil.copyfile(src, tmp)
+    return load_tokenizer(out_dir / name)
+
+
+def _tokenizer_settings(config: Config) -> dict[str, Any]:
+    """How the tokenizer was made. An imported one was made elsewhere: its own model and normalisation
+    (in its file) apply, and whether it lowercases is its business (None: not known here)."""
+    if config.tokenizer:
+        return {"model_type": "imported", "normalization": "imported", "lowercase": None}
+    return {"model_type": config.model_type, "normalization": _rule_name(config), "lowercase": config.lowercase}
 
 
 def _read_corpus(config: Config, out_dir: Path, scratch: Path, num_proc: int) -> tuple[dict, list[Path], bool]:
@@ -160,7 +206,8 @@ def _read_corpus(config: Config, out_dir: Path, scratch: Path, num_proc: int) ->
 
 def validate(config: Config, pipeline: Any) -> None:
     """Checked by the runner before any stage runs: the local corpus can be found, each local file's
-    first bytes fit its format and, for a held-out-topic evaluation, its records have the label field."""
+    first bytes fit its format and, for a held-out-topic evaluation, its records have the label field;
+    a given tokenizer can be read and has the special tokens pack and masking need."""
     unavailable = next((entry[1] for entry in corpus.fingerprint(config.corpus) if entry[0] == "unavailable"), None)
     if unavailable is not None:
         raise StageError(unavailable)
@@ -171,6 +218,8 @@ def validate(config: Config, pipeline: Any) -> None:
         problem = readers.label_problem(*local[0], config.corpus)
         if problem:
             raise StageError(problem)
+    if config.tokenizer:
+        _given_tokenizer(config)
 
 
 def _classifies_topics(pipeline: Any) -> bool:
@@ -180,8 +229,17 @@ def _classifies_topics(pipeline: Any) -> bool:
 
 
 def fingerprint(config: Config) -> list[list[Any]]:
-    """What the runner adds to this stage's key besides the config: the local corpus files' stats."""
-    return corpus.fingerprint(config.corpus)
+    """What the runner adds to this stage's key besides the config: the local corpus files' stats and
+    the content of a given tokenizer's files (name and hash; its path is in the config). One that cannot
+    be found gives its error instead; `validate` reports it."""
+    prints = corpus.fingerprint(config.corpus)
+    if config.tokenizer:
+        try:
+            found = tokenizer_files(Path(os.path.expanduser(config.tokenizer)))
+        except TokenizerError as e:
+            return [*prints, ["unavailable", f"tokenize.tokenizer: {e}"]]
+        prints += [["tokenizer", f.name, content_hash(f)] for f in found]
+    return prints
 
 
 def is_heldout(title: str, text: str, fraction: float) -> bool:
@@ -267,8 +325,15 @@ def _parallel(work: Callable[[Any], Any], jobs: list[Any], num_proc: int) -> lis
     if num_proc == 1 or len(jobs) <= 1:
         return [work(job) for job in jobs]
     # forkserver: workers start clean, not as forks of a process that may hold threads and locks.
-    with multiprocessing.get_context("forkserver").Pool(min(num_proc, len(jobs))) as pool:
+    with multiprocessing.get_context("forkserver").Pool(min(num_proc, len(jobs)), _one_thread) as pool:
         return pool.map(work, jobs, chunksize=1)
+
+
+def _one_thread() -> None:
+    # A process per core already fills the machine, and turning ids into Python lists holds the GIL: the
+    # `tokenizers` library's own threads in each worker only compete for the cores (bench/README.md,
+    # "a given tokenizer"). In this process (num_proc 1) its threads stay on: alone they help.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
 def _split_unit(job: tuple) -> dict[str, Any]:
@@ -311,23 +376,21 @@ def _split_unit(job: tuple) -> dict[str, Any]:
     return counts
 
 
-def _encode_shard(job: tuple[Path, Path, bytes]) -> tuple[int, int]:
+def _encode_shard(job: tuple[Path, Path, Path]) -> tuple[int, int]:
     """Encode one shard of training text into a shard of token ids; (tokens, unknown tokens)."""
     import pyarrow as pa
     import pyarrow.compute as pc
-    import sentencepiece as spm
 
-    text_path, tokens_path, model = job
-    # One thread: a process per core scales; sentencepiece's own threads share one process's GIL-bound
-    # conversion of the ids to Python lists.
-    sp = spm.SentencePieceProcessor(model_proto=model, num_threads=1)
+    text_path, tokens_path, tokenizer_file = job
+    tokenizer = load_tokenizer(tokenizer_file)
+    unk = tokenizer.special_ids.get("unk")
     n_tokens = n_unk = 0
     with shards.ShardWriter(tokens_path, shards.TOKENS) as out:
         for batch in shards.read_batches(text_path):
-            ids = pa.array(sp.encode(batch.column("text").to_pylist()), type=pa.list_(pa.int32()))
+            ids = pa.array(tokenizer.encode(batch.column("text").to_pylist()), type=pa.list_(pa.int32()))
             out.write({"input_ids": ids})
             n_tokens += len(ids.values)
-            n_unk += pc.sum(pc.equal(ids.values, SPECIAL_IDS["unk"])).as_py() or 0
+            n_unk += 0 if unk is None else pc.sum(pc.equal(ids.values, unk)).as_py() or 0
     return n_tokens, n_unk
 
 

@@ -234,6 +234,16 @@ def dangling_root(ws: Path) -> None:
     (ws / "gone").symlink_to("nowhere")
 
 
+def tokenizer_without_mask(ws: Path) -> None:
+    from tokenizers import Tokenizer, models
+
+    (ws / "nomask").mkdir()
+    words = ["[UNK]", "[CLS]", "[SEP]", "[PAD]", *WORDS]
+    Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]")).save(
+        str(ws / "nomask" / "tokenizer.json")
+    )
+
+
 def live_lock(ws: Path) -> None:
     # This test's own process: alive, on this host.
     (ws / "runs" / "base" / ".lock").write_text(
@@ -265,6 +275,30 @@ CASES = [
     ("mlm mask rate", nothing, [*RUN, *sets(**{"evaluate.mlm_mask_rate": "1.5"})], "mlm_mask_rate: 1.5 must be in"),
     ("val fraction", nothing, [*RUN, *sets(**{"pack.val_fraction": "inf"})], "pack.val_fraction: inf"),
     ("vocab", nothing, [*RUN, *sets(**{"tokenize.vocab_size": "5"})], "vocab_size: 5 must be between"),
+    (
+        "tokenizer missing",
+        nothing,
+        [*RUN, *sets(**{"tokenize.tokenizer": '"no-such-tokenizer"'})],
+        "tokenize.tokenizer: no-such-tokenizer: no such file or folder",
+    ),
+    (
+        "tokenizer missing dry run",
+        nothing,
+        [*RUN, "--dry-run", *sets(**{"tokenize.tokenizer": '"no-such-tokenizer"'})],
+        "tokenize.tokenizer: no-such-tokenizer: no such file or folder",
+    ),
+    (
+        "tokenizer no mask",
+        tokenizer_without_mask,
+        [*RUN, *sets(**{"tokenize.tokenizer": '"nomask"'})],
+        "tokenize.tokenizer: nomask/tokenizer.json: no mask token ('[MASK]' or '<mask>' is not in its vocabulary)",
+    ),
+    (
+        "tokenizer unreadable",
+        rewrite("badtok/tokenizer.json", "{not json"),
+        [*RUN, "--dry-run", *sets(**{"tokenize.tokenizer": '"badtok"'})],
+        "tokenize.tokenizer: badtok/tokenizer.json: not a readable tokenizer.json",
+    ),
     (
         "microbatch type",
         nothing,

@@ -221,6 +221,30 @@ def test_held_out_blocks_are_masked_at_mlm_mask_rate_when_given(upstream, tmp_pa
         Config(mlm_mask_rate=1.0)
 
 
+def test_a_model_with_more_rows_than_tokens_is_evaluated_masking_within_the_tokenizer(
+    upstream, tmp_path, make_ctx, monkeypatch
+):
+    from safetensors.torch import save_file
+
+    from cram.stages.shared import masking
+
+    # ModernBERT pads its 50280 tokens to 50368 rows: the extra rows are never an input.
+    cfg = model.ModelConfig(vocab_size=128, **CFG)
+    save_file(model.init(cfg, 0), str(tmp_path / "params.safetensors"))
+    (tmp_path / "model.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    wider = _with(
+        upstream,
+        tmp_path,
+        "pretrain",
+        model_config=str(tmp_path / "model.json"),
+        params=str(tmp_path / "params.safetensors"),
+    )
+    specs, mask_spec = [], masking.mask_spec
+    monkeypatch.setattr(masking, "mask_spec", lambda *args: specs.append(mask_spec(*args)) or specs[-1])
+    figures, _ = run_stage(Config(tasks=[], compile=False, mlm_batch_size=16), wider, tmp_path, make_ctx)
+    assert figures["mlm_loss"] > 0 and [spec.vocab_size for spec in specs] == [100]
+
+
 def _with(upstream, tmp_path, stage, **outputs):
     inputs = dict(upstream["inputs"])
     inputs[stage] = Upstream(inputs[stage].dir, {**inputs[stage].outputs, **outputs})
@@ -235,7 +259,7 @@ def test_bad_input_is_a_stage_error(upstream, tmp_path, make_ctx):
         (
             fits,
             _with(upstream, tmp_path, "pretrain", model_config=str(wrong_vocab)),
-            "vocab_size 99 does not match the tokenizer's 100 pieces",
+            "vocab_size 99 is below the tokenizer's 100 tokens",
         ),
         (fits, _with(upstream, tmp_path, "tokenize", heldout=None), "needs the tokenize stage's held-out articles"),
         (

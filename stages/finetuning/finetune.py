@@ -13,11 +13,14 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from cram.stages import Context, StageError, Upstream
 from cram.stages.shared.device import to_device
 from cram.stages.shared.progress import Every, track
+
+if TYPE_CHECKING:
+    from cram.stages.shared.tokenizer import Tokenizer
 
 PROGRESS_EVERY_S = 30.0  # a fine-tune's progress line in the log this often (and when it starts)
 
@@ -49,7 +52,8 @@ class Encoded:
     tests: dict[str, tuple[list, Any, Any]]
 
 
-def encode(task, tokenizer, special: dict, max_length: int) -> Encoded:
+def encode(task, tokenizer: Tokenizer, special: dict, max_length: int) -> Encoded:
+    """The task's texts as [CLS] a [SEP] (b [SEP]) rows of at most `max_length` ids, with their labels."""
     import numpy as np
 
     def split(examples) -> tuple[list, Any, Any]:
