@@ -101,6 +101,8 @@ def _validate(raw: dict[str, Any], config_classes: dict[str, type], source: str)
         if name not in sections:
             raise ConfigError(f"{source}: unknown section [{name}]{_did_you_mean(name, sections)}")
     built = {name: build(cls, raw.get(name, {}), name, source) for name, cls in sections.items()}
+    # A section may take a default from another's: tokenize's tokenizer from pretrain's checkpoint.
+    built = {name: section.linked(built) if hasattr(section, "linked") else section for name, section in built.items()}
     run = built.pop("run")
     return PipelineConfig(run=run, stages=built)
 

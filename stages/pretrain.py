@@ -44,11 +44,11 @@ UPSTREAM = ("pack",)
 RESUMABLE = True
 DISTRIBUTED = True  # the runner calls `run` on every rank
 # How often it logs and checkpoints changes what it reports, not what it computes: not in the cache key,
-# so changing them keeps a finished result and resumes an interrupted one.
-NOT_IN_KEY = ("log_every_steps", "checkpoint_every_minutes", "checkpoint_every_steps", "keep_checkpoints")
+# so changing them keeps a finished result and resumes an interrupted one. Nor is where `init`'s checkpoint
+# lies: its contents are (`fingerprint`), so the same checkpoint moved or copied keeps the key.
+NOT_IN_KEY = ("log_every_steps", "checkpoint_every_minutes", "checkpoint_every_steps", "keep_checkpoints", "init")
 # Options added after the stage's key was fixed: at their default they are left out of it (planning.keyed_config).
 NEW_OPTIONS = (
-    "init",
     "model.local_attention",
     "model.global_every",
     "model.local_rope_theta",
@@ -178,10 +178,14 @@ class Config:
 
 
 def fingerprint(config: Config) -> list[list[str]] | None:
-    """The contents of `init`'s checkpoint, which the stage's output depends on; None without one."""
+    """The contents of `init`'s checkpoint, which the stage's output depends on; None without one. One
+    that cannot be found gives its error instead: `validate` reports it."""
     if not config.init:
         return None
-    return pretrained.fingerprint(_pretrained(config))
+    try:
+        return pretrained.fingerprint(pretrained.locate(Path(config.init)))
+    except pretrained.PretrainedError as e:
+        return [["unavailable", f"pretrain.init: {e}"]]
 
 
 def validate(config: Config, pipeline: Any) -> None:
@@ -196,12 +200,8 @@ def validate(config: Config, pipeline: Any) -> None:
     preset = model.PRESETS.get(config.model.preset)
     vocab_size, special = _tokenizer_facts(tokenize, preset)
     seq_len = pack.seq_len if pack is not None else getattr(preset, "max_seq_len", 0)
-    if config.init and tokenize is not None and not getattr(tokenize, "tokenizer", ""):
-        raise StageError(
-            f"pretrain.init: {config.init} holds no tokenizer ({' or '.join(pretrained.TOKENIZER_FILES)}) and "
-            "tokenize.tokenizer is not set; a tokenizer trained anew would not match the checkpoint's "
-            "embeddings: set tokenize.tokenizer to the one the checkpoint was trained with"
-        )
+    if config.init:
+        _check_has_tokenizer(config, tokenize)
     cfg = _model_config(model, config, vocab_size, seq_len, special["pad"])
     _check_schedule(model, config)
     per_sequence = masked_per_sequence(config.masking.rate, seq_len, "pretrain.masking.rate")
@@ -210,13 +210,24 @@ def validate(config: Config, pipeline: Any) -> None:
     _check_memory(config, dataclasses.replace(cfg, max_seq_len=seq_len), per_sequence, pipeline.run.device)
 
 
+def _check_has_tokenizer(config: Config, tokenize: Any) -> None:
+    """A checkpoint that is there, and a tokenizer for it: its own (tokenize's default), or one given."""
+    _pretrained(config)
+    if tokenize is not None and not tokenize.tokenizer:
+        raise StageError(
+            f"pretrain.init: {config.init} holds no tokenizer ({' or '.join(pretrained.TOKENIZER_FILES)}) and "
+            "tokenize.tokenizer is not set; a tokenizer trained anew would not match the checkpoint's "
+            "embeddings: set tokenize.tokenizer to the one the checkpoint was trained with"
+        )
+
+
 def _tokenizer_facts(tokenize: Any, preset: ModelConfig | None) -> tuple[int, dict[str, int]]:
     """(vocab size, special ids) that tokenize is set to make: a given tokenizer's, or those it trains."""
     from cram.stages.shared.special import SPECIAL_IDS
 
     if tokenize is None:
         return getattr(preset, "vocab_size", 0), dict(SPECIAL_IDS)
-    if not getattr(tokenize, "tokenizer", ""):
+    if not tokenize.tokenizer:
         return tokenize.vocab_size, dict(SPECIAL_IDS)
     from cram.stages.shared.tokenizer import TokenizerError, load
 
@@ -235,7 +246,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     setup = _setup(config, inputs["pack"], ctx)
     if ctx.is_main:
         _warn_of_data_limits(config, setup, ctx)
-    state, resumed = _start(config, setup, out_dir, ctx)
+    state = _start(config, setup, out_dir, ctx)
     steps = _make_steps(config, setup, ctx.world_size, compile=config.compile)
     if ctx.is_main and config.val_blocks and state.val_loss_start is None:
         state.val_loss_start = _val_loss(config, setup, state.params)
@@ -245,7 +256,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     if ctx.is_main:  # measured on a CPU, which takes seconds: before the budget clock starts
         peak_flops(setup.device, setup.autocast)
     with ProgressBar(ctx.is_main) as bar:
-        hooks = _hooks(config, ctx, steps, out_dir, flops_per_token, bar, last_saved=state.step if resumed else -1)
+        hooks = _hooks(config, ctx, steps, out_dir, flops_per_token, bar, last_saved=state.step)
         train(config, ctx, steps, state, setup.blocks, hooks)
 
     outputs = {
@@ -339,10 +350,10 @@ def _warn_of_repeats(passes: float, blocks: int, ctx: Context, verb: str) -> Non
         )
 
 
-def _start(config: Config, setup: _Setup, out_dir: Path, ctx: Context) -> tuple[TrainState, bool]:
-    """The state of the newest checkpoint (the one rank 0 sees, on every rank), or a fresh one, on the
-    device; and whether it was resumed. Rank 0's metrics.jsonl loses the lines written after that state
-    (a killed run's), all of them on a fresh start."""
+def _start(config: Config, setup: _Setup, out_dir: Path, ctx: Context) -> TrainState:
+    """The state of the newest checkpoint (the one rank 0 sees, on every rank), or a fresh one (the init's,
+    which a checkpoint would only repeat), on the device. Rank 0's metrics.jsonl loses the lines written
+    after that state (a killed run's), all of them on a fresh start."""
     from cram import model
     from cram.stages.pretraining import checkpoint
     from cram.stages.pretraining.state import TrainState
@@ -364,7 +375,7 @@ def _start(config: Config, setup: _Setup, out_dir: Path, ctx: Context) -> tuple[
     if ctx.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         MetricsLog(out_dir / "metrics.jsonl").truncate(state.step)
-    return state, resume_from is not None
+    return state
 
 
 def _pretrained_params(config: Config, ctx: Context) -> Params:

@@ -16,6 +16,7 @@ units per process whatever the corpus size; the `tokens` and `heldout` outputs a
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import multiprocessing
 import os
@@ -29,6 +30,7 @@ from typing import Any, Callable, Iterator, Literal
 from cram.stages import Context, StageError, Upstream
 from cram.stages.data import corpus, readers, shards
 from cram.stages.data.source import CorpusConfig
+from cram.stages.shared import pretrained
 from cram.stages.shared.files import atomic, content_hash
 from cram.stages.shared.special import SPECIAL_IDS
 from cram.stages.shared.tokenizer import Tokenizer, TokenizerError
@@ -41,9 +43,9 @@ UPSTREAM: tuple[str, ...] = ()
 RESUMABLE = False
 # How many processes and how big their batches: the outputs are the same bytes either way (tested), so
 # a run on a machine with more cores, or with `num_proc` changed, reuses what is tokenized.
-NOT_IN_KEY = ("num_proc", "batch_size")
-# Options added after the key was fixed: at their default they are left out of it (planning.keyed_config).
-NEW_OPTIONS = ("tokenizer",)
+# Nor is where a given tokenizer lies: its files' contents are in the key (`fingerprint`), so a moved copy
+# keeps it.
+NOT_IN_KEY = ("num_proc", "batch_size", "tokenizer")
 
 # The names of the special pieces in the tokenizers cram trains, at the fixed ids SPECIAL_IDS.
 _PIECES = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
@@ -70,6 +72,19 @@ class Config:
     max_line_chars: int = 2000  # longer lines are cut before training: sentencepiece skips them
     num_proc: int | None = None  # processes (cores) reading and encoding; None: the machine's cores, at most 8
     batch_size: int = 1000  # documents per encoding call
+
+    def linked(self, sections: dict[str, Any]) -> Config:
+        """Left empty, `tokenizer` is the tokenizer of `pretrain.init`'s checkpoint, when it holds one: a
+        tokenizer trained anew would not match the checkpoint's embeddings. (A checkpoint that cannot be
+        found is left to pretrain's `validate` to name.)"""
+        init = getattr(sections.get("pretrain"), "init", "")
+        if self.tokenizer or not init:
+            return self
+        try:
+            found = pretrained.locate(Path(init)).tokenizer
+        except pretrained.PretrainedError:
+            return self
+        return self if found is None else dataclasses.replace(self, tokenizer=str(found))
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.heldout_fraction < 1.0:
@@ -230,7 +245,7 @@ def _classifies_topics(pipeline: Any) -> bool:
 
 def fingerprint(config: Config) -> list[list[Any]]:
     """What the runner adds to this stage's key besides the config: the local corpus files' stats and
-    the content of a given tokenizer's files (name and hash; its path is in the config). One that cannot
+    the content of a given tokenizer's files (name and hash, not its path). One that cannot
     be found gives its error instead; `validate` reports it."""
     prints = corpus.fingerprint(config.corpus)
     if config.tokenizer:

@@ -47,6 +47,7 @@ class Pretrained:
 
 def locate(path: Path) -> Pretrained:
     """The checkpoint at `path` (see the module's docstring); PretrainedError when it is none of them."""
+    path = path.expanduser()
     if not path.is_dir():
         raise PretrainedError(f"{path}: no such folder")
     if (path / "pretrain" / "model.json").is_file():  # a run directory

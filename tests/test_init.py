@@ -1,0 +1,265 @@
+"""Continued pretraining (`[pretrain] init`): a transformers ModernBERT folder with its own tokenizer,
+trained compiled from its own loss on, resumed after a kill, evaluated as it is with a zero budget; a cram
+run directory and a cram export as starting points; and what is refused before any stage runs."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_bad_inputs import PIPELINE, cram, write_workspace
+from test_pretrain import kill_when_hanging, same_tensors, start_worker
+from test_tokenizer import BERT, bert_style, word_level
+
+from cram import model
+from cram.stages import Upstream, pretrain
+from cram.stages.pretraining.batches import read_sequences
+from cram.stages.shared import pretrained
+from cram.stages.shared.masking import Masking, mask_seed, mask_spec, mask_tokens
+from cram.stages.shared.tokenizer import load as load_tokenizer
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+EXTRA_ROWS = 8  # the checkpoint has more embedding rows than its tokenizer has tokens, as ModernBERT does
+# The workspace pipeline of test_bad_inputs, its model table left out (the architecture is the checkpoint's).
+INIT_PIPELINE = re.sub(r"\[pretrain\.model\]\n(.+\n)+\n", "", PIPELINE).replace(
+    "[pretrain]\ncompile = false\n", '[pretrain]\ninit = "ckpt"\ncompile = true\nprecision = "fp32"\n'
+)
+
+
+def modernbert(folder: Path) -> Path:
+    """A small random ModernBertForMaskedLM with local and global layers (window 8 < blocks of 16) saved
+    beside a BERT-style tokenizer, as a downloaded checkpoint folder holds both."""
+    bert_style(folder)
+    tok = load_tokenizer(folder)
+    ids = tok.special_ids
+    config = transformers.ModernBertConfig(
+        vocab_size=tok.vocab_size + EXTRA_ROWS,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        max_position_embeddings=64,
+        layer_types=["full_attention", "sliding_attention", "full_attention"],
+        local_attention=8,
+        pad_token_id=ids["pad"],
+        cls_token_id=ids["cls"],
+        sep_token_id=ids["sep"],
+        bos_token_id=ids["cls"],
+        eos_token_id=ids["sep"],
+    )
+    torch.manual_seed(0)
+    transformers.ModernBertForMaskedLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return modernbert(tmp_path_factory.mktemp("modernbert") / "ckpt")
+
+
+@pytest.fixture
+def ws(tmp_path, monkeypatch, checkpoint) -> Path:
+    """The test_bad_inputs workspace with the checkpoint at `ckpt` and INIT_PIPELINE, as the cwd."""
+    monkeypatch.chdir(tmp_path)
+    write_workspace(tmp_path)
+    shutil.copytree(checkpoint, tmp_path / "ckpt")
+    (tmp_path / "pipeline.toml").write_text(INIT_PIPELINE)
+    return tmp_path
+
+
+def stages_of(run: Path) -> dict:
+    return json.loads((run / "manifest.json").read_text())["stages"]
+
+
+def hf_loss_on_first_batch(ckpt: Path, run: Path, microbatch: int) -> float:
+    """The checkpoint's own MLM loss, computed by transformers, on the first microbatch of pretrain's
+    stream masked as pretrain masks it (run seed 0)."""
+    stages = stages_of(run)
+    blocks = np.load(run / "pack" / stages["pack"]["outputs"]["train"])
+    ids = torch.from_numpy(read_sequences(blocks, seed=0, first=0, count=microbatch, orders={}))
+    special, vocab = stages["pack"]["outputs"]["special_ids"], stages["pack"]["outputs"]["vocab_size"]
+    spec = mask_spec(Masking(), special, vocab, blocks.shape[1])
+    batch = mask_tokens(ids, spec, torch.Generator().manual_seed(mask_seed(0, 0)))
+    labels = torch.full((ids.numel(),), -100).index_put((batch["mlm_positions"],), batch["mlm_labels"])
+    hf = transformers.ModernBertForMaskedLM.from_pretrained(ckpt).eval()
+    with torch.no_grad():
+        return hf(input_ids=batch["input_ids"], labels=labels.view(ids.shape)).loss.item()
+
+
+def test_continuing_a_modernbert_checkpoint_starts_at_its_own_loss_with_its_tokenizer(ws):
+    result = cram("run", "pipeline.toml")
+    assert result.exit_code == 0, result.output
+    run = ws / "runs" / "base"
+    stages = stages_of(run)
+    assert stages["tokenize"]["outputs"]["tokenizer"] == "tokenizer.json"  # the checkpoint's, by default
+    assert stages["tokenize"]["outputs"]["special_ids"] == load_tokenizer(ws / "ckpt").special_ids
+    trained = json.loads((run / "pretrain" / "model.json").read_text())
+    expected, _ = pretrained.load(pretrained.locate(ws / "ckpt"))
+    assert trained == {**expected.__dict__, "pad_id": stages["tokenize"]["outputs"]["special_ids"]["pad"]}
+    assert trained["local_attention"] == 8 and trained["vocab_size"] == stages["pack"]["outputs"]["vocab_size"] + 8
+    first = json.loads((run / "pretrain" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1
+    assert first["loss"] == pytest.approx(hf_loss_on_first_batch(ws / "ckpt", run, microbatch=4), rel=1e-4)
+    assert stages["pretrain"]["outputs"]["canary_diff"] is not None  # compiled, and checked against eager
+    assert stages["evaluate"]["outputs"]["mlm_loss"] > 0
+
+
+def test_the_imported_layout_compiles_to_one_graph_without_breaks(checkpoint):
+    cfg, params = pretrained.load(pretrained.locate(checkpoint))
+    step = model.make_train_step(cfg, model.OptimizerConfig(), compile=False)
+    ids = torch.randint(5, 100, (2, 16))
+    positions = torch.tensor([1, 5, 17, 30])
+    batch = {"input_ids": ids, "mlm_positions": positions, "mlm_labels": ids.reshape(-1)[positions]}
+    explanation = torch._dynamo.explain(step)(params, model.adamw_init(params), batch, torch.tensor(1e-3))
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
+
+
+def test_a_zero_budget_evaluates_the_checkpoint_as_it_is(ws):
+    result = cram("run", "pipeline.toml", "--set", "pretrain.budget.steps=0")
+    assert result.exit_code == 0, result.output
+    run = ws / "runs" / "base"
+    outputs = stages_of(run)["pretrain"]["outputs"]
+    assert outputs["steps"] == 0 and outputs["val_loss_start"] == outputs["val_loss_end"]
+    _, imported = pretrained.load(pretrained.locate(ws / "ckpt"))
+    written = load_file(run / "pretrain" / "params.safetensors")
+    assert written.keys() == imported.keys() and all(torch.equal(written[k], imported[k]) for k in written)
+    evaluate = stages_of(run)["evaluate"]["outputs"]
+    assert evaluate["mlm_loss"] > 0 and "sent" in json.dumps(evaluate)
+
+
+def test_a_run_directory_and_its_export_are_starting_points_too(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_workspace(tmp_path)
+    assert cram("run", "pipeline.toml").exit_code == 0
+    assert cram("export", "runs/base", "--to", "exported").exit_code == 0
+    zero = INIT_PIPELINE.replace('init = "ckpt"', "").replace(
+        "[pretrain.budget]\nsteps = 2", "[pretrain.budget]\nsteps = 0"
+    )
+    (tmp_path / "zero.toml").write_text(zero.replace("compile = true", "compile = false"))
+    for name, init in (("from-run", "runs/base"), ("from-export", "exported")):
+        result = cram("run", "zero.toml", "--name", name, "--set", f'pretrain.init="{init}"')
+        assert result.exit_code == 0, result.output
+        outputs = stages_of(tmp_path / "runs" / name)["tokenize"]["outputs"]
+        assert outputs["tokenizer"] == "tokenizer.model" and outputs["vocab_size"] == 96
+        assert same_tensors(
+            tmp_path / "runs" / name / "pretrain" / "params.safetensors", Path("exported/params.safetensors")
+        )
+
+
+def test_moving_the_checkpoint_keeps_the_key_and_changing_a_weight_does_not(ws):
+    assert cram("run", "pipeline.toml", "--set", "pretrain.budget.steps=0").exit_code == 0
+    shutil.move(ws / "ckpt", ws / "moved")
+    moved = cram(
+        "run", "pipeline.toml", "--set", "pretrain.budget.steps=0", "--set", 'pretrain.init="moved"', "--dry-run"
+    )
+    assert re.search(r"│ pretrain │ skip ", moved.output), moved.output
+    state = load_file(ws / "moved" / "model.safetensors")
+    state["model.final_norm.weight"] = state["model.final_norm.weight"] * 2
+    save_file(state, ws / "moved" / "model.safetensors", metadata={"format": "pt"})
+    changed = cram(
+        "run", "pipeline.toml", "--set", "pretrain.budget.steps=0", "--set", 'pretrain.init="moved"', "--dry-run"
+    )
+    assert re.search(r"│ pretrain │ run ", changed.output), changed.output
+
+
+def break_checkpoint(ws: Path, how: str) -> None:
+    config_path, weights = ws / "ckpt" / "config.json", ws / "ckpt" / "model.safetensors"
+    config = json.loads(config_path.read_text())
+    if how == "activation":
+        config_path.write_text(json.dumps({**config, "hidden_activation": "silu"}))
+    elif how == "missing weight":
+        state = load_file(weights)
+        del state["model.layers.1.mlp.Wo.weight"]
+        save_file(state, weights, metadata={"format": "pt"})
+    elif how == "no mask token":
+        tok = json.loads((ws / "ckpt" / "tokenizer.json").read_text())
+        tok["added_tokens"] = [t for t in tok["added_tokens"] if t["content"] != "[MASK]"]
+        tok["model"]["vocab"].pop("[MASK]")
+        (ws / "ckpt" / "tokenizer.json").write_text(json.dumps(tok))
+        (ws / "ckpt" / "tokenizer_config.json").unlink()
+        (ws / "ckpt" / "special_tokens_map.json").unlink(missing_ok=True)
+    elif how == "no tokenizer":
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            (ws / "ckpt" / name).unlink(missing_ok=True)
+    elif how == "bigger tokenizer":
+        word_level(ws / "other" / "tokenizer.json", BERT + [f"w{i}" for i in range(195)])
+    elif how == "no such folder":
+        shutil.rmtree(ws / "ckpt")
+
+
+REFUSALS = {
+    "activation": ([], r"^error: pretrain\.init: .*ckpt/config\.json: hidden_activation='silu'"),
+    "missing weight": ([], r"^error: pretrain\.init: .*ckpt: the weights lack model\.layers\.1\.mlp\.Wo\.weight"),
+    "no mask token": ([], r"^error: tokenize\.tokenizer: .*ckpt/tokenizer\.json: no mask token"),
+    "no tokenizer": ([], r"^error: pretrain\.init: ckpt holds no tokenizer"),
+    "bigger tokenizer": (
+        ["--set", 'tokenize.tokenizer="other"'],
+        r"^error: tokenize\.tokenizer: 200 tokens, more than the 110 embedding rows",
+    ),
+    "no such folder": ([], r"^error: pretrain\.init: ckpt: no such folder"),
+    "contradiction": (
+        ["--set", "pretrain.model.hidden=64"],
+        r"^error: pretrain\.model\.hidden: 64 contradicts the checkpoint's 32",
+    ),
+    "preset": (
+        ["--set", 'pretrain.model.preset="small"'],
+        r"^error: pretrain\.model\.preset: 'small', but the architecture",
+    ),
+}
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+@pytest.mark.parametrize("how", list(REFUSALS))
+def test_a_checkpoint_that_cannot_be_continued_is_one_line_exit_2_and_nothing_written(ws, how, dry_run):
+    break_checkpoint(ws, how)
+    overrides, message = REFUSALS[how]
+    result = cram("run", "pipeline.toml", *overrides, *(["--dry-run"] if dry_run else []))
+    assert result.exit_code == 2, result.output
+    assert len(result.output.strip().splitlines()) == 1 and re.search(message, result.output), result.output
+    assert not (ws / "runs").exists()
+
+
+@pytest.mark.slow
+def test_continued_pretraining_resumes_after_a_kill_as_if_never_stopped(checkpoint, tmp_path, make_ctx):
+    folder = tmp_path / "pack"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    np.save(folder / "train.npy", rng.integers(5, 100, size=(256, 16), dtype=np.uint16))
+    np.save(folder / "val.npy", rng.integers(5, 100, size=(16, 16), dtype=np.uint16))
+    special = load_tokenizer(checkpoint).special_ids
+    outputs = {"train": "train.npy", "val": "val.npy", "seq_len": 16, "vocab_size": 100, "special_ids": special}
+    inputs = {"pack": Upstream(folder, outputs)}
+    config = pretrain.Config(
+        init=str(checkpoint),
+        budget=pretrain.Budget(steps=6),
+        microbatch=4,
+        batch_size=4,
+        compile=True,
+        backend="aot_eager",
+        precision="fp32",
+        log_every_steps=1,
+        checkpoint_every_minutes=0,
+        checkpoint_every_steps=2,
+        val_blocks=8,
+    )
+    straight = pretrain.run(config, inputs, tmp_path / "straight", make_ctx())
+    out_dir = tmp_path / "killed"
+    # Killed in step 5 (after the checkpoint of step 4): 1 masking compiles, 4 for the canary, then 1 a step.
+    kill_when_hanging(
+        start_worker(
+            tmp_path, {"config": config, "inputs": inputs, "out_dir": str(out_dir), "hang": ("mask_tokens", 10)}
+        ),
+        out_dir,
+    )
+    resumed = pretrain.run(config, inputs, out_dir, make_ctx())
+    assert same_tensors(out_dir / "params.safetensors", tmp_path / "straight" / "params.safetensors")
+    for key in ("steps", "tokens_seen", "final_loss", "loss_start", "val_loss_start"):
+        assert resumed[key] == straight[key], key
