@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from cram.stages.pretraining.loop import Hook, Steps
     from cram.stages.pretraining.state import Params, TrainState
     from cram.stages.pretraining.telemetry import ProgressBar
-    from cram.stages.shared.documents import Boundary
+    from cram.stages.shared.blocks import Boundary
 
 NAME = "pretrain"
 VERSION = "4"
@@ -259,8 +259,7 @@ def _setup(config: Config, pack: Upstream, ctx: Context) -> _Setup:
     import numpy as np
 
     from cram import model
-    from cram.stages.pretraining.batches import blocks_of
-    from cram.stages.shared.documents import boundary
+    from cram.stages.shared.blocks import blocks_of, boundary
 
     blocks = np.load(pack.path("train"), mmap_mode="r")
     val = np.load(pack.path("val"), mmap_mode="r")
@@ -412,9 +411,9 @@ def _compile(
     """Before the budget clock, unless `steps` are eager or the budget is spent: compile them for every
     phase's shape, then run the canary (at the first phase's) against eager steps. Returns (seconds
     compiling, the canary's difference or None)."""
-    from cram.stages.pretraining.batches import blocks_of
     from cram.stages.pretraining.budget import progress
     from cram.stages.pretraining.loop import canary
+    from cram.stages.shared.blocks import blocks_of
 
     if not config.compile or not progress(config.budget, state, state.elapsed_s) < 1:
         return 0.0, None

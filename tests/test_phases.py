@@ -14,10 +14,10 @@ from cram import model
 from cram.pipeline import config as cfg
 from cram.pipeline.planning import keyed_config
 from cram.stages import StageError, Upstream, pretrain
-from cram.stages.pretraining.batches import Microbatch, blocks_of, read_sequences
+from cram.stages.pretraining.batches import Microbatch, read_sequences
 from cram.stages.pretraining.phases import Phase, enter, plan
 from cram.stages.pretraining.state import TrainState
-from cram.stages.shared.documents import Boundary, document_ids
+from cram.stages.shared.blocks import Boundary, blocks_of, document_ids
 from cram.stages.shared.masking import IGNORED, Masking, MaskSpec, mask_tokens
 from cram.stages.shared.special import SPECIAL_IDS
 

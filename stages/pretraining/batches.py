@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from cram.stages.shared.blocks import blocks_of
 from cram.stages.shared.masking import mask_seed
 
 if TYPE_CHECKING:
@@ -40,13 +41,6 @@ class Microbatch:
 
 def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n)
-
-
-def blocks_of(blocks: np.ndarray, seq_len: int) -> np.ndarray:
-    """Pack's blocks as blocks of `seq_len`: pack cut them from one stream, so any length is a reshape
-    (of a memory map: nothing is read). The tokens past the last whole block are left out."""
-    flat = blocks.reshape(-1)
-    return flat[: len(flat) // seq_len * seq_len].reshape(-1, seq_len)
 
 
 def read_sequences(

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import torch
 
     from cram.stages.pretraining.batches import Microbatch, PhaseStream
-    from cram.stages.shared.documents import Boundary
+    from cram.stages.shared.blocks import Boundary
     from cram.stages.shared.masking import MaskSpec
 
 
@@ -52,7 +52,7 @@ class Steps:
     documents: Boundary | None = None  # attention within documents: the batch carries `document_ids`
 
     def batch(self, micro: Microbatch, spec: MaskSpec) -> Params:
-        from cram.stages.shared.documents import document_ids
+        from cram.stages.shared.blocks import document_ids
         from cram.stages.shared.masking import mask_tokens
 
         self.generator.manual_seed(micro.mask_seed)

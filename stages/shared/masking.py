@@ -82,8 +82,7 @@ def masked_per_sequence(rate: float, seq_len: int, key: str) -> int:
     per_sequence = round(rate * seq_len)
     if per_sequence < 1:
         raise StageError(
-            f"{key}: {rate} masks no token of a {seq_len}-token block; "
-            f"it must be above {0.5 / seq_len:.3g}"
+            f"{key}: {rate} masks no token of a {seq_len}-token block; it must be above {0.5 / seq_len:.3g}"
         )
     return per_sequence
 

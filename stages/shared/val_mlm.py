@@ -54,7 +54,7 @@ def mask_blocks(rows, first: int, spec: Any, seed: int, documents: Any = None) -
     import numpy as np
     import torch
 
-    from cram.stages.shared.documents import document_ids
+    from cram.stages.shared.blocks import document_ids
     from cram.stages.shared.masking import mask_seed, mask_tokens
 
     ids = torch.from_numpy(np.asarray(rows, dtype=np.int64))
