@@ -193,6 +193,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     from cram.stages.pretraining.telemetry import ProgressBar, peak_flops
 
     setup = _setup(config, inputs["pack"], ctx)
+    _check_document_attention(config)
     if ctx.is_main:
         _warn_of_data_limits(config, setup, ctx)
     state, resumed = _start(config, setup, out_dir, ctx)
@@ -522,6 +523,16 @@ def _check_memory(config: Config, cfg: ModelConfig, span: Span, device_name: str
             f"{MEMORY_SHARE:.0%} of the {have / gib:,.1f} GiB of {device}; lower pretrain.microbatch, "
             "or pretrain.model.hidden, layers or intermediate"
         )
+
+
+def _check_document_attention(config: Config) -> None:
+    """Refuse document attention where the model cannot take document ids, rather than ignore them."""
+    import inspect
+
+    from cram import model
+
+    if config.document_attention and "document_ids" not in inspect.signature(model.encode).parameters:
+        raise StageError("pretrain.document_attention: this version's model.encode takes no document ids")
 
 
 def _check_schedule(model, config: Config) -> None:
