@@ -14,6 +14,7 @@ from cram import model
 from cram.pipeline import config as cfg
 from cram.pipeline.planning import keyed_config
 from cram.stages import StageError, Upstream, pretrain
+from cram.stages.pretraining import phases
 from cram.stages.pretraining.batches import Microbatch, read_sequences
 from cram.stages.pretraining.phases import Phase, enter, plan
 from cram.stages.pretraining.state import TrainState
@@ -104,6 +105,13 @@ def test_each_phase_is_one_graph_compiled_before_the_clock(pack, tmp_path, make_
     out = pretrain.run(config, {"pack": pack}, tmp_path / "out", make_ctx())
     # fullgraph=True: a break would raise; the recompile limit is the declared graph count.
     assert counters["stats"]["unique_graphs"] - before == 2 and out["steps"] == 6
+
+
+def test_a_graph_beyond_the_declared_ones_fails_rather_than_falls_back_to_eager(pack, tmp_path, make_ctx, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(phases.Plan, "shapes", property(lambda self: 1))  # declare one graph too few
+    config = small(phases=TWO_PHASES, compile=True, backend="aot_eager", canary_steps=0)
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        pretrain.run(config, {"pack": pack}, tmp_path / "out", make_ctx())
 
 
 def test_a_schedule_below_its_peak_ignores_the_rows_above_the_rate():
