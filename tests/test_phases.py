@@ -204,3 +204,18 @@ def test_the_compiled_step_with_document_ids_is_one_graph(pack, tmp_path, make_c
     with torch._dynamo.config.patch(error_on_recompile=True):
         out = pretrain.run(config, {"pack": pack}, tmp_path / "out", make_ctx())
     assert counters["stats"]["unique_graphs"] - before == 1 and out["steps"] == 2
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_match_one_process_across_phases(pack, tmp_path, make_ctx, free_port):  # noqa: F811
+    from safetensors.torch import load_file
+    from test_pretrain import run_on_two_ranks
+
+    config = small(phases=TWO_PHASES, batch_size=16, budget=pretrain.Budget(steps=4))
+    pretrain.run(config, {"pack": pack}, tmp_path / "alone", make_ctx())
+    out_dir = tmp_path / "ranks"
+    run_on_two_ranks(tmp_path, {"config": config, "inputs": {"pack": pack}, "out_dir": str(out_dir)}, free_port())
+    ranks, one = load_file(out_dir / "params.safetensors"), load_file(tmp_path / "alone" / "params.safetensors")
+    for name in one:
+        torch.testing.assert_close(ranks[name], one[name], rtol=1e-5, atol=1e-6)
+    assert [m["batch_size"] for m in metrics(out_dir)] == [32, 32, 16, 16]
