@@ -518,8 +518,7 @@ def _check_memory(config: Config, cfg: ModelConfig, span: Span, device_name: str
         raise StageError(
             f"pretrain: a training step needs about {need.total / gib:,.1f} GiB ({need.state / gib:,.1f} GiB "
             f"parameters, AdamW state and gradients of {model.parameter_count(cfg):,} parameters, "
-            f"{need.activations / gib:,.1f} GiB activations of microbatch {span.microbatch} x {span.seq_len}), "
-            "more than "
+            f"{need.activations / gib:,.1f} GiB activations of microbatch {span.microbatch}), more than "
             f"{MEMORY_SHARE:.0%} of the {have / gib:,.1f} GiB of {device}; lower pretrain.microbatch, "
             "or pretrain.model.hidden, layers or intermediate"
         )

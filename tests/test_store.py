@@ -431,7 +431,7 @@ def test_a_new_option_at_its_default_is_left_out_of_the_key_and_in_it_otherwise(
 
     class Stage:
         NOT_IN_KEY = pretrain.NOT_IN_KEY
-        NEW_OPTIONS = ("masking.rate", "microbatch")
+        NEW_OPTIONS = (*pretrain.NEW_OPTIONS, "masking.rate", "microbatch")
 
     base = planning.keyed_config(pretrain, pretrain.Config())
     keyed = planning.keyed_config(Stage, pretrain.Config())
