@@ -400,7 +400,7 @@ def _val_loss(config: Config, setup: _Setup, params: Params) -> float:
         setup.val[: config.val_blocks],
         setup.spec,
         seed=MASK_SEED,
-        batch_size=config.microbatch,
+        batch_size=setup.plan.spans[0].microbatch,
         device=setup.device,
         documents=setup.documents,
     )["loss"]

@@ -80,6 +80,7 @@ class Report:
             "grad_norm": stats["grad_norm"],
             "lr": info.lr,
             "batch_size": info.batch,
+            "seq_len": info.seq_len,
             "tokens_seen": info.state.tokens_seen,
             "tokens_per_s": round(tokens_per_s, 1),
             "mfu": mfu(stats["flops_per_token"], tokens_per_s, self.device, self.ctx.world_size, self.autocast),

@@ -171,6 +171,7 @@ class StepInfo:
     data: PhaseStream
     lr: float = 0.0
     batch: int = 0  # global sequences in the step
+    seq_len: int = 0  # their length: the phase's
     final: bool = False
 
     def sync(self) -> None:
@@ -210,7 +211,7 @@ def train(config: Any, ctx: Context, steps: Steps, state: TrainState, data: Phas
         span = plan.spans[state.phase]
         n_micro = micro_steps(spent, config.ramp, span.batch_size // (ctx.world_size * span.microbatch))
         info.lr = config.optimizer.lr * model.lr_schedule(config.schedule, spent, **config.schedule_args)
-        info.batch = n_micro * ctx.world_size * span.microbatch
+        info.batch, info.seq_len = n_micro * ctx.world_size * span.microbatch, span.seq_len
         spec = plan.spec_at(span, spent)
         params, opt_state, row = steps.step(state.params, state.opt_state, data, n_micro, info.lr, spec)
         metrics.add(row)
