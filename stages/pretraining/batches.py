@@ -153,15 +153,8 @@ class PhaseStream:
         pin: bool,
         waited_s: float,
     ):
-        self.chunks = blocks_of(train, plan.chunk)
-        self.plan, self.seed, self.rank, self.world_size, self.depth, self.pin = (
-            plan,
-            seed,
-            rank,
-            world_size,
-            depth,
-            pin,
-        )
+        self.chunks, self.plan, self.seed = blocks_of(train, plan.chunk), plan, seed
+        self.rank, self.world_size, self.depth, self.pin = rank, world_size, depth, pin
         self.waited_s = waited_s
         self.phase: int | None = None
         self.prefetcher: Prefetcher | None = None

@@ -158,8 +158,9 @@ def _scaled(sequences: int, pack_seq_len: int, seq_len: int, key: str) -> int:
 
 def _spec(masking: Masking, special: dict[str, int], vocab_size: int, seq_len: int, start: float, until: float):
     """The phase's masking: K rows at its highest rate; its lowest rate must still mask a token."""
-    low, high = sorted(round(masking.rate_at(p), 9) for p in (start, until))  # without float noise in a message
     spec = mask_spec(masking, special, vocab_size, seq_len)
-    if masking.end_rate is not None:
-        masked_per_sequence(low, seq_len, "pretrain.masking.end_rate")
+    if masking.end_rate is None:
+        return spec
+    low, high = sorted(round(masking.rate_at(p), 9) for p in (start, until))  # without float noise in a message
+    masked_per_sequence(low, seq_len, "pretrain.masking.end_rate")
     return dataclasses.replace(spec, per_sequence=masked_per_sequence(high, seq_len, "pretrain.masking.rate"))
