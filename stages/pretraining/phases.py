@@ -60,6 +60,8 @@ class Span:
 
 @dataclass(frozen=True)
 class Plan:
+    """The phases of a run, in order, and how each reads the stream and masks its blocks."""
+
     spans: tuple[Span, ...]
     chunk: int  # the stream's unit in tokens: the longest phase's length
     masking: Masking
