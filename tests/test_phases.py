@@ -36,6 +36,9 @@ def test_phases_load_from_toml_and_stay_out_of_the_key_at_their_default(tmp_path
     loaded = cfg.load(path, {"pretrain": pretrain.Config}).stages["pretrain"]
     assert loaded.phases == (Phase(128, until=0.9), Phase(512, microbatch=8))
     assert loaded.masking.end_rate == 0.2
+    saved = tmp_path / "saved.toml"  # the resolved config a run writes reads back the same
+    saved.write_text(cfg.to_toml({"pretrain": cfg.as_plain(loaded)}))
+    assert cfg.load(saved, {"pretrain": pretrain.Config}).stages["pretrain"] == loaded
     keyed = keyed_config(pretrain, pretrain.Config())
     assert "phases" not in keyed and "end_rate" not in keyed["masking"] and "document_attention" not in keyed
     assert keyed_config(pretrain, loaded)["phases"] == [
