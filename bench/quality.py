@@ -21,7 +21,12 @@ token counts. Each model trains once per lr of `--lrs`; its best final loss is i
 The budget must fit in `--max-epochs` passes over the packed training blocks (default 1: no block
 is seen twice); a larger one is refused. Without `transformers` the peers are skipped with a note.
 `--variant` adds a cram model with `ModelConfig` overrides (e.g. `rope:position=rope`), and
-`pretrain.masking.rate` / `schedule` style keys `mask_rate=`, `schedule=`, `lrs=` per variant.
+`pretrain.masking.rate` / `schedule` style keys `mask_rate=`, `schedule=`, `lrs=` per variant; and
+pretrain's options past 128 tokens: `end_rate=0.15` (the masking rate moves linearly from `mask_rate`
+to it), `phases=128@0.9/512` (sequence-length phases: 128 until 0.9 of the budget, then 512, each
+step holding the same tokens) and `documents=true` (attention within documents). Every model reads
+pretrain's own stream (`stages/pretraining/phases.py`, `batches.py`); the held-out batches stay at
+pack's length, masked at 0.25.
 """
 
 from __future__ import annotations
@@ -40,11 +45,16 @@ import torch
 import torch.nn.functional as F
 
 from cram import model
-from cram.stages.pretraining.batches import epoch_order
+from cram.stages import StageError
+from cram.stages.pretraining import phases
+from cram.stages.pretraining.batches import read_sequences
+from cram.stages.pretraining.state import TrainState
+from cram.stages.shared.blocks import blocks_of, boundary, document_ids
 from cram.stages.shared.masking import Masking, mask_seed, mask_spec, mask_tokens
 
 PEERS = ("bert", "modernbert")
-RUN_KEYS = ("mask_rate", "schedule", "lrs", "dtype")  # per-variant training settings; the rest is ModelConfig
+# per-variant training settings; the rest is ModelConfig
+RUN_KEYS = ("mask_rate", "end_rate", "phases", "documents", "schedule", "lrs", "dtype")
 
 
 def main() -> None:
@@ -74,7 +84,9 @@ def main() -> None:
     try:
         models = build_models(args)
         data = Data(args)
-    except ValueError as e:
+        for spec in models:
+            data.plan(spec)  # a phase or masking schedule that cannot run fails here, before any training
+    except (ValueError, StageError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     report = run(args, models, data)
@@ -96,6 +108,14 @@ class Spec:
     schedule: str
     mask_rate: float
     dtype: str
+    end_rate: float | None = None  # the masking rate at the end of the budget; None: mask_rate throughout
+    phases: str = ""  # "128@0.9/512": LEN@UNTIL/.../LEN; "": pack's length throughout
+    documents: bool = False  # attention within documents
+
+    @property
+    def stream(self) -> tuple:
+        """What its training batches depend on: models that agree here train on the same batches."""
+        return (self.mask_rate, self.end_rate, self.phases, self.documents)
 
 
 def build_models(args: argparse.Namespace) -> list[Spec]:
@@ -122,7 +142,7 @@ def build_models(args: argparse.Namespace) -> list[Spec]:
             if key == "lrs":
                 spec.lrs = [float(x) for x in value.split("/")]
             elif key in RUN_KEYS:
-                setattr(spec, key, value if key in ("schedule", "dtype") else float(value))
+                setattr(spec, key, value if key in ("schedule", "dtype", "phases") else _parse(value))
             elif key in {f.name for f in dataclasses.fields(model.ModelConfig)}:
                 spec.overrides[key] = _parse(value)
             else:
@@ -135,6 +155,8 @@ def build_models(args: argparse.Namespace) -> list[Spec]:
             raise ValueError(f"dtype {spec.dtype!r}: allowed fp32, bf16")
         if spec.schedule not in model.SCHEDULES:
             raise ValueError(f"schedule {spec.schedule!r}: allowed {', '.join(model.SCHEDULES)}")
+        if spec.documents and spec.kind != "cram":
+            raise ValueError(f"{spec.name}: documents=true is for cram models")
     if not specs:
         raise ValueError("no model to run")
     return specs
@@ -188,28 +210,46 @@ class Data:
             raise ValueError(f"{args.pack}: {len(self.val)} held-out blocks, fewer than one batch of {args.batch}")
         self.batch = args.batch
         self.val_batches = min(args.val_blocks, len(self.val)) // args.batch
-        self._masked: dict[tuple[float, str], list] = {}
+        self._masked: dict[tuple, list] = {}
+        self.documents = boundary(self.meta["boundary"], self.meta["special_ids"]) if "boundary" in self.meta else None
 
-    def train_batches(self, mask_rate: float) -> list[dict]:
-        """Every training batch, masked, in order; built once per masking rate, shared by every model."""
-        key = (mask_rate, "train")
+    def plan(self, spec: Spec) -> phases.Plan:
+        """pretrain's phases and masking for `spec`, one microbatch of `--batch` sequences a step."""
+        try:
+            masking = Masking(rate=spec.mask_rate, end_rate=spec.end_rate)
+        except ValueError as e:
+            raise ValueError(f"{spec.name}: {e}") from None
+        settings = argparse.Namespace(
+            phases=_phases(spec.phases), microbatch=self.batch, batch_size=self.batch, masking=masking
+        )
+        return phases.plan(settings, self.seq_len, self.meta["special_ids"], self.meta["vocab_size"])
+
+    def train_batches(self, spec: Spec) -> list[dict]:
+        """Every training batch, masked, in order, as pretrain's stream makes them (its phases, its masking
+        schedule); built once per stream, shared by every model that trains on it."""
+        key = (spec.stream, "train")
         if key not in self._masked:
-            spec, gen = self._masking(mask_rate)
-            order = np.concatenate(
-                [
-                    epoch_order(self.seed, e, len(self.train))
-                    for e in range(math.ceil(self.steps * self.batch / len(self.train)))
-                ]
-            )
-            batches = []
-            for step in range(self.steps):
-                first = step * self.batch
-                rows = np.sort(order[first : first + self.batch])
-                ids = torch.from_numpy(np.asarray(self.train[rows], dtype=np.int32)).to(self.device)
-                gen.manual_seed(mask_seed(self.seed, first))
-                batches.append(_with_dense_labels(mask_tokens(ids, spec, gen)))
-            self._masked[key] = batches
+            self._masked[key] = self._stream(spec)
         return self._masked[key]
+
+    def _stream(self, spec: Spec) -> list[dict]:
+        plan, state = self.plan(spec), TrainState(seed=self.seed)
+        chunks, gen = blocks_of(self.train, plan.chunk), torch.Generator(device=self.device)
+        batches = []
+        for step in range(self.steps):
+            progress = step / self.steps
+            phases.enter(plan, state, progress)
+            span = plan.spans[state.phase]
+            first = plan.first_sequence(state)
+            rows = read_sequences(chunks, self.seed, first, span.batch_size, {}, plan.chunk // span.seq_len)
+            ids = torch.from_numpy(rows).to(self.device)
+            gen.manual_seed(mask_seed(self.seed, first))
+            batch = mask_tokens(ids, plan.spec_at(span, progress), gen)
+            if spec.documents:
+                batch["document_ids"] = document_ids(ids, self.documents)
+            batches.append(_with_dense_labels(batch))
+            state.sequences += span.batch_size
+        return batches
 
     def val_batches_(self) -> list[dict]:
         """The held-out batches at the default rate (0.25), masked as pretrain's held-out loss masks them."""
@@ -221,13 +261,25 @@ class Data:
                 first = i * self.batch
                 ids = torch.from_numpy(np.asarray(self.val[first : first + self.batch], dtype=np.int32)).to(self.device)
                 gen.manual_seed(mask_seed(self.seed, first, stream=1))
-                batches.append(_with_dense_labels(mask_tokens(ids, spec, gen)))
+                batch = mask_tokens(ids, spec, gen)
+                if "boundary" in self.meta:
+                    batch["document_ids"] = document_ids(ids, self.documents)
+                batches.append(_with_dense_labels(batch))
             self._masked[key] = batches
         return self._masked[key]
 
     def _masking(self, rate: float):
         spec = mask_spec(Masking(rate=rate), self.meta["special_ids"], self.meta["vocab_size"], self.seq_len)
         return spec, torch.Generator(device=self.device)
+
+
+def _phases(text: str) -> tuple[phases.Phase, ...]:
+    """ "128@0.9/512" as pretrain's phases: 128 until 0.9 of the budget, then 512."""
+    parts = [p.partition("@") for p in filter(None, text.split("/"))]
+    try:
+        return tuple(phases.Phase(int(length), float(until) if until else None) for length, _, until in parts)
+    except ValueError as e:
+        raise ValueError(f"phases={text!r}: {e}; expected LEN@UNTIL/.../LEN, e.g. 128@0.9/512") from None
 
 
 def _with_dense_labels(batch: dict) -> dict:
@@ -250,7 +302,7 @@ class Trainer:
         dims = dataclasses.replace(
             model.PRESETS[args.config],
             vocab_size=data.meta["vocab_size"],
-            max_seq_len=data.seq_len,
+            max_seq_len=data.plan(spec).chunk,
             pad_id=data.meta["special_ids"]["pad"],
             **spec.overrides,
         )
@@ -265,7 +317,7 @@ class Trainer:
             self.cfg, model.OptimizerConfig(), compile=compiled, backend=args.backend, autocast_dtype=self.autocast
         )
         evaluate = model.make_eval_step(self.cfg, compile=False, autocast_dtype=self.autocast)
-        keys = ("input_ids", "mlm_positions", "mlm_labels")
+        keys = ("input_ids", "mlm_positions", "mlm_labels") + (("document_ids",) if self.spec.documents else ())
 
         def step(batch, lr):
             state["params"], state["opt"], metrics = train(
@@ -450,7 +502,7 @@ def measure_speed(args: argparse.Namespace, specs: list[Spec], data: Data) -> di
             rows[f"{spec.name} compiled, dense logits"] = Trainer(spec, args, data, sparse=False)
         if spec is specs[0]:
             rows[f"{spec.name} eager"] = Trainer(spec, args, data, compiled=False)
-    batches = data.train_batches(specs[0].mask_rate)[:4]
+    batches = data.train_batches(specs[0])[:4]
     for trainer in rows.values():  # compile, then two warm-up steps
         for batch in batches[:3]:
             trainer.step(batch, trainer.lr(1e-4)).item()
@@ -476,7 +528,7 @@ def train(args: argparse.Namespace, spec: Spec, data: Data, lr: float, steps: in
     """Trains a fresh model for `steps`, evaluating `evals` times at even intervals, the last at the end."""
     # Loss at equal tokens does not depend on compiling; on a CPU the eager step spares a compile per run.
     trainer = Trainer(spec, args, data, compiled=data.device.type == "cuda")
-    batches, val = data.train_batches(spec.mask_rate), data.val_batches_()
+    batches, val = data.train_batches(spec), data.val_batches_()
     curve = {"tokens": [], "loss": [], "lr": lr}
     began = time.perf_counter()
     marks = {round(k * steps / evals) for k in range(1, evals)} - {0, steps}

@@ -180,7 +180,8 @@ def mlm_loss(params: dict[str, Tensor], cfg: ModelConfig, batch: dict[str, Tenso
     """Mean cross-entropy over the K masked rows, and their top-1 accuracy.
 
     Sparse prediction: only the K rows named by `mlm_positions` (flat indices into B*S) reach the
-    vocabulary projection, and K is fixed per batch, so every shape is static.
+    vocabulary projection, and K is fixed per batch, so every shape is static. Rows labelled -100 (a
+    masking schedule below its peak rate) count in neither.
     """
     hidden = encode(params, cfg, batch["input_ids"], batch.get("attention_mask"), batch.get("document_ids"))
     rows = hidden.flatten(0, 1).index_select(0, batch["mlm_positions"])
@@ -188,8 +189,9 @@ def mlm_loss(params: dict[str, Tensor], cfg: ModelConfig, batch: dict[str, Tenso
     if logits.dtype in (torch.float16, torch.bfloat16):  # autocast: the softmax wants fp32
         logits = logits.float()
     labels = batch["mlm_labels"]
-    loss = F.cross_entropy(logits, labels)
-    accuracy = (logits.argmax(dim=-1) == labels).float().mean()
+    loss = F.cross_entropy(logits, labels, ignore_index=-100)
+    labelled = labels != -100
+    accuracy = ((logits.argmax(dim=-1) == labels) & labelled).sum() / labelled.sum()
     return loss, {"accuracy": accuracy}
 
 

@@ -35,6 +35,8 @@ VERSION = "4"
 UPSTREAM = ("tokenize", "pack", "pretrain")
 RESUMABLE = False
 DISTRIBUTED = True  # under torchrun every rank fine-tunes a share of the (task, seed) pairs
+# Added after the key was fixed: at its default it measures what evaluate measured before.
+NEW_OPTIONS = ("mlm_lengths",)
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,9 @@ class Config:
     # different masking rates (a sweep) compare on one held-out loss.
     mlm_mask_rate: float = 0.0
     mlm_batch_size: int = 128
+    # The held-out masked-LM at each of these block lengths (`mlm_loss@L` when more than one); empty:
+    # the lengths pretrain trained at. `mlm_loss` stays the first length's.
+    mlm_lengths: tuple[int, ...] = ()
     compile: bool = True
     backend: str = "inductor"
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA and on CPUs with native bf16
@@ -130,6 +135,8 @@ class Config:
             raise ValueError(f"head_width, dropout: {self.head_width}, {self.dropout} must be >= 0 and in [0, 1)")
         if not 0 <= self.warmup < 1:
             raise ValueError(f"warmup: {self.warmup} must be in [0, 1)")
+        if any(length < 1 for length in self.mlm_lengths):
+            raise ValueError(f"mlm_lengths: {list(self.mlm_lengths)} must be lengths of at least 1")
         if not 0 <= self.mlm_mask_rate < 1:
             raise ValueError(f"mlm_mask_rate: {self.mlm_mask_rate} must be in [0, 1); 0 keeps pretraining's rate")
         if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 3:
@@ -311,10 +318,8 @@ def _work(
     limit = max(8, len(config.buckets) * len(tasks))
     with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
         if config.mlm and ctx.is_main:
-            masking = inputs["pretrain"].outputs["masking"]
-            if config.mlm_mask_rate:
-                masking = {**masking, "rate": config.mlm_mask_rate}
-            mlm = _evaluate_mlm(config, cfg, on_device, inputs, masking, device, autocast, ctx)
+            held_out = _HeldOut.of(config, inputs["pretrain"], inputs["pack"], special)
+            mlm = _evaluate_mlm(config, cfg, on_device, held_out, device, autocast, ctx)
         for j, (i, seed) in enumerate(jobs):
             if owner[j] == ctx.rank:
                 runs[j] = finetune_seed(tuner, tasks[i][0], tasks[i][1], encoded[i], seed, ctx)
@@ -403,39 +408,81 @@ def _load_checkpoint(pretrain: Upstream, tokenize: Upstream):
 # ----------------------------------------------------------------------------------- masked LM
 
 
-def _evaluate_mlm(
-    config: Config, cfg, params, inputs: dict[str, Upstream], masking: dict, device, autocast, ctx: Context
-) -> dict:
+@dataclass(frozen=True)
+class _HeldOut:
+    """How the held-out masked LM is measured: pack's val blocks at `lengths`, masked as pretrain masked."""
+
+    path: Path  # pack's val.npy
+    lengths: list[int]
+    masking: dict  # a `Masking` as a dict; its rate: evaluate.mlm_mask_rate, or pretraining's
+    special: dict[str, int]
+    vocab_size: int  # the tokenizer's: random replacements are real tokens, not rows a model has past them
+    documents: Any  # a `blocks.Boundary` when pretrain attended within documents, else None
+
+    @classmethod
+    def of(cls, config: Config, pretrain: Upstream, pack: Upstream, special: dict[str, int]) -> _HeldOut:
+        from cram.stages.shared.blocks import boundary
+
+        trained = pretrain.outputs
+        masking = trained["masking"]
+        if config.mlm_mask_rate:
+            masking = {**masking, "rate": config.mlm_mask_rate}
+        lengths = list(config.mlm_lengths) or trained.get("seq_lens") or [int(pack.outputs["seq_len"])]
+        documents = boundary(pack.outputs["boundary"], special) if trained.get("document_attention") else None
+        return cls(pack.path("val"), lengths, masking, special, int(pack.outputs["vocab_size"]), documents)
+
+
+def _evaluate_mlm(config: Config, cfg, params, held_out: _HeldOut, device, autocast, ctx: Context) -> dict:
     """Mean loss and accuracy over every masked token of the held-out blocks, masked as pretrain masks
-    its held-out blocks (`stages/shared/val_mlm.py`) at `masking`'s rate: random replacements are drawn
-    from the tokenizer's vocabulary, not from the model's rows past it (a model may have more)."""
+    its held-out blocks (`stages/shared/val_mlm.py`), at each length of `held_out`: the first's figures,
+    and every length's under `by_length`."""
     import numpy as np
 
+    blocks = np.load(held_out.path, mmap_mode="r")
+    if blocks.ndim != 2 or len(blocks) == 0:
+        raise StageError(f"{held_out.path}: expected blocks [n, seq_len] with n > 0, got {list(blocks.shape)}")
+    by_length = {
+        length: _mlm_at(config, cfg, params, blocks, length, held_out, device, autocast) for length in held_out.lengths
+    }
+    result = {**by_length[held_out.lengths[0]], "mask_rate": held_out.masking["rate"]}
+    if len(by_length) > 1:
+        result["by_length"] = {str(length): r for length, r in by_length.items()}
+    ctx.log.info("mlm", **{k: v for k, v in result.items() if k != "by_length"})
+    return result
+
+
+def _mlm_at(config: Config, cfg, params, blocks, length: int, held_out: _HeldOut, device, autocast) -> dict:
+    """The held-out masked LM on blocks of `length`; StageError when the model or the data has no such block."""
     from cram import model
+    from cram.stages.shared.blocks import blocks_of
     from cram.stages.shared.masking import Masking, mask_spec
     from cram.stages.shared.val_mlm import val_mlm
 
     began = time.perf_counter()
-    pack = inputs["pack"]
-    blocks = np.load(pack.path("val"), mmap_mode="r")
-    if blocks.ndim != 2 or len(blocks) == 0:
-        raise StageError(f"{pack.path('val')}: expected blocks [n, seq_len] with n > 0, got {list(blocks.shape)}")
-    tokenize = inputs["tokenize"].outputs
-    spec = mask_spec(Masking(**masking), tokenize["special_ids"], tokenize["vocab_size"], blocks.shape[1])
+    if length > cfg.max_seq_len and cfg.position != "rope":
+        raise StageError(
+            f"evaluate.mlm_lengths: {length} is beyond the model's {cfg.max_seq_len} {cfg.position} positions"
+        )
+    at_length = blocks_of(blocks, length)
+    if len(at_length) == 0:
+        raise StageError(f"evaluate.mlm_lengths: {length}: pack's val ({blocks.size} tokens) holds no block that long")
+    spec = mask_spec(Masking(**held_out.masking), held_out.special, held_out.vocab_size, length)
+    # Its own compiled function per length: one graph each, never a recompile of another length's.
     step = model.make_eval_step(cfg, compile=config.compile, backend=config.backend, autocast_dtype=autocast)
     # The last, shorter batch runs eagerly rather than compiling a second graph for one call.
     tail = model.make_eval_step(cfg, compile=False, autocast_dtype=autocast)
     result = val_mlm(
-        step, params, blocks, spec, seed=config.mlm_seed, batch_size=config.mlm_batch_size, device=device, tail=tail
+        step,
+        params,
+        at_length,
+        spec,
+        seed=config.mlm_seed,
+        batch_size=config.mlm_batch_size,
+        device=device,
+        tail=tail,
+        documents=held_out.documents,
     )
-    result = {
-        **result,
-        "mask_rate": masking["rate"],
-        "blocks": len(blocks),
-        "time_s": round(time.perf_counter() - began, 3),
-    }
-    ctx.log.info("mlm", **result)
-    return result
+    return {**result, "blocks": len(at_length), "time_s": round(time.perf_counter() - began, 3)}
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -450,6 +497,9 @@ def _headline(results: dict) -> dict[str, float]:
     if "mlm" in results:
         figures["mlm_loss"] = round(results["mlm"]["loss"], 4)
         figures["mlm_accuracy"] = round(results["mlm"]["accuracy"], 4)
+        for length, r in results["mlm"].get("by_length", {}).items():
+            figures[f"mlm_loss@{length}"] = round(r["loss"], 4)
+            figures[f"mlm_accuracy@{length}"] = round(r["accuracy"], 4)
     for name, r in results["tasks"].items():
         for test, medians in r["median"].items():
             prefix = name if len(r["median"]) == 1 else f"{name}_{test}"

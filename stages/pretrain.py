@@ -26,17 +26,21 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from cram.model.config import ModelConfig, OptimizerConfig
 from cram.stages import Context, StageError, Upstream
+from cram.stages.pretraining.phases import Phase, Plan, Span
+from cram.stages.pretraining.phases import plan as plan_phases
 from cram.stages.shared import device as devices
 from cram.stages.shared import pretrained
-from cram.stages.shared.masking import Masking, MaskSpec, mask_spec, masked_per_sequence
+from cram.stages.shared.masking import Masking, MaskSpec, mask_spec
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from cram.stages.pretraining.batches import PhaseStream
     from cram.stages.pretraining.loop import Hook, Steps
     from cram.stages.pretraining.state import Params, TrainState
     from cram.stages.pretraining.telemetry import ProgressBar
+    from cram.stages.shared.blocks import Boundary
 
 NAME = "pretrain"
 VERSION = "4"
@@ -57,6 +61,9 @@ NEW_OPTIONS = (
     "model.position_offset",
     "model.token_types",
     "model.decoder_bias",
+    "phases",
+    "masking.end_rate",
+    "document_attention",
 )
 
 
@@ -125,9 +132,16 @@ class Config:
     masking: Masking = field(default_factory=Masking)
     schedule: str = "budget-triangle"  # a name in model.SCHEDULES
     schedule_args: dict[str, float] = field(default_factory=dict)  # e.g. {warmup = 0.1}
-    microbatch: int = 32  # sequences per rank per forward/backward; its shape never changes
+    microbatch: int = 32  # sequences per rank per forward/backward; its shape never changes within a phase
     batch_size: int = 32  # target global batch in sequences, reached by the ramp (cramming: 8192)
     ramp: float = 0.6  # fraction of the budget at which batch_size is reached; 0: from the start
+    # Sequence-length phases, e.g. [{seq_len = 128, until = 0.9}, {seq_len = 512}]: each phase trains on
+    # blocks of its length until `until` of the budget's progress (the last: to the end); microbatch and
+    # batch_size (in sequences of pack.seq_len) scale to hold the same tokens. Empty: pack's length throughout.
+    phases: tuple[Phase, ...] = ()
+    # A token attends only to the tokens of its own document in a packed block (the batch carries
+    # `document_ids`, counted from pack's boundary tokens). False: to the whole block.
+    document_attention: bool = False
     compile: bool = True
     backend: str = "inductor"
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA and on CPUs with native bf16
@@ -191,9 +205,9 @@ def fingerprint(config: Config) -> list[list[str]] | None:
 def validate(config: Config, pipeline: Any) -> None:
     """What `run` would reject before training, checked by the runner before the first stage runs:
     the model preset and overrides, or `init`'s checkpoint and what it must agree with (at the vocab size
-    and sequence length that tokenize and pack are set to make), the schedule and its arguments, a
-    masking rate that masks no token of a block, the device, the compile backend, and a model and
-    microbatch that cannot fit in the device's memory."""
+    that tokenize is set to make and the longest phase's length), the phases, the schedule and its
+    arguments, a masking rate or schedule that masks no token of a phase's blocks, the device, the compile
+    backend, and a model and microbatch that cannot fit in the device's memory (in any phase)."""
     from cram import model
 
     tokenize, pack = pipeline.stages.get("tokenize"), pipeline.stages.get("pack")
@@ -202,12 +216,13 @@ def validate(config: Config, pipeline: Any) -> None:
     seq_len = pack.seq_len if pack is not None else getattr(preset, "max_seq_len", 0)
     if config.init:
         _check_has_tokenizer(config, tokenize)
-    cfg = _model_config(model, config, vocab_size, seq_len, special["pad"])
+    plan = plan_phases(config, seq_len, special, vocab_size)
+    cfg = _model_config(model, config, vocab_size, plan.chunk, special["pad"])
     _check_schedule(model, config)
-    per_sequence = masked_per_sequence(config.masking.rate, seq_len, "pretrain.masking.rate")
     devices.check(pipeline.run.device)
     devices.check_backend(config.backend, "pretrain.backend")
-    _check_memory(config, dataclasses.replace(cfg, max_seq_len=seq_len), per_sequence, pipeline.run.device)
+    for span in plan.spans:
+        _check_memory(config, cfg, span, pipeline.run.device)
 
 
 def _check_has_tokenizer(config: Config, tokenize: Any) -> None:
@@ -239,7 +254,9 @@ def _tokenizer_facts(tokenize: Any, preset: ModelConfig | None) -> tuple[int, di
 
 
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
-    from cram import model
+    import torch
+
+    from cram.stages.pretraining.batches import PhaseStream
     from cram.stages.pretraining.loop import train
     from cram.stages.pretraining.telemetry import ProgressBar, peak_flops
 
@@ -250,14 +267,26 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     steps = _make_steps(config, setup, ctx.world_size, compile=config.compile)
     if ctx.is_main and config.val_blocks and state.val_loss_start is None:
         state.val_loss_start = _val_loss(config, setup, state.params)
-    compile_s, canary_diff = _compile(config, setup, ctx, steps, state)
-    trained = dataclasses.replace(setup.model, max_seq_len=setup.blocks.shape[1])  # a checkpoint may have more
-    flops_per_token = model.flops_per_token(trained, setup.spec.per_sequence / trained.max_seq_len)
-    if ctx.is_main:  # measured on a CPU, which takes seconds: before the budget clock starts
-        peak_flops(setup.device, setup.autocast)
-    with ProgressBar(ctx.is_main) as bar:
-        hooks = _hooks(config, ctx, steps, out_dir, flops_per_token, bar, last_saved=state.step)
-        train(config, ctx, steps, state, setup.blocks, hooks)
+    data = PhaseStream(
+        setup.blocks,
+        setup.plan,
+        seed=ctx.seed,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        depth=config.prefetch,
+        pin=setup.device.type == "cuda",
+        waited_s=state.data_wait_s,
+    )
+    # One graph per phase shape, each compiled before the budget clock: a further one is a bug, not a
+    # silent fall back to eager.
+    recompiles = torch._dynamo.config.patch(recompile_limit=setup.plan.shapes, fail_on_recompile_limit_hit=True)
+    with recompiles, data:
+        compile_s, canary_diff = _compile(config, setup, ctx, steps, state, data)
+        if ctx.is_main:  # measured on a CPU, which takes seconds: before the budget clock starts
+            peak_flops(setup.device, setup.autocast)
+        with ProgressBar(ctx.is_main) as bar:
+            hooks = _hooks(config, ctx, steps, out_dir, bar, last_saved=state.step)
+            train(config, ctx, steps, state, data, hooks)
 
     outputs = {
         "params": "params.safetensors",
@@ -265,13 +294,15 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         "metrics": "metrics.jsonl",
         "checkpoints": "checkpoints",
         "masking": dataclasses.asdict(config.masking),
+        "seq_lens": setup.plan.lengths,
+        "document_attention": config.document_attention,
     }
     if not ctx.is_main:
         return outputs
     if _planned_passes(config, setup, ctx.world_size) is None:  # a time budget: the passes are known now
-        _warn_of_repeats(state.sequences / len(setup.blocks), len(setup.blocks), ctx, "made")
+        _warn_of_repeats(setup.plan.position(state) / setup.blocks.size, len(setup.blocks), ctx, "made")
     _write_model(out_dir / outputs["params"], out_dir / outputs["model_config"], setup, state)
-    figures = _figures(config, setup, ctx, state, flops_per_token, compile_s, canary_diff)
+    figures = _figures(config, setup, ctx, state, compile_s, canary_diff)
     ctx.log.info("trained", **figures)
     ctx.metrics.log(state.step, figures, prefix="final/")
     return {**outputs, **figures}
@@ -282,9 +313,11 @@ class _Setup:
     """What `run` reads and derives before training: the data, the model, its masking and device."""
 
     blocks: np.ndarray  # [blocks, seq_len] integers, memory-mapped: the training data
-    val: np.ndarray  # the same, held out
-    model: ModelConfig  # at the data's vocabulary and sequence length
-    spec: MaskSpec
+    val: np.ndarray  # held out, as blocks of the first phase's length
+    model: ModelConfig  # at the data's vocabulary and the longest phase's length
+    plan: Plan  # the sequence-length phases
+    spec: MaskSpec  # the held-out masking, at the first phase's length
+    documents: Boundary | None  # attention within documents: pack's boundary token
     device: torch.device
     autocast: torch.dtype | None  # the forward's autocast dtype; None: fp32
 
@@ -294,22 +327,35 @@ def _setup(config: Config, pack: Upstream, ctx: Context) -> _Setup:
     import numpy as np
 
     from cram import model
+    from cram.stages.shared.blocks import blocks_of, boundary
 
     blocks = np.load(pack.path("train"), mmap_mode="r")
     val = np.load(pack.path("val"), mmap_mode="r")
     seq_len, special = int(pack.outputs["seq_len"]), pack.outputs["special_ids"]
     vocab_size = int(pack.outputs["vocab_size"])  # the tokenizer's: a checkpoint may have more embedding rows
     _check_data(blocks, val, seq_len, pack)
-    cfg = _model_config(model, config, vocab_size, seq_len, special["pad"])
     _check_schedule(model, config)
     if config.batch_size % (ctx.world_size * config.microbatch):
         raise StageError(
             f"pretrain.batch_size: {config.batch_size} must be a multiple of microbatch x ranks "
             f"({ctx.world_size * config.microbatch})"
         )
-    spec = mask_spec(config.masking, special, vocab_size, seq_len)  # random replacements are real tokens
+    plan = plan_phases(config, seq_len, special, vocab_size, ctx.world_size)
+    cfg = _model_config(model, config, vocab_size, plan.chunk, special["pad"])
+    plan = plan.with_flops(lambda span: _flops_per_token(model, cfg, span))
+    first = plan.spans[0].seq_len
+    spec = mask_spec(config.masking, special, vocab_size, first)  # random replacements are real tokens
     device = devices.resolve(ctx.device)
-    return _Setup(blocks, val, cfg, spec, device, devices.autocast_dtype(config.precision, device))
+    autocast = devices.autocast_dtype(config.precision, device)
+    documents = boundary(pack.outputs["boundary"], special) if config.document_attention else None
+    return _Setup(blocks, blocks_of(val, first), cfg, plan, spec, documents, device, autocast)
+
+
+def _flops_per_token(model, cfg: ModelConfig, span: Span) -> float:
+    """Model FLOPs per token of a phase: attention's share grows with its length."""
+    return model.flops_per_token(
+        dataclasses.replace(cfg, max_seq_len=span.seq_len), span.spec.per_sequence / span.seq_len
+    )
 
 
 MAX_PASSES = 4  # more passes over the training blocks than this: a warning that the data is too small
@@ -329,17 +375,23 @@ def _warn_of_data_limits(config: Config, setup: _Setup, ctx: Context) -> None:
 
 
 def _planned_passes(config: Config, setup: _Setup, world_size: int) -> float | None:
-    """The passes over the training blocks that the step or token budget makes, the batch ramp averaged
-    over (at most) 10,000 points; None for a time budget alone, whose steps depend on the speed."""
+    """The passes over the training blocks that the step or token budget makes, the batch ramp (and the
+    phases) averaged over (at most) 10,000 points; None for a time budget alone, whose steps depend on
+    the speed."""
     from cram.stages.pretraining.loop import micro_steps
 
-    budget, seq_len = config.budget, setup.blocks.shape[1]
-    sequences = [] if budget.tokens is None else [budget.tokens / seq_len]
+    budget = config.budget
+    tokens = [] if budget.tokens is None else [budget.tokens]
     if budget.steps is not None:
-        target, points = config.batch_size // (world_size * config.microbatch), min(budget.steps, 10_000)
-        mean = sum(micro_steps(i / points, config.ramp, target) for i in range(points)) / points
-        sequences.append(budget.steps * mean * world_size * config.microbatch)
-    return min(sequences) / len(setup.blocks) if sequences else None
+        points, total = min(budget.steps, 10_000), 0
+        for i in range(points):
+            span = setup.plan.span_at(i / points)
+            rank_tokens = span.microbatch * span.seq_len
+            total += (
+                micro_steps(i / points, config.ramp, span.batch_size // (world_size * span.microbatch)) * rank_tokens
+            )
+        tokens.append(budget.steps * total / points * world_size)
+    return min(tokens) / setup.blocks.size if tokens else None
 
 
 def _warn_of_repeats(passes: float, blocks: int, ctx: Context, verb: str) -> None:
@@ -401,7 +453,7 @@ def _make_steps(config: Config, setup: _Setup, world_size: int, compile: bool) -
     from cram.stages.pretraining.loop import Steps
 
     reduce_grads = model.make_grad_all_reduce(world_size) if world_size > 1 else None
-    single = config.batch_size == world_size * config.microbatch
+    single = all(span.batch_size == world_size * span.microbatch for span in setup.plan.spans)
     how = dict(compile=compile, backend=config.backend)
     whole = accumulate = apply = None
     if single:
@@ -412,7 +464,7 @@ def _make_steps(config: Config, setup: _Setup, world_size: int, compile: bool) -
         accumulate = model.make_accumulate_step(setup.model, autocast_dtype=setup.autocast, **how)
         apply = model.make_apply_step(config.optimizer, reduce_grads=reduce_grads, **how)
     generator = torch.Generator(device=setup.device)
-    return Steps(whole, accumulate, apply, setup.spec, generator, setup.device, setup.autocast)
+    return Steps(whole, accumulate, apply, generator, setup.device, setup.autocast, setup.documents)
 
 
 def _val_loss(config: Config, setup: _Setup, params: Params) -> float:
@@ -428,38 +480,43 @@ def _val_loss(config: Config, setup: _Setup, params: Params) -> float:
         setup.val[: config.val_blocks],
         setup.spec,
         seed=MASK_SEED,
-        batch_size=config.microbatch,
+        batch_size=setup.plan.spans[0].microbatch,
         device=setup.device,
+        documents=setup.documents,
     )["loss"]
 
 
 def _compile(
-    config: Config, setup: _Setup, ctx: Context, steps: Steps, state: TrainState
+    config: Config, setup: _Setup, ctx: Context, steps: Steps, state: TrainState, data: PhaseStream
 ) -> tuple[float, float | None]:
-    """Before the budget clock, unless `steps` are eager or the budget is spent: compile them, then run the
-    canary against eager steps. Returns (seconds compiling, the canary's difference or None)."""
+    """Before the budget clock, unless `steps` are eager or the budget is spent: compile them for every
+    phase's shape, then run the canary (at the first phase's) against eager steps. Returns (seconds
+    compiling, the canary's difference or None)."""
     from cram.stages.pretraining.budget import progress
     from cram.stages.pretraining.loop import canary
+    from cram.stages.shared.blocks import blocks_of
 
     if not config.compile or not progress(config.budget, state, state.elapsed_s) < 1:
         return 0.0, None
-    compile_s = steps.warm_up(state.params, state.opt_state, setup.blocks, config.microbatch)
+    shapes = {(s.microbatch, s.seq_len, s.spec.per_sequence): s for s in setup.plan.spans}
+    compile_s = sum(
+        steps.warm_up(state.params, state.opt_state, blocks_of(setup.blocks, s.seq_len), s.microbatch, s.spec)
+        for s in shapes.values()
+    )
     if not config.canary_steps:
         return compile_s, None
     eager = _make_steps(config, setup, ctx.world_size, compile=False)
-    return compile_s, canary(config, ctx, steps, eager, state.params, state.opt_state, setup.blocks)
+    return compile_s, canary(config, ctx, steps, eager, state.params, state.opt_state, data)
 
 
-def _hooks(
-    config: Config, ctx: Context, steps: Steps, out_dir: Path, flops_per_token: float, bar: ProgressBar, last_saved: int
-) -> list[Hook]:
+def _hooks(config: Config, ctx: Context, steps: Steps, out_dir: Path, bar: ProgressBar, last_saved: int) -> list[Hook]:
     """The loop's side jobs, in the order they run: the divergence check, the report, checkpoints (rank 0)."""
     from cram.stages.pretraining.hooks import Checkpointer, DivergenceCheck, Report
     from cram.stages.pretraining.telemetry import MetricsLog
 
     hooks: list[Hook] = [
         DivergenceCheck(config.log_every_steps, out_dir / "checkpoints"),
-        Report(config, ctx, steps, flops_per_token, MetricsLog(out_dir / "metrics.jsonl"), bar),
+        Report(config, ctx, steps, MetricsLog(out_dir / "metrics.jsonl"), bar),
     ]
     if ctx.is_main:
         hooks.append(Checkpointer(config, out_dir / "checkpoints", last_saved, ctx.log))
@@ -478,7 +535,6 @@ def _figures(
     setup: _Setup,
     ctx: Context,
     state: TrainState,
-    flops_per_token: float,
     compile_s: float,
     canary_diff: float | None,
 ) -> dict[str, Any]:
@@ -490,6 +546,7 @@ def _figures(
 
     elapsed_s = state.elapsed_s
     tokens_per_s = state.tokens_seen / elapsed_s if elapsed_s else 0.0
+    flops_per_token = state.flops_seen / state.tokens_seen if state.tokens_seen else 0.0
     return {
         "final_loss": state.loss_end,
         "loss_start": state.loss_start,
@@ -497,7 +554,7 @@ def _figures(
         "val_loss_end": _val_loss(config, setup, state.params) if config.val_blocks else None,
         "steps": state.step,
         "tokens_seen": state.tokens_seen,
-        "flops_seen": flops_per_token * state.tokens_seen,  # model FLOPs: a budget that carries across hardware
+        "flops_seen": state.flops_seen,  # model FLOPs: a budget that carries across hardware
         "wall_s": round(elapsed_s, 3),
         "compile_s": round(compile_s, 3),
         "canary_diff": canary_diff,
@@ -570,21 +627,22 @@ def _checkpoint_config(config: Config, vocab_size: int, seq_len: int, pad_id: in
 MEMORY_SHARE = 0.9
 
 
-def _check_memory(config: Config, cfg: ModelConfig, per_sequence: int, device_name: str) -> None:
-    """StageError when one training step's estimated peak (`model.training_memory`) clearly exceeds the
-    device's memory, naming the estimate, the memory and the settings that lower it."""
+def _check_memory(config: Config, cfg: ModelConfig, span: Span, device_name: str) -> None:
+    """StageError when one training step's estimated peak (`model.training_memory`) in the phase `span`
+    clearly exceeds the device's memory, naming the estimate, the memory and the settings that lower it."""
     from cram import model
 
     device = devices.resolve(device_name)
     autocast = devices.autocast_dtype(config.precision, device) is not None
-    need = model.training_memory(cfg, config.microbatch, config.microbatch * per_sequence, autocast)
+    at_length = dataclasses.replace(cfg, max_seq_len=span.seq_len)
+    need = model.training_memory(at_length, span.microbatch, span.microbatch * span.spec.per_sequence, autocast)
     have = devices.memory_bytes(device)
     if need.total > MEMORY_SHARE * have:
         gib = 2**30
         raise StageError(
             f"pretrain: a training step needs about {need.total / gib:,.1f} GiB ({need.state / gib:,.1f} GiB "
             f"parameters, AdamW state and gradients of {model.parameter_count(cfg):,} parameters, "
-            f"{need.activations / gib:,.1f} GiB activations of microbatch {config.microbatch}), more than "
+            f"{need.activations / gib:,.1f} GiB activations of microbatch {span.microbatch}), more than "
             f"{MEMORY_SHARE:.0%} of the {have / gib:,.1f} GiB of {device}; lower pretrain.microbatch, "
             "or pretrain.model.hidden, layers or intermediate"
         )

@@ -330,6 +330,48 @@ CASES = [
         "evaluate.mlm_mask_rate: 0.02 masks no token of a 16-token block",
     ),
     ("mlm seed", nothing, [*RUN, *sets(**{"evaluate.mlm_seed": "-1"})], "evaluate.mlm_seed: -1 must be in"),
+    (
+        "phases not increasing",
+        nothing,
+        [*RUN, *sets(**{"pretrain.phases": "[{seq_len=8, until=0.6}, {seq_len=16, until=0.4}, {seq_len=16}]"})],
+        "pretrain.phases[1].until: 0.4 must be above the previous phase's 0.6",
+    ),
+    (
+        "phase until outside (0, 1)",
+        nothing,
+        [*RUN, *sets(**{"pretrain.phases": "[{seq_len=8, until=1.5}, {seq_len=16}]"})],
+        "until: 1.5 must be in (0, 1)",
+    ),
+    (
+        "phase length not dividing",
+        nothing,
+        [*RUN, *sets(**{"pretrain.phases": "[{seq_len=12, until=0.5}, {seq_len=16}]"})],
+        "pretrain.phases[0].seq_len: 12 must divide the longest phase's 16",
+    ),
+    (
+        "phase microbatch below one",
+        nothing,
+        [*RUN, *sets(**{"pretrain.phases": "[{seq_len=128}]"})],
+        "pretrain.phases[0].microbatch: 4 x 16 tokens (pack.seq_len) is not a whole number of 128-token sequences",
+    ),
+    (
+        "phase masks no token",
+        nothing,
+        [*RUN, *sets(**{"pretrain.phases": "[{seq_len=2, until=0.5}, {seq_len=16}]"})],
+        "pretrain.masking.rate: 0.25 masks no token of a 2-token block",
+    ),
+    (
+        "end rate outside (0, 1)",
+        nothing,
+        [*RUN, *sets(**{"pretrain.masking.end_rate": "1.5"})],
+        "end_rate: 1.5 must be",
+    ),
+    (
+        "end rate masks no token",
+        nothing,
+        [*RUN, *sets(**{"pretrain.masking.end_rate": "0.02"})],
+        "pretrain.masking.end_rate: 0.02 masks no token of a 16-token block",
+    ),
     ("memory hidden", nothing, [*RUN, *sets(**{"pretrain.model.hidden": "1000000"})], "lower pretrain.microbatch"),
     ("memory layers", nothing, [*RUN, *sets(**{"pretrain.model.layers": "10000000"})], "GiB parameters, AdamW state"),
     (

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.torch import save_file
 from torch._dynamo.utils import counters
 
 from cram import model
@@ -243,6 +244,32 @@ def test_a_model_with_more_rows_than_tokens_is_evaluated_masking_within_the_toke
     monkeypatch.setattr(masking, "mask_spec", lambda *args: specs.append(mask_spec(*args)) or specs[-1])
     figures, _ = run_stage(Config(tasks=[], compile=False, mlm_batch_size=16), wider, tmp_path, make_ctx)
     assert figures["mlm_loss"] > 0 and [spec.vocab_size for spec in specs] == [100]
+
+
+def test_held_out_masked_lm_at_every_trained_length(upstream, tmp_path, make_ctx):
+    config = Config(tasks=[], compile=False, mlm_batch_size=16)
+    two = _with(upstream, tmp_path, "pretrain", seq_lens=[16, 32])
+    figures, results = run_stage(config, two, tmp_path, make_ctx, "two")
+    at_32, _ = run_stage(config, upstream["inputs"], tmp_path, make_ctx, "one")
+    assert figures["mlm_loss"] == figures["mlm_loss@16"] and figures["mlm_loss@32"] == at_32["mlm_loss"]
+    assert results["mlm"]["by_length"]["16"]["blocks"] == 48 and "mlm_loss@32" not in at_32
+    # A length the user lists: refused beyond sinusoidal (or learned) positions, or beyond the val data.
+    with pytest.raises(StageError, match="128 is beyond the model's 64 sinusoidal positions"):
+        run_stage(dataclasses.replace(config, mlm_lengths=(128,)), upstream["inputs"], tmp_path, make_ctx, "far")
+    rope = model.ModelConfig(vocab_size=100, **{**CFG, "position": "rope"})
+    save_file(model.init(rope, 0), str(tmp_path / "rope.safetensors"))
+    (tmp_path / "rope.json").write_text(json.dumps(dataclasses.asdict(rope)))
+    inputs = _with(
+        upstream,
+        tmp_path,
+        "pretrain",
+        params=str(tmp_path / "rope.safetensors"),
+        model_config=str(tmp_path / "rope.json"),
+    )
+    beyond, _ = run_stage(dataclasses.replace(config, mlm_lengths=(32, 128)), inputs, tmp_path, make_ctx, "rope")
+    assert {"mlm_loss@32", "mlm_loss@128"} <= set(beyond)  # rope computes its positions at any length
+    with pytest.raises(StageError, match="pack's val .768 tokens. holds no block that long"):
+        run_stage(dataclasses.replace(config, mlm_lengths=(1024,)), inputs, tmp_path, make_ctx, "long")
 
 
 def _with(upstream, tmp_path, stage, **outputs):

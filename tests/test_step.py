@@ -330,3 +330,17 @@ def test_quality_bench_trains_every_model_on_the_same_batches(tmp_path):
     for curves in report["curves"].values():
         (curve,) = curves.values()
         assert curve["tokens"] == [128, 256] and all(5.0 < loss < 6.5 for loss in curve["loss"])  # ~log(300)
+
+
+def test_quality_bench_takes_phases_and_a_masking_schedule(tmp_path):
+    pack = fake_pack(tmp_path / "pack", train_blocks=16)
+    flags = ["--models", "cram", "--batch", "4", "--tokens", "512", "--evals", "2", "--lrs", "3e-3", "--no-speed"]
+    variant = ["--variant", "long:phases=16@0.5/32,mask_rate=0.4,end_rate=0.2"]
+    done = quality_bench(str(pack), *flags, *variant, "--json", str(tmp_path / "out.json"), timeout=300)
+    assert done.returncode == 0, done.stderr
+    import json
+
+    curves = json.loads((tmp_path / "out.json").read_text())["curves"]
+    assert set(curves) == {"cram", "long"} and curves["long"]["0.003"]["tokens"] == [256, 512]
+    bad = quality_bench(str(pack), *flags, "--variant", "x:phases=12@0.5/32")
+    assert bad.returncode == 2 and "pretrain.phases[0].seq_len: 12 must divide" in bad.stderr

@@ -2,7 +2,9 @@
 
 The stream is a function of (seed, position) alone, so a resumed or re-sharded run sees exactly the
 sequences and masks an uninterrupted one would have:
-- global sequence `g` is block `order(epoch = g // n)[g % n]`, a fresh permutation per epoch;
+- global sequence `g` is block `order(epoch = g // n)[g % n]`, a fresh permutation per epoch (with
+  sequence-length phases, `phases.py`, a block is a chunk of the longest length, and a shorter
+  phase's sequence `g` is piece `g % pieces` of chunk `g // pieces`);
 - the stream is cut into global microbatches of `world_size * microbatch` sequences, and rank `r`
   reads rows `[r * microbatch, (r + 1) * microbatch)` of each;
 - the masking generator is re-seeded per microbatch from (seed, index of its first sequence), so
@@ -15,11 +17,17 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from cram.stages.shared.blocks import blocks_of
 from cram.stages.shared.masking import mask_seed
+
+if TYPE_CHECKING:
+    from cram.stages.pretraining.phases import Plan
+    from cram.stages.pretraining.state import TrainState
 
 _STOP_POLL_S = 0.1
 
@@ -35,10 +43,13 @@ def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n)
 
 
-def read_sequences(blocks: np.ndarray, seed: int, first: int, count: int, orders: dict[int, np.ndarray]) -> np.ndarray:
-    """Rows for global sequences `first .. first + count - 1`, as int32. `orders` caches permutations."""
-    n = len(blocks)
-    g = np.arange(first, first + count)
+def read_sequences(
+    blocks: np.ndarray, seed: int, first: int, count: int, orders: dict[int, np.ndarray], pieces: int = 1
+) -> np.ndarray:
+    """Rows for global sequences `first .. first + count - 1`, as int32, each a `1 / pieces` part of a
+    block. `orders` caches permutations."""
+    n, length = len(blocks), blocks.shape[1] // pieces
+    g = np.arange(first, first + count) // pieces  # each sequence's block in the stream
     rows = np.empty(count, dtype=np.int64)
     for epoch in np.unique(g // n):
         if epoch not in orders:
@@ -48,8 +59,9 @@ def read_sequences(blocks: np.ndarray, seed: int, first: int, count: int, orders
         rows[here] = orders[epoch][g[here] % n]
     # Sorted reads are kinder to a memory map; the original order is restored after.
     sort = np.argsort(rows, kind="stable")
-    out = np.empty((count, blocks.shape[1]), dtype=np.int32)
-    out[sort] = blocks[rows[sort]]
+    piece = np.arange(first, first + count) % pieces
+    out = np.empty((count, length), dtype=np.int32)
+    out[sort] = blocks[rows[sort]].reshape(count, pieces, length)[np.arange(count), piece[sort]]
     return out
 
 
@@ -72,13 +84,14 @@ class Prefetcher:
         depth: int = 4,
         pin: bool = False,
         waited_s: float = 0.0,
+        pieces: int = 1,
     ):
         self.wait_s = waited_s
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._fill,
-            args=(blocks, seed, start, microbatch, rank, world_size, pin),
+            args=(blocks, seed, start, microbatch, rank, world_size, pin, pieces),
             name="cram-prefetch",
             daemon=True,
         )
@@ -102,13 +115,13 @@ class Prefetcher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _fill(self, blocks, seed, start, microbatch, rank, world_size, pin) -> None:
+    def _fill(self, blocks, seed, start, microbatch, rank, world_size, pin, pieces) -> None:
         orders: dict[int, np.ndarray] = {}
         global_first = start
         try:
             while not self._stop.is_set():
                 first = global_first + rank * microbatch
-                ids = torch.from_numpy(read_sequences(blocks, seed, first, microbatch, orders))
+                ids = torch.from_numpy(read_sequences(blocks, seed, first, microbatch, orders, pieces))
                 item = Microbatch(ids.pin_memory() if pin else ids, first, mask_seed(seed, first))
                 self._put(item)
                 global_first += world_size * microbatch
@@ -122,3 +135,65 @@ class Prefetcher:
                 return
             except queue.Full:
                 continue
+
+
+class PhaseStream:
+    """This rank's microbatches across sequence-length phases (`phases.py`): the current phase's
+    prefetcher, opened anew at the phase's data position when the phase changes."""
+
+    def __init__(
+        self,
+        train: np.ndarray,
+        plan: Plan,
+        *,
+        seed: int,
+        rank: int,
+        world_size: int,
+        depth: int,
+        pin: bool,
+        waited_s: float,
+    ):
+        self.chunks, self.plan, self.seed = blocks_of(train, plan.chunk), plan, seed
+        self.rank, self.world_size, self.depth, self.pin = rank, world_size, depth, pin
+        self.waited_s = waited_s
+        self.phase: int | None = None
+        self.prefetcher: Prefetcher | None = None
+
+    @property
+    def wait_s(self) -> float:
+        return self.waited_s if self.prefetcher is None else self.prefetcher.wait_s
+
+    def follow(self, state: TrainState) -> None:
+        """Read from `state`'s phase and data position on, unless already reading that phase."""
+        if state.phase == self.phase:
+            return
+        self.close()
+        span = self.plan.spans[state.phase]
+        self.prefetcher = Prefetcher(
+            self.chunks,
+            seed=self.seed,
+            start=self.plan.first_sequence(state),
+            microbatch=span.microbatch,
+            rank=self.rank,
+            world_size=self.world_size,
+            depth=self.depth,
+            pin=self.pin,
+            waited_s=self.waited_s,
+            pieces=self.plan.chunk // span.seq_len,
+        )
+        self.phase = state.phase
+
+    def next(self) -> Microbatch:
+        return self.prefetcher.next()
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.waited_s = self.prefetcher.wait_s
+            self.prefetcher.close()
+            self.prefetcher = None
+
+    def __enter__(self) -> PhaseStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

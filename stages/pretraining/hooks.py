@@ -51,11 +51,9 @@ class Report:
     """At the log steps: the interval's loss into the state (every rank), and on rank 0 its record into
     `metrics.jsonl`, the experiment loggers, a console line and the progress bar."""
 
-    def __init__(
-        self, config: Any, ctx: Context, steps: Steps, flops_per_token: float, metrics_log: MetricsLog, bar: ProgressBar
-    ):
+    def __init__(self, config: Any, ctx: Context, steps: Steps, metrics_log: MetricsLog, bar: ProgressBar):
         self.config, self.ctx, self.device, self.autocast = config, ctx, steps.device, steps.autocast
-        self.flops_per_token, self.metrics_log, self.bar = flops_per_token, metrics_log, bar
+        self.metrics_log, self.bar = metrics_log, bar
 
     def due(self, info: StepInfo) -> bool:
         return log_due(info, self.config.log_every_steps)
@@ -82,9 +80,10 @@ class Report:
             "grad_norm": stats["grad_norm"],
             "lr": info.lr,
             "batch_size": info.batch,
+            "seq_len": info.seq_len,
             "tokens_seen": info.state.tokens_seen,
             "tokens_per_s": round(tokens_per_s, 1),
-            "mfu": mfu(self.flops_per_token, tokens_per_s, self.device, self.ctx.world_size, self.autocast),
+            "mfu": mfu(stats["flops_per_token"], tokens_per_s, self.device, self.ctx.world_size, self.autocast),
             "data_wait": round(stats["data_wait"], 4),
             "peak_mem_gb": round(peak_memory_gb(self.device), 3),
         }

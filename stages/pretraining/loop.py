@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from cram.stages.pretraining.batches import Microbatch, Prefetcher
+    from cram.stages.pretraining.batches import Microbatch, PhaseStream
+    from cram.stages.shared.blocks import Boundary
     from cram.stages.shared.masking import MaskSpec
 
 
@@ -45,17 +46,21 @@ class Steps:
     accumulate: Callable[[Params, Params, Params], tuple[Params, Params]] | None
     # (params, opt_state, grads, n_micro, lr) -> (params, opt_state, {grad_norm})
     apply: Callable[[Params, Params, Params, torch.Tensor, torch.Tensor], tuple[Params, Params, Params]] | None
-    spec: MaskSpec
     generator: torch.Generator
     device: torch.device
     autocast: torch.dtype | None  # the forward's autocast dtype; None: fp32
+    documents: Boundary | None = None  # attention within documents: the batch carries `document_ids`
 
-    def batch(self, micro: Microbatch) -> Params:
+    def batch(self, micro: Microbatch, spec: MaskSpec) -> Params:
+        from cram.stages.shared.blocks import document_ids
         from cram.stages.shared.masking import mask_tokens
 
         self.generator.manual_seed(micro.mask_seed)
         ids = micro.ids.to(self.device, non_blocking=True)
-        return mask_tokens(ids, self.spec, self.generator)
+        batch = mask_tokens(ids, spec, self.generator)
+        if self.documents is not None:
+            batch["document_ids"] = document_ids(ids, self.documents)
+        return batch
 
     def scalar(self, value: float) -> torch.Tensor:
         import torch
@@ -65,25 +70,26 @@ class Steps:
         return to_device(torch.tensor(value, dtype=torch.float32), self.device)
 
     def step(
-        self, params: Params, opt_state: Params, data: Batches, n_micro: int, lr: float
+        self, params: Params, opt_state: Params, data: Batches, n_micro: int, lr: float, spec: MaskSpec
     ) -> tuple[Params, Params, torch.Tensor]:
-        """One optimizer step over `n_micro` microbatches from `data`: (params, opt_state, [loss, accuracy,
-        grad_norm] on the device)."""
+        """One optimizer step over `n_micro` microbatches from `data`, masked by `spec`: (params, opt_state,
+        [loss, accuracy, grad_norm] on the device)."""
         import torch
 
         if self.whole is not None:
-            params, opt_state, m = self.whole(params, opt_state, self.batch(data.next()), self.scalar(lr))
+            params, opt_state, m = self.whole(params, opt_state, self.batch(data.next(), spec), self.scalar(lr))
             return params, opt_state, torch.stack([m["loss"], m["accuracy"], m["grad_norm"]])
         grads = {k: torch.zeros_like(v) for k, v in params.items()}
         loss = accuracy = 0.0
         for _ in range(n_micro):
-            grads, m = self.accumulate(params, grads, self.batch(data.next()))
+            grads, m = self.accumulate(params, grads, self.batch(data.next(), spec))
             loss, accuracy = loss + m["loss"], accuracy + m["accuracy"]
         params, opt_state, m = self.apply(params, opt_state, grads, self.scalar(n_micro), self.scalar(lr))
         return params, opt_state, torch.stack([loss / n_micro, accuracy / n_micro, m["grad_norm"]])
 
-    def warm_up(self, params: Params, opt_state: Params, train: np.ndarray, microbatch: int) -> float:
-        """Compile the steps on a throwaway batch, before the budget clock starts; return seconds.
+    def warm_up(self, params: Params, opt_state: Params, train: np.ndarray, microbatch: int, spec: MaskSpec) -> float:
+        """Compile the steps for one shape (`microbatch` blocks of `train`, `spec`'s masked rows) on a
+        throwaway batch, before the budget clock starts; return seconds.
 
         The steps are pure functions, so discarding their results leaves the training state as it was.
         """
@@ -98,7 +104,7 @@ class Steps:
             def next(self) -> Microbatch:
                 return Microbatch(ids, 0, 0)
 
-        _, _, row = self.step(params, opt_state, Once(), 1, 0.0)
+        _, _, row = self.step(params, opt_state, Once(), 1, 0.0, spec)
         row.tolist()  # wait for the device
         return time.perf_counter() - began
 
@@ -108,34 +114,38 @@ class CanaryError(RuntimeError):
 
 
 def canary(
-    config: Any, ctx: Context, compiled: Steps, eager: Steps, params: Params, opt_state: Params, blocks: np.ndarray
+    config: Any, ctx: Context, compiled: Steps, eager: Steps, params: Params, opt_state: Params, data: PhaseStream
 ) -> float:
     """Run `config.canary_steps` optimizer steps compiled and eagerly from the same state on the same
-    batches (the stream's first, one microbatch a step as the ramp starts, at the peak lr so that
-    updates compound); raise `CanaryError` when loss, accuracy or gradient norm differ by more than
-    `config.canary_tolerance` (relative). Returns the largest difference, the worst over all ranks."""
+    batches (the stream's first, of the first phase, one microbatch a step as the ramp starts, at the
+    peak lr so that updates compound); raise `CanaryError` when loss, accuracy or gradient norm differ
+    by more than `config.canary_tolerance` (relative). Returns the largest difference, the worst over
+    all ranks."""
     import torch
 
     from cram.stages.pretraining.batches import Microbatch, read_sequences
     from cram.stages.shared.collectives import all_gather
     from cram.stages.shared.masking import mask_seed
 
+    span = data.plan.spans[0]
+    pieces = data.plan.chunk // span.seq_len
+
     class Replay:
         def __init__(self) -> None:
-            self.first = ctx.rank * config.microbatch
+            self.first = ctx.rank * span.microbatch
 
         def next(self) -> Microbatch:
-            ids = torch.from_numpy(read_sequences(blocks, ctx.seed, self.first, config.microbatch, {}))
+            ids = torch.from_numpy(read_sequences(data.chunks, ctx.seed, self.first, span.microbatch, {}, pieces))
             micro = Microbatch(ids, self.first, mask_seed(ctx.seed, self.first))
-            self.first += ctx.world_size * config.microbatch
+            self.first += ctx.world_size * span.microbatch
             return micro
 
     worst = 0.0
     state_c = state_e = (params, opt_state)
     data_c, data_e = Replay(), Replay()
     for _ in range(config.canary_steps):
-        *state_c, row_c = compiled.step(*state_c, data_c, 1, config.optimizer.lr)
-        *state_e, row_e = eager.step(*state_e, data_e, 1, config.optimizer.lr)
+        *state_c, row_c = compiled.step(*state_c, data_c, 1, config.optimizer.lr, span.spec)
+        *state_e, row_e = eager.step(*state_e, data_e, 1, config.optimizer.lr, span.spec)
         diff = ((row_c.double() - row_e.double()).abs() / row_e.double().abs().clamp(min=1e-6)).max()
         worst = max(worst, float(diff) if torch.isfinite(diff) else float("inf"))
     worst = max(all_gather(worst, ctx.world_size))  # every rank decides alike
@@ -158,9 +168,10 @@ class StepInfo:
     state: TrainState
     metrics: Interval  # [loss, accuracy, grad_norm] of each step since the last log step
     clock: Clock
-    data: Prefetcher
+    data: PhaseStream
     lr: float = 0.0
     batch: int = 0  # global sequences in the step
+    seq_len: int = 0  # their length: the phase's
     final: bool = False
 
     def sync(self) -> None:
@@ -178,16 +189,13 @@ class Hook(Protocol):
     def __call__(self, info: StepInfo) -> None: ...
 
 
-def train(
-    config: Any, ctx: Context, steps: Steps, state: TrainState, blocks: np.ndarray, hooks: Sequence[Hook]
-) -> None:
+def train(config: Any, ctx: Context, steps: Steps, state: TrainState, data: PhaseStream, hooks: Sequence[Hook]) -> None:
     """Step until the budget of `config` (a `pretrain.Config`) is spent, from `state` on (updated in place),
-    over `blocks`, the packed training data."""
+    over `data`, the stream of its phases."""
     from cram import model
-    from cram.stages.pretraining.batches import Prefetcher
+    from cram.stages.pretraining.phases import enter
 
-    seq_len = blocks.shape[1]
-    target_micro = config.batch_size // (ctx.world_size * config.microbatch)
+    plan = data.plan
     clock = Clock(
         state.elapsed_s,
         agree=ctx.world_size > 1 and config.budget.hours is not None,
@@ -195,30 +203,23 @@ def train(
         every=config.clock_sync_every_steps,
         end_s=None if config.budget.hours is None else 3600 * config.budget.hours,
     )
-    with Prefetcher(
-        blocks,
-        seed=ctx.seed,
-        start=state.sequences,
-        microbatch=config.microbatch,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-        depth=config.prefetch,
-        pin=steps.device.type == "cuda",
-        waited_s=state.data_wait_s,
-    ) as data:
-        metrics = Interval(state, data.wait_s, rows=state.unlogged)
-        info = StepInfo(state, metrics, clock, data)
-        while (spent := progress(config.budget, state, clock.agreed(state.step))) < 1:
-            n_micro = micro_steps(spent, config.ramp, target_micro)
-            info.lr = config.optimizer.lr * model.lr_schedule(config.schedule, spent, **config.schedule_args)
-            info.batch = n_micro * ctx.world_size * config.microbatch
-            params, opt_state, row = steps.step(state.params, state.opt_state, data, n_micro, info.lr)
-            metrics.add(row)
-            state.advance(params, opt_state, info.batch, seq_len)
-            _run_due(hooks, info)
-        info.final = True
-        info.sync()
+    metrics = Interval(state, data.wait_s, rows=state.unlogged)
+    info = StepInfo(state, metrics, clock, data)
+    while (spent := progress(config.budget, state, clock.agreed(state.step))) < 1:
+        enter(plan, state, spent)
+        data.follow(state)
+        span = plan.spans[state.phase]
+        n_micro = micro_steps(spent, config.ramp, span.batch_size // (ctx.world_size * span.microbatch))
+        info.lr = config.optimizer.lr * model.lr_schedule(config.schedule, spent, **config.schedule_args)
+        info.batch, info.seq_len = n_micro * ctx.world_size * span.microbatch, span.seq_len
+        spec = plan.spec_at(span, spent)
+        params, opt_state, row = steps.step(state.params, state.opt_state, data, n_micro, info.lr, spec)
+        metrics.add(row)
+        state.advance(params, opt_state, info.batch, span.seq_len, span.flops_per_token)
         _run_due(hooks, info)
+    info.final = True
+    info.sync()
+    _run_due(hooks, info)
 
 
 def _run_due(hooks: Sequence[Hook], info: StepInfo) -> None:

@@ -18,13 +18,19 @@ Params = dict[str, "Tensor"]
 
 # Fields that are tensors, saved as safetensors beside state.json rather than in it.
 _TENSORS = ("params", "opt_state")
+# Counters added after the format was fixed: left out while at their default, so a checkpoint that
+# lacks them reads and writes back as it was (its run had one phase; its FLOPs count restarts at 0).
+_NEW = {"phase": 0, "phase_start": 0, "flops_seen": 0.0}
 
 
 @dataclass(kw_only=True)
 class TrainState:
     step: int = 0
-    sequences: int = 0  # data position: global sequences consumed
+    sequences: int = 0  # data position: global sequences consumed in the current phase
+    phase: int = 0  # the sequence-length phase (`phases.py`)
+    phase_start: int = 0  # where that phase began in the stream, in tokens
     tokens_seen: int = 0
+    flops_seen: float = 0.0  # model FLOPs: each phase's per-token count times its tokens
     elapsed_s: float = 0.0  # budget time spent, carried over across resumes
     data_wait_s: float = 0.0  # of which waiting for batches
     progress: float = 0.0  # schedule position
@@ -37,16 +43,18 @@ class TrainState:
     params: Params = field(default_factory=dict, repr=False)
     opt_state: Params = field(default_factory=dict, repr=False)
 
-    def advance(self, params: Params, opt_state: Params, sequences: int, seq_len: int) -> None:
+    def advance(self, params: Params, opt_state: Params, sequences: int, seq_len: int, flops_per_token: float) -> None:
         """Take the result of one optimizer step over `sequences` (global) sequences of `seq_len` tokens."""
         self.params, self.opt_state = params, opt_state
         self.step += 1
         self.sequences += sequences
         self.tokens_seen += sequences * seq_len
+        self.flops_seen += sequences * seq_len * flops_per_token
 
     def to_json(self) -> dict[str, Any]:
         """The counters, as `state.json` holds them."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _TENSORS}
+        counters = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _TENSORS}
+        return {k: v for k, v in counters.items() if k not in _NEW or v != _NEW[k]}
 
     @classmethod
     def from_json(

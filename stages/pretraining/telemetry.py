@@ -56,7 +56,7 @@ class Interval:
         self.rows = list(rows)  # [loss, accuracy, grad_norm] per step, fetched
         self.pending: list = []  # the same, still on the device
         self.first_step = state.step + 1 - len(self.rows)
-        self.tokens = state.tokens_seen
+        self.tokens, self.flops = state.tokens_seen, state.flops_seen
         self.started = time.perf_counter()
         self.wait_s = wait_s
 
@@ -70,19 +70,22 @@ class Interval:
         return None
 
     def close(self, state: TrainState, wait_s: float, world_size: int, device: Any) -> dict[str, float]:
-        """Loss and accuracy averaged over the interval (and the ranks), the last gradient norm, tokens/s
-        and the fraction of the time spent waiting for data."""
+        """Loss and accuracy averaged over the interval (and the ranks), the last gradient norm, tokens/s,
+        model FLOPs per token (each phase's, weighted by its tokens) and the fraction of the time spent
+        waiting for data."""
         rows = self.fetch()
         loss = sum(r[0] for r in rows) / len(rows)
         accuracy = sum(r[1] for r in rows) / len(rows)
         if world_size > 1:  # every rank reaches each log step, so a collective is safe here
             loss, accuracy = mean_over_ranks([loss, accuracy], world_size, device)
         seconds = time.perf_counter() - self.started
+        tokens = state.tokens_seen - self.tokens
         return {
             "loss": loss,
             "accuracy": accuracy,
             "grad_norm": rows[-1][2],
-            "tokens_per_s": (state.tokens_seen - self.tokens) / seconds,
+            "tokens_per_s": tokens / seconds,
+            "flops_per_token": (state.flops_seen - self.flops) / tokens if tokens else 0.0,
             "data_wait": (wait_s - self.wait_s) / seconds,
         }
 

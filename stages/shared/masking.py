@@ -20,19 +20,33 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Masking:
     """Exactly round(rate * seq_len) positions per sequence; of those, `mask_token` become [MASK],
-    `random_token` a random token, the rest keep their token."""
+    `random_token` a random token, the rest keep their token.
+
+    `end_rate`: the rate moves linearly from `rate` at the start of the budget to `end_rate` at its
+    end (None: `rate` throughout). Shapes stay static: each sequence-length phase masks as many rows
+    as its highest rate needs, and the rows above the current rate keep their token and their label
+    is ignored."""
 
     rate: float = 0.25
     mask_token: float = 0.8
     random_token: float = 0.1
+    end_rate: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.rate < 1:
             raise ValueError(f"rate: {self.rate} must be in (0, 1)")
+        if self.end_rate is not None and not 0 < self.end_rate < 1:
+            raise ValueError(f"end_rate: {self.end_rate} must be in (0, 1)")
         if not (0 <= self.mask_token and 0 <= self.random_token and self.mask_token + self.random_token <= 1):
             raise ValueError(
                 f"mask_token, random_token: {self.mask_token}, {self.random_token} must be >= 0 with sum <= 1"
             )
+
+    def rate_at(self, progress: float) -> float:
+        """The masking rate at `progress` through the budget."""
+        if self.end_rate is None:
+            return self.rate
+        return self.rate + (self.end_rate - self.rate) * min(max(progress, 0.0), 1.0)
 
 
 @dataclass(frozen=True)
@@ -45,6 +59,9 @@ class MaskSpec:
     special_ids: tuple[int, ...]  # never chosen while a sequence has enough other tokens
     replace_with_mask: float = 0.8
     replace_with_random: float = 0.1  # the rest of the chosen positions keep their token
+    # Of the K positions, this many are masked and labelled (a masking schedule below its peak); the
+    # others keep their token and label IGNORED. None: all K.
+    labelled: int | None = None
 
 
 def mask_spec(masking: Masking, special: dict[str, int], vocab_size: int, seq_len: int):
@@ -65,10 +82,12 @@ def masked_per_sequence(rate: float, seq_len: int, key: str) -> int:
     per_sequence = round(rate * seq_len)
     if per_sequence < 1:
         raise StageError(
-            f"{key}: {rate} masks no token of a {seq_len}-token block (pack.seq_len); "
-            f"it must be above {0.5 / seq_len:.3g}"
+            f"{key}: {rate} masks no token of a {seq_len}-token block; it must be above {0.5 / seq_len:.3g}"
         )
     return per_sequence
+
+
+IGNORED = -100  # the label of a row the loss skips (F.cross_entropy's ignore_index)
 
 
 def mask_seed(seed: int, first: int, stream: int = 0) -> int:
@@ -82,7 +101,7 @@ def mask_tokens(ids: torch.Tensor, masking: MaskSpec, generator: torch.Generator
     """The MLM batch for `ids` [B, S] (any integer dtype, on the training device).
 
     Returns `input_ids` [B, S] int64 and the static-shape `mlm_positions` / `mlm_labels` [B * K]
-    int64, positions being flat indices into B * S.
+    int64, positions being flat indices into B * S; labels of rows beyond `masking.labelled` are IGNORED.
     """
     import torch
 
@@ -106,5 +125,15 @@ def mask_tokens(ids: torch.Tensor, masking: MaskSpec, generator: torch.Generator
         action < masking.replace_with_mask + masking.replace_with_random
     )
     replaced = torch.where(use_random, random_tokens, replaced)
+    if masking.labelled is not None and masking.labelled < masking.per_sequence:
+        keep = _highest(scores.gather(1, chosen), masking.labelled).reshape(-1)
+        replaced = torch.where(keep, replaced, labels)
+        labels = labels.masked_fill(~keep, IGNORED)
     input_ids = flat.index_put((positions,), replaced).reshape(batch, seq_len)
     return {"input_ids": input_ids, "mlm_positions": positions, "mlm_labels": labels}
+
+
+def _highest(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """[B, K] bool: the `count` highest of each row's `scores`; random scores make them a random subset."""
+    rank = scores.argsort(dim=1, descending=True, stable=True).argsort(dim=1)
+    return rank < count

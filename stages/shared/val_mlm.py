@@ -22,12 +22,14 @@ def val_mlm(
     batch_size: int,
     device: Any,
     tail: Callable | None = None,
+    documents: Any = None,
 ) -> dict[str, float]:
     """Mean loss and accuracy over every masked token of `blocks` [n, seq_len].
 
     `evaluate(params, batch) -> {"loss", "accuracy"}` takes full batches of `batch_size`; `tail` (default:
     `evaluate`) the shorter last one, so that a compiled `evaluate` never sees a second shape. Sums stay
-    on the device: one host sync at the end.
+    on the device: one host sync at the end. `documents` (a `documents.Boundary`): the batches carry
+    `document_ids`, for attention within documents.
     """
     import torch
 
@@ -35,7 +37,7 @@ def val_mlm(
 
     sums = []
     for first in range(0, len(blocks), batch_size):
-        batch = mask_blocks(blocks[first : first + batch_size], first, spec, seed)
+        batch = mask_blocks(blocks[first : first + batch_size], first, spec, seed, documents)
         batch = {k: to_device(v, device) for k, v in batch.items()}
         step = evaluate if len(batch["input_ids"]) == batch_size or tail is None else tail
         with torch.no_grad():
@@ -47,11 +49,12 @@ def val_mlm(
     return {"loss": loss_sum / count, "accuracy": correct / count, "masked_tokens": count}
 
 
-def mask_blocks(rows, first: int, spec: Any, seed: int) -> dict:
+def mask_blocks(rows, first: int, spec: Any, seed: int, documents: Any = None) -> dict:
     """The MLM batch (on the CPU) for `rows` [B, S], row i being held-out block `first + i`."""
     import numpy as np
     import torch
 
+    from cram.stages.shared.blocks import document_ids
     from cram.stages.shared.masking import mask_seed, mask_tokens
 
     ids = torch.from_numpy(np.asarray(rows, dtype=np.int64))
@@ -61,8 +64,11 @@ def mask_blocks(rows, first: int, spec: Any, seed: int) -> dict:
     for i in range(len(ids)):
         generator.manual_seed(mask_seed(seed, first + i, stream=1))
         parts.append(mask_tokens(ids[i : i + 1], spec, generator))
-    return {
+    batch = {
         "input_ids": torch.cat([p["input_ids"] for p in parts]),
         "mlm_positions": torch.cat([p["mlm_positions"] + i * seq_len for i, p in enumerate(parts)]),
         "mlm_labels": torch.cat([p["mlm_labels"] for p in parts]),
     }
+    if documents is not None:
+        batch["document_ids"] = document_ids(ids, documents)
+    return batch
