@@ -318,7 +318,7 @@ def _work(
     limit = max(8, len(config.buckets) * len(tasks))
     with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
         if config.mlm and ctx.is_main:
-            held_out = _HeldOut.of(config, inputs["pretrain"], inputs["pack"], special)
+            held_out = _HeldOut.of(config, inputs)
             mlm = _evaluate_mlm(config, cfg, on_device, held_out, device, autocast, ctx)
         for j, (i, seed) in enumerate(jobs):
             if owner[j] == ctx.rank:
@@ -420,16 +420,18 @@ class _HeldOut:
     documents: Any  # a `blocks.Boundary` when pretrain attended within documents, else None
 
     @classmethod
-    def of(cls, config: Config, pretrain: Upstream, pack: Upstream, special: dict[str, int]) -> _HeldOut:
+    def of(cls, config: Config, inputs: dict[str, Upstream]) -> _HeldOut:
         from cram.stages.shared.blocks import boundary
 
+        pretrain, pack, tokenize = inputs["pretrain"], inputs["pack"], inputs["tokenize"].outputs
+        special = tokenize["special_ids"]
         trained = pretrain.outputs
         masking = trained["masking"]
         if config.mlm_mask_rate:
             masking = {**masking, "rate": config.mlm_mask_rate}
         lengths = list(config.mlm_lengths) or trained.get("seq_lens") or [int(pack.outputs["seq_len"])]
         documents = boundary(pack.outputs["boundary"], special) if trained.get("document_attention") else None
-        return cls(pack.path("val"), lengths, masking, special, int(pack.outputs["vocab_size"]), documents)
+        return cls(pack.path("val"), lengths, masking, special, int(tokenize["vocab_size"]), documents)
 
 
 def _evaluate_mlm(config: Config, cfg, params, held_out: _HeldOut, device, autocast, ctx: Context) -> dict:

@@ -1,0 +1,93 @@
+"""Masking-rate schedules, attention within documents and a final long phase, through the real pipeline.
+
+    python bench/schedules.py [--work bench-out/schedules] [--tokens 2000000 | --hours 0.0583]
+        [--seeds 0,1,2] [--variants m25,m40,m30-15,m40-20,docs,long512] [--set KEY=VALUE ...]
+
+Each variant is `pipeline.toml` with its overrides (`VARIANTS`), trained on the same budget: a fixed
+token count (`--tokens`, the default: compares what each learns per token) or a fixed time (`--hours`:
+what each learns per second, on this machine, under its load). Runs are interleaved (seed 0: every
+variant, then seed 1: every variant, ...) so that load from other work hits all alike, and the
+variants of one seed share its tokenize and pack through the store. Evaluate measures the held-out
+masked-LM loss at 128 and 512 tokens at one masking rate (25%) for every variant, and no task.
+
+Prints one row per variant: the median over seeds (then each seed) of evaluate's `mlm_loss@128` and
+`mlm_loss@512`, pretrain's wall time (the budget clock: compiling is before it) and tokens per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS: dict[str, list[str]] = {
+    "m25": [],  # the default: 25% throughout
+    "m40": ["pretrain.masking.rate=0.4"],
+    "m30-15": ["pretrain.masking.rate=0.3", "pretrain.masking.end_rate=0.15"],
+    "m40-20": ["pretrain.masking.rate=0.4", "pretrain.masking.end_rate=0.2"],
+    "docs": ["pretrain.document_attention=true"],
+    "long512": ["pretrain.phases=[{seq_len=128, until=0.9}, {seq_len=512}]"],
+}
+EVALUATE = ["evaluate.tasks=[]", "evaluate.mlm_mask_rate=0.25", "evaluate.mlm_lengths=[128, 512]"]
+FIGURES = ("mlm_loss@128", "mlm_loss@512", "wall_s", "tokens_per_s")
+
+
+def run(name: str, overrides: list[str]) -> None:
+    args = [sys.executable, "-m", "cram.pipeline.cli", "run", "pipeline.toml", "--name", name]
+    for item in overrides:
+        args += ["--set", item]
+    print("$", " ".join(args[2:]), flush=True)
+    subprocess.run(args, check=True, cwd=REPO)
+
+
+def figures(run_dir: Path) -> dict[str, float]:
+    stages = json.loads((run_dir / "manifest.json").read_text())["stages"]
+    pretrain, evaluate = stages["pretrain"]["outputs"], stages["evaluate"]["outputs"]
+    return {
+        "mlm_loss@128": evaluate["mlm_loss@128"],
+        "mlm_loss@512": evaluate["mlm_loss@512"],
+        "wall_s": pretrain["wall_s"],
+        "tokens_per_s": pretrain["tokens_per_s"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, default=REPO / "bench-out" / "schedules")
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--tokens", type=int, default=2_000_000)
+    budget.add_argument("--hours", type=float)
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--set", action="append", default=[], help="a further override for every variant")
+    args = parser.parse_args()
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: {unknown[0]!r} is not one of {', '.join(VARIANTS)}")
+    limit = f"pretrain.budget.hours={args.hours}" if args.hours else f"pretrain.budget.tokens={args.tokens}"
+    off = "pretrain.budget.tokens=0" if args.hours else "pretrain.budget.hours=0"
+    work = args.work.resolve()
+    common = [f"run.root={json.dumps(str(work / 'runs'))}", off, limit, *EVALUATE, *args.set]
+    budget_name = f"{args.hours}h" if args.hours else f"{args.tokens}t"
+    rows: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
+    for seed in args.seeds.split(","):
+        for variant in variants:
+            name = f"{variant}-{budget_name}-s{seed}"
+            run(name, [*common, f"run.seed={seed}", *VARIANTS[variant]])
+            rows[variant].append(figures(work / "runs" / name))
+
+    print(f"\nbudget {budget_name}, seeds {args.seeds} (median; then each seed)")
+    print("| variant | " + " | ".join(FIGURES) + " |\n|---|" + "---:|" * len(FIGURES))
+    for variant, runs in rows.items():
+        medians = " | ".join(f"{statistics.median(r[k] for r in runs):.3f}" for k in FIGURES)
+        each = "; ".join(" ".join(f"{r[k]:.3f}" for k in FIGURES[:2]) for r in runs)
+        print(f"| {variant} | {medians} |   ({each})")
+
+
+if __name__ == "__main__":
+    main()
