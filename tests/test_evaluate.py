@@ -40,7 +40,6 @@ def upstream(tmp_path_factory):
     """tokenize, pack and pretrain outputs as the stages write them, for a tiny random model."""
     import datasets
     import sentencepiece as spm
-    from safetensors.torch import save_file
 
     root = tmp_path_factory.mktemp("upstream")
     rng = random.Random(0)
@@ -225,21 +224,11 @@ def test_held_out_blocks_are_masked_at_mlm_mask_rate_when_given(upstream, tmp_pa
 def test_a_model_with_more_rows_than_tokens_is_evaluated_masking_within_the_tokenizer(
     upstream, tmp_path, make_ctx, monkeypatch
 ):
-    from safetensors.torch import save_file
 
     from cram.stages.shared import masking
 
     # ModernBERT pads its 50280 tokens to 50368 rows: the extra rows are never an input.
-    cfg = model.ModelConfig(vocab_size=128, **CFG)
-    save_file(model.init(cfg, 0), str(tmp_path / "params.safetensors"))
-    (tmp_path / "model.json").write_text(json.dumps(dataclasses.asdict(cfg)))
-    wider = _with(
-        upstream,
-        tmp_path,
-        "pretrain",
-        model_config=str(tmp_path / "model.json"),
-        params=str(tmp_path / "params.safetensors"),
-    )
+    wider = _with_model(upstream, tmp_path, model.ModelConfig(vocab_size=128, **CFG), "wider")
     specs, mask_spec = [], masking.mask_spec
     monkeypatch.setattr(masking, "mask_spec", lambda *args: specs.append(mask_spec(*args)) or specs[-1])
     figures, _ = run_stage(Config(tasks=[], compile=False, mlm_batch_size=16), wider, tmp_path, make_ctx)
@@ -256,20 +245,25 @@ def test_held_out_masked_lm_at_every_trained_length(upstream, tmp_path, make_ctx
     # A length the user lists: refused beyond sinusoidal (or learned) positions, or beyond the val data.
     with pytest.raises(StageError, match="128 is beyond the model's 64 sinusoidal positions"):
         run_stage(dataclasses.replace(config, mlm_lengths=(128,)), upstream["inputs"], tmp_path, make_ctx, "far")
-    rope = model.ModelConfig(vocab_size=100, **{**CFG, "position": "rope"})
-    save_file(model.init(rope, 0), str(tmp_path / "rope.safetensors"))
-    (tmp_path / "rope.json").write_text(json.dumps(dataclasses.asdict(rope)))
-    inputs = _with(
-        upstream,
-        tmp_path,
-        "pretrain",
-        params=str(tmp_path / "rope.safetensors"),
-        model_config=str(tmp_path / "rope.json"),
-    )
+    inputs = _with_model(upstream, tmp_path, model.ModelConfig(vocab_size=100, **{**CFG, "position": "rope"}), "rope")
     beyond, _ = run_stage(dataclasses.replace(config, mlm_lengths=(32, 128)), inputs, tmp_path, make_ctx, "rope")
     assert {"mlm_loss@32", "mlm_loss@128"} <= set(beyond)  # rope computes its positions at any length
     with pytest.raises(StageError, match="pack's val .768 tokens. holds no block that long"):
         run_stage(dataclasses.replace(config, mlm_lengths=(1024,)), inputs, tmp_path, make_ctx, "long")
+
+
+def _with_model(upstream, tmp_path, cfg, name):
+    """The upstream with pretrain's model replaced by a fresh one of `cfg`, saved as `name`.*."""
+
+    save_file(model.init(cfg, 0), str(tmp_path / f"{name}.safetensors"))
+    (tmp_path / f"{name}.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    return _with(
+        upstream,
+        tmp_path,
+        "pretrain",
+        params=str(tmp_path / f"{name}.safetensors"),
+        model_config=str(tmp_path / f"{name}.json"),
+    )
 
 
 def _with(upstream, tmp_path, stage, **outputs):
