@@ -1,9 +1,10 @@
 """Masking-rate schedules, attention within documents and a final long phase, through the real pipeline.
 
     python bench/schedules.py [--work bench-out/schedules] [--tokens 2000000 | --hours 0.0583]
-        [--seeds 0,1,2] [--variants m25,m40,m30-15,m40-20,docs,long512] [--set KEY=VALUE ...]
+        [--seeds 0,1,2] [--variants m25,m40,m30-15,m40-20,docs,long512,m40+docs] [--set KEY=VALUE ...]
 
-Each variant is `pipeline.toml` with its overrides (`VARIANTS`), trained on the same budget: a fixed
+Each variant is `pipeline.toml` with `BASE` (25% masking, attention across documents, one length) and
+its overrides (`VARIANTS`; `a+b` joins two), trained on the same budget: a fixed
 token count (`--tokens`, the default: compares what each learns per token) or a fixed time (`--hours`:
 what each learns per second, on this machine, under its load). Runs are interleaved (seed 0: every
 variant, then seed 1: every variant, ...) so that load from other work hits all alike, and the
@@ -24,8 +25,10 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# Every variant starts from this, `pipeline.toml` before the measurements below chose its defaults.
+BASE = ["pretrain.masking.rate=0.25", "pretrain.document_attention=false", "pretrain.phases=[]"]
 VARIANTS: dict[str, list[str]] = {
-    "m25": [],  # the default: 25% throughout
+    "m25": [],  # 25% throughout
     "m40": ["pretrain.masking.rate=0.4"],
     "m30-15": ["pretrain.masking.rate=0.3", "pretrain.masking.end_rate=0.15"],
     "m40-20": ["pretrain.masking.rate=0.4", "pretrain.masking.end_rate=0.2"],
@@ -66,9 +69,9 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], help="a further override for every variant")
     args = parser.parse_args()
     variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
+    unknown = [part for v in variants for part in v.split("+") if part not in VARIANTS]
     if unknown:
-        parser.error(f"--variants: {unknown[0]!r} is not one of {', '.join(VARIANTS)}")
+        parser.error(f"--variants: {unknown[0]!r} is not one of {', '.join(VARIANTS)} (or several joined by +)")
     limit = f"pretrain.budget.hours={args.hours}" if args.hours else f"pretrain.budget.tokens={args.tokens}"
     off = "pretrain.budget.tokens=0" if args.hours else "pretrain.budget.hours=0"
     work = args.work.resolve()
@@ -77,8 +80,9 @@ def main() -> None:
     rows: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     for seed in args.seeds.split(","):
         for variant in variants:
-            name = f"{variant}-{budget_name}-s{seed}"
-            run(name, [*common, f"run.seed={seed}", *VARIANTS[variant]])
+            name = f"{variant.replace('+', '_')}-{budget_name}-s{seed}"
+            variant_overrides = [o for part in variant.split("+") for o in VARIANTS[part]]
+            run(name, [*common, f"run.seed={seed}", *BASE, *variant_overrides])
             rows[variant].append(figures(work / "runs" / name))
 
     print(f"\nbudget {budget_name}, seeds {args.seeds} (median; then each seed)")

@@ -27,6 +27,7 @@ from cram.stages.shared.tokenizer import load as load_tokenizer
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+REPO = Path(__file__).resolve().parents[1]
 EXTRA_ROWS = 8  # the checkpoint has more embedding rows than its tokenizer has tokens, as ModernBERT does
 # The workspace pipeline of test_bad_inputs, its model table left out (the architecture is the checkpoint's).
 INIT_PIPELINE = re.sub(r"\[pretrain\.model\]\n(.+\n)+\n", "", PIPELINE).replace(
@@ -110,6 +111,32 @@ def test_continuing_a_modernbert_checkpoint_starts_at_its_own_loss_with_its_toke
     assert first["loss"] == pytest.approx(hf_loss_on_first_batch(ws / "ckpt", run, microbatch=4), rel=1e-4)
     assert stages["pretrain"]["outputs"]["canary_diff"] is not None  # compiled, and checked against eager
     assert stages["evaluate"]["outputs"]["mlm_loss"] > 0
+    # Round trip: the continued model, exported, is a ModernBERT that transformers computes alike.
+    assert cram("export", "runs/base", "--to", "hf", "--format", "transformers").exit_code == 0
+    hf = transformers.ModernBertForMaskedLM.from_pretrained(ws / "hf").eval()
+    cfg, params = pretrained.load(pretrained.locate(ws / "runs" / "base"))
+    ids = torch.randint(5, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(input_ids=ids).logits
+    ours = model.mlm_logits(params, cfg, model.encode(params, cfg, ids))
+    assert (ours - expected).abs().max().item() <= 1e-4
+    assert (ws / "hf" / "tokenizer.json").read_text() == (ws / "ckpt" / "tokenizer.json").read_text()
+
+
+def test_the_example_config_checks_out_on_a_local_checkpoint(ws):
+    result = cram(
+        "run",
+        str(REPO / "configs" / "continue-modernbert.toml"),
+        "--dry-run",
+        "--set",
+        'pretrain.init="ckpt"',
+        "--set",
+        'tokenize.corpus.paths=["corpus.jsonl"]',
+        "--set",
+        "evaluate.tasks=[]",
+    )
+    assert result.exit_code == 0, result.output
+    assert re.search(r"│ pretrain │ run ", result.output), result.output
 
 
 def test_the_imported_layout_compiles_to_one_graph_without_breaks(checkpoint):
