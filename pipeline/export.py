@@ -27,10 +27,11 @@ from typing import Any
 from cram.model.config import ModelConfig, ModelConfigError
 from cram.pipeline import rundir, store
 from cram.stages.shared.figures import is_number
+from cram.stages.shared.tokenizer import FILE_NAMES as TOKENIZER_FILE_NAMES
+from cram.stages.shared.tokenizer import in_folder as tokenizer_in
 
 FORMATS = ("cram", "transformers")
 MARKER = ".cram-export"  # in every export: `--force` replaces a folder only when it holds this file
-TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")  # sentencepiece's, or a tokenizers one a run reused
 
 
 class ExportError(Exception):
@@ -77,9 +78,9 @@ def load_export(path: Path) -> tuple[ModelConfig, dict[str, Any], Path]:
     for name in ("model.json", "params.safetensors"):
         if not (path / name).is_file():
             raise ExportError(f"{path}: no {name}; is it a cram-format export (`cram export RUN_DIR --to DIR`)?")
-    tokenizer = next((path / name for name in TOKENIZER_FILES if (path / name).is_file()), None)
+    tokenizer = tokenizer_in(path)
     if tokenizer is None:
-        raise ExportError(f"{path}: no {' or '.join(TOKENIZER_FILES)}; is it a cram-format export?")
+        raise ExportError(f"{path}: no {' or '.join(TOKENIZER_FILE_NAMES)}; is it a cram-format export?")
     return _model_config(path / "model.json"), load_file(path / "params.safetensors"), tokenizer
 
 

@@ -118,11 +118,6 @@ class Budget:
         if zero:
             object.__setattr__(self, "tokens", 0)
 
-    @property
-    def zero(self) -> bool:
-        """No step is taken."""
-        return self.tokens == 0
-
 
 @dataclass(frozen=True)
 class Config:
@@ -227,10 +222,12 @@ def validate(config: Config, pipeline: Any) -> None:
 
 def _check_has_tokenizer(config: Config, tokenize: Any) -> None:
     """A checkpoint that is there, and a tokenizer for it: its own (tokenize's default), or one given."""
+    from cram.stages.shared.tokenizer import FILE_NAMES as tokenizer_files
+
     _pretrained(config)
     if tokenize is not None and not tokenize.tokenizer:
         raise StageError(
-            f"pretrain.init: {config.init} holds no tokenizer ({' or '.join(pretrained.TOKENIZER_FILES)}) and "
+            f"pretrain.init: {config.init} holds no tokenizer ({' or '.join(tokenizer_files)}) and "
             "tokenize.tokenizer is not set; a tokenizer trained anew would not match the checkpoint's "
             "embeddings: set tokenize.tokenizer to the one the checkpoint was trained with"
         )

@@ -216,8 +216,8 @@ def test_bad_config_and_data_are_stage_errors(pack, tmp_path, make_ctx):
 def test_a_zero_budget_takes_no_step_and_writes_the_model_it_starts_from(pack, tmp_path, make_ctx):
     from cram import model
 
-    assert pretrain.Budget(hours=0, steps=0) == pretrain.Budget(tokens=0) and pretrain.Budget(tokens=0).zero
-    assert not pretrain.Budget(steps=0, tokens=5).zero
+    assert pretrain.Budget(hours=0, steps=0) == pretrain.Budget(tokens=0) and pretrain.Budget(tokens=0).tokens == 0
+    assert pretrain.Budget(steps=0, tokens=5).tokens == 5
     config = small(budget=pretrain.Budget(tokens=0), compile=True)
     out = pretrain.run(config, {"pack": pack}, tmp_path / "out", make_ctx())
     assert out["steps"] == 0 and out["tokens_seen"] == 0 and out["compile_s"] == 0

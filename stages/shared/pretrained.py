@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from cram.model.config import ModelConfig, ModelConfigError
 from cram.stages.shared.files import content_hash
+from cram.stages.shared.tokenizer import in_folder as tokenizer_in
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 _SHARD_INDEX = "model.safetensors.index.json"
 
 
@@ -52,7 +52,7 @@ def locate(path: Path) -> Pretrained:
         raise PretrainedError(f"{path}: no such folder")
     if (path / "pretrain" / "model.json").is_file():  # a run directory
         found = _cram(path / "pretrain")
-        return Pretrained(found.folder, "cram", found.config_file, found.weights, _tokenizer_in(path / "tokenize"))
+        return Pretrained(found.folder, "cram", found.config_file, found.weights, tokenizer_in(path / "tokenize"))
     if (path / "model.json").is_file():
         return _cram(path)
     if (path / "config.json").is_file():
@@ -96,7 +96,7 @@ def _cram(folder: Path) -> Pretrained:
     weights = folder / "params.safetensors"
     if not weights.is_file():
         raise PretrainedError(f"{folder}: model.json without params.safetensors")
-    return Pretrained(folder, "cram", folder / "model.json", (weights,), _tokenizer_in(folder))
+    return Pretrained(folder, "cram", folder / "model.json", (weights,), tokenizer_in(folder))
 
 
 def _transformers(folder: Path) -> Pretrained:
@@ -113,7 +113,7 @@ def _transformers(folder: Path) -> Pretrained:
             else ""
         )
         raise PretrainedError(f"{folder}: config.json without model.safetensors{hint}")
-    return Pretrained(folder, "transformers", folder / "config.json", weights, _tokenizer_in(folder))
+    return Pretrained(folder, "transformers", folder / "config.json", weights, tokenizer_in(folder))
 
 
 def _shards(folder: Path) -> tuple[Path, ...]:
@@ -126,10 +126,6 @@ def _shards(folder: Path) -> tuple[Path, ...]:
     if missing:
         raise PretrainedError(f"{folder}: {_SHARD_INDEX} names {missing[0]}, which is not there")
     return tuple(folder / n for n in names)
-
-
-def _tokenizer_in(folder: Path) -> Path | None:
-    return next((folder / name for name in TOKENIZER_FILES if (folder / name).is_file()), None)
 
 
 def _read_weights(files: tuple[Path, ...], shapes_only: bool) -> dict[str, Any]:

@@ -23,6 +23,7 @@ KNOWN_NAMES = {
     "sep": ("[SEP]", "</s>"),
     "mask": ("[MASK]", "<mask>"),
 }
+FILE_NAMES = ("tokenizer.json", "tokenizer.model")  # in a folder, the first one found is the tokenizer
 CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -61,12 +62,17 @@ def files(path: Path) -> list[Path]:
     return [file, *(file.parent / name for name in CONFIG_FILES if (file.parent / name).is_file())]
 
 
+def in_folder(folder: Path) -> Path | None:
+    """The tokenizer file `folder` holds (FILE_NAMES, in that order), or None."""
+    return next((folder / name for name in FILE_NAMES if (folder / name).is_file()), None)
+
+
 def _find_file(path: Path) -> Path:
     if path.is_dir():
-        for name in ("tokenizer.json", "tokenizer.model"):
-            if (path / name).is_file():
-                return path / name
-        raise TokenizerError(f"{path}: the folder holds neither tokenizer.json nor tokenizer.model")
+        found = in_folder(path)
+        if found is None:
+            raise TokenizerError(f"{path}: the folder holds neither tokenizer.json nor tokenizer.model")
+        return found
     if not path.is_file():
         raise TokenizerError(f"{path}: no such file or folder")
     if path.suffix not in (".json", ".model"):
