@@ -22,7 +22,7 @@ from torch import Tensor
 
 from cram.model.bert import INIT_STD, encode
 from cram.model.config import ModelConfig, OptimizerConfig
-from cram.model.step import autocast, compiled, make_apply_step
+from cram.model.step import CompileOptions, autocast, compiled, make_apply_step
 
 Pooling = Literal["first", "mean"]
 POOLINGS: tuple[str, ...] = ("first", "mean")
@@ -82,6 +82,7 @@ def make_finetune_step(
     compile: bool = True,
     backend: str = "inductor",
     autocast_dtype: torch.dtype | None = None,
+    options: CompileOptions = None,
 ) -> Callable[..., tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]]:
     """step(params, opt_state, batch, lr: 0-dim tensor) -> (params, opt_state, {"loss", "grad_norm"}).
 
@@ -102,7 +103,7 @@ def make_finetune_step(
         params, opt_state, metrics = apply(params, opt_state, grads, one, lr)
         return params, opt_state, {**metrics, "loss": loss.detach()}
 
-    return compiled(step, compile, backend)
+    return compiled(step, compile, backend, options)
 
 
 def make_classify_eval_step(
@@ -112,6 +113,7 @@ def make_classify_eval_step(
     compile: bool = True,
     backend: str = "inductor",
     autocast_dtype: torch.dtype | None = None,
+    options: CompileOptions = None,
 ) -> Callable[[dict[str, Tensor], dict[str, Tensor]], Tensor]:
     """predict(params, batch) -> logits [B, num_outputs] fp32; `labels`/`weights` are not needed."""
     _check_pooling(pooling)
@@ -121,7 +123,7 @@ def make_classify_eval_step(
         with autocast(batch["input_ids"], autocast_dtype):
             return classify(params, cfg, batch["input_ids"], batch["attention_mask"], pooling)
 
-    return compiled(predict, compile, backend)
+    return compiled(predict, compile, backend, options)
 
 
 def _check_pooling(pooling: str) -> None:

@@ -20,6 +20,7 @@ from cram.model.optim import adamw_update
 
 Params = dict[str, Tensor]
 GradReducer = Callable[[Params], Params]
+CompileOptions = dict[str, object] | None  # the backend's options for these graphs alone (inductor's config keys)
 
 
 def make_train_step(
@@ -30,6 +31,7 @@ def make_train_step(
     backend: str = "inductor",
     autocast_dtype: torch.dtype | None = None,
     reduce_grads: GradReducer | None = None,
+    options: CompileOptions = None,
 ) -> Callable[[Params, Params, Params, Tensor], tuple[Params, Params, dict[str, Tensor]]]:
     """step(params, opt_state, batch, lr) -> (params, opt_state, {"loss", "grad_norm", "accuracy"})."""
     loss_and_grads = _loss_and_grads(cfg, autocast_dtype)
@@ -41,11 +43,16 @@ def make_train_step(
         params, opt_state, grad_norm = adamw_update(opt_cfg, params, opt_state, grads, lr)
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "accuracy": aux["accuracy"]}
 
-    return compiled(train_step, compile, backend)
+    return compiled(train_step, compile, backend, options)
 
 
 def make_accumulate_step(
-    cfg: ModelConfig, *, compile: bool = True, backend: str = "inductor", autocast_dtype: torch.dtype | None = None
+    cfg: ModelConfig,
+    *,
+    compile: bool = True,
+    backend: str = "inductor",
+    autocast_dtype: torch.dtype | None = None,
+    options: CompileOptions = None,
 ) -> Callable[[Params, Params, Params], tuple[Params, dict[str, Tensor]]]:
     """accumulate(params, grads, batch) -> (grads + this microbatch's grads, {"loss", "accuracy"})."""
     loss_and_grads = _loss_and_grads(cfg, autocast_dtype)
@@ -54,7 +61,7 @@ def make_accumulate_step(
         micro, (loss, aux) = loss_and_grads(params, batch)
         return {name: grads[name] + g for name, g in micro.items()}, {"loss": loss, "accuracy": aux["accuracy"]}
 
-    return compiled(accumulate_step, compile, backend)
+    return compiled(accumulate_step, compile, backend, options)
 
 
 def make_apply_step(
@@ -63,6 +70,7 @@ def make_apply_step(
     compile: bool = True,
     backend: str = "inductor",
     reduce_grads: GradReducer | None = None,
+    options: CompileOptions = None,
 ) -> Callable[[Params, Params, Params, Tensor, Tensor], tuple[Params, Params, dict[str, Tensor]]]:
     """apply(params, opt_state, grads, n_micro, lr) -> (params, opt_state, {"grad_norm"}).
 
@@ -77,11 +85,16 @@ def make_apply_step(
         params, opt_state, grad_norm = adamw_update(opt_cfg, params, opt_state, grads, lr)
         return params, opt_state, {"grad_norm": grad_norm}
 
-    return compiled(apply_step, compile, backend)
+    return compiled(apply_step, compile, backend, options)
 
 
 def make_eval_step(
-    cfg: ModelConfig, *, compile: bool = True, backend: str = "inductor", autocast_dtype: torch.dtype | None = None
+    cfg: ModelConfig,
+    *,
+    compile: bool = True,
+    backend: str = "inductor",
+    autocast_dtype: torch.dtype | None = None,
+    options: CompileOptions = None,
 ) -> Callable[[Params, Params], dict[str, Tensor]]:
     """evaluate(params, batch) -> {"loss", "accuracy"}; compiled apart from the train step."""
 
@@ -90,7 +103,7 @@ def make_eval_step(
             loss, aux = mlm_loss(params, cfg, batch)
         return {"loss": loss, "accuracy": aux["accuracy"]}
 
-    return compiled(eval_step, compile, backend)
+    return compiled(eval_step, compile, backend, options)
 
 
 def make_grad_all_reduce(world_size: int, group=None) -> GradReducer:
@@ -126,14 +139,16 @@ def autocast(like: Tensor, dtype: torch.dtype | None):
     return torch.autocast(like.device.type, dtype=dtype)
 
 
-def compiled(fn: Callable, compile: bool, backend: str) -> Callable:
+def compiled(fn: Callable, compile: bool, backend: str, options: CompileOptions = None) -> Callable:
     """`fn` as one static-shape graph (`fullgraph=True`, `dynamic=False`), or `fn` itself when not `compile`.
 
-    Each new batch shape compiles once, so the graph count is bounded by the shapes a caller uses."""
+    Each new batch shape compiles once, so the graph count is bounded by the shapes a caller uses.
+    `options` patch the backend's config while it compiles these graphs (e.g. inductor's
+    `cpp.simdlen`), leaving the process's config as it was."""
     if not compile:
         return fn
     # Dynamo caches compiled graphs on the function's code object, shared by every closure that
     # make_* returns: a second step (another config, a test) would count as a recompile of the
     # first and, past the recompile limit, fall back to eager. A copied code object gets its own cache.
     fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    return torch.compile(fresh, fullgraph=True, dynamic=False, backend=backend)
+    return torch.compile(fresh, fullgraph=True, dynamic=False, backend=backend, options=options or None)

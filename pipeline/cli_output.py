@@ -67,6 +67,8 @@ def print_stage(name: str, record: dict[str, Any], config: dict[str, Any], event
     out.print(cfg.to_toml({name: config.get(name, {})}).strip(), highlight=False, markup=False)
     out.print("[bold]outputs[/]")
     out.print_json(json.dumps(record.get("outputs") or {}))
+    if reason := (record.get("outputs") or {}).get("precision_reason"):
+        out.print(f"[bold]precision[/]: {record['outputs'].get('precision')} ({escape(reason)})", highlight=False)
     if replay := _replay_budget(name, record.get("outputs") or {}):
         out.print(f"[bold]same token budget elsewhere[/]: {replay}", highlight=False)
     out.print(f"[bold]log tail[/] ({events})")

@@ -108,15 +108,21 @@ def _check_folder(run_dir: Path) -> None:
 
 
 def _validate(config: cfg.PipelineConfig, steps: list[Step]) -> None:
-    """Each stage's own checks (its optional `validate`), before any stage runs: a bad pretrain or
-    evaluate setting fails now, not after the stages before it. A done stage passed them when it ran."""
+    """Each stage's own checks, before any stage runs: a bad pretrain or evaluate setting fails now, not
+    after the stages before it. A done stage passed them when it ran. A stage's optional `validate` is
+    torch-free and checks every stage not done; its optional `validate_runtime` (device, backend, memory)
+    loads torch and checks only the stages that run now, so `--only pack` starts in well under a second."""
     for step in steps:
-        check = getattr(step.module, "validate", None)
-        if check is not None and step.reason not in ("done", "in store"):
-            try:
+        if step.reason in ("done", "in store"):
+            continue
+        checks = [getattr(step.module, "validate", None)]
+        if step.action == "run":
+            checks.append(getattr(step.module, "validate_runtime", None))
+        try:
+            for check in filter(None, checks):
                 check(config.stages[step.name], config)
-            except stages.StageError as e:
-                raise PlanError(str(e)) from None
+        except stages.StageError as e:
+            raise PlanError(str(e)) from None
 
 
 def keyed_config(module: ModuleType, stage_config: Any) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from cram.stages.finetuning.finetune import bucket, load_task
 from cram.stages.finetuning.metrics import METRICS, REGRESSION_METRICS
 from cram.stages.finetuning.tasks import GLUE
 from cram.stages.shared import device as devices
+from cram.stages.shared import precision as precisions
 from cram.stages.shared.files import files_under, write_atomic
 from cram.stages.shared.files import fingerprint as fingerprint_files
 from cram.stages.shared.masking import masked_per_sequence
@@ -36,7 +37,7 @@ UPSTREAM = ("tokenize", "pack", "pretrain")
 RESUMABLE = False
 DISTRIBUTED = True  # under torchrun every rank fine-tunes a share of the (task, seed) pairs
 # Added after the key was fixed: at its default it measures what evaluate measured before.
-NEW_OPTIONS = ("mlm_lengths",)
+NEW_OPTIONS = ("mlm_lengths", "canary_steps", "canary_tolerance")
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,14 @@ class Config:
     mlm_lengths: tuple[int, ...] = ()
     compile: bool = True
     backend: str = "inductor"
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA and on CPUs with native bf16
+    # auto: bf16 autocast on CUDA and on CPUs with native bf16, where the compiled fine-tune step agrees
+    # with eager (the canary), else fp32 (stages/shared/precision.py)
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # Before the first fine-tune: this many steps of the first task compiled and eagerly from the same
+    # params (dropout off), and their predictions; a relative difference above the tolerance tries the
+    # next precision, or stops the stage. 0: off (and off when compile is false).
+    canary_steps: int = 2
+    canary_tolerance: float = 0.02
 
     def __post_init__(self) -> None:
         positive = ("epochs", "batch_size", "max_length", "seeds", "eval_batch_size", "mlm_batch_size")
@@ -135,6 +143,10 @@ class Config:
             raise ValueError(f"head_width, dropout: {self.head_width}, {self.dropout} must be >= 0 and in [0, 1)")
         if not 0 <= self.warmup < 1:
             raise ValueError(f"warmup: {self.warmup} must be in [0, 1)")
+        if self.canary_steps < 0 or not self.canary_tolerance > 0:
+            raise ValueError(
+                f"canary_steps, canary_tolerance: {self.canary_steps}, {self.canary_tolerance} must be >= 0 and > 0"
+            )
         if any(length < 1 for length in self.mlm_lengths):
             raise ValueError(f"mlm_lengths: {list(self.mlm_lengths)} must be lengths of at least 1")
         if not 0 <= self.mlm_mask_rate < 1:
@@ -169,13 +181,18 @@ def fingerprint(config: Config) -> list[list[Any]]:
     return files
 
 
-def validate(config: Config, pipeline: Any) -> None:
-    """What `run` would reject before it fine-tunes anything, checked by the runner before the first
-    stage runs: the device and compile backend, the held-out masking rate and seed, each local task's
-    files (read in full: fields, labels, encoding), and a held-out-topic task that the tokenize
-    stage's settings leave without articles (the default task is then left out, not refused)."""
+def validate_runtime(config: Config, pipeline: Any) -> None:
+    """What `validate` leaves to a stage that runs in this invocation, since it loads torch: the device
+    and the compile backend."""
     devices.check(pipeline.run.device)
     devices.check_backend(config.backend, "evaluate.backend")
+
+
+def validate(config: Config, pipeline: Any) -> None:
+    """What `run` would reject before it fine-tunes anything, checked by the runner before the first
+    stage runs, with no torch: the held-out masking rate and seed, each local task's
+    files (read in full: fields, labels, encoding), and a held-out-topic task that the tokenize
+    stage's settings leave without articles (the default task is then left out, not refused)."""
     tokenize, pack = pipeline.stages.get("tokenize"), pipeline.stages.get("pack")
     if config.mlm and config.mlm_mask_rate and pack is not None:
         masked_per_sequence(config.mlm_mask_rate, pack.seq_len, "evaluate.mlm_mask_rate")
@@ -261,13 +278,15 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     seeds = [[ctx.seed + k for k in range(config.setting(tc, "seeds"))] for tc in config.tasks]
     jobs = [(i, seed) for i, task_seeds in enumerate(seeds) for seed in task_seeds]
     work = functools.partial(_work, config, inputs, ctx, cfg, params, tokenizer, jobs)
-    mlm, runs, (tasks, encoded) = work() if ctx.world_size == 1 else _on_every_rank(work, ctx)
+    mlm, runs, prepared = work() if ctx.world_size == 1 else _on_every_rank(work, ctx)
     if not ctx.is_main:
         return {"results": "results.json"}  # rank 0 writes them
-    results = _results(config, ctx, mlm, tasks, encoded, seeds, jobs, runs)
+    results = _results(config, ctx, mlm, prepared.tasks, prepared.encoded, seeds, jobs, runs)
+    results["precision"] = {"name": prepared.choice.precision.name, "reason": prepared.choice.reason}
     _write_json(out_dir / "results.json", results)
     ctx.metrics.log(inputs["pretrain"].outputs.get("steps", 0), _headline(results))  # at the end of pretraining
-    return {"results": "results.json", **_headline(results)}
+    precision = {"precision": prepared.choice.precision.name, "precision_reason": prepared.choice.reason}
+    return {"results": "results.json", **_headline(results), **precision}
 
 
 def _heldout_gap(tokenize: Upstream) -> str | None:
@@ -293,13 +312,22 @@ def _check_lengths(config: Config, cfg: Any) -> None:
             )
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """What every rank makes alike before fine-tuning: the tasks, their encoded examples, the precision."""
+
+    tasks: list  # (task config, task)
+    encoded: list  # each task's Encoded
+    choice: precisions.Choice
+
+
 def _work(
     config: Config, inputs: dict[str, Upstream], ctx: Context, cfg: Any, params: dict, tokenizer: Any, jobs: list
-) -> tuple[dict | None, dict[int, dict], tuple[list, list]]:
+) -> tuple[dict | None, dict[int, dict], _Prepared]:
     """This rank's share: the masked-LM numbers (rank 0) and its (task, seed) fine-tunes."""
     import torch
 
-    from cram.stages.finetuning.finetune import Tuner, encode, finetune_seed, share_out
+    from cram.stages.finetuning.finetune import encode, finetune_seed, share_out
 
     tokenize, special = inputs["tokenize"], inputs["tokenize"].outputs["special_ids"]
     # Load and tokenize every task before training any: a bad task fails the stage at once.
@@ -308,31 +336,59 @@ def _work(
     costs = [len(encoded[i].train[0]) * config.setting(config.tasks[i], "epochs") for i, _ in jobs]
     owner = share_out(costs, ctx.world_size)
     device = devices.resolve(ctx.device)
-    autocast = devices.autocast_dtype(config.precision, device)
     on_device = {k: v.to(device) for k, v in params.items()}
-    tuner = Tuner.make(config, cfg, on_device, special, device, autocast)
     mlm, runs = None, {}
     # Tasks share the compiled steps, so tasks with the same head shape share graphs; each head shape
     # may add one per bucket. Past dynamo's default limit of 8 graphs it would fall back to eager
     # silently: the limit is raised to what the tasks can need, and hitting it is an error.
     limit = max(8, len(config.buckets) * len(tasks))
     with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
+        choice, tuner = _tuner(config, cfg, on_device, special, device, tasks, encoded, ctx)
         if config.mlm and ctx.is_main:
             held_out = _HeldOut.of(config, inputs)
-            mlm = _evaluate_mlm(config, cfg, on_device, held_out, device, autocast, ctx)
+            mlm = _evaluate_mlm(config, cfg, on_device, held_out, device, choice.precision, ctx)
         for j, (i, seed) in enumerate(jobs):
             if owner[j] == ctx.rank:
                 runs[j] = finetune_seed(tuner, tasks[i][0], tasks[i][1], encoded[i], seed, ctx)
-    return mlm, runs, (tasks, encoded)
+    return mlm, runs, _Prepared(tasks, encoded, choice)
 
 
-def _on_every_rank(work: Callable, ctx: Context) -> tuple[dict | None, dict[int, dict], tuple[list, list]]:
+def _tuner(
+    config: Config, cfg: Any, params: dict, special: dict, device: Any, tasks: list, encoded: list, ctx: Context
+):
+    """(the precision chosen, the fine-tuner in it). Compiled, each candidate precision's fine-tune step
+    and prediction are checked against eager on the first task's first batch (`Tuner.canary`), and the
+    first that agrees is kept (`precision.choose`)."""
+    from cram.stages.finetuning.finetune import Tuner
+
+    def make(candidate: precisions.Precision, compile: bool = config.compile, dropout: float = config.dropout):
+        return Tuner.make(
+            dataclasses.replace(config, compile=compile, dropout=dropout), cfg, params, special, device, candidate
+        )
+
+    if not config.compile or not config.canary_steps or not tasks:
+        why = "eager steps" if not config.compile else "canary_steps = 0" if not config.canary_steps else "no task"
+        choice = precisions.unchecked(config.precision, device, f"{why}: no compile canary")
+        return choice, make(choice.precision)
+
+    def check(candidate: precisions.Precision) -> float:
+        # Dropout off: compiled and eager dropout draw different masks from the same seed.
+        compiled, eager = make(candidate, dropout=0.0), make(candidate, compile=False, dropout=0.0)
+        diff = compiled.canary(eager, tasks[0][1].num_outputs, encoded[0].train, config.canary_steps, ctx.seed)
+        ctx.log.info("canary", precision=candidate.label, steps=config.canary_steps, max_relative_diff=diff)
+        return diff
+
+    choice = precisions.choose(config.precision, device, config.backend, check, config.canary_tolerance, ctx.log, NAME)
+    return choice, make(choice.precision)
+
+
+def _on_every_rank(work: Callable, ctx: Context) -> tuple[dict | None, dict[int, dict], _Prepared]:
     """`work` on every torchrun rank, each fine-tuning its share of the (task, seed) pairs; the one
     collective is the gather at the end, which waits only for the slowest rank's last job. A rank's
     failure is gathered too, so no rank is left waiting for one that gave up."""
     from cram.stages.shared.collectives import all_gather
 
-    failure, mlm, runs, local = None, None, {}, ([], [])
+    failure, mlm, runs, local = None, None, {}, None
     try:
         mlm, runs, local = work()
     except StageError as e:
@@ -434,7 +490,7 @@ class _HeldOut:
         return cls(pack.path("val"), lengths, masking, special, int(tokenize["vocab_size"]), documents)
 
 
-def _evaluate_mlm(config: Config, cfg, params, held_out: _HeldOut, device, autocast, ctx: Context) -> dict:
+def _evaluate_mlm(config: Config, cfg, params, held_out: _HeldOut, device, precision, ctx: Context) -> dict:
     """Mean loss and accuracy over every masked token of the held-out blocks, masked as pretrain masks
     its held-out blocks (`stages/shared/val_mlm.py`), at each length of `held_out`: the first's figures,
     and every length's under `by_length`."""
@@ -444,7 +500,7 @@ def _evaluate_mlm(config: Config, cfg, params, held_out: _HeldOut, device, autoc
     if blocks.ndim != 2 or len(blocks) == 0:
         raise StageError(f"{held_out.path}: expected blocks [n, seq_len] with n > 0, got {list(blocks.shape)}")
     by_length = {
-        length: _mlm_at(config, cfg, params, blocks, length, held_out, device, autocast) for length in held_out.lengths
+        length: _mlm_at(config, cfg, params, blocks, length, held_out, device, precision) for length in held_out.lengths
     }
     result = {**by_length[held_out.lengths[0]], "mask_rate": held_out.masking["rate"]}
     if len(by_length) > 1:
@@ -453,7 +509,7 @@ def _evaluate_mlm(config: Config, cfg, params, held_out: _HeldOut, device, autoc
     return result
 
 
-def _mlm_at(config: Config, cfg, params, blocks, length: int, held_out: _HeldOut, device, autocast) -> dict:
+def _mlm_at(config: Config, cfg, params, blocks, length: int, held_out: _HeldOut, device, precision) -> dict:
     """The held-out masked LM on blocks of `length`; StageError when the model or the data has no such block."""
     from cram import model
     from cram.stages.shared.blocks import blocks_of
@@ -470,7 +526,10 @@ def _mlm_at(config: Config, cfg, params, blocks, length: int, held_out: _HeldOut
         raise StageError(f"evaluate.mlm_lengths: {length}: pack's val ({blocks.size} tokens) holds no block that long")
     spec = mask_spec(Masking(**held_out.masking), held_out.special, held_out.vocab_size, length)
     # Its own compiled function per length: one graph each, never a recompile of another length's.
-    step = model.make_eval_step(cfg, compile=config.compile, backend=config.backend, autocast_dtype=autocast)
+    autocast, options = precision.autocast(), precision.compile_options()
+    step = model.make_eval_step(
+        cfg, compile=config.compile, backend=config.backend, autocast_dtype=autocast, options=options
+    )
     # The last, shorter batch runs eagerly rather than compiling a second graph for one call.
     tail = model.make_eval_step(cfg, compile=False, autocast_dtype=autocast)
     result = val_mlm(

@@ -29,6 +29,7 @@ from cram.stages import Context, StageError, Upstream
 from cram.stages.pretraining.phases import Phase, Plan, Span
 from cram.stages.pretraining.phases import plan as plan_phases
 from cram.stages.shared import device as devices
+from cram.stages.shared import precision as precisions
 from cram.stages.shared import pretrained
 from cram.stages.shared.masking import Masking, MaskSpec, mask_spec
 
@@ -198,26 +199,38 @@ def fingerprint(config: Config) -> list[list[str]] | None:
 
 
 def validate(config: Config, pipeline: Any) -> None:
-    """What `run` would reject before training, checked by the runner before the first stage runs:
-    the model preset and overrides, or `init`'s checkpoint and what it must agree with (at the vocab size
-    that tokenize is set to make and the longest phase's length), the phases, the schedule and its
-    arguments, a masking rate or schedule that masks no token of a phase's blocks, the device, the compile
-    backend, and a model and microbatch that cannot fit in the device's memory (in any phase)."""
+    """What `run` would reject before training, checked by the runner before the first stage runs, with
+    no torch: the model preset and overrides, or `init`'s checkpoint and what it must agree with (at the
+    vocab size that tokenize is set to make and the longest phase's length), the phases, the schedule and
+    its arguments, a masking rate or schedule that masks no token of a phase's blocks."""
+    from cram import model
+
+    if config.init:
+        _check_has_tokenizer(config, pipeline.stages.get("tokenize"))
+    _planned_model(config, pipeline)
+    _check_schedule(model, config)
+
+
+def validate_runtime(config: Config, pipeline: Any) -> None:
+    """What `validate` leaves to a stage that runs in this invocation, since it loads torch: the device,
+    the compile backend, and a model and microbatch that cannot fit in the device's memory (in any phase)."""
+    plan, cfg = _planned_model(config, pipeline)
+    devices.check(pipeline.run.device)
+    devices.check_backend(config.backend, "pretrain.backend")
+    for span in plan.spans:
+        _check_memory(config, cfg, span, pipeline.run.device)
+
+
+def _planned_model(config: Config, pipeline: Any) -> tuple[Plan, ModelConfig]:
+    """The phases and the model as the stage will make them, from the config of the stages before it."""
     from cram import model
 
     tokenize, pack = pipeline.stages.get("tokenize"), pipeline.stages.get("pack")
     preset = model.PRESETS.get(config.model.preset)
     vocab_size, special = _tokenizer_facts(tokenize, preset)
     seq_len = pack.seq_len if pack is not None else getattr(preset, "max_seq_len", 0)
-    if config.init:
-        _check_has_tokenizer(config, tokenize)
     plan = plan_phases(config, seq_len, special, vocab_size)
-    cfg = _model_config(model, config, vocab_size, plan.chunk, special["pad"])
-    _check_schedule(model, config)
-    devices.check(pipeline.run.device)
-    devices.check_backend(config.backend, "pretrain.backend")
-    for span in plan.spans:
-        _check_memory(config, cfg, span, pipeline.run.device)
+    return plan, _model_config(model, config, vocab_size, plan.chunk, special["pad"])
 
 
 def _check_has_tokenizer(config: Config, tokenize: Any) -> None:
@@ -261,9 +274,6 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     if ctx.is_main:
         _warn_of_data_limits(config, setup, ctx)
     state = _start(config, setup, out_dir, ctx)
-    steps = _make_steps(config, setup, ctx.world_size, compile=config.compile)
-    if ctx.is_main and config.val_blocks and state.val_loss_start is None:
-        state.val_loss_start = _val_loss(config, setup, state.params)
     data = PhaseStream(
         setup.blocks,
         setup.plan,
@@ -278,7 +288,9 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     # silent fall back to eager.
     recompiles = torch._dynamo.config.patch(recompile_limit=setup.plan.shapes, fail_on_recompile_limit_hit=True)
     with recompiles, data:
-        compile_s, canary_diff = _compile(config, setup, ctx, steps, state, data)
+        setup, steps, choice, compile_s = _compiled_steps(config, setup, ctx, state, data)
+        if ctx.is_main and config.val_blocks and state.val_loss_start is None:
+            state.val_loss_start = _val_loss(config, setup, state.params)
         if ctx.is_main:  # measured on a CPU, which takes seconds: before the budget clock starts
             peak_flops(setup.device, setup.autocast)
         with ProgressBar(ctx.is_main) as bar:
@@ -299,7 +311,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     if _planned_passes(config, setup, ctx.world_size) is None:  # a time budget: the passes are known now
         _warn_of_repeats(setup.plan.position(state) / setup.blocks.size, len(setup.blocks), ctx, "made")
     _write_model(out_dir / outputs["params"], out_dir / outputs["model_config"], setup, state)
-    figures = _figures(config, setup, ctx, state, compile_s, canary_diff)
+    figures = _figures(config, setup, ctx, state, compile_s, choice)
     ctx.log.info("trained", **figures)
     ctx.metrics.log(state.step, figures, prefix="final/")
     return {**outputs, **figures}
@@ -316,7 +328,12 @@ class _Setup:
     spec: MaskSpec  # the held-out masking, at the first phase's length
     documents: Boundary | None  # attention within documents: pack's boundary token
     device: torch.device
-    autocast: torch.dtype | None  # the forward's autocast dtype; None: fp32
+    precision: precisions.Precision  # the configured one's first candidate, until the canary chooses
+
+    @property
+    def autocast(self) -> torch.dtype | None:
+        """The forward's autocast dtype; None: fp32."""
+        return self.precision.autocast()
 
 
 def _setup(config: Config, pack: Upstream, ctx: Context) -> _Setup:
@@ -343,9 +360,9 @@ def _setup(config: Config, pack: Upstream, ctx: Context) -> _Setup:
     first = plan.spans[0].seq_len
     spec = mask_spec(config.masking, special, vocab_size, first)  # random replacements are real tokens
     device = devices.resolve(ctx.device)
-    autocast = devices.autocast_dtype(config.precision, device)
+    precision = precisions.candidates(config.precision, device, config.backend, config.compile)[0]
     documents = boundary(pack.outputs["boundary"], special) if config.document_attention else None
-    return _Setup(blocks, blocks_of(val, first), cfg, plan, spec, documents, device, autocast)
+    return _Setup(blocks, blocks_of(val, first), cfg, plan, spec, documents, device, precision)
 
 
 def _flops_per_token(model, cfg: ModelConfig, span: Span) -> float:
@@ -451,7 +468,7 @@ def _make_steps(config: Config, setup: _Setup, world_size: int, compile: bool) -
 
     reduce_grads = model.make_grad_all_reduce(world_size) if world_size > 1 else None
     single = all(span.batch_size == world_size * span.microbatch for span in setup.plan.spans)
-    how = dict(compile=compile, backend=config.backend)
+    how = dict(compile=compile, backend=config.backend, options=setup.precision.compile_options())
     whole = accumulate = apply = None
     if single:
         whole = model.make_train_step(
@@ -483,27 +500,64 @@ def _val_loss(config: Config, setup: _Setup, params: Params) -> float:
     )["loss"]
 
 
-def _compile(
-    config: Config, setup: _Setup, ctx: Context, steps: Steps, state: TrainState, data: PhaseStream
-) -> tuple[float, float | None]:
-    """Before the budget clock, unless `steps` are eager or the budget is spent: compile them for every
-    phase's shape, then run the canary (at the first phase's) against eager steps. Returns (seconds
-    compiling, the canary's difference or None)."""
+def _compiled_steps(
+    config: Config, setup: _Setup, ctx: Context, state: TrainState, data: PhaseStream
+) -> tuple[_Setup, Steps, precisions.Choice, float]:
+    """The training steps in the precision they will train in, and the seconds spent compiling them.
+
+    Before the budget clock, unless the steps are eager or the budget is spent: each candidate precision
+    (`precision.candidates`) is compiled for every phase's shape and, with the canary on, checked against
+    eager steps at the first phase's; the first that agrees is kept (`precision.choose`)."""
     from cram.stages.pretraining.budget import progress
-    from cram.stages.pretraining.loop import canary
-    from cram.stages.shared.blocks import blocks_of
 
     if not config.compile or not progress(config.budget, state, state.elapsed_s) < 1:
-        return 0.0, None
+        why = "eager steps" if not config.compile else "the budget is spent"
+        choice = precisions.unchecked(config.precision, setup.device, f"{why}: no compile canary")
+        setup = dataclasses.replace(setup, precision=choice.precision)
+        return setup, _make_steps(config, setup, ctx.world_size, compile=config.compile), choice, 0.0
+    built: dict[precisions.Precision, tuple[_Setup, Steps]] = {}
+    compile_s = 0.0
+
+    def check(candidate: precisions.Precision) -> float:
+        nonlocal compile_s
+        trial = dataclasses.replace(setup, precision=candidate)
+        built[candidate] = trial, _make_steps(config, trial, ctx.world_size, compile=True)
+        compile_s += _warm_up(setup, built[candidate][1], state)
+        diff = _canary(config, ctx, trial, built[candidate][1], state, data)
+        ctx.log.info("canary", precision=candidate.label, steps=config.canary_steps, max_relative_diff=diff)
+        return diff
+
+    if config.canary_steps:
+        choice = precisions.choose(
+            config.precision, setup.device, config.backend, check, config.canary_tolerance, ctx.log, NAME
+        )
+    else:
+        choice = precisions.unchecked(config.precision, setup.device, "canary_steps = 0: not checked against eager")
+        check(choice.precision)
+    setup, steps = built[choice.precision]
+    return setup, steps, choice, compile_s
+
+
+def _warm_up(setup: _Setup, steps: Steps, state: TrainState) -> float:
+    """Compile `steps` for every phase's shape; return seconds."""
+    from cram.stages.shared.blocks import blocks_of
+
     shapes = {(s.microbatch, s.seq_len, s.spec.per_sequence): s for s in setup.plan.spans}
-    compile_s = sum(
+    return sum(
         steps.warm_up(state.params, state.opt_state, blocks_of(setup.blocks, s.seq_len), s.microbatch, s.spec)
         for s in shapes.values()
     )
+
+
+def _canary(config: Config, ctx: Context, setup: _Setup, steps: Steps, state: TrainState, data: PhaseStream) -> float:
+    """The compiled steps' largest relative difference from eager steps in the same precision; 0 when
+    the canary is off."""
+    from cram.stages.pretraining.loop import canary
+
     if not config.canary_steps:
-        return compile_s, None
+        return 0.0
     eager = _make_steps(config, setup, ctx.world_size, compile=False)
-    return compile_s, canary(config, ctx, steps, eager, state.params, state.opt_state, data)
+    return canary(config, ctx, steps, eager, state.params, state.opt_state, data)
 
 
 def _hooks(config: Config, ctx: Context, steps: Steps, out_dir: Path, bar: ProgressBar, last_saved: int) -> list[Hook]:
@@ -533,11 +587,9 @@ def _figures(
     ctx: Context,
     state: TrainState,
     compile_s: float,
-    canary_diff: float | None,
+    choice: precisions.Choice,
 ) -> dict[str, Any]:
     """The stage's results: losses, throughput, what training cost."""
-    import torch
-
     from cram import model
     from cram.stages.pretraining.telemetry import mfu
 
@@ -554,10 +606,11 @@ def _figures(
         "flops_seen": state.flops_seen,  # model FLOPs: a budget that carries across hardware
         "wall_s": round(elapsed_s, 3),
         "compile_s": round(compile_s, 3),
-        "canary_diff": canary_diff,
+        "canary_diff": choice.canary_diff,
         "tokens_per_s": round(tokens_per_s, 1),
         "mfu": mfu(flops_per_token, tokens_per_s, setup.device, ctx.world_size, setup.autocast),
-        "precision": "bf16" if setup.autocast == torch.bfloat16 else "fp32",
+        "precision": setup.precision.name,
+        "precision_reason": choice.reason,
         "data_wait": round(state.data_wait_s / elapsed_s, 4) if elapsed_s else 0.0,
         "num_params": model.num_params(state.params),
     }

@@ -198,8 +198,9 @@ def test_compiled_graphs_are_bounded_by_the_buckets(upstream, tmp_path, make_ctx
     )
     before = counters["stats"]["unique_graphs"]
     run_stage(config, upstream["inputs"], tmp_path, make_ctx)
-    # 3 fine-tune graphs + 3 prediction graphs + 1 masked-LM graph (its last, short batch runs eagerly)
-    assert counters["stats"]["unique_graphs"] - before == 3 + 3 + 1
+    # 3 fine-tune graphs + 3 prediction graphs + 1 masked-LM graph (its last, short batch runs eagerly),
+    # and the canary's dropout-free step and prediction at the first batch's bucket
+    assert counters["stats"]["unique_graphs"] - before == 3 + 3 + 1 + 2
 
 
 def test_masked_lm_numbers_repeat_exactly(upstream, tmp_path, make_ctx):
@@ -407,3 +408,35 @@ def test_under_torchrun_a_failing_rank_fails_every_rank_without_hanging(upstream
     # Rank 1 fails in its first fine-tune; rank 0 learns it at the gather and fails alike.
     assert result.returncode != 0 and result.stderr.count("rank 1: RuntimeError: injected") >= 2
     assert not (out_dir / "results.json").exists()
+
+
+def test_auto_precision_falls_back_when_the_compiled_fine_tune_step_is_wrong(upstream, tmp_path, make_ctx, monkeypatch):
+    from structlog.testing import capture_logs
+    from test_precision import wrong_in_bf16
+
+    from cram.model import classifier
+    from cram.stages.shared import device as devices
+
+    monkeypatch.setattr(devices, "native_cpu_bf16", lambda: True)
+    monkeypatch.setattr(classifier, "make_finetune_step", wrong_in_bf16(classifier.make_finetune_step, True))
+    eager_predict = classifier.make_classify_eval_step  # right in every precision; nothing compiles
+    monkeypatch.setattr(
+        classifier,
+        "make_classify_eval_step",
+        lambda *a, compile=True, options=None, **kw: eager_predict(*a, **kw, compile=False),
+    )
+    config = Config(
+        tasks=[TaskConfig(kind="heldout-topic", name="topic", epochs=1, seeds=1)],
+        batch_size=8,
+        buckets=(32,),
+        max_length=32,
+        mlm=False,
+        backend="inductor",
+        precision="auto",
+    )
+    with capture_logs() as logs:
+        out, results = run_stage(config, upstream["inputs"], tmp_path, make_ctx)
+    assert out["precision"] == "fp32" and "in bf16 by inf" in out["precision_reason"]
+    assert [e["precision"] for e in logs if e["event"] == "canary"] == ["bf16", "bf16 with 256-bit vector code", "fp32"]
+    assert results["precision"] == {"name": "fp32", "reason": out["precision_reason"]}
+    assert np.isfinite(results["tasks"]["topic"]["train_loss"][0])

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from structlog.testing import capture_logs
+from test_precision import wrong_in_bf16
 
 from cram.stages import StageError, Upstream, pretrain
 from cram.stages.pretraining import checkpoint, hooks
@@ -24,7 +26,9 @@ from cram.stages.pretraining import loop as training
 from cram.stages.pretraining.batches import Prefetcher, read_sequences
 from cram.stages.pretraining.budget import progress as budget_progress
 from cram.stages.pretraining.state import TrainState
+from cram.stages.shared import device as devices
 from cram.stages.shared.masking import MaskSpec, mask_tokens
+from cram.stages.shared.precision import CanaryError
 from cram.stages.shared.special import SPECIAL_IDS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -428,12 +432,58 @@ def test_compile_canary_passes_a_sound_step_and_stops_a_miscompiled_one(pack, tm
         return wrong
 
     monkeypatch.setattr(model, "make_train_step", miscompiled)
-    with pytest.raises(training.CanaryError, match=r"compile canary: .* differs from eager by 0\.05 .*nothing was"):
+    with pytest.raises(CanaryError, match=r"compile canary: .* differs from eager by 0\.05 .*nothing was"):
         pretrain.run(config, {"pack": pack}, tmp_path / "broken", make_ctx())
     assert not (tmp_path / "broken" / "checkpoints").exists()
     # Off: trains anyway.
     off = pretrain.run(dataclasses.replace(config, canary_steps=0), {"pack": pack}, tmp_path / "off", make_ctx())
     assert off["canary_diff"] is None and off["steps"] == 2
+
+
+@pytest.fixture
+def native_bf16(monkeypatch):
+    """This CPU multiplies bf16 natively, whatever the machine running the test has."""
+    monkeypatch.setattr(devices, "native_cpu_bf16", lambda: True)
+
+
+@pytest.mark.usefixtures("native_bf16")
+@pytest.mark.parametrize("also_at_256, chosen", [(False, "bf16"), (True, "fp32")])
+def test_auto_precision_falls_back_from_a_wrong_bf16_step_says_so_and_trains(
+    pack, tmp_path, make_ctx, monkeypatch, also_at_256, chosen
+):
+    from cram import model
+
+    monkeypatch.setattr(model, "make_train_step", wrong_in_bf16(model.make_train_step, also_at_256))
+    config = small(budget=pretrain.Budget(steps=2), compile=True, backend="inductor", precision="auto")
+    with capture_logs() as logs:
+        out = pretrain.run(config, {"pack": pack}, tmp_path / "out", make_ctx())
+    assert out["steps"] == 2 and np.isfinite(out["final_loss"])
+    assert out["precision"] == chosen and out["canary_diff"] < 1e-4
+    assert out["precision_reason"].startswith("the compiled step differs from eager beyond canary_tolerance 0.02")
+    warned = [e["event"] for e in logs if e["log_level"] == "warning"]
+    assert len(warned) == 1 and warned[0].endswith(
+        f"computing in {chosen}" + ("" if also_at_256 else " with 256-bit vector code")
+    )
+    tried = [e["precision"] for e in logs if e["event"] == "canary"]
+    assert tried == ["bf16", "bf16 with 256-bit vector code"] + (["fp32"] if also_at_256 else [])
+
+
+@pytest.mark.usefixtures("native_bf16")
+def test_explicit_bf16_is_never_changed_to_fp32_it_stops_before_training(pack, tmp_path, make_ctx, monkeypatch):
+    from cram import model
+
+    monkeypatch.setattr(model, "make_train_step", wrong_in_bf16(model.make_train_step, also_at_256=True))
+    config = small(budget=pretrain.Budget(steps=2), compile=True, backend="inductor", precision="bf16")
+    with pytest.raises(CanaryError, match=r"by inf in bf16, by inf in bf16 with 256-bit vector code .*nothing was"):
+        pretrain.run(config, {"pack": pack}, tmp_path / "out", make_ctx())
+    assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+@pytest.mark.usefixtures("native_bf16")
+def test_eager_steps_record_an_unchecked_precision(pack, tmp_path, make_ctx):
+    out = pretrain.run(small(budget=pretrain.Budget(steps=1)), {"pack": pack}, tmp_path / "eager", make_ctx())
+    assert out["precision"] == "bf16" and out["canary_diff"] is None
+    assert out["precision_reason"] == "auto: bf16, which this CPU multiplies natively; eager steps: no compile canary"
 
 
 def test_model_section_offers_every_architecture_field_and_checks_types(tmp_path):

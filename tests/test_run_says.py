@@ -12,6 +12,7 @@ from structlog.testing import capture_logs
 
 from cram.stages import Upstream, pretrain
 from cram.stages.pretraining.phases import Phase, plan
+from cram.stages.shared.precision import FP32
 from cram.stages.shared.progress import Every
 from cram.stages.shared.special import SPECIAL_IDS
 
@@ -113,4 +114,4 @@ def tiny_tuner():
 
     cfg = model.ModelConfig(vocab_size=16, hidden=16, layers=1, heads=2, intermediate=32, max_seq_len=16)
     ev = evaluate.Config(tasks=[], batch_size=4, buckets=(16,), max_length=16, compile=False, head_width=0)
-    return Tuner.make(ev, cfg, model.init(cfg, seed=0), SPECIAL_IDS, torch.device("cpu"), None)
+    return Tuner.make(ev, cfg, model.init(cfg, seed=0), SPECIAL_IDS, torch.device("cpu"), FP32)

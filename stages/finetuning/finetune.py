@@ -20,6 +20,7 @@ from cram.stages.shared.device import to_device
 from cram.stages.shared.progress import Every, track
 
 if TYPE_CHECKING:
+    from cram.stages.shared.precision import Precision
     from cram.stages.shared.tokenizer import Tokenizer
 
 PROGRESS_EVERY_S = 30.0  # a fine-tune's progress line in the log this often (and when it starts)
@@ -167,13 +168,19 @@ class Tuner:
     predict: Callable  # (params, batch) -> logits
 
     @classmethod
-    def make(cls, config: Any, cfg, params: dict, special: dict, device, autocast) -> Tuner:
+    def make(cls, config: Any, cfg, params: dict, special: dict, device, precision: Precision) -> Tuner:
         from cram import model
         from cram.model.classifier import make_classify_eval_step, make_finetune_step
 
         # cramming's fine-tuning AdamW: betas (0.9, 0.98), eps 1e-6, no gradient clipping.
         opt_cfg = model.OptimizerConfig(lr=config.lr, eps=1e-6, weight_decay=config.weight_decay, clip_norm=0.0)
-        kw = dict(pooling=config.pooling, compile=config.compile, backend=config.backend, autocast_dtype=autocast)
+        kw = dict(
+            pooling=config.pooling,
+            compile=config.compile,
+            backend=config.backend,
+            autocast_dtype=precision.autocast(),
+            options=precision.compile_options() if config.compile else None,
+        )
         # Dropout (cramming's 0.1) in the fine-tune step only; prediction sees the whole network.
         training = dataclasses.replace(cfg, dropout=config.dropout)
         return cls(
@@ -227,6 +234,40 @@ class Tuner:
                     step = epoch * steps_per_epoch + i + 1
                     log.info("fine-tuning", step=f"{step}/{total}", loss=round(float(metrics["loss"]), 4))
         return params, float(torch.stack(losses).mean())
+
+    def canary(self, eager: Tuner, num_outputs: int, train, steps: int, seed: int) -> float:
+        """The largest relative difference between this tuner's (compiled) steps and `eager`'s, the same
+        steps run eagerly: `steps` fine-tune steps from the same fresh head on the first batch of `train`
+        (loss and gradient norm), then both predictions on it (logits, relative to their largest);
+        inf when one is not finite."""
+        import numpy as np
+        import torch
+
+        from cram import model
+        from cram.model.classifier import init_head
+
+        rows, lengths, labels = train
+        size = self.config.batch_size
+        batch = self.batch(rows, lengths, labels, np.arange(min(size, len(rows))), size)
+        lr = to_device(torch.tensor(self.config.lr, dtype=torch.float32), self.device)
+        head = {k: v.to(self.device) for k, v in init_head(self.cfg, num_outputs, seed, self.config.head_width).items()}
+        start = {**self.params, **head}
+        tuners = (self, eager)
+        states = [(start, model.adamw_init(start)) for _ in tuners]
+        diffs = []
+        for _ in range(steps):
+            readings = []
+            for k, tuner in enumerate(tuners):
+                params, opt_state, m = tuner.step(*states[k], batch, lr)
+                states[k] = params, opt_state
+                readings.append(torch.stack([m["loss"], m["grad_norm"]]))
+            diffs.append((readings[0] - readings[1]).abs() / readings[1].abs().clamp(min=1e-6))
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+        logits = [tuner.predict(states[k][0], inputs).float() for k, tuner in enumerate(tuners)]
+        scale = logits[1].abs().max().clamp(min=1e-6)
+        diffs.append(((logits[0] - logits[1]).abs().max() / scale).reshape(1))
+        worst = torch.cat(diffs).double().max()
+        return float(worst) if torch.isfinite(worst) else float("inf")
 
     def outputs(self, params: dict, rows: list, lengths):
         """Model outputs [N, num_outputs] for every row, in the rows' order."""

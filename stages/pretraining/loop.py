@@ -109,18 +109,13 @@ class Steps:
         return time.perf_counter() - began
 
 
-class CanaryError(RuntimeError):
-    """The compiled steps disagree with the same steps run eagerly."""
-
-
 def canary(
     config: Any, ctx: Context, compiled: Steps, eager: Steps, params: Params, opt_state: Params, data: PhaseStream
 ) -> float:
     """Run `config.canary_steps` optimizer steps compiled and eagerly from the same state on the same
     batches (the stream's first, of the first phase, one microbatch a step as the ramp starts, at the
-    peak lr so that updates compound); raise `CanaryError` when loss, accuracy or gradient norm differ
-    by more than `config.canary_tolerance` (relative). Returns the largest difference, the worst over
-    all ranks."""
+    peak lr so that updates compound); return the largest relative difference of loss, accuracy or
+    gradient norm, the worst over all ranks (inf for a non-finite one), so that every rank decides alike."""
     import torch
 
     from cram.stages.pretraining.batches import Microbatch, read_sequences
@@ -148,16 +143,7 @@ def canary(
         *state_e, row_e = eager.step(*state_e, data_e, 1, config.optimizer.lr, span.spec)
         diff = ((row_c.double() - row_e.double()).abs() / row_e.double().abs().clamp(min=1e-6)).max()
         worst = max(worst, float(diff) if torch.isfinite(diff) else float("inf"))
-    worst = max(all_gather(worst, ctx.world_size))  # every rank decides alike
-    ctx.log.info("canary", steps=config.canary_steps, max_relative_diff=worst)
-    if not worst <= config.canary_tolerance:
-        raise CanaryError(
-            f"pretrain: compile canary: the compiled step ({config.backend}) differs from eager by {worst:.3g} "
-            f"(relative) over {config.canary_steps} steps, above canary_tolerance {config.canary_tolerance}; "
-            "nothing was trained. Try another pretrain.backend, pretrain.compile = false, or canary_steps = 0 "
-            "to train anyway"
-        )
-    return worst
+    return max(all_gather(worst, ctx.world_size))
 
 
 @dataclass

@@ -35,9 +35,16 @@ def check(name: str) -> None:
             )
 
 
+# Backends every torch this project admits registers; another name is looked up in dynamo's registry,
+# whose import costs seconds.
+BUILT_IN_BACKENDS = frozenset({"inductor", "aot_eager", "eager", "cudagraphs"})
+
+
 def check_backend(backend: str, key: str) -> None:
     """Raise StageError when `backend` is no `torch.compile` backend (those of
     `torch._dynamo.list_backends`, debugging ones such as "aot_eager" included); nothing is compiled."""
+    if backend in BUILT_IN_BACKENDS:
+        return
     import torch._dynamo
 
     known = torch._dynamo.list_backends(exclude_tags=())

@@ -1,0 +1,125 @@
+"""The precision a torch stage computes in, chosen so that its compiled steps are right on this machine.
+
+`precision = "auto"` is the fastest candidate whose compiled steps agree with the same steps run eagerly
+(the canary): bf16 autocast where the device multiplies bf16 natively, then bf16 with inductor's CPU
+code generated for 256-bit vectors, then fp32. The middle one exists because inductor's 512-bit CPU
+vector code miscompiles the backward of some bf16 encoder layouts on some CPUs (NaN gradients on an AMX
+Xeon, torch 2.13; bench/README.md, "bf16 on AMX"), while the same graph built for 256-bit vectors is
+right. An explicit "bf16" keeps bf16 (with that code-generation fallback) and fails rather than train in
+fp32; an explicit "fp32" is fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cram.stages.shared import device as devices
+
+TORCH_VECTOR_OPTION = "cpp.simdlen"  # inductor's config key for the CPU vector width, in bits
+
+
+class CanaryError(RuntimeError):
+    """The compiled steps disagree with the same steps run eagerly, in every precision allowed."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What the forward autocasts to, and the vector width inductor generates CPU code for."""
+
+    name: str  # "bf16" (autocast, fp32 master weights) or "fp32"
+    vector_bits: int | None = None  # None: inductor's own choice, the widest this CPU has
+
+    @property
+    def label(self) -> str:
+        return self.name if self.vector_bits is None else f"{self.name} with {self.vector_bits}-bit vector code"
+
+    def autocast(self) -> Any:
+        """The autocast dtype (`torch.bfloat16`), or None for fp32."""
+        import torch
+
+        return torch.bfloat16 if self.name == "bf16" else None
+
+    def compile_options(self) -> dict[str, int] | None:
+        """The inductor options that build this precision's graphs (for cram's graphs alone)."""
+        return None if self.vector_bits is None else {TORCH_VECTOR_OPTION: self.vector_bits}
+
+
+BF16, BF16_256, FP32 = Precision("bf16"), Precision("bf16", 256), Precision("fp32")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The precision a stage computes in, and why (a figure of the stage, shown by `cram inspect`)."""
+
+    precision: Precision
+    reason: str
+    canary_diff: float | None  # the chosen precision's canary difference; None: no canary ran
+
+
+def candidates(precision: str, device: Any, backend: str, compiled: bool) -> list[Precision]:
+    """The precisions to try, fastest first, for the `precision` setting on `device`."""
+    if devices.autocast_dtype(precision, device) is None:
+        return [FP32]
+    tried = [BF16]
+    if compiled and device.type == "cpu" and backend == "inductor":
+        tried.append(BF16_256)
+    if precision == "auto":
+        tried.append(FP32)
+    return tried
+
+
+def unchecked(precision: str, device: Any, why: str) -> Choice:
+    """The first candidate, taken without a canary (eager steps, the canary off, nothing to train)."""
+    first = candidates(precision, device, "", compiled=False)[0]
+    return Choice(first, f"{_setting(precision, device)}; {why}", None)
+
+
+def choose(
+    precision: str,
+    device: Any,
+    backend: str,
+    check: Callable[[Precision], float],
+    tolerance: float,
+    log: Any,
+    stage: str,
+) -> Choice:
+    """The first candidate whose `check` (its compiled steps' largest relative difference from eager)
+    is within `tolerance`. A fallback is one warning naming what failed and what was chosen; when every
+    candidate fails, `CanaryError` names each difference and the settings to change."""
+    failed: list[tuple[Precision, float]] = []
+    for candidate in candidates(precision, device, backend, compiled=True):
+        diff = check(candidate)
+        if diff <= tolerance:
+            reason = f"{_setting(precision, device)}; compile canary {diff:.3g}"
+            if failed:
+                reason = f"{_failures(failed, tolerance)}; {candidate.label} passed it ({diff:.3g})"
+                log.warning(f"{stage}: {reason}: computing in {candidate.label}")
+            return Choice(candidate, reason, diff)
+        failed.append((candidate, diff))
+    raise CanaryError(
+        f"{stage}: compile canary: the compiled step ({backend}) differs from eager by "
+        + ", by ".join(f"{diff:.3g} in {p.label}" for p, diff in failed)
+        + f" (relative), above canary_tolerance {tolerance}; nothing was trained. {_remedies(precision, stage)}"
+    )
+
+
+def _setting(precision: str, device: Any) -> str:
+    if precision != "auto":
+        return f"{precision}, as set"
+    if device.type == "cuda":
+        return "auto: bf16 on CUDA"
+    if devices.native_cpu_bf16():
+        return "auto: bf16, which this CPU multiplies natively"
+    return "auto: fp32, since this CPU has no native bf16"
+
+
+def _failures(failed: list[tuple[Precision, float]], tolerance: float) -> str:
+    each = ", ".join(f"{p.label} by {diff:.3g}" for p, diff in failed)
+    return f"the compiled step differs from eager beyond canary_tolerance {tolerance} in {each}"
+
+
+def _remedies(precision: str, stage: str) -> str:
+    choices = f'{stage}.precision = "auto" (which falls back to fp32) or "fp32", ' if precision == "bf16" else ""
+    return f"Try {choices}another {stage}.backend, {stage}.compile = false, or {stage}.canary_steps = 0 to train anyway"
