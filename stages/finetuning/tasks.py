@@ -246,15 +246,16 @@ def load_custom(
 
 
 def _regression_task(name: str, metrics: tuple[str, ...], train: tuple, test: tuple, label_field: str) -> Task:
-    """`train` and `test`: (file, texts, labels). The training targets must vary: a correlation with a
+    """`train` and `test`: (file, texts, labels). The targets of each must vary: a correlation with a
     constant is undefined (and the majority baseline would score 0 for it)."""
-    train_examples = _float_labels(train[1], train[2], train[0], label_field)
-    if len(set(train_examples.labels.tolist())) < 2:
-        raise StageError(
-            f"{train[0]}: field {label_field!r} holds one value only ({train_examples.labels[0]:g}); "
-            "a correlation with a constant target is undefined"
-        )
-    return Task(name, metrics, (), train_examples, {"test": _float_labels(test[1], test[2], test[0], label_field)})
+    examples = [_float_labels(texts, labels, file, label_field) for file, texts, labels in (train, test)]
+    for (file, _, _), split in zip((train, test), examples):
+        if len(set(split.labels.tolist())) < 2:
+            raise StageError(
+                f"{file}: field {label_field!r} of task {name!r} holds one value only ({split.labels[0]:g}); "
+                "a correlation with a constant target is undefined"
+            )
+    return Task(name, metrics, (), examples[0], {"test": examples[1]})
 
 
 def _classification_task(name: str, metrics: tuple[str, ...], train: tuple, test: tuple, label_field: str) -> Task:
