@@ -88,6 +88,8 @@ def test_model_json_loads_back_and_a_missing_field_takes_its_default(tmp_path):
     assert ModelConfig.from_json(path) == cfg
     path.write_text(json.dumps({k: v for k, v in dataclasses.asdict(cfg).items() if k != "dropout"}))
     assert ModelConfig.from_json(path).dropout == ModelConfig.dropout
+    path.write_text(json.dumps({**dataclasses.asdict(cfg), "norm_eps": 1, "position_scale": None}))
+    assert ModelConfig.from_json(path).norm_eps == 1.0  # an integer where a float belongs is a number
 
 
 @pytest.mark.parametrize(
@@ -96,6 +98,12 @@ def test_model_json_loads_back_and_a_missing_field_takes_its_default(tmp_path):
         ({"hidden": 32, "heads": 4, "attention_window": 128}, "unknown key 'attention_window'"),
         ({"hidden": 30, "heads": 4}, "model.heads=4: must divide model.hidden=30"),
         ([1, 2], "a JSON object of fields expected"),
+        ({"hidden": "32"}, 'hidden="32"; expected int'),
+        ({"layers": 2.0}, "layers=2.0; expected int"),
+        ({"glu": 1}, "glu=1; expected bool"),
+        ({"norm_eps": True}, "norm_eps=true; expected float"),
+        ({"position": "alibi"}, "position=\"alibi\"; expected one of 'sinusoidal', 'learned', 'rope'"),
+        ({"position_scale": "x"}, 'position_scale="x"; expected float | None'),
         ("{", "Expecting property name"),
     ],
 )
