@@ -177,14 +177,56 @@ def validate(config: Config, pipeline: Any) -> None:
     devices.check(pipeline.run.device)
     devices.check_backend(config.backend, "evaluate.backend")
     tokenize, pack = pipeline.stages.get("tokenize"), pipeline.stages.get("pack")
-    if config.mlm and config.mlm_mask_rate and pack is not None:
-        masked_per_sequence(config.mlm_mask_rate, pack.seq_len, "evaluate.mlm_mask_rate")
+    if config.mlm and pack is not None:
+        _check_mlm_lengths(config, pipeline.stages.get("pretrain"), pack.seq_len)
     if not 0 <= config.mlm_seed < 2**63:
         raise StageError(f"evaluate.mlm_seed: {config.mlm_seed} must be in [0, 2**63 - 1]")
     if tokenize is not None:
         config = _fitting_tasks(config, lambda: _topic_gap(tokenize))
     for i, task in enumerate(config.tasks):
         _check_task(config, task, f"evaluate.tasks[{i}]", i, tokenize, pack)
+
+
+def _check_mlm_lengths(config: Config, pretrain: Any, pack_seq_len: int) -> None:
+    """The held-out masked LM at each of its lengths, as `_mlm_at` will measure it: a length the model's
+    positions reach (learned and sinusoidal ones end at its longest; rope's do not), at a masking rate
+    that masks a token of it. The model is the one pretrain's config makes (`pretrain` is its Config),
+    or its `init`'s checkpoint, read from its headers."""
+    phases = [p.seq_len for p in getattr(pretrain, "phases", ())]
+    trained = list(dict.fromkeys(phases)) or [pack_seq_len]
+    lengths = list(config.mlm_lengths) or trained
+    rate = config.mlm_mask_rate or getattr(getattr(pretrain, "masking", None), "rate", 0.0)
+    key = "evaluate.mlm_mask_rate" if config.mlm_mask_rate else "pretrain.masking.rate"
+    for length in lengths:
+        if rate:
+            masked_per_sequence(rate, length, key if not config.mlm_lengths else f"{key} (at evaluate.mlm_lengths)")
+    positions = _positions(pretrain, max(trained))
+    if positions is None:
+        return
+    position, max_seq_len = positions
+    beyond = next((length for length in lengths if length > max_seq_len and position != "rope"), None)
+    if beyond is not None:
+        raise StageError(f"evaluate.mlm_lengths: {beyond} is beyond the model's {max_seq_len} {position} positions")
+
+
+def _positions(pretrain: Any, longest: int) -> tuple[str, int] | None:
+    """(position kind, positions) of the model pretrain's config makes, trained at `longest` at most;
+    None when its config cannot tell (its own `validate` says why)."""
+    from cram.model.config import PRESETS
+
+    if pretrain is None:
+        return None
+    if pretrain.init:
+        from cram.stages.shared import pretrained
+
+        try:
+            cfg, _ = pretrained.load(pretrained.locate(Path(pretrain.init)), shapes_only=True)
+        except pretrained.PretrainedError:
+            return None
+        return cfg.position, cfg.max_seq_len
+    preset = PRESETS.get(pretrain.model.preset)
+    position = pretrain.model.position or getattr(preset, "position", None)
+    return None if position is None else (position, longest)
 
 
 def describe(config: Config, pipeline: Any) -> str:
@@ -378,7 +420,7 @@ def _results(
 
 def _load_checkpoint(pretrain: Upstream, tokenize: Upstream):
     from cram.model.config import ModelConfig, ModelConfigError
-    from cram.stages.shared.tensors import read_tensors
+    from cram.stages.shared.tensors import nonfinite, read_tensors
     from cram.stages.shared.tokenizer import TokenizerError, load
 
     config_path = pretrain.path("model_config")
@@ -395,6 +437,8 @@ def _load_checkpoint(pretrain: Upstream, tokenize: Upstream):
             f"{tokenizer.vocab_size} tokens ({tokenize.path('tokenizer')})"
         )
     params = read_tensors(pretrain.path("params"))
+    if (bad := nonfinite(params)) is not None:
+        raise StageError(f"{pretrain.path('params')}: {bad} holds NaN or inf values; no figure of it means anything")
     embedding = params.get("embed.tokens.weight")
     if embedding is None or tuple(embedding.shape) != (cfg.vocab_size, cfg.hidden):
         shape = None if embedding is None else list(embedding.shape)
