@@ -167,14 +167,15 @@ _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
 def _header(path: Path) -> dict[str, tuple[str, list[int]]]:
-    """{tensor name: (safetensors dtype, shape)} of a safetensors file, from its JSON header alone."""
+    """{tensor name: (safetensors dtype, shape)} of a safetensors file, from its JSON header alone, in
+    name order (safetensors' own `keys()` order, which the params keep)."""
     try:
         with open(path, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
             if not 0 < size <= _MAX_HEADER:
                 raise ValueError(f"a header of {size} bytes")
             header = json.loads(f.read(size))
-        tensors = {name: (t["dtype"], list(t["shape"])) for name, t in header.items() if name != "__metadata__"}
+        tensors = {name: (t["dtype"], list(t["shape"])) for name, t in sorted(header.items()) if name != "__metadata__"}
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
         raise PretrainedError(f"{path}: not a readable safetensors file ({e})") from None
     unknown = next(((name, dtype) for name, (dtype, _) in tensors.items() if dtype not in _DTYPES), None)
@@ -191,13 +192,12 @@ def _read_weights(headers: dict[Path, dict[str, tuple[str, list[int]]]], meta: s
 
     state: dict[str, Any] = {}
     for path, header in headers.items():
-        for name, (dtype, shape) in header.items():
-            if meta is not None and name not in meta:
-                state[name] = torch.empty(shape, dtype=getattr(torch, _DTYPES[dtype]), device="meta")
         try:
             with safe_open(str(path), framework="pt") as f:
-                for name in header:
-                    if meta is None or name in meta:
+                for name, (dtype, shape) in header.items():
+                    if meta is not None and name not in meta:
+                        state[name] = torch.empty(shape, dtype=getattr(torch, _DTYPES[dtype]), device="meta")
+                    else:
                         tensor = f.get_tensor(name)
                         state[name] = tensor.float() if tensor.is_floating_point() else tensor
         except (OSError, SafetensorError) as e:
