@@ -171,42 +171,46 @@ def fingerprint(config: Config) -> list[list[Any]]:
 
 def validate(config: Config, pipeline: Any) -> None:
     """What `run` would reject before it fine-tunes anything, checked by the runner before the first
-    stage runs: the device and compile backend, the held-out masking rate and seed, each local task's
-    files (read in full: fields, labels, encoding), and a held-out-topic task that the tokenize
-    stage's settings leave without articles (the default task is then left out, not refused)."""
+    stage runs: the device and compile backend, the held-out masking seed, each local task's files
+    (read in full: fields, labels, encoding), a held-out-topic task that the tokenize stage's settings
+    leave without articles (the default task is then left out, not refused), and the lengths and
+    masking rate against the model (`_check_against_the_model`)."""
     devices.check(pipeline.run.device)
     devices.check_backend(config.backend, "evaluate.backend")
     tokenize, pack = pipeline.stages.get("tokenize"), pipeline.stages.get("pack")
-    if config.mlm and pack is not None:
-        _check_mlm_lengths(config, pipeline.stages.get("pretrain"), pack.seq_len)
     if not 0 <= config.mlm_seed < 2**63:
         raise StageError(f"evaluate.mlm_seed: {config.mlm_seed} must be in [0, 2**63 - 1]")
     if tokenize is not None:
         config = _fitting_tasks(config, lambda: _topic_gap(tokenize))
     for i, task in enumerate(config.tasks):
         _check_task(config, task, f"evaluate.tasks[{i}]", i, tokenize, pack)
+    if pack is not None:
+        _check_against_the_model(config, pipeline.stages.get("pretrain"), pack.seq_len)
 
 
-def _check_mlm_lengths(config: Config, pretrain: Any, pack_seq_len: int) -> None:
-    """The held-out masked LM at each of its lengths, as `_mlm_at` will measure it: a length the model's
-    positions reach (learned and sinusoidal ones end at its longest; rope's do not), at a masking rate
-    that masks a token of it. The model is the one pretrain's config makes (`pretrain` is its Config),
-    or its `init`'s checkpoint, read from its headers."""
-    phases = [p.seq_len for p in getattr(pretrain, "phases", ())]
-    trained = list(dict.fromkeys(phases)) or [pack_seq_len]
-    lengths = list(config.mlm_lengths) or trained
+def _check_against_the_model(config: Config, pretrain: Any, pack_seq_len: int) -> None:
+    """What `run` checks against the model, from the configs: the fine-tuning lengths and the held-out
+    masked LM's (`_check_lengths`, `_check_position`) within the model's positions, each held-out
+    length at a masking rate that masks a token of it. The model is the one pretrain's config makes
+    (`pretrain` is its Config), or its `init`'s checkpoint, read from its headers."""
+    trained = list(dict.fromkeys(p.seq_len for p in getattr(pretrain, "phases", ()))) or [pack_seq_len]
+    lengths = (list(config.mlm_lengths) or trained) if config.mlm else []
     rate = config.mlm_mask_rate or getattr(getattr(pretrain, "masking", None), "rate", 0.0)
     key = "evaluate.mlm_mask_rate" if config.mlm_mask_rate else "pretrain.masking.rate"
     for length in lengths:
         if rate:
             masked_per_sequence(rate, length, key if not config.mlm_lengths else f"{key} (at evaluate.mlm_lengths)")
     positions = _positions(pretrain, max(trained))
-    if positions is None:
-        return
-    position, max_seq_len = positions
-    beyond = next((length for length in lengths if length > max_seq_len and position != "rope"), None)
-    if beyond is not None:
-        raise StageError(f"evaluate.mlm_lengths: {beyond} is beyond the model's {max_seq_len} {position} positions")
+    if positions is not None:
+        _check_lengths(config, positions[1])
+        for length in lengths:
+            _check_position(length, *positions)
+
+
+def _check_position(length: int, position: str, max_seq_len: int) -> None:
+    """Learned and sinusoidal positions end at the longest length trained; rope's do not."""
+    if length > max_seq_len and position != "rope":
+        raise StageError(f"evaluate.mlm_lengths: {length} is beyond the model's {max_seq_len} {position} positions")
 
 
 def _positions(pretrain: Any, longest: int) -> tuple[str, int] | None:
@@ -299,7 +303,7 @@ def _fitting_tasks(config: Config, gap: Callable[[], str | None], log: Any = Non
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
     config = _fitting_tasks(config, lambda: _heldout_gap(inputs["tokenize"]), ctx.log)
     cfg, params, tokenizer = _load_checkpoint(inputs["pretrain"], inputs["tokenize"])
-    _check_lengths(config, cfg)
+    _check_lengths(config, cfg.max_seq_len)
     seeds = [[ctx.seed + k for k in range(config.setting(tc, "seeds"))] for tc in config.tasks]
     jobs = [(i, seed) for i, task_seeds in enumerate(seeds) for seed in task_seeds]
     work = functools.partial(_work, config, inputs, ctx, cfg, params, tokenizer, jobs)
@@ -324,14 +328,15 @@ def _heldout_gap(tokenize: Upstream) -> str | None:
     return None
 
 
-def _check_lengths(config: Config, cfg: Any) -> None:
+def _check_lengths(config: Config, max_seq_len: int) -> None:
+    """Each task's padded length within the model's `max_seq_len` positions."""
     for i, task_cfg in enumerate(config.tasks):
         max_length = config.setting(task_cfg, "max_length")
-        if bucket(max_length, config.buckets) > cfg.max_seq_len:
+        if bucket(max_length, config.buckets) > max_seq_len:
             key = "max_length" if task_cfg.max_length is None else f"tasks[{i}].max_length"
             raise StageError(
                 f"evaluate.{key}: {max_length} pads to {bucket(max_length, config.buckets)}, "
-                f"beyond the model's {cfg.max_seq_len} positions"
+                f"beyond the model's {max_seq_len} positions"
             )
 
 
@@ -505,10 +510,7 @@ def _mlm_at(config: Config, cfg, params, blocks, length: int, held_out: _HeldOut
     from cram.stages.shared.val_mlm import val_mlm
 
     began = time.perf_counter()
-    if length > cfg.max_seq_len and cfg.position != "rope":
-        raise StageError(
-            f"evaluate.mlm_lengths: {length} is beyond the model's {cfg.max_seq_len} {cfg.position} positions"
-        )
+    _check_position(length, cfg.position, cfg.max_seq_len)
     at_length = blocks_of(blocks, length)
     if len(at_length) == 0:
         raise StageError(f"evaluate.mlm_lengths: {length}: pack's val ({blocks.size} tokens) holds no block that long")

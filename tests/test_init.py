@@ -254,6 +254,10 @@ REFUSALS = {
     "config a list": ([], r"^error: pretrain\.init: .*ckpt/config\.json: a JSON list, not an object of settings"),
     "config a string number": ([], r'^error: pretrain\.init: .*ckpt/config\.json: num_hidden_layers="3"; expected an'),
     "config a string bool": ([], r'^error: pretrain\.init: .*ckpt/config\.json: tie_word_embeddings="false"; expected'),
+    "task beyond positions": (
+        ["--set", "pack.seq_len=128", "--set", "evaluate.buckets=[16, 128]", "--set", "evaluate.max_length=128"],
+        r"^error: evaluate\.max_length: 128 pads to 128, beyond the model's 64 positions",
+    ),
     "contradiction": (
         ["--set", "pretrain.model.hidden=64"],
         r"^error: pretrain\.model\.hidden: 64 contradicts the checkpoint's 32",
