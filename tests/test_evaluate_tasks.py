@@ -89,7 +89,7 @@ ROWS = {
     },
     "stsb": {
         "train": [("A man runs .", "A man is running .", 4.5), ("A dog .", "A car .", 0.25)],
-        "validation": [("Kids play .", "Children play .", 4.0)],
+        "validation": [("Kids play .", "Children play .", 4.0), ("A cat .", "The sea .", 0.5)],
     },
     "mnli": {
         "train": [("P one .", "H one .", 0), ("P two .", "H two .", 2), ("P three .", "H three .", 1)],
@@ -151,6 +151,15 @@ def test_both_local_layouts_load_the_same_examples(tmp_path, name):
         np.testing.assert_array_equal(left.labels, right.labels)
     assert tsv.train.texts[0] == tuple(ROWS[name]["train"][0][:-1])
     assert tsv.regression == (name == "stsb")
+
+
+@pytest.mark.parametrize("write", [write_glue_tsv, write_glue_saved])
+def test_glue_regression_targets_that_are_one_value_are_refused(tmp_path, monkeypatch, write):
+    constant = {**ROWS["stsb"], "validation": [("Kids play .", "Children play .", 4.0)] * 2}
+    monkeypatch.setitem(ROWS, "stsb", constant)
+    folder = write(tmp_path, "stsb")
+    with pytest.raises(StageError, match=r"GLUE stsb's label holds one value only \(4\); a correlation with a const"):
+        tasks.load_glue("stsb", str(folder), "t")
 
 
 def test_tsv_keeps_quotes_and_a_task_folder_works_directly(tmp_path):
