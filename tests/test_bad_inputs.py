@@ -415,6 +415,12 @@ CASES = [
         [*RUN, "--name", "other", *sets(**{"pretrain.init": '"runs/base"'})],
         "pretrain.init: runs/base/pretrain/params.safetensors: damaged, its sha256 is not the one its store entry",
     ),
+    (
+        "init a run whose tokenizer a check found damaged",  # its note, which verify writes
+        rewrite(f"runs/base/tokenize/{store.DAMAGED}", "runs/base/tokenize/tokenizer.model: damaged (noted)\n"),
+        [*RUN, "--name", "other", *sets(**{"pretrain.init": '"runs/base"'})],
+        "pretrain.init: runs/base/tokenize/tokenizer.model: damaged (noted); `cram run` in that run computes it",
+    ),
     ("memory hidden", nothing, [*RUN, *sets(**{"pretrain.model.hidden": "1000000"})], "lower pretrain.microbatch"),
     ("memory layers", nothing, [*RUN, *sets(**{"pretrain.model.layers": "10000000"})], "GiB parameters, AdamW state"),
     (

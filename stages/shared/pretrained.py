@@ -102,9 +102,9 @@ def load(found: Pretrained, shapes_only: bool = False) -> tuple[ModelConfig, dic
 
 
 def _check_stored(found: Pretrained) -> None:
-    """A run's pretrain folder (a stage-store entry) must hold the bytes it recorded: a file damaged in
-    place, even with its size and time kept, is refused before anything is read from it."""
-    for path in (found.config_file, *found.weights):
+    """A run's pretrain and tokenize folders (stage-store entries) must hold the bytes they recorded: a
+    file damaged in place, even with its size and time kept, is refused before anything is read from it."""
+    for path in (found.config_file, *found.weights, *([found.tokenizer] if found.tokenizer else [])):
         if (damage := stored_damage(path)) is not None:
             raise PretrainedError(f"{damage}; `cram run` in that run computes it again")
 
