@@ -682,6 +682,7 @@ def test_bad_input_is_one_line_exit_2_and_loses_nothing(ws, setup, args, message
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
     assert snapshot(run) == before
+    assert sorted(p.name for p in (ws / "runs").iterdir() if not p.name.startswith(".")) == ["base"]
     if "manifest" not in " ".join(args) and (run / "manifest.json").read_text().startswith("{\n"):
         assert _statuses(run) == ["done"] * 4
     assert not (ws / "out").is_dir()
