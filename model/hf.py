@@ -127,7 +127,7 @@ _KEY_TYPES: dict[str, type | tuple[type, ...]] = {
 _TYPE_NAMES = {str: "a string", int: "an integer", _NUMBER: "a number", bool: "true or false", list: "a list"}
 
 
-def checked_config(config: Any, where: str) -> dict[str, Any]:
+def _checked_config(config: Any, where: str) -> dict[str, Any]:
     """A config.json's content as this module reads it: a JSON object whose keys hold values of their
     type (`_KEY_TYPES`), nulls dropped. UnsupportedCheckpoint names the file and the key otherwise."""
     if not isinstance(config, dict):
@@ -147,7 +147,7 @@ def from_transformers(
 ) -> tuple[ModelConfig, dict[str, Tensor]]:
     """(ModelConfig, fp32 params) of a transformers masked LM's config.json and weights; `where` names
     its folder in messages."""
-    config = checked_config(config, where)
+    config = _checked_config(config, where)
     kind = config.get("model_type")
     if kind not in MODEL_TYPES:
         raise UnsupportedCheckpoint(f"{where}/config.json: model_type={kind!r}; cram reads {', '.join(MODEL_TYPES)}")
