@@ -5,6 +5,8 @@ Torch-free, so that the stages' configs can use these dataclasses without import
 from __future__ import annotations
 
 import json
+import types
+import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
@@ -130,6 +132,13 @@ class ModelConfig:
         unknown = [key for key in data if key not in names]
         if unknown:
             raise ModelConfigError(f"{path}: not a readable model config (unknown key {unknown[0]!r})")
+        hints = typing.get_type_hints(cls)
+        wrong = next((key for key, value in data.items() if not _is_of(value, hints[key])), None)
+        if wrong is not None:
+            raise ModelConfigError(
+                f"{path}: not a readable model config ({wrong}={json.dumps(data[wrong])}; expected "
+                f"{_describe(hints[wrong])})"
+            )
         try:
             return cls(**data)
         except (TypeError, ValueError) as e:
@@ -147,6 +156,26 @@ class ModelConfig:
     def ffn_inner(self) -> int:
         """Width of the feed-forward activation: what the down-projection reads."""
         return self.intermediate // 2 if self.glu else self.intermediate
+
+
+def _is_of(value: object, hint: object) -> bool:
+    """Whether a JSON value has the type of a ModelConfig field: int, float (an int too), bool, a Literal
+    of strings, or one of those or None."""
+    if typing.get_origin(hint) is typing.Literal:
+        return value in typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_is_of(value, arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if isinstance(value, bool):
+        return hint is bool
+    return isinstance(value, (int, float) if hint is float else hint)
+
+
+def _describe(hint: object) -> str:
+    if typing.get_origin(hint) is typing.Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(hint)))
+    return hint.__name__ if isinstance(hint, type) else str(hint)
 
 
 # The layout of the presets: ModernBERT's, which learned fastest per token and per second of every

@@ -84,11 +84,70 @@ _DECODER = {"modernbert": "decoder", "bert": "cls.predictions.decoder", "roberta
 _HARMLESS = ("bert.pooler.", "roberta.pooler.", "cls.seq_relationship.")
 
 
+# The JSON type of every config.json key this module reads: a value of another type is refused by name
+# rather than met as a traceback (or, for a bool, read by its truth). A null is read as the key left out.
+_NUMBER = (int, float)
+_KEY_TYPES: dict[str, type | tuple[type, ...]] = {
+    **dict.fromkeys(
+        ("model_type", "position_embedding_type", "hidden_act", "hidden_activation", "classifier_activation"), str
+    ),
+    **dict.fromkeys(
+        (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "local_attention",
+            "global_attn_every_n_layers",
+            "pad_token_id",
+            "type_vocab_size",
+        ),
+        int,
+    ),
+    **dict.fromkeys(("norm_eps", "layer_norm_eps", "global_rope_theta", "local_rope_theta"), _NUMBER),
+    **dict.fromkeys(
+        (
+            "attention_bias",
+            "mlp_bias",
+            "classifier_bias",
+            "norm_bias",
+            "decoder_bias",
+            "tie_word_embeddings",
+            "is_decoder",
+            "add_cross_attention",
+        ),
+        bool,
+    ),
+    "layer_types": list,
+    "rope_parameters": dict,
+    "rope_scaling": dict,
+}
+_TYPE_NAMES = {str: "a string", int: "an integer", _NUMBER: "a number", bool: "true or false", list: "a list"}
+
+
+def _checked_config(config: Any, where: str) -> dict[str, Any]:
+    """A config.json's content as this module reads it: a JSON object whose keys hold values of their
+    type (`_KEY_TYPES`), nulls dropped. UnsupportedCheckpoint names the file and the key otherwise."""
+    if not isinstance(config, dict):
+        raise UnsupportedCheckpoint(f"{where}/config.json: a JSON {type(config).__name__}, not an object of settings")
+    config = {key: value for key, value in config.items() if value is not None}
+    for key, kind in _KEY_TYPES.items():
+        value = config.get(key)
+        wrong_bool = isinstance(value, bool) and kind is not bool
+        if key in config and (wrong_bool or not isinstance(value, kind)):
+            expected = _TYPE_NAMES.get(kind, "an object")
+            raise UnsupportedCheckpoint(f"{where}/config.json: {key}={json.dumps(value)}; expected {expected}")
+    return config
+
+
 def from_transformers(
     config: dict[str, Any], state: dict[str, Tensor], where: str
 ) -> tuple[ModelConfig, dict[str, Tensor]]:
     """(ModelConfig, fp32 params) of a transformers masked LM's config.json and weights; `where` names
     its folder in messages."""
+    config = _checked_config(config, where)
     kind = config.get("model_type")
     if kind not in MODEL_TYPES:
         raise UnsupportedCheckpoint(f"{where}/config.json: model_type={kind!r}; cram reads {', '.join(MODEL_TYPES)}")
@@ -268,11 +327,17 @@ def _rope_thetas(config: dict[str, Any], where: str) -> tuple[float, float]:
     theta["sliding_attention"] = config.get("local_rope_theta", 10_000.0)
     for kind in theta:
         params = rope.get(kind) or {}
+        value = params.get("rope_theta", theta[kind]) if isinstance(params, dict) else None
+        if not isinstance(value, _NUMBER) or isinstance(value, bool):
+            raise UnsupportedCheckpoint(
+                f"{where}/config.json: rope_parameters.{kind}={json.dumps(params)}; expected an object with a "
+                "number rope_theta"
+            )
         if params.get("rope_type", "default") != "default":
             raise UnsupportedCheckpoint(
                 f"{where}/config.json: rope_parameters.{kind}.rope_type={params['rope_type']!r}; cram reads 'default'"
             )
-        theta[kind] = float(params.get("rope_theta", theta[kind]))
+        theta[kind] = float(value)
     return theta["full_attention"], theta["sliding_attention"]
 
 
@@ -295,6 +360,10 @@ def _read_state(
         missing = next((s for s in sources if s not in state), None)
         if missing is not None:
             raise UnsupportedCheckpoint(f"{where}: the weights lack {missing} (cram's {name})")
+        integer = next((s for s in sources if not state[s].is_floating_point()), None)
+        if integer is not None:
+            dtype = str(state[integer].dtype).removeprefix("torch.")
+            raise UnsupportedCheckpoint(f"{where}: {integer} holds {dtype} values; weights must be floating point")
         tensor = torch.cat([state[s] for s in sources]) if len(sources) > 1 else state[sources[0]]
         if tuple(tensor.shape) != shape:
             raise UnsupportedCheckpoint(
@@ -311,20 +380,41 @@ def _read_state(
     return params
 
 
+def values_compared(config: Any, names: set[str]) -> set[str]:
+    """Of a checkpoint's tensor `names`, those whose values `from_transformers` compares: the tied
+    decoder's copies it holds and the tensors they repeat. A check from the files' headers reads these
+    alone. Empty for a config that `from_transformers` refuses (it says why)."""
+    if not isinstance(config, dict) or config.get("model_type") not in MODEL_TYPES:
+        return set()
+    family = "roberta" if config["model_type"] == "xlm-roberta" else config["model_type"]
+    needed: set[str] = set()
+    for copy, tied in _tied_pairs(family).items():
+        if copy in names:
+            needed.update({copy, *_hf_names(tied, family)})
+    return needed
+
+
+def _tied_pairs(family: str) -> dict[str, str]:
+    """transformers' names of the decoder's tensors -> cram's names of the tensors they are tied to."""
+    decoder = _DECODER[family]
+    pairs = {decoder + ".weight": "embed.tokens.weight"}
+    if family != "modernbert":
+        pairs[decoder + ".bias"] = "head.decoder.bias"
+    return pairs
+
+
 def _tied_decoder(
     family: str, config: dict[str, Any], state: dict[str, Tensor], params: dict[str, Tensor], where: str
 ) -> list[str]:
     """The names of the decoder's weight and bias copies, once they are known to repeat the tied ones."""
     decoder = _DECODER[family]
-    copies = {decoder + ".weight": params["embed.tokens.weight"]}
-    if family != "modernbert":
-        copies[decoder + ".bias"] = params["head.decoder.bias"]
+    copies = {copy: params[tied] for copy, tied in _tied_pairs(family).items()}
     tied = config.get("tie_word_embeddings", True)
     if not tied and decoder + ".weight" not in state:
         raise UnsupportedCheckpoint(f"{where}: tie_word_embeddings=false and the weights lack {decoder}.weight")
     for name, expected in copies.items():
-        # Meta tensors (a check from the files' headers) have no values: compared when the weights are read.
-        if name in state and not state[name].is_meta and not torch.equal(state[name].float(), expected):
+        # A check from the files' headers reads these tensors' values (`values_compared`).
+        if name in state and not torch.equal(state[name].float(), expected):
             raise UnsupportedCheckpoint(
                 f"{where}/config.json: tie_word_embeddings={json.dumps(tied)} and {name} differs from the "
                 "tied tensor; cram ties the decoder to the token embeddings (true)"

@@ -34,11 +34,9 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from cram.pipeline import rundir
-from cram.stages.shared.files import CONTENT_HASH, content_hash, write_atomic
+from cram.stages.shared.files import CONTENT_HASH, DAMAGED, MARKER, content_hash, read_marker, write_atomic
 
 STORE = ".store"
-MARKER = ".cram-entry.json"
-DAMAGED = ".cram-damaged"  # in an entry a check found damaged: its one line says which file
 _ITEM = re.compile(r"(?P<stage>[A-Za-z0-9_]+)-(?P<key>[0-9a-f]{64})(?P<kind>|\.partial|\.lock|\.retired-\d+)")
 _DELETING = ".deleting-"
 
@@ -156,14 +154,6 @@ def write_marker(folder: Path, stage: str, key: str, record: dict[str, Any]) -> 
         CONTENT_HASH: {name: content_hash(p) for name, p in paths.items()},
     }
     write_atomic(folder / MARKER, json.dumps(marker, indent=1) + "\n")
-
-
-def read_marker(folder: Path) -> dict[str, Any] | None:
-    try:
-        marker = json.loads((folder / MARKER).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return marker if isinstance(marker, dict) else None
 
 
 def problem(folder: Path, key: str) -> Problem | None:
@@ -294,16 +284,30 @@ class Checked:
 
 
 def check_all(path: Path) -> list[Checked]:
-    """`verify` every finished entry in a runs root's store, or every done stage of one run directory."""
+    """`verify` every finished entry in a runs root's store, or every done stage of one run directory. For
+    a root, also each done stage of its runs that no entry stands for: a link to an entry that was
+    deleted (missing: damage too), or a real folder (a run made before the store, or copied)."""
     if (path / rundir.MANIFEST).is_file():
-        records = rundir.Manifest.load(path).records
-        found = [(path / s, r.get("key", "")) for s, r in records.items() if (r or {}).get("status") == "done"]
+        found = _done_views(path)
     elif path.is_dir() and ((path / STORE).is_dir() or any((p / rundir.MANIFEST).is_file() for p in path.iterdir())):
         items = ((p, _ITEM.fullmatch(p.name)) for p in sorted(Store(path / STORE).root.glob("*")))
         found = [(p, m["key"]) for p, m in items if m and not m["kind"] and p.is_dir()]
+        entries = {os.path.realpath(p) for p, _ in found}
+        for run_dir in sorted(p for p in path.iterdir() if (p / rundir.MANIFEST).is_file()):
+            try:
+                views = _done_views(run_dir)
+            except rundir.RunDirError:  # an unreadable manifest: `cram status` and `cram ls` name it
+                continue
+            found += [(view, key) for view, key in views if os.path.realpath(view) not in entries]
     else:
         raise StoreError(f"{path}: neither a run directory (no {rundir.MANIFEST}) nor a runs root (no {STORE})")
     return [Checked(folder, verify(folder, key), hashed(folder)) for folder, key in found]
+
+
+def _done_views(run_dir: Path) -> list[tuple[Path, str]]:
+    """(RUN_DIR/<stage>, key) of each stage the run's manifest records as done."""
+    records = rundir.Manifest.load(run_dir).records
+    return [(run_dir / s, r.get("key", "")) for s, r in records.items() if (r or {}).get("status") == "done"]
 
 
 @dataclass(frozen=True)

@@ -190,18 +190,64 @@ def validate_runtime(config: Config, pipeline: Any) -> None:
 
 def validate(config: Config, pipeline: Any) -> None:
     """What `run` would reject before it fine-tunes anything, checked by the runner before the first
-    stage runs, with no torch: the held-out masking rate and seed, each local task's
-    files (read in full: fields, labels, encoding), and a held-out-topic task that the tokenize
-    stage's settings leave without articles (the default task is then left out, not refused)."""
+    stage runs, with no torch: the held-out masking seed, each local task's files (read in full:
+    fields, labels, encoding), a held-out-topic task that the tokenize stage's settings leave without
+    articles (the default task is then left out, not refused), and the lengths and masking rate
+    against the model (`_check_against_the_model`)."""
     tokenize, pack = pipeline.stages.get("tokenize"), pipeline.stages.get("pack")
-    if config.mlm and config.mlm_mask_rate and pack is not None:
-        masked_per_sequence(config.mlm_mask_rate, pack.seq_len, "evaluate.mlm_mask_rate")
     if not 0 <= config.mlm_seed < 2**63:
         raise StageError(f"evaluate.mlm_seed: {config.mlm_seed} must be in [0, 2**63 - 1]")
     if tokenize is not None:
         config = _fitting_tasks(config, lambda: _topic_gap(tokenize))
     for i, task in enumerate(config.tasks):
         _check_task(config, task, f"evaluate.tasks[{i}]", i, tokenize, pack)
+    if pack is not None:
+        _check_against_the_model(config, pipeline.stages.get("pretrain"), pack.seq_len)
+
+
+def _check_against_the_model(config: Config, pretrain: Any, pack_seq_len: int) -> None:
+    """What `run` checks against the model, from the configs: the fine-tuning lengths and the held-out
+    masked LM's (`_check_lengths`, `_check_position`) within the model's positions, each held-out
+    length at a masking rate that masks a token of it. The model is the one pretrain's config makes
+    (`pretrain` is its Config), or its `init`'s checkpoint, read from its headers."""
+    trained = list(dict.fromkeys(p.seq_len for p in getattr(pretrain, "phases", ()))) or [pack_seq_len]
+    lengths = (list(config.mlm_lengths) or trained) if config.mlm else []
+    rate = config.mlm_mask_rate or getattr(getattr(pretrain, "masking", None), "rate", 0.0)
+    key = "evaluate.mlm_mask_rate" if config.mlm_mask_rate else "pretrain.masking.rate"
+    for length in lengths:
+        if rate:
+            masked_per_sequence(rate, length, key if not config.mlm_lengths else f"{key} (at evaluate.mlm_lengths)")
+    positions = _positions(pretrain, max(trained))
+    if positions is not None:
+        _check_lengths(config, positions[1])
+        for length in lengths:
+            _check_position(length, *positions)
+
+
+def _check_position(length: int, position: str, max_seq_len: int) -> None:
+    """Learned and sinusoidal positions end at the longest length trained; rope's do not."""
+    if length > max_seq_len and position != "rope":
+        raise StageError(f"evaluate.mlm_lengths: {length} is beyond the model's {max_seq_len} {position} positions")
+
+
+def _positions(pretrain: Any, longest: int) -> tuple[str, int] | None:
+    """(position kind, positions) of the model pretrain's config makes, trained at `longest` at most;
+    None when its config cannot tell (its own `validate` says why)."""
+    from cram.model.config import PRESETS
+
+    if pretrain is None:
+        return None
+    if pretrain.init:
+        from cram.stages.shared import pretrained
+
+        try:
+            cfg, _ = pretrained.load(pretrained.locate(Path(pretrain.init)), shapes_only=True)
+        except pretrained.PretrainedError:
+            return None
+        return cfg.position, cfg.max_seq_len
+    preset = PRESETS.get(pretrain.model.preset)
+    position = pretrain.model.position or getattr(preset, "position", None)
+    return None if position is None else (position, longest)
 
 
 def describe(config: Config, pipeline: Any) -> str:
@@ -274,7 +320,7 @@ def _fitting_tasks(config: Config, gap: Callable[[], str | None], log: Any = Non
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
     config = _fitting_tasks(config, lambda: _heldout_gap(inputs["tokenize"]), ctx.log)
     cfg, params, tokenizer = _load_checkpoint(inputs["pretrain"], inputs["tokenize"])
-    _check_lengths(config, cfg)
+    _check_lengths(config, cfg.max_seq_len)
     seeds = [[ctx.seed + k for k in range(config.setting(tc, "seeds"))] for tc in config.tasks]
     jobs = [(i, seed) for i, task_seeds in enumerate(seeds) for seed in task_seeds]
     work = functools.partial(_work, config, inputs, ctx, cfg, params, tokenizer, jobs)
@@ -301,14 +347,15 @@ def _heldout_gap(tokenize: Upstream) -> str | None:
     return None
 
 
-def _check_lengths(config: Config, cfg: Any) -> None:
+def _check_lengths(config: Config, max_seq_len: int) -> None:
+    """Each task's padded length within the model's `max_seq_len` positions."""
     for i, task_cfg in enumerate(config.tasks):
         max_length = config.setting(task_cfg, "max_length")
-        if bucket(max_length, config.buckets) > cfg.max_seq_len:
+        if bucket(max_length, config.buckets) > max_seq_len:
             key = "max_length" if task_cfg.max_length is None else f"tasks[{i}].max_length"
             raise StageError(
                 f"evaluate.{key}: {max_length} pads to {bucket(max_length, config.buckets)}, "
-                f"beyond the model's {cfg.max_seq_len} positions"
+                f"beyond the model's {max_seq_len} positions"
             )
 
 
@@ -434,7 +481,7 @@ def _results(
 
 def _load_checkpoint(pretrain: Upstream, tokenize: Upstream):
     from cram.model.config import ModelConfig, ModelConfigError
-    from cram.stages.shared.tensors import read_tensors
+    from cram.stages.shared.tensors import nonfinite, read_tensors
     from cram.stages.shared.tokenizer import TokenizerError, load
 
     config_path = pretrain.path("model_config")
@@ -451,6 +498,8 @@ def _load_checkpoint(pretrain: Upstream, tokenize: Upstream):
             f"{tokenizer.vocab_size} tokens ({tokenize.path('tokenizer')})"
         )
     params = read_tensors(pretrain.path("params"))
+    if (bad := nonfinite(params)) is not None:
+        raise StageError(f"{pretrain.path('params')}: {bad} holds NaN or inf values; no figure of it means anything")
     embedding = params.get("embed.tokens.weight")
     if embedding is None or tuple(embedding.shape) != (cfg.vocab_size, cfg.hidden):
         shape = None if embedding is None else list(embedding.shape)
@@ -517,10 +566,7 @@ def _mlm_at(config: Config, cfg, params, blocks, length: int, held_out: _HeldOut
     from cram.stages.shared.val_mlm import val_mlm
 
     began = time.perf_counter()
-    if length > cfg.max_seq_len and cfg.position != "rope":
-        raise StageError(
-            f"evaluate.mlm_lengths: {length} is beyond the model's {cfg.max_seq_len} {cfg.position} positions"
-        )
+    _check_position(length, cfg.position, cfg.max_seq_len)
     at_length = blocks_of(blocks, length)
     if len(at_length) == 0:
         raise StageError(f"evaluate.mlm_lengths: {length}: pack's val ({blocks.size} tokens) holds no block that long")

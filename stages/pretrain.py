@@ -206,6 +206,7 @@ def validate(config: Config, pipeline: Any) -> None:
     from cram import model
 
     if config.init:
+        _check_not_its_own(config, Path(pipeline.run.root) / pipeline.run.name)
         _check_has_tokenizer(config, pipeline.stages.get("tokenize"))
     _planned_model(config, pipeline)
     _check_schedule(model, config)
@@ -231,6 +232,22 @@ def _planned_model(config: Config, pipeline: Any) -> tuple[Plan, ModelConfig]:
     seq_len = pack.seq_len if pack is not None else getattr(preset, "max_seq_len", 0)
     plan = plan_phases(config, seq_len, special, vocab_size)
     return plan, _model_config(model, config, vocab_size, plan.chunk, special["pad"])
+
+
+def _check_not_its_own(config: Config, run_dir: Path) -> None:
+    """Refuse an `init` that is the run's own directory, or lies in it or in the entry its pretrain links
+    to: the stage would start from its own result, so its key (which holds init's contents) would change
+    with every result and each identical `cram run` would train again."""
+    import os
+
+    init = Path(config.init).expanduser()
+    inside = [Path(os.path.abspath(run_dir)), Path(os.path.realpath(run_dir)), Path(os.path.realpath(run_dir / NAME))]
+    seen = (Path(os.path.abspath(init)), Path(os.path.realpath(init)))
+    if any(path == folder or folder in path.parents for path in seen for folder in inside):
+        raise StageError(
+            f"pretrain.init: {config.init} is this run's own directory ({run_dir}) or inside it: pretrain would "
+            "start from its own result and train again at every run; give another run directory or an export"
+        )
 
 
 def _check_has_tokenizer(config: Config, tokenize: Any) -> None:

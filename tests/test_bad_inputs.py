@@ -372,6 +372,55 @@ CASES = [
         [*RUN, *sets(**{"pretrain.masking.end_rate": "0.02"})],
         "pretrain.masking.end_rate: 0.02 masks no token of a 16-token block",
     ),
+    (
+        "masking leaves every token visible",
+        nothing,
+        [*RUN, *sets(**{"pretrain.masking.mask_token": "0", "pretrain.masking.random_token": "0"})],
+        "mask_token, random_token: 0 and 0 leave every selected token as it was",
+    ),
+    (
+        "mlm length beyond learned positions",
+        nothing,
+        [*RUN, *sets(**{"pretrain.model.position": '"learned"', "evaluate.mlm_lengths": "[16, 32]"})],
+        "evaluate.mlm_lengths: 32 is beyond the model's 16 learned positions",
+    ),
+    (
+        "mlm length beyond learned positions dry run",
+        nothing,
+        [*RUN, "--dry-run", *sets(**{"pretrain.model.position": '"learned"', "evaluate.mlm_lengths": "[32]"})],
+        "evaluate.mlm_lengths: 32 is beyond the model's 16 learned positions",
+    ),
+    (
+        "mlm length masks no token",
+        nothing,
+        [*RUN, *FORCE_EVAL, "--dry-run", *sets(**{"evaluate.mlm_lengths": "[16, 2]"})],
+        "pretrain.masking.rate (at evaluate.mlm_lengths): 0.25 masks no token of a 2-token block",
+    ),
+    (
+        "mlm rate masks no token at a length",
+        nothing,
+        [*RUN, *FORCE_EVAL, *sets(**{"evaluate.mlm_lengths": "[8]", "evaluate.mlm_mask_rate": "0.05"})],
+        "evaluate.mlm_mask_rate (at evaluate.mlm_lengths): 0.05 masks no token of a 8-token block",
+    ),
+    ("init its own run", nothing, [*RUN, *sets(**{"pretrain.init": '"runs/base"'})], "pretrain.init: runs/base is"),
+    (
+        "init inside its own run",
+        nothing,
+        [*RUN, "--dry-run", *sets(**{"pretrain.init": '"runs/base/pretrain"'})],
+        "pretrain.init: runs/base/pretrain is this run's own directory (runs/base) or inside it",
+    ),
+    (
+        "init a run whose params were damaged in place",
+        flip("runs/base/pretrain/params.safetensors", keep_time=True),
+        [*RUN, "--name", "other", *sets(**{"pretrain.init": '"runs/base"'})],
+        "pretrain.init: runs/base/pretrain/params.safetensors: damaged, its sha256 is not the one its store entry",
+    ),
+    (
+        "init a run whose tokenizer a check found damaged",  # its note, which verify writes
+        rewrite(f"runs/base/tokenize/{store.DAMAGED}", "runs/base/tokenize/tokenizer.model: damaged (noted)\n"),
+        [*RUN, "--name", "other", *sets(**{"pretrain.init": '"runs/base"'})],
+        "pretrain.init: runs/base/tokenize/tokenizer.model: damaged (noted); `cram run` in that run computes it",
+    ),
     ("memory hidden", nothing, [*RUN, *sets(**{"pretrain.model.hidden": "1000000"})], "lower pretrain.microbatch"),
     ("memory layers", nothing, [*RUN, *sets(**{"pretrain.model.layers": "10000000"})], "GiB parameters, AdamW state"),
     (
@@ -446,7 +495,16 @@ CASES = [
         "task regression constant",
         rewrite("tasks/train.csv", "text,label\ncat sat,2\ndog ran,2\n"),
         [*RUN, *tasks(metrics='["spearman"]')],
-        "field 'label' holds one value only (2); a correlation with a constant target is undefined",
+        "field 'label' of task 'sent' holds one value only (2); a correlation with a constant target is undefined",
+    ),
+    (
+        "task regression constant test",
+        lambda ws: (
+            rewrite("tasks/train.csv", "text,label\ncat sat,2\ndog ran,1.5\n")(ws),
+            rewrite("tasks/test.csv", "text,label\ncat ran,3\ndog sat,3.0\n")(ws),
+        ),
+        [*RUN, *tasks(metrics='["pearson"]')],
+        "tasks/test.csv: field 'label' of task 'sent' holds one value only (3); a correlation with a constant",
     ),
     ("task unseen label", rewrite("tasks/test.csv", "text,label\ncat sat,7\n"), RUN, "label '7' of field 'label'"),
     ("task empty", rewrite("tasks/train.csv", "text,label\n"), RUN, "tasks/train.csv: no records"),
@@ -624,6 +682,7 @@ def test_bad_input_is_one_line_exit_2_and_loses_nothing(ws, setup, args, message
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
     assert snapshot(run) == before
+    assert sorted(p.name for p in (ws / "runs").iterdir() if not p.name.startswith(".")) == ["base"]
     if "manifest" not in " ".join(args) and (run / "manifest.json").read_text().startswith("{\n"):
         assert _statuses(run) == ["done"] * 4
     assert not (ws / "out").is_dir()
@@ -737,6 +796,20 @@ def test_damaged_final_params_are_named_when_evaluate_reads_them(ws):
     assert result.exit_code == 2, result.output
     error = result.output.strip().splitlines()[-1]
     assert error.startswith("error: stage 'evaluate' failed") and "pretrain/params.safetensors: unreadable" in error
+
+
+def test_final_params_holding_nan_are_named_when_evaluate_reads_them(ws):
+    from safetensors.torch import load_file, save_file
+
+    params = ws / "runs" / "base" / "pretrain" / "params.safetensors"
+    sizes_only(params.parent)  # made before checksums: only a size change re-runs pretrain
+    tensors = load_file(params)
+    tensors["final_norm.weight"][0] = float("nan")
+    save_file(tensors, params, metadata={"cram.order": json.dumps(list(tensors))})
+    result = cram(*RUN, *FORCE_EVAL)
+    assert result.exit_code == 2, result.output
+    error = result.output.strip().splitlines()[-1]
+    assert "pretrain/params.safetensors: final_norm.weight holds NaN or inf values" in error, result.output
 
 
 def test_the_shipped_configs_pass_validation_offline(tmp_path, monkeypatch):

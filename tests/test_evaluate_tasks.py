@@ -89,7 +89,7 @@ ROWS = {
     },
     "stsb": {
         "train": [("A man runs .", "A man is running .", 4.5), ("A dog .", "A car .", 0.25)],
-        "validation": [("Kids play .", "Children play .", 4.0)],
+        "validation": [("Kids play .", "Children play .", 4.0), ("A cat .", "The sea .", 0.5)],
     },
     "mnli": {
         "train": [("P one .", "H one .", 0), ("P two .", "H two .", 2), ("P three .", "H three .", 1)],
@@ -153,6 +153,15 @@ def test_both_local_layouts_load_the_same_examples(tmp_path, name):
     assert tsv.regression == (name == "stsb")
 
 
+@pytest.mark.parametrize("write", [write_glue_tsv, write_glue_saved])
+def test_glue_regression_targets_that_are_one_value_are_refused(tmp_path, monkeypatch, write):
+    constant = {**ROWS["stsb"], "validation": [("Kids play .", "Children play .", 4.0)] * 2}
+    monkeypatch.setitem(ROWS, "stsb", constant)
+    folder = write(tmp_path, "stsb")
+    with pytest.raises(StageError, match=r"GLUE stsb's label holds one value only \(4\); a correlation with a const"):
+        tasks.load_glue("stsb", str(folder), "t")
+
+
 def test_tsv_keeps_quotes_and_a_task_folder_works_directly(tmp_path):
     folder = write_glue_tsv(tmp_path, "cola")
     task = tasks.load_glue("cola", str(folder), "t")
@@ -211,7 +220,7 @@ def test_custom_csv_and_jsonl_tasks(tmp_path):
     jsonl.mkdir()
     records = [{"text": "a", "score": 1}, {"text": "b", "score": 2.5}]
     (jsonl / "train.jsonl").write_text("\n".join(json.dumps(r) for r in records))
-    (jsonl / "test.jsonl").write_text(json.dumps({"text": "c", "score": 0.5}) + "\n")
+    (jsonl / "test.jsonl").write_text(json.dumps({"text": "c", "score": 0.5}) + "\n" + '{"text": "d", "score": 2}\n')
     regression = tasks.load_custom("scores", str(jsonl), ("text",), "score", ("spearman",), "t")
     assert regression.regression and regression.num_outputs == 1
     np.testing.assert_array_equal(regression.train.labels, np.array([1.0, 2.5], dtype=np.float32))
@@ -300,12 +309,12 @@ def test_stage_config_rejects(kwargs, message):
         ('{"text": "a", "y": "inf"}\n{"text": "b", "y": 1}\n', "pearson", "label 'inf' of field 'y' is not a finite"),
         ('{"text": "a", "y": 1e300}\n{"text": "b", "y": 1}\n', "pearson", "label 1e+300 of field 'y' is not a finite"),
         ('{"text": "a", "y": true}\n{"text": "b", "y": 1}\n', "pearson", "label True of field 'y' is not a finite"),
-        ('{"text": "a", "y": 2}\n{"text": "b", "y": 2.0}\n', "spearman", "field 'y' holds one value only (2)"),
+        ('{"text": "a", "y": 2}\n{"text": "b", "y": 2.0}\n', "spearman", "field 'y' of task 'c' holds one value"),
     ],
 )
 def test_custom_labels_are_what_their_metrics_claim(tmp_path, train, metric, message):
     (tmp_path / "train.jsonl").write_text(train)
-    (tmp_path / "test.jsonl").write_text('{"text": "c", "y": 1}\n')
+    (tmp_path / "test.jsonl").write_text('{"text": "c", "y": 1}\n{"text": "d", "y": 0}\n')
     with pytest.raises(StageError, match=re.escape(message)):
         tasks.load_custom("c", str(tmp_path), ("text",), "y", (metric,), "t")
 
@@ -315,5 +324,15 @@ def test_integer_and_string_classes_and_varied_targets_load(tmp_path):
     (tmp_path / "test.jsonl").write_text('{"text": "c", "y": 1}\n')
     assert tasks.load_custom("c", str(tmp_path), ("text",), "y", ("accuracy",), "t").label_names == ("1", "two")
     (tmp_path / "train.jsonl").write_text('{"text": "a", "y": "1.5"}\n{"text": "b", "y": -2}\n')
+    (tmp_path / "test.jsonl").write_text('{"text": "c", "y": 1}\n{"text": "d", "y": 0.25}\n')
     regression = tasks.load_custom("c", str(tmp_path), ("text",), "y", ("pearson",), "t")
     np.testing.assert_array_equal(regression.train.labels, np.array([1.5, -2.0], dtype=np.float32))
+    np.testing.assert_array_equal(regression.tests["test"].labels, np.array([1.0, 0.25], dtype=np.float32))
+
+
+def test_regression_test_targets_that_are_one_value_are_refused_naming_the_task_and_file(tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"text": "a", "y": 1.5}\n{"text": "b", "y": -2}\n')
+    (tmp_path / "test.jsonl").write_text('{"text": "c", "y": 3}\n{"text": "d", "y": 3.0}\n')
+    message = f"{tmp_path / 'test.jsonl'}: field 'y' of task 'c' holds one value only (3); a correlation"
+    with pytest.raises(StageError, match=re.escape(message)):
+        tasks.load_custom("c", str(tmp_path), ("text",), "y", ("pearson",), "t")

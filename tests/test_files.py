@@ -1,18 +1,21 @@
 """The shared readers and writers: the atomic write, the file fingerprint, the number check, the
-manifest's records and `model.json` as a ModelConfig."""
+manifest's records, `model.json` as a ModelConfig, a store entry's file against its recorded hash, and
+the masking settings."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import re
 
 import pytest
 
 from cram.model.config import ModelConfig, ModelConfigError
-from cram.pipeline import rundir
+from cram.pipeline import rundir, store
 from cram.stages.shared.figures import is_number
-from cram.stages.shared.files import atomic, files_under, fingerprint, temp_path, write_atomic
+from cram.stages.shared.files import atomic, files_under, fingerprint, stored_damage, temp_path, write_atomic
+from cram.stages.shared.masking import Masking
 
 
 def test_an_atomic_write_replaces_the_file_whole(tmp_path):
@@ -88,6 +91,8 @@ def test_model_json_loads_back_and_a_missing_field_takes_its_default(tmp_path):
     assert ModelConfig.from_json(path) == cfg
     path.write_text(json.dumps({k: v for k, v in dataclasses.asdict(cfg).items() if k != "dropout"}))
     assert ModelConfig.from_json(path).dropout == ModelConfig.dropout
+    path.write_text(json.dumps({**dataclasses.asdict(cfg), "norm_eps": 1, "position_scale": None}))
+    assert ModelConfig.from_json(path).norm_eps == 1.0  # an integer where a float belongs is a number
 
 
 @pytest.mark.parametrize(
@@ -96,6 +101,12 @@ def test_model_json_loads_back_and_a_missing_field_takes_its_default(tmp_path):
         ({"hidden": 32, "heads": 4, "attention_window": 128}, "unknown key 'attention_window'"),
         ({"hidden": 30, "heads": 4}, "model.heads=4: must divide model.hidden=30"),
         ([1, 2], "a JSON object of fields expected"),
+        ({"hidden": "32"}, 'hidden="32"; expected int'),
+        ({"layers": 2.0}, "layers=2.0; expected int"),
+        ({"glu": 1}, "glu=1; expected bool"),
+        ({"norm_eps": True}, "norm_eps=true; expected float"),
+        ({"position": "alibi"}, "position=\"alibi\"; expected one of 'sinusoidal', 'learned', 'rope'"),
+        ({"position_scale": "x"}, 'position_scale="x"; expected float | None'),
         ("{", "Expecting property name"),
     ],
 )
@@ -108,3 +119,37 @@ def test_a_bad_model_json_is_refused_in_one_line_naming_the_file(tmp_path, conte
     assert "\n" not in str(error.value)
     with pytest.raises(ModelConfigError, match="model.json: not a readable model config"):
         ModelConfig.from_json(tmp_path / "missing" / "model.json")
+
+
+def test_a_store_entrys_file_is_checked_against_the_hash_its_marker_recorded(tmp_path):
+    entry = tmp_path / "pretrain-key"
+    entry.mkdir()
+    (entry / "params.safetensors").write_bytes(b"weights")
+    (entry / "model.json").write_text("{}")
+    store.write_marker(entry, "pretrain", "k" * 64, {})
+    assert stored_damage(entry / "params.safetensors") is None
+    stat = (entry / "params.safetensors").stat()
+    (entry / "params.safetensors").write_bytes(b"weighTs")  # same size, time set back: only the hash tells
+    os.utime(entry / "params.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert stored_damage(entry / "params.safetensors") == (
+        f"{entry / 'params.safetensors'}: damaged, its sha256 is not the one its store entry recorded"
+    )
+    assert stored_damage(entry / "model.json") is None
+    (entry / store.DAMAGED).write_text("model.json: damaged\n")  # a note an earlier check left
+    assert stored_damage(entry / "model.json") == "model.json: damaged"
+    (tmp_path / "loose.bin").write_bytes(b"x")  # no entry around it: nothing recorded, nothing to check
+    assert stored_damage(tmp_path / "loose.bin") is None
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(mask_token=0.0, random_token=0.0), "0 and 0 leave every selected token as it was"),
+        (dict(mask_token=0.6, random_token=0.5), "must be >= 0 with sum <= 1"),
+        (dict(rate=1.0), "rate: 1.0 must be in (0, 1)"),
+    ],
+)
+def test_masking_that_hides_nothing_or_more_than_all_is_refused(fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Masking(**fields)
+    assert Masking(mask_token=0.0, random_token=0.1).random_token == 0.1  # random tokens alone still hide

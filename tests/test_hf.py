@@ -9,7 +9,13 @@ from safetensors.torch import load_file, save_file
 
 from cram import model
 from cram.model import ModelConfig
-from cram.model.hf import UnsupportedCheckpoint, from_transformers, to_transformers, transformers_blockers
+from cram.model.hf import (
+    UnsupportedCheckpoint,
+    from_transformers,
+    to_transformers,
+    transformers_blockers,
+    values_compared,
+)
 from cram.stages.shared.special import SPECIAL_IDS
 
 transformers = pytest.importorskip("transformers")
@@ -210,6 +216,20 @@ REFUSALS = [
         "rope_parameters.full_attention.rope_type='linear'",
     ),
     ("bert", {"vocab_size": 7}, "has shape"),
+    # config.json values of the wrong JSON type: named, never a traceback or a string read by its truth
+    ("bert", {"hidden_size": "32"}, 'hidden_size="32"; expected an integer'),
+    ("bert", {"num_hidden_layers": 2.0}, "num_hidden_layers=2.0; expected an integer"),
+    ("bert", {"vocab_size": True}, "vocab_size=true; expected an integer"),
+    ("modernbert", {"norm_eps": "1e-5"}, 'norm_eps="1e-5"; expected a number'),
+    ("modernbert", {"decoder_bias": "false"}, 'decoder_bias="false"; expected true or false'),
+    ("bert", {"is_decoder": 1}, "is_decoder=1; expected true or false"),
+    ("modernbert", {"layer_types": "full_attention"}, 'layer_types="full_attention"; expected a list'),
+    ("modernbert", {"rope_parameters": [1]}, "rope_parameters=[1]; expected an object"),
+    (
+        "modernbert",
+        {"rope_parameters": {"full_attention": {"rope_theta": "big"}}},
+        'rope_parameters.full_attention={"rope_theta": "big"}; expected an object with a number rope_theta',
+    ),
 ]
 
 
@@ -219,6 +239,30 @@ def test_an_unsupported_feature_is_refused_naming_its_key(checkpoints, name, cha
     with pytest.raises(UnsupportedCheckpoint, match="^ckpt") as refused:
         from_transformers({**config, **change}, state, where="ckpt")
     assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("config", [[1, 2], "modernbert", 3])
+def test_a_config_that_is_not_a_json_object_is_refused_naming_the_file(config):
+    with pytest.raises(UnsupportedCheckpoint, match=r"^ckpt/config\.json: a JSON \w+, not an object of settings$"):
+        from_transformers(config, {}, where="ckpt")
+
+
+def test_a_null_is_read_as_the_key_left_out(checkpoints):
+    _, config, state = checkpoints["bert"]
+    nulls = {**config, "layer_norm_eps": None, "rope_scaling": None}
+    assert from_transformers(nulls, state, where="ckpt")[0] == from_transformers(config, state, where="ckpt")[0]
+
+
+def test_a_check_from_the_headers_reads_only_the_tied_decoder_copy_and_what_it_repeats():
+    names = {"decoder.weight", "model.embeddings.tok_embeddings.weight", "model.final_norm.weight"}
+    assert values_compared({"model_type": "modernbert"}, names) == names - {"model.final_norm.weight"}
+    assert values_compared({"model_type": "modernbert"}, names - {"decoder.weight"}) == set()
+    bert = {"cls.predictions.decoder.bias", "cls.predictions.bias", "bert.embeddings.word_embeddings.weight"}
+    expected = {"cls.predictions.decoder.bias", "cls.predictions.bias"}  # no decoder weight: no embeddings
+    assert values_compared({"model_type": "bert"}, bert | {"bert.pooler.dense.weight"}) == expected
+    roberta = {"lm_head.decoder.weight", "roberta.embeddings.word_embeddings.weight"}
+    assert values_compared({"model_type": "xlm-roberta"}, roberta) == roberta
+    assert values_compared({"model_type": "gpt2"}, names) == values_compared([1], names) == set()
 
 
 def test_a_missing_weight_an_untied_decoder_and_an_unknown_weight_are_refused(checkpoints):

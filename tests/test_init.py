@@ -4,6 +4,7 @@ run directory and a cram export as starting points; and what is refused before a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -220,6 +221,19 @@ def break_checkpoint(ws: Path, how: str) -> None:
         word_level(ws / "other" / "tokenizer.json", BERT + [f"w{i}" for i in range(195)])
     elif how == "no such folder":
         shutil.rmtree(ws / "ckpt")
+    elif how in ("integer weight", "untied decoder"):
+        state = load_file(weights)
+        if how == "integer weight":  # an integer tensor would be read as weights of 0s and 1s
+            state["model.final_norm.weight"] = torch.ones(state["model.final_norm.weight"].shape, dtype=torch.int32)
+        else:  # a decoder of its own, while config.json ties it to the embeddings
+            state["decoder.weight"] = state["model.embeddings.tok_embeddings.weight"] + 1
+        save_file(state, weights, metadata={"format": "pt"})
+    elif how == "config a list":
+        config_path.write_text("[1, 2]")
+    elif how == "config a string number":
+        config_path.write_text(json.dumps({**config, "num_hidden_layers": "3"}))
+    elif how == "config a string bool":
+        config_path.write_text(json.dumps({**config, "tie_word_embeddings": "false"}))
 
 
 REFUSALS = {
@@ -232,6 +246,18 @@ REFUSALS = {
         r"^error: tokenize\.tokenizer: 200 tokens, more than the 110 embedding rows",
     ),
     "no such folder": ([], r"^error: pretrain\.init: ckpt: no such folder"),
+    "integer weight": (
+        [],
+        r"^error: pretrain\.init: .*ckpt: model\.final_norm\.weight holds int32 values; weights must be floating",
+    ),
+    "untied decoder": ([], r"^error: pretrain\.init: .*ckpt/config\.json: tie_word_embeddings=true and decoder\.w"),
+    "config a list": ([], r"^error: pretrain\.init: .*ckpt/config\.json: a JSON list, not an object of settings"),
+    "config a string number": ([], r'^error: pretrain\.init: .*ckpt/config\.json: num_hidden_layers="3"; expected an'),
+    "config a string bool": ([], r'^error: pretrain\.init: .*ckpt/config\.json: tie_word_embeddings="false"; expected'),
+    "task beyond positions": (
+        ["--set", "pack.seq_len=128", "--set", "evaluate.buckets=[16, 128]", "--set", "evaluate.max_length=128"],
+        r"^error: evaluate\.max_length: 128 pads to 128, beyond the model's 64 positions",
+    ),
     "contradiction": (
         ["--set", "pretrain.model.hidden=64"],
         r"^error: pretrain\.model\.hidden: 64 contradicts the checkpoint's 32",
@@ -252,6 +278,29 @@ def test_a_checkpoint_that_cannot_be_continued_is_one_line_exit_2_and_nothing_wr
     assert result.exit_code == 2, result.output
     assert len(result.output.strip().splitlines()) == 1 and re.search(message, result.output), result.output
     assert not (ws / "runs").exists()
+
+
+def test_a_checkpoint_weight_holding_nan_stops_pretrain_naming_it(ws):
+    """Finiteness needs the values: found when pretrain loads the checkpoint, before a step is taken."""
+    state = load_file(ws / "ckpt" / "model.safetensors")
+    state["model.layers.0.attn.Wo.weight"][1, 2] = float("nan")
+    save_file(state, ws / "ckpt" / "model.safetensors", metadata={"format": "pt"})
+    result = cram("run", "pipeline.toml")
+    assert result.exit_code == 2, result.output
+    error = result.output.strip().splitlines()[-1]
+    assert "stage 'pretrain' failed: pretrain.init: ckpt: the weights of cram's layers.0.attn.out.weight hold" in error
+    assert "NaN or inf" in error and not (ws / "runs" / "base" / "pretrain").exists()
+
+
+def test_a_cram_checkpoint_with_an_integer_tensor_is_refused_from_its_header(tmp_path):
+    cfg = model.ModelConfig(vocab_size=64, hidden=16, layers=1, heads=2, intermediate=32, max_seq_len=16)
+    params = model.init(cfg, 0)
+    params["final_norm.weight"] = torch.ones_like(params["final_norm.weight"], dtype=torch.int64)
+    save_file(params, tmp_path / "params.safetensors")
+    (tmp_path / "model.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    for shapes_only in (True, False):
+        with pytest.raises(pretrained.PretrainedError, match="final_norm.weight holds int64 values; weights must be"):
+            pretrained.load(pretrained.locate(tmp_path), shapes_only=shapes_only)
 
 
 @pytest.mark.slow

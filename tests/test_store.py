@@ -426,6 +426,19 @@ def test_verify_says_missing_for_an_entry_whose_files_were_deleted(pipe):
     assert f"missing: {pipe.run_dir / 'beta'}/result.json was deleted" in out and "2 of 3" in out
 
 
+def test_verify_of_a_root_says_missing_for_a_deleted_entry_a_run_links_to(pipe):
+    pipe.run()
+    shutil.rmtree(_entry(pipe, "beta"))  # the run's beta link now points nowhere
+    out = pipe.cram("verify", pipe.run_dir.parent, code=1).output
+    assert f"missing: {pipe.run_dir / 'beta'} points to ../.store/beta-" in out, out
+    assert "which does not exist" in out and "2 of 3 stage output(s) intact" in out, out
+    shutil.copytree(_entry(pipe, "gamma"), pipe.run_dir.parent / "gamma-copy")
+    (pipe.run_dir / "gamma").unlink()
+    (pipe.run_dir.parent / "gamma-copy").rename(pipe.run_dir / "gamma")  # a real folder: counted once more
+    out = pipe.cram("verify", pipe.run_dir.parent, code=1).output
+    assert "3 of 4 stage output(s) intact" in out, out
+
+
 def test_a_new_option_at_its_default_is_left_out_of_the_key_and_in_it_otherwise():
     from cram.stages import pretrain
 

@@ -164,7 +164,8 @@ def _glue_from_dataset_dict(name: str, spec: GlueSpec, data, source: str) -> Tas
                 raise StageError(f"{source}/{split_name}: no column {column!r}; found {', '.join(columns)}")
         rows = data[split_name].select_columns([*spec.hf_text, "label"]).to_dict()
         texts = list(zip(*(rows[c] for c in spec.hf_text)))
-        return _check_labels(texts, rows["label"], spec.labels, f"{source}/{split_name}")
+        examples = _check_labels(texts, rows["label"], spec.labels, f"{source}/{split_name}")
+        return examples if spec.labels else _varied(examples, f"{source}/{split_name}", f"GLUE {name}'s label")
 
     return Task(name, spec.metrics, spec.labels, split("train"), {t: split(hf) for t, _, hf in spec.tests})
 
@@ -179,7 +180,8 @@ def _glue_from_tsv(name: str, spec: GlueSpec, folder: Path) -> Task:
         except UnicodeDecodeError as e:
             raise StageError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
         labels = [_tsv_label(v, spec.labels, path) for v in labels]
-        return _check_labels(texts, labels, spec.labels, str(path))
+        examples = _check_labels(texts, labels, spec.labels, str(path))
+        return examples if spec.labels else _varied(examples, path, f"GLUE {name}'s label")
 
     return Task(name, spec.metrics, spec.labels, split("train.tsv"), {t: split(f) for t, f, _ in spec.tests})
 
@@ -246,15 +248,24 @@ def load_custom(
 
 
 def _regression_task(name: str, metrics: tuple[str, ...], train: tuple, test: tuple, label_field: str) -> Task:
-    """`train` and `test`: (file, texts, labels). The training targets must vary: a correlation with a
+    """`train` and `test`: (file, texts, labels). The targets of each must vary: a correlation with a
     constant is undefined (and the majority baseline would score 0 for it)."""
-    train_examples = _float_labels(train[1], train[2], train[0], label_field)
-    if len(set(train_examples.labels.tolist())) < 2:
+    train_set, test_set = (
+        _varied(_float_labels(texts, labels, file, label_field), file, f"field {label_field!r} of task {name!r}")
+        for file, texts, labels in (train, test)
+    )
+    return Task(name, metrics, (), train_set, {"test": test_set})
+
+
+def _varied(examples: Examples, source: Path | str, what: str) -> Examples:
+    """A regression set's `examples`, refused (naming `source` and `what` holds its targets) when every
+    target is the same: a correlation with a constant is undefined."""
+    if len(set(examples.labels.tolist())) < 2:
         raise StageError(
-            f"{train[0]}: field {label_field!r} holds one value only ({train_examples.labels[0]:g}); "
+            f"{source}: {what} holds one value only ({examples.labels[0]:g}); "
             "a correlation with a constant target is undefined"
         )
-    return Task(name, metrics, (), train_examples, {"test": _float_labels(test[1], test[2], test[0], label_field)})
+    return examples
 
 
 def _classification_task(name: str, metrics: tuple[str, ...], train: tuple, test: tuple, label_field: str) -> Task:

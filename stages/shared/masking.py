@@ -41,6 +41,11 @@ class Masking:
             raise ValueError(
                 f"mask_token, random_token: {self.mask_token}, {self.random_token} must be >= 0 with sum <= 1"
             )
+        if self.mask_token == self.random_token == 0:
+            raise ValueError(
+                "mask_token, random_token: 0 and 0 leave every selected token as it was, so the model sees "
+                "each token it must predict; at least one must be above 0"
+            )
 
     def rate_at(self, progress: float) -> float:
         """The masking rate at `progress` through the budget."""

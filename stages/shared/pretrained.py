@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from cram.model.config import ModelConfig, ModelConfigError
-from cram.stages.shared.files import content_hash
+from cram.stages.shared.files import content_hash, stored_damage
 from cram.stages.shared.tokenizer import in_folder as tokenizer_in
 
 if TYPE_CHECKING:
@@ -71,25 +71,42 @@ def fingerprint(found: Pretrained) -> list[list[str]]:
 
 def load(found: Pretrained, shapes_only: bool = False) -> tuple[ModelConfig, dict[str, Tensor]]:
     """The checkpoint's ModelConfig and fp32 params under cram's names. `shapes_only`: meta tensors
-    read from the files' headers alone, to check a checkpoint in a moment whatever its size."""
-    from cram.model.hf import UnsupportedCheckpoint, from_transformers
+    read from the files' headers alone (of their dtype), to check a checkpoint in a moment whatever its
+    size; only the tensors whose values a check compares (a tied decoder's copy) are read. Without it,
+    every parameter must hold finite values."""
+    from cram.model.hf import UnsupportedCheckpoint, from_transformers, values_compared
 
-    state = _read_weights(found.weights, shapes_only)
+    _check_stored(found)
+    headers = {path: _header(path) for path in found.weights}
     if found.kind == "cram":
         try:
             cfg = ModelConfig.from_json(found.config_file)
         except ModelConfigError as e:
             raise PretrainedError(str(e)) from None
-        _check_cram_params(found, cfg, state)
-        return cfg, state
-    try:
-        config = json.loads(found.config_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PretrainedError(f"{found.config_file}: not a readable config ({e})") from None
-    try:
-        return from_transformers(config, state, str(found.folder))
-    except UnsupportedCheckpoint as e:
-        raise PretrainedError(str(e)) from None
+        params = _read_weights(headers, set() if shapes_only else None)
+        _check_cram_params(found, cfg, params)
+    else:
+        try:
+            config = json.loads(found.config_file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise PretrainedError(f"{found.config_file}: not a readable config ({e})") from None
+        try:
+            names = {name for header in headers.values() for name in header}
+            state = _read_weights(headers, values_compared(config, names) if shapes_only else None)
+            cfg, params = from_transformers(config, state, str(found.folder))
+        except UnsupportedCheckpoint as e:
+            raise PretrainedError(str(e)) from None
+    if not shapes_only:
+        _check_finite(found, params)
+    return cfg, params
+
+
+def _check_stored(found: Pretrained) -> None:
+    """A run's pretrain and tokenize folders (stage-store entries) must hold the bytes they recorded: a
+    file damaged in place, even with its size and time kept, is refused before anything is read from it."""
+    for path in (found.config_file, *found.weights, *([found.tokenizer] if found.tokenizer else [])):
+        if (damage := stored_damage(path)) is not None:
+            raise PretrainedError(f"{damage}; `cram run` in that run computes it again")
 
 
 def _cram(folder: Path) -> Pretrained:
@@ -128,23 +145,73 @@ def _shards(folder: Path) -> tuple[Path, ...]:
     return tuple(folder / n for n in names)
 
 
-def _read_weights(files: tuple[Path, ...], shapes_only: bool) -> dict[str, Any]:
+# safetensors' dtype names and torch's, for the meta tensors of a check from the headers.
+_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+
+
+def _header(path: Path) -> dict[str, tuple[str, list[int]]]:
+    """{tensor name: (safetensors dtype, shape)} of a safetensors file, from its JSON header alone, in
+    name order (safetensors' own `keys()` order, which the params keep)."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size <= _MAX_HEADER:
+                raise ValueError(f"a header of {size} bytes")
+            header = json.loads(f.read(size))
+        tensors = {name: (t["dtype"], list(t["shape"])) for name, t in sorted(header.items()) if name != "__metadata__"}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise PretrainedError(f"{path}: not a readable safetensors file ({e})") from None
+    unknown = next(((name, dtype) for name, (dtype, _) in tensors.items() if dtype not in _DTYPES), None)
+    if unknown is not None:
+        raise PretrainedError(f"{path}: tensor {unknown[0]} has dtype {unknown[1]}, which torch does not read")
+    return tensors
+
+
+def _read_weights(headers: dict[Path, dict[str, tuple[str, list[int]]]], meta: set[str] | None) -> dict[str, Any]:
+    """Every tensor of the files, floats as fp32; with `meta` (a set of names to read all the same) meta
+    tensors of the headers' shapes and dtypes."""
     import torch
     from safetensors import SafetensorError, safe_open
 
     state: dict[str, Any] = {}
-    for path in files:
+    for path, header in headers.items():
         try:
             with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    if shapes_only:
-                        state[name] = torch.empty(f.get_slice(name).get_shape(), device="meta")
+                for name, (dtype, shape) in header.items():
+                    if meta is not None and name not in meta:
+                        state[name] = torch.empty(shape, dtype=getattr(torch, _DTYPES[dtype]), device="meta")
                     else:
                         tensor = f.get_tensor(name)
                         state[name] = tensor.float() if tensor.is_floating_point() else tensor
         except (OSError, SafetensorError) as e:
             raise PretrainedError(f"{path}: not a readable safetensors file ({e})") from None
     return state
+
+
+def _check_finite(found: Pretrained, params: dict[str, Tensor]) -> None:
+    from cram.stages.shared.tensors import nonfinite
+
+    if (bad := nonfinite(params)) is not None:
+        cram = found.kind == "cram"
+        where, name = (found.weights[0], bad) if cram else (found.folder, f"the weights of cram's {bad}")
+        raise PretrainedError(f"{where}: {name} holds NaN or inf values; nothing can be learned from them")
 
 
 def _check_cram_params(found: Pretrained, cfg: ModelConfig, state: dict[str, Any]) -> None:
@@ -156,6 +223,12 @@ def _check_cram_params(found: Pretrained, cfg: ModelConfig, state: dict[str, Any
     extra = sorted(set(state) - set(expected))
     wrong = [n for n in sorted(expected) if n in state and tuple(state[n].shape) != expected[n]]
     where = found.weights[0]
+    integer = next((n for n in expected if n in state and not state[n].is_floating_point()), None)
+    if integer is not None:
+        raise PretrainedError(
+            f"{where}: {integer} holds {str(state[integer].dtype).removeprefix('torch.')} values; "
+            "weights must be floating point"
+        )
     if missing:
         raise PretrainedError(f"{where}: no parameter {missing[0]}, which {found.config_file.name} needs")
     if extra:

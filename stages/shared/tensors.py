@@ -37,3 +37,9 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
             return {name: f.get_tensor(name) for name in names}
     except Exception as e:  # safetensors raises its own SafetensorError, or OSError, or a JSON error
         raise TensorFileError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+
+
+def nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first floating-point tensor holding NaN or inf, or None: trained on or evaluated,
+    such a weight makes every loss NaN."""
+    return next((n for n, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
