@@ -310,7 +310,7 @@ def _work(
     device = devices.resolve(ctx.device)
     autocast = devices.autocast_dtype(config.precision, device)
     on_device = {k: v.to(device) for k, v in params.items()}
-    tuner = Tuner.make(config, cfg, on_device, special, device, autocast)
+    tuner = Tuner.make(config, cfg, on_device, special, device, autocast, ctx.attention)
     mlm, runs = None, {}
     # Tasks share the compiled steps, so tasks with the same head shape share graphs; each head shape
     # may add one per bucket. Past dynamo's default limit of 8 graphs it would fall back to eager
@@ -444,7 +444,8 @@ def _evaluate_mlm(config: Config, cfg, params, held_out: _HeldOut, device, autoc
     if blocks.ndim != 2 or len(blocks) == 0:
         raise StageError(f"{held_out.path}: expected blocks [n, seq_len] with n > 0, got {list(blocks.shape)}")
     by_length = {
-        length: _mlm_at(config, cfg, params, blocks, length, held_out, device, autocast) for length in held_out.lengths
+        length: _mlm_at(config, cfg, params, blocks, length, held_out, device, autocast, ctx.attention)
+        for length in held_out.lengths
     }
     result = {**by_length[held_out.lengths[0]], "mask_rate": held_out.masking["rate"]}
     if len(by_length) > 1:
@@ -453,7 +454,9 @@ def _evaluate_mlm(config: Config, cfg, params, held_out: _HeldOut, device, autoc
     return result
 
 
-def _mlm_at(config: Config, cfg, params, blocks, length: int, held_out: _HeldOut, device, autocast) -> dict:
+def _mlm_at(
+    config: Config, cfg, params, blocks, length: int, held_out: _HeldOut, device, autocast, attention: str
+) -> dict:
     """The held-out masked LM on blocks of `length`; StageError when the model or the data has no such block."""
     from cram import model
     from cram.stages.shared.blocks import blocks_of
@@ -470,9 +473,10 @@ def _mlm_at(config: Config, cfg, params, blocks, length: int, held_out: _HeldOut
         raise StageError(f"evaluate.mlm_lengths: {length}: pack's val ({blocks.size} tokens) holds no block that long")
     spec = mask_spec(Masking(**held_out.masking), held_out.special, held_out.vocab_size, length)
     # Its own compiled function per length: one graph each, never a recompile of another length's.
-    step = model.make_eval_step(cfg, compile=config.compile, backend=config.backend, autocast_dtype=autocast)
+    forward = dict(autocast_dtype=autocast, attention=attention)
+    step = model.make_eval_step(cfg, compile=config.compile, backend=config.backend, **forward)
     # The last, shorter batch runs eagerly rather than compiling a second graph for one call.
-    tail = model.make_eval_step(cfg, compile=False, autocast_dtype=autocast)
+    tail = model.make_eval_step(cfg, compile=False, **forward)
     result = val_mlm(
         step,
         params,

@@ -167,13 +167,19 @@ class Tuner:
     predict: Callable  # (params, batch) -> logits
 
     @classmethod
-    def make(cls, config: Any, cfg, params: dict, special: dict, device, autocast) -> Tuner:
+    def make(cls, config: Any, cfg, params: dict, special: dict, device, autocast, attention: str = "auto") -> Tuner:
         from cram import model
         from cram.model.classifier import make_classify_eval_step, make_finetune_step
 
         # cramming's fine-tuning AdamW: betas (0.9, 0.98), eps 1e-6, no gradient clipping.
         opt_cfg = model.OptimizerConfig(lr=config.lr, eps=1e-6, weight_decay=config.weight_decay, clip_norm=0.0)
-        kw = dict(pooling=config.pooling, compile=config.compile, backend=config.backend, autocast_dtype=autocast)
+        kw = dict(
+            pooling=config.pooling,
+            compile=config.compile,
+            backend=config.backend,
+            autocast_dtype=autocast,
+            attention=attention,
+        )
         # Dropout (cramming's 0.1) in the fine-tune step only; prediction sees the whole network.
         training = dataclasses.replace(cfg, dropout=config.dropout)
         return cls(
