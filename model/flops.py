@@ -19,7 +19,8 @@ from cram.model.memory import parameters
 # Dense bf16 tensor-core peaks from the vendors' data sheets, matched as substrings of
 # torch.cuda.get_device_name(); first match wins, so the more specific names come first.
 GPU_PEAK_BF16: tuple[tuple[str, float], ...] = (
-    ("H200", 989e12),
+    ("H200 NVL", 835e12),  # the PCIe card: lower clocks and power than the SXM module
+    ("H200", 989e12),  # SXM
     ("H100 PCIe", 756e12),
     ("H100 NVL", 835e12),
     ("H100", 989e12),

@@ -18,7 +18,7 @@ from typing import Any
 
 from cram import stages
 from cram.pipeline import config as cfg
-from cram.pipeline import rundir, store
+from cram.pipeline import ranks, rundir, store
 
 
 class PlanError(Exception):
@@ -47,6 +47,9 @@ def plan(
 ) -> list[Step]:
     """Each stage with run/skip and why. `only` runs one stage; `start` forces it and all after it."""
     _check_folder(run_dir)
+    problem = ranks.device_problem(config.run.device)
+    if problem is not None:  # before any stage's `validate` resolves the device
+        raise PlanError(problem)
     names = [m.NAME for m in modules]
     for given in (only, start, *force):
         if given is not None and given not in names:

@@ -145,6 +145,14 @@ def test_a_crash_inside_sdpa_names_the_written_out_attention(pipe):
     assert "run.attention" not in pipe.run("--set", "beta.fail='crash'", code=1).output  # not SDPA's
 
 
+@pytest.mark.parametrize("args", [(), ("--dry-run",)])
+def test_cuda_n_under_torchrun_is_refused_before_any_stage(pipe, monkeypatch, args):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets; no process group is started
+    out = pipe.run("--set", "run.device='cuda:1'", *args, code=2).output
+    assert "run.device: 'cuda:1' under torchrun (WORLD_SIZE=2) would put every rank on one GPU" in out
+    assert "use 'cuda' or 'auto'" in out and pipe.calls() == []
+
+
 def test_bad_input_in_a_stage_is_exit_2(pipe):
     out = pipe.run("--set", "alpha.fail='input'", code=2).output
     assert "[alpha] value: 1 is not allowed here" in out
