@@ -58,7 +58,8 @@ def run(command: list[str], *, limit_s: float, log: Path, env: dict[str, str] | 
         except subprocess.TimeoutExpired:
             _stop(child)
             returncode = None
-        _kill_group(child.pid)  # what the child left behind (compile workers) goes with it
+        finally:  # also when the parent itself is stopped (`stop_children_on_term`)
+            _kill_group(child.pid)  # what the child left behind (compile workers) goes with it
     return Outcome(out_path.read_text(errors="replace"), returncode, time.monotonic() - began, limit_s, log)
 
 
@@ -85,6 +86,16 @@ def dump_stacks_on_term() -> None:
     import faulthandler
 
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=False)
+
+
+def stop_children_on_term() -> None:
+    """In a parent: SIGTERM (an outer `timeout`) ends it as SystemExit, which stops the child it waits for:
+    a child runs in a process group of its own, which the outer signal never reaches."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 class Deadline:

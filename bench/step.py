@@ -68,6 +68,7 @@ def main() -> None:
         children.dump_stacks_on_term()
         print(json.dumps(CHILDREN[args.child](args, rows)))
     else:
+        children.stop_children_on_term()
         report(args, rows)
 
 
