@@ -112,7 +112,8 @@ step() {
 }
 
 environment() {
-    echo "date $(date -u +%Y-%m-%dT%H:%M:%SZ), host $(hostname), commit $(git rev-parse HEAD 2>/dev/null || echo "${CRAM_COMMIT:-unknown}")"
+    local commit="${CRAM_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+    echo "date $(date -u +%Y-%m-%dT%H:%M:%SZ), host ${HOSTNAME:-unknown}, commit $commit"
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,power.limit,clocks.max.sm \
         --format=csv,noheader
     "$python" - <<'EOF'
