@@ -9,7 +9,7 @@ import torch
 from cram import model
 from cram.model import bert
 
-CFG = model.ModelConfig(vocab_size=64, hidden=16, layers=2, heads=2, intermediate=32, max_seq_len=12, position="rope")
+CFG = model.ModelConfig(vocab_size=64, hidden=16, layers=1, heads=2, intermediate=32, max_seq_len=12, position="rope")
 
 
 def qkv(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

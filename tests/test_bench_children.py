@@ -16,7 +16,7 @@ import children  # noqa: E402
 
 
 def test_a_hanging_child_is_stopped_at_its_limit_with_what_it_started(tmp_path, monkeypatch):
-    monkeypatch.setattr(children, "GRACE_S", 1.0)
+    monkeypatch.setattr(children, "GRACE_S", 0.5)
     pid_file = tmp_path / "grandchild.pid"
     script = f"""
 import subprocess, sys, time
@@ -113,7 +113,7 @@ def start_report(tmp_path: Path, *flags: str) -> subprocess.Popen:
 
 def test_each_row_is_printed_as_its_child_ends_and_failures_show_their_log(tmp_path):
     rows = "cram-compiled,cram-eager,bert-eager,bert-compiled"
-    report = start_report(tmp_path, "--rows", rows, "--row-limit", "3")
+    report = start_report(tmp_path, "--rows", rows, "--row-limit", "2")
     lines = []
     for line in report.stdout:
         lines.append(line.rstrip("\n"))
@@ -124,7 +124,7 @@ def test_each_row_is_printed_as_its_child_ends_and_failures_show_their_log(tmp_p
     # By hand: 1e9 FLOPs/token x 1000 tokens/s = 1e12 FLOP/s, 50% of the 2e12 data sheet, 100% of the 1e12 matmul.
     assert "| cram-compiled | 10.0 | 1,000 | 50.0 | 100.0 | 1 | 1.5 | - |" in lines
     assert "| cram-eager | 10.0 | 1,000 | 50.0 | 100.0 | 1 | 1.5 | - |" in lines  # it saw "go": printed in time
-    assert "| bert-eager | timed out after 3 s" in text
+    assert "| bert-eager | timed out after 2 s" in text
     assert "| bert-compiled | failed (exit 3)" in text
     tail = text.split("| bert-compiled |")[1]
     assert "compile error line 49" in tail and "compile error line 10" in tail and "compile error line 9\n" not in tail
@@ -133,9 +133,9 @@ def test_each_row_is_printed_as_its_child_ends_and_failures_show_their_log(tmp_p
 
 
 def test_rows_that_would_start_past_the_deadline_are_skipped_with_a_line(tmp_path):
-    report = start_report(tmp_path, "--rows", "bert-eager,cram-compiled", "--deadline", "4")
+    report = start_report(tmp_path, "--rows", "bert-eager,cram-compiled", "--deadline", "3")
     out, _ = report.communicate(timeout=60)
     assert report.returncode == 0
     assert "| bert-eager | timed out after" in out  # its limit was what was left of the deadline
-    assert "skipped, past the overall deadline of 4 s: cram-compiled" in out
+    assert "skipped, past the overall deadline of 3 s: cram-compiled" in out
     assert "| cram-compiled |" not in out.split("|---|")[-1]
