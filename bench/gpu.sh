@@ -6,6 +6,9 @@
 #   pipeline     bench/gpu_smoke.py: pretrain.run on CUDA (document attention, canary, compile, recompile limit),
 #                the SDPA kernels with and without the document mask, host syncs over steps 5-30; when it
 #                fails, once more with the written-out attention (--attention written)
+#   tests        pytest of the tests that need CUDA: non-blocking copies and the prefetch path
+#                (tests/test_host_syncs.py), written-out attention against SDPA on CUDA, eager and compiled
+#                under torch.func (tests/test_attention.py)
 #   big          bench/step.py: base preset, cram compiled, with documents, BERT compiled, then the eager rows
 #   tiny         bench/step.py: tiny preset, the rows the smoke part left out
 #   written      bench/step.py: base preset, with documents, written-out attention instead of SDPA
@@ -28,7 +31,8 @@ python="${PYTHON:-python3}"
 out="$root/bench-out/gpu-$(date -u +%Y%m%d-%H%M%S)"
 logs=""
 seconds=420
-parts="environment,smoke,pipeline,big,tiny,written"
+all_parts="environment,smoke,pipeline,tests,big,tiny,written"
+parts="$all_parts"
 device=cuda
 big=base
 backend=inductor
@@ -48,8 +52,8 @@ while [ $# -gt 0 ]; do
 done
 for name in ${parts//,/ }; do
     case "$name" in
-        environment | smoke | pipeline | big | tiny | written) ;;
-        *) echo "bench/gpu.sh: --parts: unknown part '$name'; the parts are environment,smoke,pipeline,big,tiny,written" >&2; exit 2 ;;
+        environment | smoke | pipeline | tests | big | tiny | written) ;;
+        *) echo "bench/gpu.sh: --parts: unknown part '$name'; the parts are $all_parts" >&2; exit 2 ;;
     esac
 done
 logs="${logs:-$out/logs}"
@@ -140,6 +144,7 @@ step smoke 150 --config tiny --rows cram-compiled,cram-eager --steps 5 --warmup 
 if ! part pipeline 200 "$python" bench/gpu_smoke.py --device "$device" --backend "$backend"; then
     part pipeline-written 150 "$python" bench/gpu_smoke.py --device "$device" --backend "$backend" --attention written
 fi
+part tests 120 "$python" -m pytest -q -p no:cacheprovider tests/test_host_syncs.py tests/test_attention.py
 step big 330 --config "$big" --rows cram-compiled,cram-doc-compiled,bert-compiled,cram-eager,bert-eager --row-limit 200
 step tiny 150 --config tiny --rows cram-doc-compiled,cram-written-compiled,bert-compiled,bert-eager --row-limit 90
 step written 150 --config "$big" --rows cram-doc-written-compiled --row-limit 140

@@ -1,5 +1,6 @@
-"""The written-out attention and SDPA compute the same, on a CPU, so `[run] attention = "written"` is a
-safe way round an SDPA kernel that fails on a GPU; and the steps refuse params that require grad."""
+"""The written-out attention and SDPA compute the same, on a CPU (and on CUDA where there is one), so
+`[run] attention = "written"` is a safe way round an SDPA kernel that fails on a GPU; and the steps refuse
+params that require grad."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import torch
 from cram import model
 from cram.model import bert
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 CFG = model.ModelConfig(vocab_size=64, hidden=16, layers=1, heads=2, intermediate=32, max_seq_len=12, position="rope")
 
 
-def qkv(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def qkv(seed: int = 0, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(2, 2, 12, 8, generator=gen) for _ in range(3))
+    return tuple(torch.randn(2, 2, 12, 8, generator=gen).to(device) for _ in range(3))
 
 
 def documents() -> torch.Tensor:
@@ -27,14 +29,16 @@ def document_mask() -> torch.Tensor:
     return (ids[:, :, None] == ids[:, None, :])[:, None]  # [B, 1, S, S], True where a key may be read
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mask", [None, "padding", "documents"])
-def test_written_out_attention_equals_sdpa(mask):
-    q, k, v = qkv()
+def test_written_out_attention_equals_sdpa(mask, device):
+    q, k, v = qkv(device=device)
     masks = {None: None, "padding": torch.arange(12)[None, None, None, :] < torch.tensor([12, 7])[:, None, None, None]}
     masks["documents"] = document_mask()
-    written = bert._attend(q, k, v, masks[mask], 0.0, "written")
-    sdpa = bert._attend(q, k, v, masks[mask], 0.0, "sdpa")
-    torch.testing.assert_close(written, sdpa, rtol=1e-5, atol=1e-6)
+    chosen = None if masks[mask] is None else masks[mask].to(device)
+    written = bert._attend(q, k, v, chosen, 0.0, "written")
+    sdpa = bert._attend(q, k, v, chosen, 0.0, "sdpa")
+    torch.testing.assert_close(written, sdpa, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("attention", ["written", "sdpa"])
@@ -44,42 +48,41 @@ def test_a_query_that_reads_only_itself_gets_its_own_value(attention):
     torch.testing.assert_close(bert._attend(q, k, v, alone, 0.0, attention), v)
 
 
-def batch() -> dict[str, torch.Tensor]:
+def batch(device: str = "cpu") -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(5, 64, (2, 12), generator=gen)
     positions = torch.tensor([1, 4, 6, 10, 13, 15, 19, 22])
-    return {
-        "input_ids": ids,
-        "mlm_positions": positions,
-        "mlm_labels": ids.flatten()[positions],
-        "document_ids": documents(),
-    }
+    out = {"input_ids": ids, "mlm_positions": positions, "mlm_labels": ids.flatten()[positions]}
+    return {k: v.to(device) for k, v in {**out, "document_ids": documents()}.items()}
 
 
-def test_gradients_under_torch_func_are_the_same_with_either_attention():
-    params = model.init(CFG, seed=0)
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_under_torch_func_are_the_same_with_either_attention(device):
+    params = {k: v.to(device) for k, v in model.init(CFG, seed=0).items()}
     grads = {}
     for attention in ("written", "sdpa"):
-        loss = lambda p, a=attention: model.mlm_loss(p, CFG, batch(), a)[0]  # noqa: E731
+        loss = lambda p, a=attention: model.mlm_loss(p, CFG, batch(device), a)[0]  # noqa: E731
         grads[attention] = torch.func.grad(loss)(params)
     for name in params:
-        torch.testing.assert_close(grads["written"][name], grads["sdpa"][name], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(grads["written"][name], grads["sdpa"][name], rtol=1e-4, atol=1e-5)
 
 
-def test_a_compiled_step_with_sdpa_trains_as_the_written_out_one():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_compiled_step_with_sdpa_trains_as_the_written_out_one(device):
     opt = model.OptimizerConfig()
-    lr = torch.tensor(1e-3)
-    params = model.init(CFG, seed=0)
+    lr = torch.tensor(1e-3, device=device)
+    params = {k: v.to(device) for k, v in model.init(CFG, seed=0).items()}
+    backend = "aot_eager" if device == "cpu" else "inductor"  # on CUDA: what pretrain compiles
     out = {}
     for attention, compile in (("written", False), ("sdpa", True)):
-        step = model.make_train_step(CFG, opt, compile=compile, backend="aot_eager", attention=attention)
+        step = model.make_train_step(CFG, opt, compile=compile, backend=backend, attention=attention)
         p, s = params, model.adamw_init(params)
         for _ in range(2):
-            p, s, metrics = step(p, s, batch(), lr)
+            p, s, metrics = step(p, s, batch(device), lr)
         out[attention] = (p, metrics["loss"])
-    torch.testing.assert_close(out["sdpa"][1], out["written"][1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out["sdpa"][1], out["written"][1], rtol=1e-5, atol=1e-5)
     for name in params:
-        torch.testing.assert_close(out["sdpa"][0][name], out["written"][0][name], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(out["sdpa"][0][name], out["written"][0][name], rtol=1e-4, atol=1e-5)
 
 
 def test_auto_is_sdpa_on_a_gpu_and_written_out_on_a_cpu():
