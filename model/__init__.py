@@ -17,6 +17,7 @@ from cram.model.config import PRESETS, ModelConfig, OptimizerConfig
 # Everything that needs torch is imported on first use: `model.config` alone stays torch-free, so a
 # stage's Config (which uses ModelConfig and OptimizerConfig) loads without torch.
 _LAZY = {
+    "attends_with": "cram.model.bert",
     "encode": "cram.model.bert",
     "init": "cram.model.bert",
     "mlm_logits": "cram.model.bert",
@@ -55,6 +56,7 @@ __all__ = [
     "OptimizerConfig",
     "adamw_init",
     "adamw_update",
+    "attends_with",
     "encode",
     "flops_per_token",
     "init",

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cram.model.config import ModelConfig
+from cram.model.config import ATTENTIONS, Attention, ModelConfig
 
 INIT_STD = 0.02  # cramming's and BERT's normal init for every matrix
 
@@ -108,9 +108,11 @@ def encode(
     input_ids: Tensor,
     attention_mask: Tensor | None = None,
     document_ids: Tensor | None = None,
+    attention: Attention = "auto",
 ) -> Tensor:
     """Hidden states [B, S, H] after the last norm. attention_mask: [B, S] bool, True = real token;
-    document_ids: [B, S] integers, a query reads only keys of its own document (packed blocks)."""
+    document_ids: [B, S] integers, a query reads only keys of its own document (packed blocks);
+    attention: how attention is computed (`attends_with`), never what it computes."""
     S = input_ids.shape[1]
     x = _embed(params, cfg, input_ids)
     rope = local_rope = None
@@ -122,7 +124,7 @@ def encode(
     mask, local_mask = _masks(cfg, S, attention_mask, document_ids, x.device)
     for i in range(cfg.layers):
         p = f"layers.{i}."
-        kind = (local_mask, local_rope) if cfg.is_local(i) else (mask, rope)
+        kind = (local_mask, local_rope, attention) if cfg.is_local(i) else (mask, rope, attention)
         if cfg.post_norm:
             x = _norm(x + _attention(params, p, cfg, x, *kind), params, p + "attn_norm", cfg)
             x = _norm(x + _feed_forward(params, p, cfg, x), params, p + "ffn_norm", cfg)
@@ -176,14 +178,17 @@ def mlm_logits(params: dict[str, Tensor], cfg: ModelConfig, hidden: Tensor) -> T
     return F.linear(hidden, params["embed.tokens.weight"], params["head.decoder.bias"] if cfg.decoder_bias else None)
 
 
-def mlm_loss(params: dict[str, Tensor], cfg: ModelConfig, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+def mlm_loss(
+    params: dict[str, Tensor], cfg: ModelConfig, batch: dict[str, Tensor], attention: Attention = "auto"
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Mean cross-entropy over the K masked rows, and their top-1 accuracy.
 
     Sparse prediction: only the K rows named by `mlm_positions` (flat indices into B*S) reach the
     vocabulary projection, and K is fixed per batch, so every shape is static. Rows labelled -100 (a
     masking schedule below its peak rate) count in neither.
     """
-    hidden = encode(params, cfg, batch["input_ids"], batch.get("attention_mask"), batch.get("document_ids"))
+    ids, padding, documents = batch["input_ids"], batch.get("attention_mask"), batch.get("document_ids")
+    hidden = encode(params, cfg, ids, padding, documents, attention)
     rows = hidden.flatten(0, 1).index_select(0, batch["mlm_positions"])
     logits = mlm_logits(params, cfg, rows)
     if logits.dtype in (torch.float16, torch.bfloat16):  # autocast: the softmax wants fp32
@@ -211,24 +216,36 @@ def _attention(
     x: Tensor,
     mask: Tensor | None,
     rope: tuple[Tensor, Tensor] | None,
+    attention: Attention,
 ) -> Tensor:
     B, S, H = x.shape
     qkv = _linear(x, params, p + "attn.qkv", cfg).view(B, S, 3, cfg.heads, cfg.head_dim)
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, S, head_dim]
     if rope is not None:
         q, k = _rotate(q, *rope), _rotate(k, *rope)
-    out = _attend(q, k, v, mask, cfg.dropout)
+    out = _attend(q, k, v, mask, cfg.dropout, attention)
     return _dropout(_linear(out.transpose(1, 2).reshape(B, S, H), params, p + "attn.out", cfg), cfg)
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float) -> Tensor:
+def attends_with(attention: Attention, device: torch.device) -> str:
+    """What `attention` means on `device`: "sdpa" (`F.scaled_dot_product_attention`) or "written" (the
+    product written out); "auto" is SDPA on a GPU and the written-out product on a CPU."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention={attention!r}: allowed {', '.join(ATTENTIONS)}")
+    if attention == "auto":
+        return "written" if device.type == "cpu" else "sdpa"
+    return attention
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float, attention: Attention) -> Tensor:
     """softmax(q k^T / sqrt(d)) v over [B, heads, S, head_dim]; `mask` (broadcast to [B, heads, S, S], as
     [B, 1, 1, S] for padding alone) is True where a key may be read."""
-    if q.device.type != "cpu":
+    if attends_with(attention, q.device) == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
     # On a CPU the written-out product is faster than SDPA's flash kernel, which tiles for long
     # sequences: forward + backward at seq 128 profiled 3x faster compiled in bf16 (the flash
-    # backward is slow in bf16), 1.3x in fp32, and faster eager too. Under autocast the softmax runs in fp32.
+    # backward is slow in bf16), 1.3x in fp32, and faster eager too. On a GPU it is the fallback for an
+    # SDPA kernel that fails under torch.func's gradients. Under autocast the softmax runs in fp32.
     scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-1, -2))
     if scores.dtype in (torch.float16, torch.bfloat16):
         scores = scores.float()

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cram.model.bert import INIT_STD, encode
-from cram.model.config import ModelConfig, OptimizerConfig
-from cram.model.step import CompileOptions, autocast, compiled, make_apply_step
+from cram.model.config import Attention, ModelConfig, OptimizerConfig
+from cram.model.step import CompileOptions, autocast, compiled, detached_params, make_apply_step
 
 Pooling = Literal["first", "mean"]
 POOLINGS: tuple[str, ...] = ("first", "mean")
@@ -55,10 +55,12 @@ def classify(
     input_ids: Tensor,
     attention_mask: Tensor,
     pooling: Pooling = "first",
+    attention: Attention = "auto",
 ) -> Tensor:
     """Logits [B, num_outputs] (fp32) of the head over the encoder; `cfg.dropout` applies in the encoder
     and after the head's dense layer (cramming's fine-tuning), so predict with a `cfg` without it."""
-    pooled = pool(encode(params, cfg, input_ids, attention_mask), attention_mask, pooling)
+    hidden = encode(params, cfg, input_ids, attention_mask, attention=attention)
+    pooled = pool(hidden, attention_mask, pooling)
     x = torch.tanh(F.linear(pooled, params["classifier.dense.weight"], params["classifier.dense.bias"]))
     if cfg.dropout:
         x = F.dropout(x, cfg.dropout)
@@ -82,6 +84,7 @@ def make_finetune_step(
     compile: bool = True,
     backend: str = "inductor",
     autocast_dtype: torch.dtype | None = None,
+    attention: Attention = "auto",
     options: CompileOptions = None,
 ) -> Callable[..., tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]]:
     """step(params, opt_state, batch, lr: 0-dim tensor) -> (params, opt_state, {"loss", "grad_norm"}).
@@ -94,7 +97,7 @@ def make_finetune_step(
 
     def loss_fn(params: dict[str, Tensor], batch: dict[str, Tensor]) -> Tensor:
         with autocast(batch["input_ids"], autocast_dtype):
-            logits = classify(params, cfg, batch["input_ids"], batch["attention_mask"], pooling)
+            logits = classify(params, cfg, batch["input_ids"], batch["attention_mask"], pooling, attention)
         return finetune_loss(logits, batch["labels"], batch["weights"])
 
     def step(params, opt_state, batch, lr):
@@ -103,7 +106,7 @@ def make_finetune_step(
         params, opt_state, metrics = apply(params, opt_state, grads, one, lr)
         return params, opt_state, {**metrics, "loss": loss.detach()}
 
-    return compiled(step, compile, backend, options)
+    return detached_params(compiled(step, compile, backend, options))
 
 
 def make_classify_eval_step(
@@ -113,6 +116,7 @@ def make_classify_eval_step(
     compile: bool = True,
     backend: str = "inductor",
     autocast_dtype: torch.dtype | None = None,
+    attention: Attention = "auto",
     options: CompileOptions = None,
 ) -> Callable[[dict[str, Tensor], dict[str, Tensor]], Tensor]:
     """predict(params, batch) -> logits [B, num_outputs] fp32; `labels`/`weights` are not needed."""
@@ -121,7 +125,7 @@ def make_classify_eval_step(
     @torch.no_grad()
     def predict(params, batch):
         with autocast(batch["input_ids"], autocast_dtype):
-            return classify(params, cfg, batch["input_ids"], batch["attention_mask"], pooling)
+            return classify(params, cfg, batch["input_ids"], batch["attention_mask"], pooling, attention)
 
     return compiled(predict, compile, backend, options)
 

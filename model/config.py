@@ -33,6 +33,12 @@ class OptimizerConfig:
 
 POSITIONS = ("sinusoidal", "learned", "rope")
 
+# How attention is computed, never what: "sdpa" is `F.scaled_dot_product_attention`, "written" the product
+# written out (softmax(q k^T) v), "auto" SDPA on a GPU and the written-out product on a CPU. A runtime
+# choice (`[run] attention`), not part of the architecture: no `ModelConfig` field, no cache key.
+Attention = Literal["auto", "sdpa", "written"]
+ATTENTIONS: tuple[str, ...] = ("auto", "sdpa", "written")
+
 
 class ModelConfigError(ValueError):
     """A `model.json` that does not describe a ModelConfig; one line naming the file."""

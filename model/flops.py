@@ -19,7 +19,8 @@ from cram.model.memory import parameters
 # Dense bf16 tensor-core peaks from the vendors' data sheets, matched as substrings of
 # torch.cuda.get_device_name(); first match wins, so the more specific names come first.
 GPU_PEAK_BF16: tuple[tuple[str, float], ...] = (
-    ("H200", 989e12),
+    ("H200 NVL", 835e12),  # the PCIe card: lower clocks and power than the SXM module
+    ("H200", 989e12),  # SXM
     ("H100 PCIe", 756e12),
     ("H100 NVL", 835e12),
     ("H100", 989e12),
@@ -49,12 +50,14 @@ def peak_flops(device: str | torch.device, dtype: torch.dtype | None = None) -> 
     """
     device = torch.device(device)
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, peak in GPU_PEAK_BF16:
-            if key in name:
-                return peak
-        return measure_matmul_flops(device, torch.bfloat16, size=8192)
+        peak = data_sheet_peak(torch.cuda.get_device_name(device))
+        return peak if peak is not None else measure_matmul_flops(device, torch.bfloat16, size=8192)
     return measure_matmul_flops(device, dtype or torch.float32)
+
+
+def data_sheet_peak(device_name: str) -> float | None:
+    """The dense bf16 peak of the GPU named `device_name` (`torch.cuda.get_device_name`); None if unknown."""
+    return next((peak for key, peak in GPU_PEAK_BF16 if key in device_name), None)
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, repeats: int = 10) -> float:

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from cram.model.bert import mlm_loss
-from cram.model.config import ModelConfig, OptimizerConfig
+from cram.model.config import Attention, ModelConfig, OptimizerConfig
 from cram.model.optim import adamw_update
 
 Params = dict[str, Tensor]
@@ -31,10 +31,11 @@ def make_train_step(
     backend: str = "inductor",
     autocast_dtype: torch.dtype | None = None,
     reduce_grads: GradReducer | None = None,
+    attention: Attention = "auto",
     options: CompileOptions = None,
 ) -> Callable[[Params, Params, Params, Tensor], tuple[Params, Params, dict[str, Tensor]]]:
     """step(params, opt_state, batch, lr) -> (params, opt_state, {"loss", "grad_norm", "accuracy"})."""
-    loss_and_grads = _loss_and_grads(cfg, autocast_dtype)
+    loss_and_grads = _loss_and_grads(cfg, autocast_dtype, attention)
 
     def train_step(params, opt_state, batch, lr):
         grads, (loss, aux) = loss_and_grads(params, batch)
@@ -43,7 +44,7 @@ def make_train_step(
         params, opt_state, grad_norm = adamw_update(opt_cfg, params, opt_state, grads, lr)
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "accuracy": aux["accuracy"]}
 
-    return compiled(train_step, compile, backend, options)
+    return detached_params(compiled(train_step, compile, backend, options))
 
 
 def make_accumulate_step(
@@ -52,16 +53,17 @@ def make_accumulate_step(
     compile: bool = True,
     backend: str = "inductor",
     autocast_dtype: torch.dtype | None = None,
+    attention: Attention = "auto",
     options: CompileOptions = None,
 ) -> Callable[[Params, Params, Params], tuple[Params, dict[str, Tensor]]]:
     """accumulate(params, grads, batch) -> (grads + this microbatch's grads, {"loss", "accuracy"})."""
-    loss_and_grads = _loss_and_grads(cfg, autocast_dtype)
+    loss_and_grads = _loss_and_grads(cfg, autocast_dtype, attention)
 
     def accumulate_step(params, grads, batch):
         micro, (loss, aux) = loss_and_grads(params, batch)
         return {name: grads[name] + g for name, g in micro.items()}, {"loss": loss, "accuracy": aux["accuracy"]}
 
-    return compiled(accumulate_step, compile, backend, options)
+    return detached_params(compiled(accumulate_step, compile, backend, options))
 
 
 def make_apply_step(
@@ -94,13 +96,14 @@ def make_eval_step(
     compile: bool = True,
     backend: str = "inductor",
     autocast_dtype: torch.dtype | None = None,
+    attention: Attention = "auto",
     options: CompileOptions = None,
 ) -> Callable[[Params, Params], dict[str, Tensor]]:
     """evaluate(params, batch) -> {"loss", "accuracy"}; compiled apart from the train step."""
 
     def eval_step(params, batch):
         with autocast(batch["input_ids"], autocast_dtype):
-            loss, aux = mlm_loss(params, cfg, batch)
+            loss, aux = mlm_loss(params, cfg, batch, attention)
         return {"loss": loss, "accuracy": aux["accuracy"]}
 
     return compiled(eval_step, compile, backend, options)
@@ -124,12 +127,28 @@ def make_grad_all_reduce(world_size: int, group=None) -> GradReducer:
     return all_reduce_mean
 
 
-def _loss_and_grads(cfg: ModelConfig, autocast_dtype: torch.dtype | None):
+def _loss_and_grads(cfg: ModelConfig, autocast_dtype: torch.dtype | None, attention: Attention):
     def loss(params, batch):
         with autocast(batch["input_ids"], autocast_dtype):
-            return mlm_loss(params, cfg, batch)
+            return mlm_loss(params, cfg, batch, attention)
 
     return torch.func.grad_and_value(loss, has_aux=True)
+
+
+def detached_params(step: Callable) -> Callable:
+    """`step`, refusing params that require grad: `torch.func` takes the gradients itself, and a traced
+    SDPA whose inputs require grad is a known crash of compiled `torch.func` steps (pytorch#181177)."""
+
+    def checked(params: Params, *rest):
+        tracked = next((name for name, p in params.items() if p.requires_grad), None)
+        if tracked is not None:
+            raise ValueError(
+                f"params[{tracked!r}] requires grad: pass the step detached tensors "
+                "(torch.func computes the gradients; e.g. {k: v.detach() for k, v in params.items()})"
+            )
+        return step(params, *rest)
+
+    return checked
 
 
 def autocast(like: Tensor, dtype: torch.dtype | None):

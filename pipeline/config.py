@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from cram.model.config import Attention
 from cram.stages.shared import loggers as stage_loggers
 
 if sys.version_info >= (3, 11):
@@ -42,6 +43,9 @@ class RunConfig:
     root: str = "runs"  # relative paths are taken from the current directory
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
     loggers: tuple[str, ...] = ()  # experiment loggers besides metrics.jsonl: "tensorboard", "wandb"
+    # How attention is computed, not what (no stage key holds it): "auto" is SDPA on a GPU and the product
+    # written out on a CPU; "written" everywhere is the way round an SDPA kernel that fails under torch.func.
+    attention: Attention = "auto"
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):

@@ -18,7 +18,7 @@ from typing import Any
 
 from cram import stages
 from cram.pipeline import config as cfg
-from cram.pipeline import rundir, store
+from cram.pipeline import ranks, rundir, store
 
 
 class PlanError(Exception):
@@ -46,7 +46,7 @@ def plan(
     force: tuple[str, ...] = (),
 ) -> list[Step]:
     """Each stage with run/skip and why. `only` runs one stage; `start` forces it and all after it."""
-    _check_folder(run_dir)
+    _check_run(config, run_dir)
     names = [m.NAME for m in modules]
     for given in (only, start, *force):
         if given is not None and given not in names:
@@ -96,6 +96,15 @@ def plan(
     _check_upstream_done(steps)
     _validate(config, steps)
     return steps
+
+
+def _check_run(config: cfg.PipelineConfig, run_dir: Path) -> None:
+    """The run directory's place, and a device that can serve every torchrun rank (checked before any
+    stage's `validate` resolves it)."""
+    _check_folder(run_dir)
+    problem = ranks.device_problem(config.run.device)
+    if problem is not None:
+        raise PlanError(problem)
 
 
 def _check_folder(run_dir: Path) -> None:

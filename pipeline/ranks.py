@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from cram.pipeline.errors import CramError
+
 
 def barrier(world_size: int) -> None:
     if world_size > 1:
@@ -36,6 +38,18 @@ def agree(error: tuple[str, int] | None, world_size: int) -> tuple[str, int] | N
     return next((e for e in gathered if e is not None), None)
 
 
+def device_problem(device: str) -> str | None:
+    """Why `run.device` cannot serve this process's ranks, or None: under torchrun with more than one rank,
+    `cuda:N` would put every rank on GPU N (NCCL refuses: "Duplicate GPU"); "cuda" gives each its own."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and device.startswith("cuda:"):
+        return (
+            f"run.device: {device!r} under torchrun (WORLD_SIZE={world_size}) would put every rank on one GPU; "
+            "use 'cuda' or 'auto' (each rank takes cuda:LOCAL_RANK)"
+        )
+    return None
+
+
 def init_distributed(device: str) -> tuple[int, int]:
     """(rank, world_size); under torchrun, also start the default process group.
 
@@ -45,6 +59,9 @@ def init_distributed(device: str) -> tuple[int, int]:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return 0, 1
+    problem = device_problem(device)
+    if problem is not None:
+        raise CramError(problem)
     import datetime
 
     import torch

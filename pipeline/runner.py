@@ -22,6 +22,7 @@ import shutil
 import socket
 import subprocess
 import time
+import traceback
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -311,6 +312,7 @@ def _context(
     return stages.Context(
         seed=config.run.seed,
         device=config.run.device,
+        attention=config.run.attention,
         run_dir=run_dir,
         log=log,
         rank=rank,
@@ -340,9 +342,24 @@ def _call(
         return {}, (str(e), 2)
     except Exception as e:  # a stage's own bug or crash: keep the traceback in the log
         log.error("stage raised", exc_info=True)
-        return {}, (f"{type(e).__name__}: {e}", 1)
+        return {}, (f"{type(e).__name__}: {e}" + _attention_hint(e, config.run.attention), 1)
     finally:
         ctx.metrics.close(failed=not finished)  # an error or Ctrl-C: the experiment run is marked failed
+
+
+# Names of SDPA and its kernels, as they appear in the errors and tracebacks of a failure inside them.
+_SDPA_MARKS = ("scaled_dot_product", "sdpa", "flash_attention", "efficient_attention", "cudnn_attention")
+
+
+def _attention_hint(error: BaseException, attention: str) -> str:
+    """The one-line way round a crash inside SDPA (known under compiled torch.func gradients, pytorch#181177):
+    the written-out attention, which computes the same."""
+    if attention == "written":
+        return ""
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__)).lower()
+    if not any(mark in text for mark in _SDPA_MARKS):
+        return ""
+    return '; it failed in SDPA: set run.attention = "written" (--set run.attention=written) to attend without it'
 
 
 def _mention_other_partial(previous: dict[str, Any], step: Step, stored: store.Store, log: Any) -> None:

@@ -62,6 +62,7 @@ class Context:
     rank: int = 0
     world_size: int = 1
     metrics: loggers.Metrics = field(default=loggers.NONE, repr=False)  # `[run] loggers`: TensorBoard, W&B
+    attention: str = "auto"  # `[run] attention`: how the model computes attention (model.ATTENTIONS)
 
     @property
     def is_main(self) -> bool:

@@ -409,9 +409,8 @@ def _tuner(
     from cram.stages.finetuning.finetune import Tuner
 
     def make(candidate: precisions.Precision, compile: bool = config.compile, dropout: float = config.dropout):
-        return Tuner.make(
-            dataclasses.replace(config, compile=compile, dropout=dropout), cfg, params, special, device, candidate
-        )
+        settings = dataclasses.replace(config, compile=compile, dropout=dropout)
+        return Tuner.make(settings, cfg, params, special, device, candidate, ctx.attention)
 
     if not config.compile or not config.canary_steps or not tasks:
         why = "eager steps" if not config.compile else "canary_steps = 0" if not config.canary_steps else "no task"
@@ -549,7 +548,8 @@ def _evaluate_mlm(config: Config, cfg, params, held_out: _HeldOut, device, preci
     if blocks.ndim != 2 or len(blocks) == 0:
         raise StageError(f"{held_out.path}: expected blocks [n, seq_len] with n > 0, got {list(blocks.shape)}")
     by_length = {
-        length: _mlm_at(config, cfg, params, blocks, length, held_out, device, precision) for length in held_out.lengths
+        length: _mlm_at(config, cfg, params, blocks, length, held_out, device, precision, ctx.attention)
+        for length in held_out.lengths
     }
     result = {**by_length[held_out.lengths[0]], "mask_rate": held_out.masking["rate"]}
     if len(by_length) > 1:
@@ -558,7 +558,9 @@ def _evaluate_mlm(config: Config, cfg, params, held_out: _HeldOut, device, preci
     return result
 
 
-def _mlm_at(config: Config, cfg, params, blocks, length: int, held_out: _HeldOut, device, precision) -> dict:
+def _mlm_at(
+    config: Config, cfg, params, blocks, length: int, held_out: _HeldOut, device, precision, attention: str
+) -> dict:
     """The held-out masked LM on blocks of `length`; StageError when the model or the data has no such block."""
     from cram import model
     from cram.stages.shared.blocks import blocks_of
@@ -572,12 +574,11 @@ def _mlm_at(config: Config, cfg, params, blocks, length: int, held_out: _HeldOut
         raise StageError(f"evaluate.mlm_lengths: {length}: pack's val ({blocks.size} tokens) holds no block that long")
     spec = mask_spec(Masking(**held_out.masking), held_out.special, held_out.vocab_size, length)
     # Its own compiled function per length: one graph each, never a recompile of another length's.
-    autocast, options = precision.autocast(), precision.compile_options()
-    step = model.make_eval_step(
-        cfg, compile=config.compile, backend=config.backend, autocast_dtype=autocast, options=options
-    )
+    forward = dict(autocast_dtype=precision.autocast(), attention=attention)
+    options = precision.compile_options()
+    step = model.make_eval_step(cfg, compile=config.compile, backend=config.backend, options=options, **forward)
     # The last, shorter batch runs eagerly rather than compiling a second graph for one call.
-    tail = model.make_eval_step(cfg, compile=False, autocast_dtype=autocast)
+    tail = model.make_eval_step(cfg, compile=False, **forward)
     result = val_mlm(
         step,
         params,

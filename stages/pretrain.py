@@ -346,6 +346,7 @@ class _Setup:
     documents: Boundary | None  # attention within documents: pack's boundary token
     device: torch.device
     precision: precisions.Precision  # the configured one's first candidate, until the canary chooses
+    attention: str = "auto"  # `[run] attention`: how attention is computed
 
     @property
     def autocast(self) -> torch.dtype | None:
@@ -379,7 +380,7 @@ def _setup(config: Config, pack: Upstream, ctx: Context) -> _Setup:
     device = devices.resolve(ctx.device)
     precision = precisions.candidates(config.precision, device, config.backend, config.compile)[0]
     documents = boundary(pack.outputs["boundary"], special) if config.document_attention else None
-    return _Setup(blocks, blocks_of(val, first), cfg, plan, spec, documents, device, precision)
+    return _Setup(blocks, blocks_of(val, first), cfg, plan, spec, documents, device, precision, ctx.attention)
 
 
 def _flops_per_token(model, cfg: ModelConfig, span: Span) -> float:
@@ -486,13 +487,12 @@ def _make_steps(config: Config, setup: _Setup, world_size: int, compile: bool) -
     reduce_grads = model.make_grad_all_reduce(world_size) if world_size > 1 else None
     single = all(span.batch_size == world_size * span.microbatch for span in setup.plan.spans)
     how = dict(compile=compile, backend=config.backend, options=setup.precision.compile_options())
+    forward = dict(autocast_dtype=setup.autocast, attention=setup.attention)
     whole = accumulate = apply = None
     if single:
-        whole = model.make_train_step(
-            setup.model, config.optimizer, autocast_dtype=setup.autocast, reduce_grads=reduce_grads, **how
-        )
+        whole = model.make_train_step(setup.model, config.optimizer, reduce_grads=reduce_grads, **how, **forward)
     else:
-        accumulate = model.make_accumulate_step(setup.model, autocast_dtype=setup.autocast, **how)
+        accumulate = model.make_accumulate_step(setup.model, **how, **forward)
         apply = model.make_apply_step(config.optimizer, reduce_grads=reduce_grads, **how)
     generator = torch.Generator(device=setup.device)
     return Steps(whole, accumulate, apply, generator, setup.device, setup.autocast, setup.documents)
@@ -504,7 +504,9 @@ def _val_loss(config: Config, setup: _Setup, params: Params) -> float:
     from cram import model
     from cram.stages.shared.val_mlm import MASK_SEED, val_mlm
 
-    evaluate = model.make_eval_step(setup.model, compile=False, autocast_dtype=setup.autocast)
+    evaluate = model.make_eval_step(
+        setup.model, compile=False, autocast_dtype=setup.autocast, attention=setup.attention
+    )
     return val_mlm(
         evaluate,
         params,

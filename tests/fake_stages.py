@@ -41,7 +41,8 @@ value = 100
 @dataclass(frozen=True)
 class Config:
     value: int = 1
-    fail: Literal["", "input", "crash", "validate"] = ""  # validate: rejected by the stage's `validate`
+    # validate: rejected by the stage's `validate`; sdpa: a crash inside SDPA's kernel, as torch reports one
+    fail: Literal["", "input", "crash", "validate", "sdpa"] = ""
     tags: tuple[str, ...] = ()
 
 
@@ -75,6 +76,8 @@ def _make(name: str, upstream: tuple[str, ...], resumable: bool = False, distrib
             raise StageError(f"[{name}] value: {config.value} is not allowed here")
         if config.fail == "crash":
             raise RuntimeError("boom")
+        if config.fail == "sdpa":
+            raise RuntimeError("aten._scaled_dot_product_efficient_attention_backward: invalid configuration")
         if ctx.rank == 0:
             (out_dir / "result.json").write_text(json.dumps({"total": total}))
         ctx.log.info("computed", total=total)

@@ -1,5 +1,5 @@
 """Host syncs off the hot path: the torchrun clock is agreed every N steps, the held-out MLM sums stay on
-the device, host-to-device copies are pinned and non-blocking on CUDA."""
+the device, host-to-device copies (the prefetched microbatches' too) are pinned and non-blocking on CUDA."""
 
 from __future__ import annotations
 
@@ -75,14 +75,55 @@ def test_heldout_mlm_syncs_with_the_host_once(monkeypatch):
     assert syncs == ["tolist"]  # four batches, one sync at the end
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# A sleep kernel of this many GPU cycles (a quarter to half a second) outlasts any copy below many times
+# over: a copy that waits for the GPU returns only after the stream has drained.
+SLEEP_CYCLES = 500_000_000
+
+
+@cuda
 def test_copies_to_cuda_are_pinned_and_non_blocking():
-    host = torch.arange(8)
-    on_gpu = to_device(host, torch.device("cuda"))
-    assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), host)
-    with torch.cuda.device(0):
-        stream = torch.cuda.current_stream()
-        torch.cuda._sleep(50_000_000)  # keep the GPU busy: a pageable copy would wait for it
-        to_device(torch.arange(1 << 20), torch.device("cuda"))
-        assert not stream.query()  # returned while the GPU was still busy
-        torch.cuda.synchronize()
+    device = torch.device("cuda", 0)
+    host = torch.arange(1 << 20)
+    # Warm-up: the first copy of a size allocates a pinned block (an implicit device synchronisation) and
+    # loads the kernels; later copies reuse the block, as the training loop's do.
+    assert torch.equal(to_device(host, device).cpu(), host)
+    torch.cuda._sleep(1)
+    torch.cuda.synchronize(device)
+    stream = torch.cuda.current_stream(device)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    on_gpu = to_device(host, device)
+    assert not stream.query()  # returned while the GPU was still busy
+    torch.cuda.synchronize(device)
+    assert torch.equal(on_gpu.cpu(), host)
+
+
+@cuda
+def test_a_prefetched_microbatch_reaches_the_gpu_without_a_host_sync():
+    from cram.stages.pretraining.batches import Prefetcher
+    from cram.stages.pretraining.loop import Steps
+    from cram.stages.shared.blocks import Boundary
+
+    device = torch.device("cuda", 0)
+    blocks = np.random.default_rng(0).integers(5, 64, size=(64, 16)).astype(np.uint16)
+    steps = Steps(None, None, None, torch.Generator(device=device), device, None, Boundary(token=1, starts=True))
+    stream = torch.cuda.current_stream(device)
+    with Prefetcher(blocks, seed=0, start=0, microbatch=8, depth=2, pin=True) as data:
+        steps.batch(data.next(), spec()), steps.scalar(1e-3)  # warm-up: pinned blocks, kernels loaded
+        torch.cuda._sleep(1)
+        torch.cuda.synchronize(device)
+        wait_until_full(data)  # the thread pins nothing more until one is taken
+        torch.cuda._sleep(SLEEP_CYCLES)
+        batch, lr = steps.batch(data.next(), spec()), steps.scalar(1e-3)  # the training loop's hot path
+        assert not stream.query()  # pinned, copied, masked and document-counted without waiting for the GPU
+        torch.cuda.synchronize(device)
+    assert batch["input_ids"].is_cuda and batch["document_ids"].is_cuda and float(lr) == pytest.approx(1e-3)
+
+
+def wait_until_full(data, limit_s: float = 30.0) -> None:
+    import time
+
+    end = time.monotonic() + limit_s
+    while not data._queue.full():
+        assert time.monotonic() < end, "the prefetch thread never filled its queue"
+        time.sleep(0.01)

@@ -217,6 +217,21 @@ def test_bad_config_and_data_are_stage_errors(pack, tmp_path, make_ctx):
         pretrain.run(small(), {"pack": pack}, tmp_path / "d", make_ctx())
 
 
+def test_run_attention_reaches_the_steps_and_trains_alike(pack, tmp_path, make_ctx, monkeypatch):
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls = []
+    monkeypatch.setattr(
+        torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: (calls.append(1), sdpa(*a, **k))[1]
+    )
+    config = small(document_attention=True, val_blocks=0)
+    pack.outputs["boundary"] = "cls-sep"
+    written = pretrain.run(config, {"pack": pack}, tmp_path / "written", make_ctx(attention="auto"))
+    assert calls == []  # on a CPU, "auto" is the written-out product
+    chosen = pretrain.run(config, {"pack": pack}, tmp_path / "sdpa", make_ctx(attention="sdpa"))
+    assert calls  # `[run] attention` reached the model
+    assert chosen["final_loss"] == pytest.approx(written["final_loss"], rel=1e-5)
+
+
 def test_a_zero_budget_takes_no_step_and_writes_the_model_it_starts_from(pack, tmp_path, make_ctx):
     from cram import model
 

@@ -137,6 +137,22 @@ def test_a_crash_fails_the_stage_with_exit_1_and_stops_downstream(pipe):
     assert "Traceback" in events  # the traceback is kept in the log, not printed
 
 
+def test_a_crash_inside_sdpa_names_the_written_out_attention(pipe):
+    out = pipe.run("--set", "beta.fail='sdpa'", code=1).output
+    assert "_efficient_attention_backward" in out and "--set run.attention=written" in out
+    out = pipe.run("--set", "beta.fail='sdpa'", "--set", "run.attention='written'", code=1).output
+    assert "_efficient_attention_backward" in out and "run.attention" not in out  # nothing more to suggest
+    assert "run.attention" not in pipe.run("--set", "beta.fail='crash'", code=1).output  # not SDPA's
+
+
+@pytest.mark.parametrize("args", [(), ("--dry-run",)])
+def test_cuda_n_under_torchrun_is_refused_before_any_stage(pipe, monkeypatch, args):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets; no process group is started
+    out = pipe.run("--set", "run.device='cuda:1'", *args, code=2).output
+    assert "run.device: 'cuda:1' under torchrun (WORLD_SIZE=2) would put every rank on one GPU" in out
+    assert "use 'cuda' or 'auto'" in out and pipe.calls() == []
+
+
 def test_bad_input_in_a_stage_is_exit_2(pipe):
     out = pipe.run("--set", "alpha.fail='input'", code=2).output
     assert "[alpha] value: 1 is not allowed here" in out

@@ -227,39 +227,6 @@ def test_grad_all_reduce_inside_the_compiled_step_averages_ranks(tmp_path):
             assert torch.allclose(got[name], p, atol=1e-6), (rank, name)
 
 
-@pytest.mark.slow
-def test_gpu_script_cpu_path_prints_the_table():
-    root = Path(__file__).resolve().parents[1]
-    flags = [
-        "--device",
-        "cpu",
-        "--config",
-        "tiny",
-        "--batch",
-        "2",
-        "--steps",
-        "2",
-        "--warmup",
-        "0",
-        "--backend",
-        "aot_eager",
-        "--rows",
-        "cram-compiled,bert-eager",
-    ]
-    done = subprocess.run(
-        ["bash", str(root / "bench" / "gpu.sh"), *flags],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHON": sys.executable},
-    )
-    assert done.returncode == 0, done.stderr
-    rows = {line.split("|")[1].strip(): line for line in done.stdout.splitlines() if line.startswith("| ")}
-    assert set(rows) == {"row", "cram-compiled", "bert-eager"} and "failed" not in done.stdout
-    cram = [cell.strip() for cell in rows["cram-compiled"].split("|")[2:-1]]
-    assert float(cram[1].replace(",", "")) > 0 and cram[4] != "-"  # tokens/s, compile cold
-
-
 def fake_pack(folder: Path, train_blocks: int, vocab: int = 300, seq_len: int = 32) -> Path:
     import json
 

@@ -168,7 +168,9 @@ class Tuner:
     predict: Callable  # (params, batch) -> logits
 
     @classmethod
-    def make(cls, config: Any, cfg, params: dict, special: dict, device, precision: Precision) -> Tuner:
+    def make(
+        cls, config: Any, cfg, params: dict, special: dict, device, precision: Precision, attention: str = "auto"
+    ) -> Tuner:
         from cram import model
         from cram.model.classifier import make_classify_eval_step, make_finetune_step
 
@@ -180,6 +182,7 @@ class Tuner:
             backend=config.backend,
             autocast_dtype=precision.autocast(),
             options=precision.compile_options() if config.compile else None,
+            attention=attention,
         )
         # Dropout (cramming's 0.1) in the fine-tune step only; prediction sees the whole network.
         training = dataclasses.replace(cfg, dropout=config.dropout)

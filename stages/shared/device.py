@@ -9,14 +9,18 @@ from cram.stages import StageError
 
 
 def resolve(name: str) -> Any:
-    """`run.device` as a `torch.device`: "auto" is CUDA when there is one, else the CPU."""
+    """`run.device` as a `torch.device`: "auto" is CUDA when there is one, else the CPU. Under torchrun,
+    "cuda" is this rank's GPU, `cuda:LOCAL_RANK`, read from the environment rather than from the current
+    device: planning resolves it before the runner has called `set_device`."""
     import torch
 
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise StageError(f"run.device: {name!r} but CUDA is not available here; use 'cpu' or 'auto'")
-    if name == "cuda":  # under torchrun the runner has set this rank's device
+    if name == "cuda":
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(name)
 
@@ -71,12 +75,24 @@ def autocast_dtype(precision: str, device: Any) -> Any:
     import torch
 
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        use_tf32()
     native = device.type == "cuda" or (device.type == "cpu" and native_cpu_bf16())
     if precision == "bf16" or (precision == "auto" and native):
         return torch.bfloat16
     return None
+
+
+def use_tf32() -> None:
+    """fp32 matmuls and convolutions on CUDA in TF32. Through `fp32_precision` where torch has it (2.9 on):
+    torch 2.11 deprecates the legacy `allow_tf32` flags, and a process that sets both raises in inductor."""
+    import torch
+
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
 
 def native_cpu_bf16() -> bool:

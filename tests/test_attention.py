@@ -1,0 +1,103 @@
+"""The written-out attention and SDPA compute the same, on a CPU (and on CUDA where there is one), so
+`[run] attention = "written"` is a safe way round an SDPA kernel that fails on a GPU; and the steps refuse
+params that require grad."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cram import model
+from cram.model import bert
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+CFG = model.ModelConfig(vocab_size=64, hidden=16, layers=1, heads=2, intermediate=32, max_seq_len=12, position="rope")
+
+
+def qkv(seed: int = 0, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(2, 2, 12, 8, generator=gen).to(device) for _ in range(3))
+
+
+def documents() -> torch.Tensor:
+    """[2, 12]: three documents in the first row, one in the second."""
+    return torch.tensor([[0] * 5 + [1] * 4 + [2] * 3, [0] * 12])
+
+
+def document_mask() -> torch.Tensor:
+    ids = documents()
+    return (ids[:, :, None] == ids[:, None, :])[:, None]  # [B, 1, S, S], True where a key may be read
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mask", [None, "padding", "documents"])
+def test_written_out_attention_equals_sdpa(mask, device):
+    q, k, v = qkv(device=device)
+    masks = {None: None, "padding": torch.arange(12)[None, None, None, :] < torch.tensor([12, 7])[:, None, None, None]}
+    masks["documents"] = document_mask()
+    chosen = None if masks[mask] is None else masks[mask].to(device)
+    written = bert._attend(q, k, v, chosen, 0.0, "written")
+    sdpa = bert._attend(q, k, v, chosen, 0.0, "sdpa")
+    torch.testing.assert_close(written, sdpa, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["written", "sdpa"])
+def test_a_query_that_reads_only_itself_gets_its_own_value(attention):
+    q, k, v = qkv(1)
+    alone = torch.eye(12, dtype=torch.bool)[None, None]  # by hand: softmax over one key is 1
+    torch.testing.assert_close(bert._attend(q, k, v, alone, 0.0, attention), v)
+
+
+def batch(device: str = "cpu") -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(5, 64, (2, 12), generator=gen)
+    positions = torch.tensor([1, 4, 6, 10, 13, 15, 19, 22])
+    out = {"input_ids": ids, "mlm_positions": positions, "mlm_labels": ids.flatten()[positions]}
+    return {k: v.to(device) for k, v in {**out, "document_ids": documents()}.items()}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_under_torch_func_are_the_same_with_either_attention(device):
+    params = {k: v.to(device) for k, v in model.init(CFG, seed=0).items()}
+    grads = {}
+    for attention in ("written", "sdpa"):
+        loss = lambda p, a=attention: model.mlm_loss(p, CFG, batch(device), a)[0]  # noqa: E731
+        grads[attention] = torch.func.grad(loss)(params)
+    for name in params:
+        torch.testing.assert_close(grads["written"][name], grads["sdpa"][name], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_compiled_step_with_sdpa_trains_as_the_written_out_one(device):
+    opt = model.OptimizerConfig()
+    lr = torch.tensor(1e-3, device=device)
+    params = {k: v.to(device) for k, v in model.init(CFG, seed=0).items()}
+    backend = "aot_eager" if device == "cpu" else "inductor"  # on CUDA: what pretrain compiles
+    out = {}
+    for attention, compile in (("written", False), ("sdpa", True)):
+        step = model.make_train_step(CFG, opt, compile=compile, backend=backend, attention=attention)
+        p, s = params, model.adamw_init(params)
+        for _ in range(2):
+            p, s, metrics = step(p, s, batch(device), lr)
+        out[attention] = (p, metrics["loss"])
+    torch.testing.assert_close(out["sdpa"][1], out["written"][1], rtol=1e-5, atol=1e-5)
+    for name in params:
+        torch.testing.assert_close(out["sdpa"][0][name], out["written"][0][name], rtol=1e-4, atol=1e-5)
+
+
+def test_auto_is_sdpa_on_a_gpu_and_written_out_on_a_cpu():
+    assert model.attends_with("auto", torch.device("cpu")) == "written"
+    assert model.attends_with("auto", torch.device("cuda", 0)) == "sdpa"
+    assert model.attends_with("written", torch.device("cuda", 0)) == "written"
+    with pytest.raises(ValueError, match="allowed auto, sdpa, written"):
+        model.attends_with("flash", torch.device("cpu"))
+
+
+def test_steps_refuse_params_that_require_grad():
+    params = {k: v.requires_grad_() if k == "embed.tokens.weight" else v for k, v in model.init(CFG, 0).items()}
+    step = model.make_train_step(CFG, model.OptimizerConfig(), compile=False)
+    with pytest.raises(ValueError, match=r"params\['embed.tokens.weight'\] requires grad"):
+        step(params, model.adamw_init(params), batch(), torch.tensor(1e-3))
+    accumulate = model.make_accumulate_step(CFG, compile=False)
+    with pytest.raises(ValueError, match="requires grad"):
+        accumulate(params, {k: torch.zeros_like(v) for k, v in params.items()}, batch())
