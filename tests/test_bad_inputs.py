@@ -615,7 +615,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("setup, args, message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input_is_one_line_exit_2_and_loses_nothing(ws, setup, args, message):
+def test_bad_input_is_one_line_exit_2_and_loses_nothing(ws, setup, args, message, plain_machine):
     setup(ws)
     run = ws / "runs" / "base"
     before = snapshot(run)
@@ -739,7 +739,7 @@ def test_damaged_final_params_are_named_when_evaluate_reads_them(ws):
     assert error.startswith("error: stage 'evaluate' failed") and "pretrain/params.safetensors: unreadable" in error
 
 
-def test_the_shipped_configs_pass_validation_offline(tmp_path, monkeypatch):
+def test_the_shipped_configs_pass_validation_offline(tmp_path, monkeypatch, plain_machine):
     """GLUE from the hub is fetched when evaluate runs, not to check a config: a dry run stays offline."""
     monkeypatch.chdir(tmp_path)
     repo = Path(__file__).resolve().parents[1]
