@@ -47,6 +47,7 @@ val_blocks = 4
 microbatch = 4
 batch_size = 4
 log_every_steps = 1
+precision = "fp32"
 
 [pretrain.model]
 hidden = 16
@@ -65,6 +66,7 @@ batch_size = 4
 buckets = [16]
 max_length = 16
 mlm_batch_size = 8
+precision = "fp32"
 tasks = [{TASK}]
 """
 WORDS = "the a cat dog sat ran on under mat rug sun rain good bad happy sad big small red blue".split()
