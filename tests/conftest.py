@@ -8,9 +8,9 @@ import socket
 import pytest
 
 # Every per-user cache a test could read or fill (matplotlib's font list, the hub and `datasets`, the
-# inductor and Triton kernels, torch hub, wandb): read warm, a test passes on our machines and fails on a
-# fresh one, so each points into this session's pytest tmp dir and starts empty. One cache for the whole
-# session, so a graph compiled once is reused by the tests after it.
+# inductor and Triton kernels, torch hub, wandb, rustup's settings): read warm, a test passes on our
+# machines and fails on a fresh one, so each points into this session's pytest tmp dir and starts empty.
+# One cache for the whole session, so a graph compiled once is reused by the tests after it.
 _CACHES = {
     "XDG_CACHE_HOME": "xdg-cache",
     "XDG_CONFIG_HOME": "xdg-config",
@@ -25,6 +25,7 @@ _CACHES = {
     "WANDB_CACHE_DIR": "wandb/cache",
     "WANDB_CONFIG_DIR": "wandb/config",
     "WANDB_DATA_DIR": "wandb/data",
+    "RUSTUP_HOME": "rustup",  # pip runs `rustc --version` for its user agent; rustup's proxy writes ~/.rustup
 }
 SHUFFLE = "CRAM_TEST_SHUFFLE"  # an integer seed: run the collected tests in an order shuffled by it
 
