@@ -8,7 +8,8 @@ Figures are the numbers the stages return (their manifest outputs), named `stage
 that one stage alone uses may be given bare (`mlm_loss`). The headline figures: pretrain's held-out and
 final loss, tokens/s and MFU, and every evaluate figure except baselines and timings; `all_figures`
 takes every number of every stage. Sorting puts the best run first: ascending for losses and times
-(names holding "loss" or ending in "_s"), descending for the rest (accuracy, tokens/s, MFU, GLUE);
+(names holding "loss", or ending in "_s" but not "_per_s"), descending for the rest (accuracy,
+throughputs such as tokens_per_s, MFU, GLUE);
 `descending` overrides that. Runs without the figure go last, in the order given.
 """
 
@@ -184,8 +185,9 @@ def _is_headline(key: str) -> bool:
 
 
 def _lower_is_better(key: str) -> bool:
+    """Losses and times (`wall_s`, `sent_time_s`); a rate per second (`tokens_per_s`) is a throughput."""
     name = key.split(".", 1)[1]
-    return "loss" in name or name.endswith("_s")
+    return "loss" in name or (name.endswith("_s") and not name.endswith("_per_s"))
 
 
 def _figure_headers(shown: list[str], figures: dict[str, list[Any]]) -> list[str]:

@@ -1,7 +1,9 @@
 """Logging: structlog events rendered for people on the console and as JSON lines in the run dir.
 
 Records from the standard `logging` module (torch, datasets) go through the same two handlers, so
-`logs/events.jsonl` holds everything that happened in a run, each line with its run and stage.
+`logs/events.jsonl` holds everything that happened in a run, each line with its run and stage; the
+console shows other libraries' warnings and errors only, not their INFO chatter (matplotlib's
+"generated new fontManager" in the middle of a one-line error).
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ def configure(events_file: Path | None = None, console: bool = True, level: int 
     _installed.clear()
     if console:
         renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
-        _installed.append(_handler(_CurrentStderr(), _for_people, renderer))
+        console_handler = _handler(_CurrentStderr(), _for_people, renderer)
+        console_handler.addFilter(_ours_or_warning)
+        _installed.append(console_handler)
     if events_file is not None:
         _refuse_dangling_link(events_file.parent)
         events_file.parent.mkdir(parents=True, exist_ok=True)
@@ -51,6 +55,12 @@ def configure(events_file: Path | None = None, console: bool = True, level: int 
     for handler in _installed:
         root.addHandler(handler)
     root.setLevel(level)
+
+
+def _ours_or_warning(record: logging.LogRecord) -> bool:
+    """Console filter: cram's own records at any level, other loggers' from WARNING on."""
+    ours = record.name == "cram" or record.name.startswith("cram.")
+    return ours or record.levelno >= logging.WARNING
 
 
 def _refuse_dangling_link(folder: Path) -> None:

@@ -1,19 +1,65 @@
-"""Shared test set-up: offline hub, isolated caches, and a hand-made stage context."""
+"""Shared test set-up: offline hub, caches of the session's own, a seeded test order, and a hand-made
+stage context."""
 
 import os
+import random
 import socket
-import tempfile
-from pathlib import Path
 
 import pytest
 
-# Isolation for the whole session, set before torch or datasets are imported by any test: no hub
-# access, and caches in one temporary folder (shared by the tests, so a graph compiled once is reused).
-_CACHE = Path(tempfile.mkdtemp(prefix="cram-test-cache-"))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ["HF_HOME"] = str(_CACHE / "hf")
-os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(_CACHE / "inductor")
+# Every per-user cache a test could read or fill (matplotlib's font list, the hub and `datasets`, the
+# inductor and Triton kernels, torch hub, wandb, rustup's settings): read warm, a test passes on our
+# machines and fails on a fresh one, so each points into this session's pytest tmp dir and starts empty.
+# One cache for the whole session, so a graph compiled once is reused by the tests after it.
+_CACHES = {
+    "XDG_CACHE_HOME": "xdg-cache",
+    "XDG_CONFIG_HOME": "xdg-config",
+    "MPLCONFIGDIR": "matplotlib",
+    "HF_HOME": "hf",
+    "HF_HUB_CACHE": "hf/hub",
+    "HF_DATASETS_CACHE": "hf/datasets",
+    "TORCHINDUCTOR_CACHE_DIR": "inductor",
+    "TRITON_CACHE_DIR": "triton",
+    "TORCH_HOME": "torch",
+    "WANDB_DIR": "wandb",
+    "WANDB_CACHE_DIR": "wandb/cache",
+    "WANDB_CONFIG_DIR": "wandb/config",
+    "WANDB_DATA_DIR": "wandb/data",
+    "RUSTUP_HOME": "rustup",  # pip runs `rustc --version` for its user agent; rustup's proxy writes ~/.rustup
+}
+SHUFFLE = "CRAM_TEST_SHUFFLE"  # an integer seed: run the collected tests in an order shuffled by it
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own tmp_path set-up, before any test module imports torch
+def pytest_configure(config: pytest.Config) -> None:
+    caches = config._tmp_path_factory.mktemp("caches", numbered=False)
+    for variable, folder in _CACHES.items():
+        (caches / folder).mkdir(parents=True, exist_ok=True)
+        os.environ[variable] = str(caches / folder)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Shuffle the modules, then the tests within each (as pytest-randomly does): a module-scoped
+    fixture, such as test_bad_inputs' finished run, is then still made once per module."""
+    seed = os.environ.get(SHUFFLE)
+    if not seed:
+        return
+    rng = random.Random(int(seed))
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    groups = list(modules.values())
+    rng.shuffle(groups)
+    for group in groups:
+        rng.shuffle(group)
+    items[:] = [item for group in groups for item in group]
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    seed = os.environ.get(SHUFFLE)
+    return f"test order shuffled with {SHUFFLE}={seed}" if seed else f"test order as collected ({SHUFFLE} unset)"
 
 
 @pytest.fixture
@@ -29,6 +75,18 @@ def make_ctx(tmp_path):
         return Context(seed=seed, device=device, run_dir=run_dir, log=structlog.get_logger(), **kw)
 
     return make
+
+
+@pytest.fixture
+def plain_machine(monkeypatch):
+    """A CPU-only machine with 64 GiB of RAM, for tests of a config's checks rather than of this machine:
+    `device = "auto"` resolves to the CPU and the memory check passes for any config the tests ship."""
+    import torch
+
+    from cram.stages.shared import device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(device, "memory_bytes", lambda _device: 64 * 2**30)
 
 
 @pytest.fixture

@@ -81,6 +81,7 @@ def _make(name: str, upstream: tuple[str, ...], resumable: bool = False, distrib
         if ctx.rank == 0:
             (out_dir / "result.json").write_text(json.dumps({"total": total}))
         ctx.log.info("computed", total=total)
+        logging.getLogger("thirdparty").info("library chatter from %s", name)
         logging.getLogger("thirdparty").warning("a standard-library record from %s", name)
         return {"result": "result.json", "total": total, "attempts": int(attempts.read_text()) if ctx.rank == 0 else 0}
 

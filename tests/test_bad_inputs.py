@@ -47,6 +47,7 @@ val_blocks = 4
 microbatch = 4
 batch_size = 4
 log_every_steps = 1
+precision = "fp32"
 
 [pretrain.model]
 hidden = 16
@@ -65,6 +66,7 @@ batch_size = 4
 buckets = [16]
 max_length = 16
 mlm_batch_size = 8
+precision = "fp32"
 tasks = [{TASK}]
 """
 WORDS = "the a cat dog sat ran on under mat rug sun rain good bad happy sad big small red blue".split()
@@ -673,7 +675,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("setup, args, message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input_is_one_line_exit_2_and_loses_nothing(ws, setup, args, message):
+def test_bad_input_is_one_line_exit_2_and_loses_nothing(ws, setup, args, message, plain_machine):
     setup(ws)
     run = ws / "runs" / "base"
     before = snapshot(run)
@@ -812,7 +814,7 @@ def test_final_params_holding_nan_are_named_when_evaluate_reads_them(ws):
     assert "pretrain/params.safetensors: final_norm.weight holds NaN or inf values" in error, result.output
 
 
-def test_the_shipped_configs_pass_validation_offline(tmp_path, monkeypatch):
+def test_the_shipped_configs_pass_validation_offline(tmp_path, monkeypatch, plain_machine):
     """GLUE from the hub is fetched when evaluate runs, not to check a config: a dry run stays offline."""
     monkeypatch.chdir(tmp_path)
     repo = Path(__file__).resolve().parents[1]

@@ -92,6 +92,45 @@ def test_differing_keys_and_headline_figures_sorted_best_first(runs):
     assert [row[0] for row in compare_table(expand([runs / "lr5e-4", runs / "lr1e-2"])).rows] == ["lr5e-4", "lr1e-2"]
 
 
+# Three runs that differ in every figure, no two figures ranking them alike.
+FIGURES = {
+    "fast": {
+        "pretrain": {"tokens_per_s": 30000.0, "wall_s": 300.0, "final_loss": 6.0, "mfu": 0.2},
+        "evaluate": {"mlm_loss": 5.0, "topic_accuracy": 0.7, "topic_time_s": 9.0},
+    },
+    "slow": {
+        "pretrain": {"tokens_per_s": 10000.0, "wall_s": 100.0, "final_loss": 5.0, "mfu": 0.6},
+        "evaluate": {"mlm_loss": 6.0, "topic_accuracy": 0.8, "topic_time_s": 7.0},
+    },
+    "mid": {
+        "pretrain": {"tokens_per_s": 20000.0, "wall_s": 200.0, "final_loss": 7.0, "mfu": 0.4},
+        "evaluate": {"mlm_loss": 4.0, "topic_accuracy": 0.6, "topic_time_s": 8.0},
+    },
+}
+BEST_FIRST = {  # read off the table above by hand
+    "tokens_per_s": ["fast", "mid", "slow"],  # a throughput: descending
+    "mfu": ["slow", "mid", "fast"],
+    "topic_accuracy": ["slow", "fast", "mid"],
+    "wall_s": ["slow", "mid", "fast"],  # a time: ascending
+    "topic_time_s": ["slow", "mid", "fast"],
+    "final_loss": ["slow", "fast", "mid"],  # a loss: ascending
+    "mlm_loss": ["mid", "fast", "slow"],
+}
+
+
+@pytest.mark.parametrize("figure", BEST_FIRST)
+def test_sort_puts_the_best_run_first_throughputs_descending_times_and_losses_ascending(tmp_path, figure):
+    for name, stages in FIGURES.items():
+        run = fake_run(tmp_path, name)
+        for stage, figures in stages.items():
+            set_outputs(run, stage, **figures)
+    table = compare_table(expand([f"{tmp_path}/*"]), sort=figure)
+    assert [row[0] for row in table.rows] == BEST_FIRST[figure]
+    stage = "pretrain" if figure in FIGURES["fast"]["pretrain"] else "evaluate"
+    shown = [row[table.columns.index(figure)] for row in table.rows]
+    assert shown == [FIGURES[name][stage][figure] for name in BEST_FIRST[figure]]  # each row's own figures
+
+
 def test_a_figure_two_stages_share_is_named_with_its_stage(runs):
     set_outputs(runs / "lr1e-3", "evaluate", final_loss=1.0)
     with pytest.raises(

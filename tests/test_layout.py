@@ -97,7 +97,18 @@ def test_a_built_wheel_installs_only_cram(tmp_path):
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source / name)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(source)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(source),
+        ],
         check=True,
         capture_output=True,
     )

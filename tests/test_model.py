@@ -109,8 +109,54 @@ def test_flops_per_token_counts_every_non_embedding_parameter(overrides):
     assert model.flops_per_token(cfg, 0.25) == pytest.approx(6 * non_embedding + attention + 6 * decoder, abs=6)
 
 
-def test_peak_flops_of_the_cpu_is_measured():
-    assert 1e8 < model.peak_flops("cpu") < 1e14  # any CPU from a netbook to a server
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        # per layer: norms 2·32 + qkv 96·32 + out 32·32 + up 64·32 + down 32·32 = 7,232; encoder 3·7,232
+        # + embedding norm 32 + final norm 32 = 21,760. 6·21,760 + 12·3·32·128 (attention) = 278,016, and
+        # the tied decoder for the masked quarter: 6·32·100·0.25 = 4,800.
+        ({}, 278_016 + 4_800),
+        # no first attention norm (21,760 - 32 = 21,728), a head transform (32·32 + norm 32 = 1,056):
+        # 6·21,728 + 147,456 = 277,824, decoder 6·(3,200 + 1,056)·0.25 = 6,384.
+        (MODERNBERT, 277_824 + 6_384),
+    ],
+)
+def test_flops_per_token_of_a_small_model_by_hand(overrides, expected):
+    cfg = ModelConfig(**SMALL, **overrides)
+    assert cfg.max_seq_len == 128
+    assert model.flops_per_token(cfg, 0.25) == expected
+
+
+def test_peak_flops_of_a_cpu_is_the_best_of_its_timed_matmuls(monkeypatch):
+    from cram.model import flops
+
+    # start and end of each of 1 + 3 matmuls: 1 s (the warm-up), 0.5 s, 0.25 s, 0.4 s
+    ticks = iter([0.0, 1.0, 10.0, 10.5, 20.0, 20.25, 30.0, 30.4])
+    monkeypatch.setattr(flops.time, "perf_counter", lambda: next(ticks))
+    assert flops.measure_matmul_flops(torch.device("cpu"), torch.float32, size=64, repeats=3) == 2 * 64**3 / 0.25
+
+
+def test_peak_flops_is_the_data_sheet_bf16_figure_of_a_known_gpu(monkeypatch):
+    from cram.model import flops
+
+    measured = []
+    monkeypatch.setattr(
+        flops,
+        "measure_matmul_flops",
+        lambda device, dtype, size=None: measured.append((device.type, dtype, size)) or 1.0,
+    )
+    for name, peak in (
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA A100-SXM4-40GB", 312e12),
+    ):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert model.peak_flops("cuda") == peak
+    assert measured == []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Some Future GPU")
+    assert model.peak_flops("cuda") == 1.0 and measured == [("cuda", torch.bfloat16, 8192)]
+    assert model.peak_flops("cpu") == 1.0 and model.peak_flops("cpu", torch.bfloat16) == 1.0
+    assert measured[1:] == [("cpu", torch.float32, None), ("cpu", torch.bfloat16, None)]  # its default size
 
 
 def test_init_is_deterministic_per_seed():

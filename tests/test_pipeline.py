@@ -24,9 +24,12 @@ TOPIC = '[{kind="heldout-topic", name="topic", epochs=1, seeds=1, lr=1e-3, max_l
 SMALL = {
     "tokenize.vocab_size": "1024",
     "pretrain.budget.steps": "12",
+    "run.device": '"cpu"',
     "pretrain.compile": "false",
+    "pretrain.precision": '"fp32"',
     "pretrain.val_blocks": "32",
     "evaluate.compile": "false",
+    "evaluate.precision": '"fp32"',
     "evaluate.batch_size": "32",
     "evaluate.buckets": "[32]",
     "evaluate.max_length": "32",

@@ -31,7 +31,7 @@ def test_the_readme_shows_cram_commands():
     assert len(commands) >= 10 and any("--set" in c for c in commands)
 
 
-def test_every_readme_command_line_works(tmp_path, monkeypatch):
+def test_every_readme_command_line_works(tmp_path, monkeypatch, plain_machine):
     monkeypatch.chdir(REPO)
     for command in readme_commands():
         args = shlex.split(command)[1:]

@@ -56,7 +56,7 @@ def test_the_readme_has_an_example_a_format():
 
 
 @pytest.mark.parametrize("example", examples(), ids=lambda e: Path(re.search(r'paths = \["(.*?)"', e)[1]).suffix)
-def test_each_own_corpus_example_passes_a_dry_run_and_reads(example, tmp_path, monkeypatch):
+def test_each_own_corpus_example_passes_a_dry_run_and_reads(example, tmp_path, monkeypatch, plain_machine):
     monkeypatch.chdir(tmp_path)
     corpus = tomllib.loads(example)["tokenize"]["corpus"]
     texts = write_sample(corpus, tmp_path)

@@ -39,6 +39,7 @@ def config(**kw) -> pretrain.Config:
         log_every_steps=10,
         checkpoint_every_minutes=0,
         val_blocks=8,
+        precision="fp32",
     )
     return pretrain.Config(**{**defaults, **kw})
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import platform
+import re
 import signal
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 import fake_stages
@@ -287,34 +291,49 @@ def test_resume_status_inspect_and_ls(pipe, monkeypatch):
     assert "computed" in inspect and "total=11" in inspect  # the log tail
     assert "no stage 'delta'" in pipe.cram("inspect", pipe.run_dir, "delta", code=2).output
     listing = pipe.cram("ls", pipe.run_dir.parent).output
-    assert "t" in listing and "gamma" in listing and "done" in listing
+    rows = [[cell.strip() for cell in line.strip("│").split("│")] for line in listing.splitlines() if line[:1] == "│"]
+    assert [row[:3] for row in rows] == [["t", "gamma", "done"]], listing  # the one run, its newest stage
     assert "not a run directory" in pipe.cram("status", pipe.run_dir.parent, code=2).output
     assert "no saved config" in pipe.cram("resume", pipe.run_dir.parent, code=2).output
 
 
 def test_manifest_records_what_a_run_needs_to_be_trusted(pipe):
     pipe.run()
-    record = pipe.manifest()["alpha"]
-    for field in (
-        "key",
-        "status",
-        "started",
-        "ended",
-        "duration_s",
-        "outputs",
-        "error",
-        "git_commit",
-        "versions",
-        "config_hash",
-        "upstream_keys",
-    ):
-        assert field in record
-    assert len(record["key"]) == 64 and record["versions"]["python"]
+    stages = pipe.manifest()
+    alpha, beta = stages["alpha"], stages["beta"]
+    assert (alpha["status"], alpha["error"], alpha["outputs"]) == (
+        "done",
+        None,
+        {"result": "result.json", "total": 1, "attempts": 1},
+    )
+    for name in ("key", "config_hash"):
+        assert re.fullmatch("[0-9a-f]{64}", alpha[name]), alpha[name]
+    assert alpha["key"] != beta["key"] and alpha["config_hash"] != beta["config_hash"]  # values 1 and 10
+    assert alpha["upstream_keys"] == {} and beta["upstream_keys"] == {"alpha": alpha["key"]}
+    started, ended = (datetime.datetime.fromisoformat(alpha[name]) for name in ("started", "ended"))
+    assert started.tzinfo is not None and started <= ended
+    assert alpha["duration_s"] == pytest.approx((ended - started).total_seconds(), abs=0.01)
+    assert alpha["attempts"] == [
+        {"started": alpha["started"], "ended": alpha["ended"], "duration_s": alpha["duration_s"], "status": "done"}
+    ]
+    versions = alpha["versions"]
+    assert versions["python"] == platform.python_version() and versions["structlog"] == metadata.version("structlog")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    assert alpha["git_commit"] == (head.stdout.strip() if head.returncode == 0 else None)
     events = [json.loads(line) for line in (pipe.run_dir / "logs" / "events.jsonl").read_text().splitlines()]
     computed = [e for e in events if e["event"] == "computed"]
     assert {(e["run"], e["stage"]) for e in computed} == {("t", "alpha"), ("t", "beta"), ("t", "gamma")}
-    stdlib = [e for e in events if e.get("logger") == "thirdparty"]
-    assert [(e["event"], e["stage"]) for e in stdlib][0] == ("a standard-library record from alpha", "alpha")
+    stdlib = [(e["event"], e["stage"]) for e in events if e.get("logger") == "thirdparty"]
+    assert stdlib[:2] == [("library chatter from alpha", "alpha"), ("a standard-library record from alpha", "alpha")]
+
+
+def test_console_shows_other_libraries_warnings_but_not_their_info(pipe):
+    output = pipe.run().output
+    assert "computed" in output  # cram's own INFO
+    assert "a standard-library record from alpha" in output
+    assert "library chatter" not in output
+    events = (pipe.run_dir / "logs" / "events.jsonl").read_text()
+    assert "library chatter from alpha" in events  # the events file still holds everything
 
 
 def test_run_name_and_seed_come_from_run_section_and_overrides(pipe):

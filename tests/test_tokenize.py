@@ -22,6 +22,20 @@ def words(rng: random.Random, n: int) -> list[str]:
     return rng.choices(vocab, weights=[1 / (i + 1) for i in range(len(vocab))], k=n)
 
 
+# The documents of `write_corpus` held out at heldout_fraction 0.2 (53 of 300, by a hash of the title),
+# pinned: every store's held-out split rests on this mapping, so a change to it must be deliberate.
+HELDOUT = frozenset(
+    {0, 12, 13, 15, 16, 21, 24, 34, 44, 45, 57, 64, 67, 71, 82, 86, 98, 102, 107, 108, 112, 113, 115, 116, 118, 130}
+    | {147, 150, 154, 159, 160, 167, 170, 174, 187, 190, 200, 206, 212, 215, 220, 222, 233, 234, 240, 244, 249}
+    | {258, 276, 282, 286, 292, 299}
+)
+
+
+def held_out(record: dict) -> bool:
+    """Whether a `write_corpus` record is held out at 0.2, from the pinned table."""
+    return int(record["title"].removeprefix("Article ")) in HELDOUT
+
+
 def write_corpus(path, n_docs: int = 300, seed: int = 0) -> list[dict]:
     """A JSON-lines corpus; the held-out documents (by title) carry SECRET many times."""
     rng = random.Random(seed)
@@ -29,7 +43,7 @@ def write_corpus(path, n_docs: int = 300, seed: int = 0) -> list[dict]:
     for i in range(n_docs):
         title = f"Article {i}"
         text = " ".join(words(rng, rng.randint(20, 60))) + "."
-        if tokenize.is_heldout(title, text, 0.2):
+        if i in HELDOUT:
             text = f"{SECRET} " * 20 + text
         records.append({"title": title, "body": text, "topic": ["Arts", "Science", "Uncategorized"][i % 3]})
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -67,7 +81,7 @@ def test_round_trip_special_ids_and_figures(corpus, tmp_path, make_ctx):
 
     tokens = datasets.load_from_disk(str(out / outputs["tokens"]))
     assert tokens.column_names == ["input_ids"]
-    train_texts = [r["body"] for r in records if not tokenize.is_heldout(r["title"], r["body"], 0.2)]
+    train_texts = [r["body"] for r in records if not held_out(r)]
     assert [sp.decode(ids) for ids in tokens["input_ids"]] == train_texts
     assert outputs["documents"] == len(train_texts)
     assert outputs["characters"] == sum(map(len, train_texts))
@@ -76,14 +90,21 @@ def test_round_trip_special_ids_and_figures(corpus, tmp_path, make_ctx):
     assert outputs["mb_per_s"] > 0 and outputs["seconds"] > 0
 
 
+def test_a_document_is_held_out_by_its_title_or_else_its_text():
+    for i in (0, 1, 12, 14, 299):
+        assert tokenize.is_heldout(f"Article {i}", "any text", 0.2) == (i in HELDOUT)
+        assert tokenize.is_heldout("", f"Article {i}", 0.2) == (i in HELDOUT)  # no title: the text decides
+        assert tokenize.is_heldout(f"Article {i}", "any", 1.0) and not tokenize.is_heldout(f"Article {i}", "any", 0.0)
+
+
 def test_heldout_documents_never_reach_the_tokenizer_or_the_tokens(corpus, tmp_path, make_ctx):
     import datasets
     import sentencepiece as spm
 
     path, records = corpus
     out, outputs = run(config(path), tmp_path, make_ctx)
-    expected = [r for r in records if tokenize.is_heldout(r["title"], r["body"], 0.2)]
-    assert 30 < len(expected) < 90  # about 20% of 300
+    expected = [r for r in records if held_out(r)]
+    assert len(expected) == 53
     heldout = datasets.load_from_disk(str(out / outputs["heldout"]))
     assert heldout["title"] == [r["title"] for r in expected]
     assert heldout["text"] == [r["body"] for r in expected]

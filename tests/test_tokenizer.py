@@ -14,7 +14,7 @@ from typing import Callable
 
 import pytest
 from test_bad_inputs import PIPELINE, cram, write_workspace
-from test_tokenize import config, write_corpus
+from test_tokenize import config, held_out, write_corpus
 
 from cram.stages import StageError, tokenize
 from cram.stages.shared import tokenizer
@@ -175,7 +175,7 @@ def test_tokenize_encodes_in_parallel_exactly_as_the_tokenizer_does(folders, tmp
 
     assert len(list((out / "tokens").glob("*.arrow"))) > 10 and outputs["num_proc"] == 2
     reference = Tokenizer.from_file(str(folders["roberta"] / "tokenizer.json"))
-    train = [r["body"] for r in records if not tokenize.is_heldout(r["title"], r["body"], 0.2)]
+    train = [r["body"] for r in records if not held_out(r)]
     ids = datasets.load_from_disk(str(out / outputs["tokens"]))["input_ids"]
     assert ids == [reference.encode(text, add_special_tokens=False).ids for text in train]
 
