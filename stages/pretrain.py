@@ -2,10 +2,11 @@
 
 The budget (hours, steps or tokens, whichever runs out first) defines progress in [0, 1]; the lr
 schedule and the batch-size ramp both follow that progress, as in cramming. This module holds the
-stage's config, its checks and `run`; under `stages/pretraining/`: the loop (`loop.py`) and its hooks
-(`hooks.py`: logging, checkpoints, the divergence check), the training state (`state.py`), checkpoints
-(`checkpoint.py`), the batch stream (`batches.py`), the budget clock and what the ranks agree on
-(`budget.py`), metrics, progress bar and MFU (`telemetry.py`).
+stage's config, its checks and `run`; under `stages/pretraining/`: what it reads and checks before
+training (`setup.py`), its steps, compiled and checked in the precision chosen for them (`steps.py`),
+the loop (`loop.py`) and its hooks (`hooks.py`: logging, checkpoints, the divergence check), the training
+state (`state.py`), checkpoints (`checkpoint.py`), the batch stream (`batches.py`), the budget clock and
+what the ranks agree on (`budget.py`), metrics, progress bar and MFU (`telemetry.py`).
 
 Checkpoints in `checkpoints/step-N/` make the stage resumable: a re-run in the same folder continues
 from the newest one, and since batches and masks are functions of (seed, data position) alone, a
@@ -26,22 +27,30 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from cram.model.config import ModelConfig, OptimizerConfig
 from cram.stages import Context, StageError, Upstream
-from cram.stages.pretraining.phases import Phase, Plan, Span
-from cram.stages.pretraining.phases import plan as plan_phases
+from cram.stages.pretraining.phases import Phase
+from cram.stages.pretraining.setup import (
+    Setup,
+    check_has_tokenizer,
+    check_memory,
+    check_not_its_own,
+    check_schedule,
+    locate_init,
+    planned_model,
+    planned_passes,
+    prepare,
+    warn_of_data_limits,
+    warn_of_repeats,
+)
+from cram.stages.pretraining.steps import compiled_steps, val_loss
 from cram.stages.shared import device as devices
 from cram.stages.shared import precision as precisions
 from cram.stages.shared import pretrained
-from cram.stages.shared.masking import Masking, MaskSpec, mask_spec
+from cram.stages.shared.masking import Masking
 
 if TYPE_CHECKING:
-    import numpy as np
-    import torch
-
-    from cram.stages.pretraining.batches import PhaseStream
     from cram.stages.pretraining.loop import Hook, Steps
     from cram.stages.pretraining.state import Params, TrainState
     from cram.stages.pretraining.telemetry import ProgressBar
-    from cram.stages.shared.blocks import Boundary
 
 NAME = "pretrain"
 VERSION = "4"
@@ -206,78 +215,20 @@ def validate(config: Config, pipeline: Any) -> None:
     from cram import model
 
     if config.init:
-        _check_not_its_own(config, Path(pipeline.run.root) / pipeline.run.name)
-        _check_has_tokenizer(config, pipeline.stages.get("tokenize"))
-    _planned_model(config, pipeline)
-    _check_schedule(model, config)
+        check_not_its_own(config, Path(pipeline.run.root) / pipeline.run.name)
+        check_has_tokenizer(config, pipeline.stages.get("tokenize"))
+    planned_model(config, pipeline)
+    check_schedule(model, config)
 
 
 def validate_runtime(config: Config, pipeline: Any) -> None:
     """What `validate` leaves to a stage that runs in this invocation, since it loads torch: the device,
     the compile backend, and a model and microbatch that cannot fit in the device's memory (in any phase)."""
-    plan, cfg = _planned_model(config, pipeline)
+    plan, cfg = planned_model(config, pipeline)
     devices.check(pipeline.run.device)
     devices.check_backend(config.backend, "pretrain.backend")
     for span in plan.spans:
-        _check_memory(config, cfg, span, pipeline.run.device)
-
-
-def _planned_model(config: Config, pipeline: Any) -> tuple[Plan, ModelConfig]:
-    """The phases and the model as the stage will make them, from the config of the stages before it."""
-    from cram import model
-
-    tokenize, pack = pipeline.stages.get("tokenize"), pipeline.stages.get("pack")
-    preset = model.PRESETS.get(config.model.preset)
-    vocab_size, special = _tokenizer_facts(tokenize, preset)
-    seq_len = pack.seq_len if pack is not None else getattr(preset, "max_seq_len", 0)
-    plan = plan_phases(config, seq_len, special, vocab_size)
-    return plan, _model_config(model, config, vocab_size, plan.chunk, special["pad"])
-
-
-def _check_not_its_own(config: Config, run_dir: Path) -> None:
-    """Refuse an `init` that is the run's own directory, or lies in it or in the entry its pretrain links
-    to: the stage would start from its own result, so its key (which holds init's contents) would change
-    with every result and each identical `cram run` would train again."""
-    import os
-
-    init = Path(config.init).expanduser()
-    inside = [Path(os.path.abspath(run_dir)), Path(os.path.realpath(run_dir)), Path(os.path.realpath(run_dir / NAME))]
-    seen = (Path(os.path.abspath(init)), Path(os.path.realpath(init)))
-    if any(path == folder or folder in path.parents for path in seen for folder in inside):
-        raise StageError(
-            f"pretrain.init: {config.init} is this run's own directory ({run_dir}) or inside it: pretrain would "
-            "start from its own result and train again at every run; give another run directory or an export"
-        )
-
-
-def _check_has_tokenizer(config: Config, tokenize: Any) -> None:
-    """A checkpoint that is there, and a tokenizer for it: its own (tokenize's default), or one given."""
-    from cram.stages.shared.tokenizer import FILE_NAMES as tokenizer_files
-
-    _pretrained(config)
-    if tokenize is not None and not tokenize.tokenizer:
-        raise StageError(
-            f"pretrain.init: {config.init} holds no tokenizer ({' or '.join(tokenizer_files)}) and "
-            "tokenize.tokenizer is not set; a tokenizer trained anew would not match the checkpoint's "
-            "embeddings: set tokenize.tokenizer to the one the checkpoint was trained with"
-        )
-
-
-def _tokenizer_facts(tokenize: Any, preset: ModelConfig | None) -> tuple[int, dict[str, int]]:
-    """(vocab size, special ids) that tokenize is set to make: a given tokenizer's, or those it trains."""
-    from cram.stages.shared.special import SPECIAL_IDS
-
-    if tokenize is None:
-        return getattr(preset, "vocab_size", 0), dict(SPECIAL_IDS)
-    if not tokenize.tokenizer:
-        return tokenize.vocab_size, dict(SPECIAL_IDS)
-    from cram.stages.shared.tokenizer import TokenizerError, load
-
-    try:
-        found = load(Path(tokenize.tokenizer))
-    except TokenizerError as e:
-        raise StageError(f"tokenize.tokenizer: {e}") from None
-    return found.vocab_size, found.special_ids
+        check_memory(config, cfg, span, pipeline.run.device)
 
 
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
@@ -287,9 +238,9 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     from cram.stages.pretraining.loop import train
     from cram.stages.pretraining.telemetry import ProgressBar, peak_flops
 
-    setup = _setup(config, inputs["pack"], ctx)
+    setup = prepare(config, inputs["pack"], ctx)
     if ctx.is_main:
-        _warn_of_data_limits(config, setup, ctx)
+        warn_of_data_limits(config, setup, ctx)
     state = _start(config, setup, out_dir, ctx)
     data = PhaseStream(
         setup.blocks,
@@ -305,9 +256,9 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     # silent fall back to eager.
     recompiles = torch._dynamo.config.patch(recompile_limit=setup.plan.shapes, fail_on_recompile_limit_hit=True)
     with recompiles, data:
-        setup, steps, choice, compile_s = _compiled_steps(config, setup, ctx, state, data)
+        setup, steps, choice, compile_s = compiled_steps(config, setup, ctx, state, data)
         if ctx.is_main and config.val_blocks and state.val_loss_start is None:
-            state.val_loss_start = _val_loss(config, setup, state.params)
+            state.val_loss_start = val_loss(config, setup, state.params)
         if ctx.is_main:  # measured on a CPU, which takes seconds: before the budget clock starts
             peak_flops(setup.device, setup.autocast)
         with ProgressBar(ctx.is_main) as bar:
@@ -325,8 +276,8 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     }
     if not ctx.is_main:
         return outputs
-    if _planned_passes(config, setup, ctx.world_size) is None:  # a time budget: the passes are known now
-        _warn_of_repeats(setup.plan.position(state) / setup.blocks.size, len(setup.blocks), ctx, "made")
+    if planned_passes(config, setup, ctx.world_size) is None:  # a time budget: the passes are known now
+        warn_of_repeats(setup.plan.position(state) / setup.blocks.size, len(setup.blocks), ctx, "made")
     _write_model(out_dir / outputs["params"], out_dir / outputs["model_config"], setup, state)
     figures = _figures(config, setup, ctx, state, compile_s, choice)
     ctx.log.info("trained", **figures)
@@ -334,107 +285,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     return {**outputs, **figures}
 
 
-@dataclass(frozen=True)
-class _Setup:
-    """What `run` reads and derives before training: the data, the model, its masking and device."""
-
-    blocks: np.ndarray  # [blocks, seq_len] integers, memory-mapped: the training data
-    val: np.ndarray  # held out, as blocks of the first phase's length
-    model: ModelConfig  # at the data's vocabulary and the longest phase's length
-    plan: Plan  # the sequence-length phases
-    spec: MaskSpec  # the held-out masking, at the first phase's length
-    documents: Boundary | None  # attention within documents: pack's boundary token
-    device: torch.device
-    precision: precisions.Precision  # the configured one's first candidate, until the canary chooses
-    attention: str = "auto"  # `[run] attention`: how attention is computed
-
-    @property
-    def autocast(self) -> torch.dtype | None:
-        """The forward's autocast dtype; None: fp32."""
-        return self.precision.autocast()
-
-
-def _setup(config: Config, pack: Upstream, ctx: Context) -> _Setup:
-    """The packed data and the model config, checked; what `StageError`s a bad config or input raises."""
-    import numpy as np
-
-    from cram import model
-    from cram.stages.shared.blocks import blocks_of, boundary
-
-    blocks = np.load(pack.path("train"), mmap_mode="r")
-    val = np.load(pack.path("val"), mmap_mode="r")
-    seq_len, special = int(pack.outputs["seq_len"]), pack.outputs["special_ids"]
-    vocab_size = int(pack.outputs["vocab_size"])  # the tokenizer's: a checkpoint may have more embedding rows
-    _check_data(blocks, val, seq_len, pack)
-    _check_schedule(model, config)
-    if config.batch_size % (ctx.world_size * config.microbatch):
-        raise StageError(
-            f"pretrain.batch_size: {config.batch_size} must be a multiple of microbatch x ranks "
-            f"({ctx.world_size * config.microbatch})"
-        )
-    plan = plan_phases(config, seq_len, special, vocab_size, ctx.world_size)
-    cfg = _model_config(model, config, vocab_size, plan.chunk, special["pad"])
-    plan = plan.with_flops(lambda span: _flops_per_token(model, cfg, span))
-    first = plan.spans[0].seq_len
-    spec = mask_spec(config.masking, special, vocab_size, first)  # random replacements are real tokens
-    device = devices.resolve(ctx.device)
-    precision = precisions.candidates(config.precision, device, config.backend, config.compile)[0]
-    documents = boundary(pack.outputs["boundary"], special) if config.document_attention else None
-    return _Setup(blocks, blocks_of(val, first), cfg, plan, spec, documents, device, precision, ctx.attention)
-
-
-def _flops_per_token(model, cfg: ModelConfig, span: Span) -> float:
-    """Model FLOPs per token of a phase: attention's share grows with its length."""
-    return model.flops_per_token(
-        dataclasses.replace(cfg, max_seq_len=span.seq_len), span.spec.per_sequence / span.seq_len
-    )
-
-
-MAX_PASSES = 4  # more passes over the training blocks than this: a warning that the data is too small
-
-
-def _warn_of_data_limits(config: Config, setup: _Setup, ctx: Context) -> None:
-    """Say when the data holds less than the config asks for: fewer held-out blocks than `val_blocks`,
-    or so few training blocks that a step or token budget passes over them many times."""
-    if config.val_blocks > len(setup.val):
-        ctx.log.warning(
-            f"pretrain.val_blocks = {config.val_blocks}, but pack's val holds {len(setup.val)} blocks: "
-            f"the held-out loss uses those {len(setup.val)}"
-        )
-    passes = _planned_passes(config, setup, ctx.world_size)
-    if passes is not None:
-        _warn_of_repeats(passes, len(setup.blocks), ctx, "makes about")
-
-
-def _planned_passes(config: Config, setup: _Setup, world_size: int) -> float | None:
-    """The passes over the training blocks that the step or token budget makes, the batch ramp (and the
-    phases) averaged over (at most) 10,000 points; None for a time budget alone, whose steps depend on
-    the speed."""
-    from cram.stages.pretraining.loop import micro_steps
-
-    budget = config.budget
-    tokens = [] if budget.tokens is None else [budget.tokens]
-    if budget.steps is not None:
-        points, total = min(budget.steps, 10_000), 0
-        for i in range(points):
-            span = setup.plan.span_at(i / points)
-            rank_tokens = span.microbatch * span.seq_len
-            total += (
-                micro_steps(i / points, config.ramp, span.batch_size // (world_size * span.microbatch)) * rank_tokens
-            )
-        tokens.append(budget.steps * total / points * world_size)
-    return min(tokens) / setup.blocks.size if tokens else None
-
-
-def _warn_of_repeats(passes: float, blocks: int, ctx: Context, verb: str) -> None:
-    if passes > MAX_PASSES:
-        ctx.log.warning(
-            f"the budget {verb} {passes:.1f} passes over the {blocks} training blocks (more than "
-            f"{MAX_PASSES}): each block is seen that often; a larger corpus or a smaller budget repeats less"
-        )
-
-
-def _start(config: Config, setup: _Setup, out_dir: Path, ctx: Context) -> TrainState:
+def _start(config: Config, setup: Setup, out_dir: Path, ctx: Context) -> TrainState:
     """The state of the newest checkpoint (the one rank 0 sees, on every rank), or a fresh one (the init's,
     which a checkpoint would only repeat), on the device. Rank 0's metrics.jsonl loses the lines written
     after that state (a killed run's), all of them on a fresh start."""
@@ -466,117 +317,13 @@ def _pretrained_params(config: Config, ctx: Context) -> Params:
     import time
 
     started = time.perf_counter()
-    found = _pretrained(config)
+    found = locate_init(config)
     try:
         _, params = pretrained.load(found)
     except pretrained.PretrainedError as e:
         raise StageError(f"pretrain.init: {e}") from None
     ctx.log.info("init", checkpoint=str(found.folder), kind=found.kind, seconds=round(time.perf_counter() - started, 2))
     return params
-
-
-def _make_steps(config: Config, setup: _Setup, world_size: int, compile: bool) -> Steps:
-    """The training steps, compiled or eager. One microbatch per step (no ramp to grow): the whole step is
-    one graph. Otherwise two graphs, accumulate (per microbatch) and apply (per step), since a graph cannot
-    loop over a varying count."""
-    import torch
-
-    from cram import model
-    from cram.stages.pretraining.loop import Steps
-
-    reduce_grads = model.make_grad_all_reduce(world_size) if world_size > 1 else None
-    single = all(span.batch_size == world_size * span.microbatch for span in setup.plan.spans)
-    how = dict(compile=compile, backend=config.backend, options=setup.precision.compile_options())
-    forward = dict(autocast_dtype=setup.autocast, attention=setup.attention)
-    whole = accumulate = apply = None
-    if single:
-        whole = model.make_train_step(setup.model, config.optimizer, reduce_grads=reduce_grads, **how, **forward)
-    else:
-        accumulate = model.make_accumulate_step(setup.model, **how, **forward)
-        apply = model.make_apply_step(config.optimizer, reduce_grads=reduce_grads, **how)
-    generator = torch.Generator(device=setup.device)
-    return Steps(whole, accumulate, apply, generator, setup.device, setup.autocast, setup.documents)
-
-
-def _val_loss(config: Config, setup: _Setup, params: Params) -> float:
-    """The held-out MLM loss on the first `val_blocks` blocks, masked as evaluate masks them. Two forward
-    passes over a few hundred blocks are not worth a compile."""
-    from cram import model
-    from cram.stages.shared.val_mlm import MASK_SEED, val_mlm
-
-    evaluate = model.make_eval_step(
-        setup.model, compile=False, autocast_dtype=setup.autocast, attention=setup.attention
-    )
-    return val_mlm(
-        evaluate,
-        params,
-        setup.val[: config.val_blocks],
-        setup.spec,
-        seed=MASK_SEED,
-        batch_size=setup.plan.spans[0].microbatch,
-        device=setup.device,
-        documents=setup.documents,
-    )["loss"]
-
-
-def _compiled_steps(
-    config: Config, setup: _Setup, ctx: Context, state: TrainState, data: PhaseStream
-) -> tuple[_Setup, Steps, precisions.Choice, float]:
-    """The training steps in the precision they will train in, and the seconds spent compiling them.
-
-    Before the budget clock, unless the steps are eager or the budget is spent: each candidate precision
-    (`precision.candidates`) is compiled for every phase's shape and, with the canary on, checked against
-    eager steps at the first phase's; the first that agrees is kept (`precision.choose`)."""
-    from cram.stages.pretraining.budget import progress
-
-    if not config.compile or not progress(config.budget, state, state.elapsed_s) < 1:
-        why = "eager steps" if not config.compile else "the budget is spent"
-        choice = precisions.unchecked(config.precision, setup.device, f"{why}: no compile canary")
-        setup = dataclasses.replace(setup, precision=choice.precision)
-        return setup, _make_steps(config, setup, ctx.world_size, compile=config.compile), choice, 0.0
-    built: dict[precisions.Precision, tuple[_Setup, Steps]] = {}
-    compile_s = 0.0
-
-    def check(candidate: precisions.Precision) -> float:
-        nonlocal compile_s
-        trial = dataclasses.replace(setup, precision=candidate)
-        built[candidate] = trial, _make_steps(config, trial, ctx.world_size, compile=True)
-        compile_s += _warm_up(setup, built[candidate][1], state)
-        diff = _canary(config, ctx, trial, built[candidate][1], state, data)
-        ctx.log.info("canary", precision=candidate.label, steps=config.canary_steps, max_relative_diff=diff)
-        return diff
-
-    if config.canary_steps:
-        choice = precisions.choose(
-            config.precision, setup.device, config.backend, check, config.canary_tolerance, ctx.log, NAME
-        )
-    else:
-        choice = precisions.unchecked(config.precision, setup.device, "canary_steps = 0: not checked against eager")
-        check(choice.precision)
-    setup, steps = built[choice.precision]
-    return setup, steps, choice, compile_s
-
-
-def _warm_up(setup: _Setup, steps: Steps, state: TrainState) -> float:
-    """Compile `steps` for every phase's shape; return seconds."""
-    from cram.stages.shared.blocks import blocks_of
-
-    shapes = {(s.microbatch, s.seq_len, s.spec.per_sequence): s for s in setup.plan.spans}
-    return sum(
-        steps.warm_up(state.params, state.opt_state, blocks_of(setup.blocks, s.seq_len), s.microbatch, s.spec)
-        for s in shapes.values()
-    )
-
-
-def _canary(config: Config, ctx: Context, setup: _Setup, steps: Steps, state: TrainState, data: PhaseStream) -> float:
-    """The compiled steps' largest relative difference from eager steps in the same precision; 0 when
-    the canary is off."""
-    from cram.stages.pretraining.loop import canary
-
-    if not config.canary_steps:
-        return 0.0
-    eager = _make_steps(config, setup, ctx.world_size, compile=False)
-    return canary(config, ctx, steps, eager, state.params, state.opt_state, data)
 
 
 def _hooks(config: Config, ctx: Context, steps: Steps, out_dir: Path, bar: ProgressBar, last_saved: int) -> list[Hook]:
@@ -593,7 +340,7 @@ def _hooks(config: Config, ctx: Context, steps: Steps, out_dir: Path, bar: Progr
     return hooks
 
 
-def _write_model(params_path: Path, config_path: Path, setup: _Setup, state: TrainState) -> None:
+def _write_model(params_path: Path, config_path: Path, setup: Setup, state: TrainState) -> None:
     from cram.stages.pretraining import checkpoint
 
     checkpoint.write_tensors(params_path, state.params)
@@ -602,7 +349,7 @@ def _write_model(params_path: Path, config_path: Path, setup: _Setup, state: Tra
 
 def _figures(
     config: Config,
-    setup: _Setup,
+    setup: Setup,
     ctx: Context,
     state: TrainState,
     compile_s: float,
@@ -619,7 +366,7 @@ def _figures(
         "final_loss": state.loss_end,
         "loss_start": state.loss_start,
         "val_loss_start": state.val_loss_start,
-        "val_loss_end": _val_loss(config, setup, state.params) if config.val_blocks else None,
+        "val_loss_end": val_loss(config, setup, state.params) if config.val_blocks else None,
         "steps": state.step,
         "tokens_seen": state.tokens_seen,
         "flops_seen": state.flops_seen,  # model FLOPs: a budget that carries across hardware
@@ -633,104 +380,3 @@ def _figures(
         "data_wait": round(state.data_wait_s / elapsed_s, 4) if elapsed_s else 0.0,
         "num_params": model.num_params(state.params),
     }
-
-
-def _model_config(model, config: Config, vocab_size: int, seq_len: int, pad_id: int) -> ModelConfig:
-    if config.init:
-        return _checkpoint_config(config, vocab_size, seq_len, pad_id)
-    arch = config.model
-    if arch.preset not in model.PRESETS:
-        raise StageError(f"pretrain.model.preset: {arch.preset!r} is not one of {', '.join(model.PRESETS)}")
-    overrides = {k: v for k, v in dataclasses.asdict(arch).items() if k != "preset" and v is not None}
-    try:
-        return dataclasses.replace(
-            model.PRESETS[arch.preset], vocab_size=vocab_size, max_seq_len=seq_len, pad_id=pad_id, **overrides
-        )
-    except (TypeError, ValueError) as e:
-        raise StageError(f"pretrain.model: {e}") from None
-
-
-def _pretrained(config: Config):
-    try:
-        return pretrained.locate(Path(config.init))
-    except pretrained.PretrainedError as e:
-        raise StageError(f"pretrain.init: {e}") from None
-
-
-def _checkpoint_config(config: Config, vocab_size: int, seq_len: int, pad_id: int) -> ModelConfig:
-    """`init`'s architecture, checked against `[pretrain.model]`, the tokenizer and the block length; its
-    weights are read from the files' headers only."""
-    try:
-        cfg, _ = pretrained.load(_pretrained(config), shapes_only=True)
-    except pretrained.PretrainedError as e:
-        raise StageError(f"pretrain.init: {e}") from None
-    if config.model.preset != Architecture().preset:
-        raise StageError(
-            f"pretrain.model.preset: {config.model.preset!r}, but the architecture is pretrain.init's "
-            f"checkpoint ({config.init}); leave the preset out"
-        )
-    for key, value in dataclasses.asdict(config.model).items():
-        if key != "preset" and value is not None and value != getattr(cfg, key):
-            raise StageError(
-                f"pretrain.model.{key}: {value!r} contradicts the checkpoint's {getattr(cfg, key)!r} "
-                f"(pretrain.init = {config.init}); leave it out"
-            )
-    if vocab_size > cfg.vocab_size:
-        raise StageError(
-            f"tokenize.tokenizer: {vocab_size:,} tokens, more than the {cfg.vocab_size:,} embedding rows of "
-            f"pretrain.init's checkpoint ({config.init}): it is not the tokenizer the checkpoint was trained with"
-        )
-    if cfg.position == "learned" and seq_len > cfg.max_seq_len:
-        raise StageError(
-            f"pack.seq_len: {seq_len} is beyond the {cfg.max_seq_len} positions of pretrain.init's "
-            f"checkpoint ({config.init})"
-        )
-    try:
-        return dataclasses.replace(cfg, pad_id=pad_id)
-    except ValueError as e:
-        raise StageError(f"pretrain.init: {e}") from None
-
-
-# Refused only past this share of the device's memory: the estimate is rough, and a config that
-# may just fit is left to try rather than refused.
-MEMORY_SHARE = 0.9
-
-
-def _check_memory(config: Config, cfg: ModelConfig, span: Span, device_name: str) -> None:
-    """StageError when one training step's estimated peak (`model.training_memory`) in the phase `span`
-    clearly exceeds the device's memory, naming the estimate, the memory and the settings that lower it."""
-    from cram import model
-
-    device = devices.resolve(device_name)
-    autocast = devices.autocast_dtype(config.precision, device) is not None
-    at_length = dataclasses.replace(cfg, max_seq_len=span.seq_len)
-    need = model.training_memory(at_length, span.microbatch, span.microbatch * span.spec.per_sequence, autocast)
-    have = devices.memory_bytes(device)
-    if need.total > MEMORY_SHARE * have:
-        gib = 2**30
-        raise StageError(
-            f"pretrain: a training step needs about {need.total / gib:,.1f} GiB ({need.state / gib:,.1f} GiB "
-            f"parameters, AdamW state and gradients of {model.parameter_count(cfg):,} parameters, "
-            f"{need.activations / gib:,.1f} GiB activations of microbatch {span.microbatch}), more than "
-            f"{MEMORY_SHARE:.0%} of the {have / gib:,.1f} GiB of {device}; lower pretrain.microbatch, "
-            "or pretrain.model.hidden, layers or intermediate"
-        )
-
-
-def _check_schedule(model, config: Config) -> None:
-    if config.schedule not in model.SCHEDULES:
-        raise StageError(f"pretrain.schedule: {config.schedule!r} is not one of {', '.join(model.SCHEDULES)}")
-    try:
-        model.lr_schedule(config.schedule, 0.5, **config.schedule_args)
-    except (TypeError, ValueError) as e:
-        raise StageError(f"pretrain.schedule_args: {e}") from None
-
-
-def _check_data(train, val, seq_len: int, pack: Upstream) -> None:
-    for name, blocks in (("train", train), ("val", val)):
-        if blocks.ndim != 2 or blocks.shape[1] != seq_len or blocks.dtype.kind not in "iu":
-            raise StageError(
-                f"{pack.path(name)}: shape {blocks.shape} {blocks.dtype}; expected [blocks, {seq_len}] integers"
-            )
-    if len(train) == 0:
-        raise StageError(f"{pack.path('train')}: no blocks to train on")

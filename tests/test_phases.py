@@ -16,7 +16,9 @@ from cram.stages import StageError, Upstream, pretrain
 from cram.stages.pretraining import phases
 from cram.stages.pretraining.batches import Microbatch, read_sequences
 from cram.stages.pretraining.phases import Phase, enter, plan
+from cram.stages.pretraining.setup import prepare
 from cram.stages.pretraining.state import TrainState
+from cram.stages.pretraining.steps import make_steps
 from cram.stages.shared.blocks import Boundary, blocks_of, document_ids
 from cram.stages.shared.masking import IGNORED, Masking, MaskSpec, mask_tokens
 from cram.stages.shared.special import SPECIAL_IDS
@@ -183,8 +185,8 @@ def test_document_ids_count_boundaries_of_the_unmasked_ids():
 def test_a_batch_carries_document_ids_only_with_document_attention(pack, make_ctx):  # noqa: F811
     pack = Upstream(pack.dir, {**pack.outputs, "boundary": "cls-sep"})
     for on in (False, True):
-        setup = pretrain._setup(small(document_attention=on), pack, make_ctx())
-        steps = pretrain._make_steps(small(document_attention=on), setup, 1, compile=False)
+        setup = prepare(small(document_attention=on), pack, make_ctx())
+        steps = make_steps(small(document_attention=on), setup, 1, compile=False)
         ids = torch.from_numpy(read_sequences(setup.blocks, 0, 0, 4, {}))
         ids[:, 5] = SPECIAL_IDS["cls"]
         batch = steps.batch(Microbatch(ids, 0, 1), setup.spec)

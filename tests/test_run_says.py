@@ -12,6 +12,7 @@ from structlog.testing import capture_logs
 
 from cram.stages import Upstream, pretrain
 from cram.stages.pretraining.phases import Phase, plan
+from cram.stages.pretraining.setup import planned_passes
 from cram.stages.shared.precision import FP32
 from cram.stages.shared.progress import Every
 from cram.stages.shared.special import SPECIAL_IDS
@@ -65,14 +66,14 @@ def test_a_token_budget_and_the_ramp_count_the_passes(tmp_path):
         return type("Setup", (), {"blocks": np.zeros((10, SEQ)), "plan": plan(cfg, SEQ, SPECIAL_IDS, 64)})
 
     tokens = config(budget=pretrain.Budget(tokens=100 * SEQ))
-    assert pretrain._planned_passes(tokens, setup(tokens), 1) == pytest.approx(10)
+    assert planned_passes(tokens, setup(tokens), 1) == pytest.approx(10)
     ramped = config(budget=pretrain.Budget(steps=100), batch_size=8, ramp=1.0)  # 1 then 2 microbatches
-    assert pretrain._planned_passes(ramped, setup(ramped), 1) == pytest.approx(100 * 1.5 * 4 / 10)
+    assert planned_passes(ramped, setup(ramped), 1) == pytest.approx(100 * 1.5 * 4 / 10)
     hours = config(budget=pretrain.Budget(hours=1.0))
-    assert pretrain._planned_passes(hours, setup(hours), 1) is None
+    assert planned_passes(hours, setup(hours), 1) is None
     # Phases: each step holds the same tokens, so a second phase at twice the length makes the same passes.
     phased = config(budget=pretrain.Budget(steps=100), phases=(Phase(SEQ, until=0.5), Phase(2 * SEQ)))
-    assert pretrain._planned_passes(phased, setup(phased), 1) == pytest.approx(100 * 4 / 10)
+    assert planned_passes(phased, setup(phased), 1) == pytest.approx(100 * 4 / 10)
 
 
 def test_a_time_budget_is_checked_once_spent(tmp_path, make_ctx):

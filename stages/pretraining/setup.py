@@ -1,0 +1,286 @@
+"""What the pretrain stage reads and checks before it trains: the configured model against the
+tokenizer, the packed data, `init`'s checkpoint and the device's memory (`validate`, `validate_runtime`),
+and the `Setup` that `run` derives from pack's outputs. `config` is pretrain's Config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cram.model.config import ModelConfig
+from cram.stages import Context, StageError, Upstream
+from cram.stages.pretraining.phases import Plan, Span
+from cram.stages.pretraining.phases import plan as plan_phases
+from cram.stages.shared import device as devices
+from cram.stages.shared import precision as precisions
+from cram.stages.shared import pretrained
+from cram.stages.shared.masking import MaskSpec, mask_spec
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from cram.stages.shared.blocks import Boundary
+
+
+def planned_model(config: Any, pipeline: Any) -> tuple[Plan, ModelConfig]:
+    """The phases and the model as the stage will make them, from the config of the stages before it."""
+    from cram import model
+
+    tokenize, pack = pipeline.stages.get("tokenize"), pipeline.stages.get("pack")
+    preset = model.PRESETS.get(config.model.preset)
+    vocab_size, special = _tokenizer_facts(tokenize, preset)
+    seq_len = pack.seq_len if pack is not None else getattr(preset, "max_seq_len", 0)
+    plan = plan_phases(config, seq_len, special, vocab_size)
+    return plan, _model_config(model, config, vocab_size, plan.chunk, special["pad"])
+
+
+def check_not_its_own(config: Any, run_dir: Path) -> None:
+    """Refuse an `init` that is the run's own directory, or lies in it or in the entry its pretrain links
+    to: the stage would start from its own result, so its key (which holds init's contents) would change
+    with every result and each identical `cram run` would train again."""
+    import os
+
+    init = Path(config.init).expanduser()
+    stage_dir = run_dir / "pretrain"  # the run's link to the store entry its pretrain finished in
+    inside = [Path(os.path.abspath(run_dir)), Path(os.path.realpath(run_dir)), Path(os.path.realpath(stage_dir))]
+    seen = (Path(os.path.abspath(init)), Path(os.path.realpath(init)))
+    if any(path == folder or folder in path.parents for path in seen for folder in inside):
+        raise StageError(
+            f"pretrain.init: {config.init} is this run's own directory ({run_dir}) or inside it: pretrain would "
+            "start from its own result and train again at every run; give another run directory or an export"
+        )
+
+
+def check_has_tokenizer(config: Any, tokenize: Any) -> None:
+    """A checkpoint that is there, and a tokenizer for it: its own (tokenize's default), or one given."""
+    from cram.stages.shared.tokenizer import FILE_NAMES as tokenizer_files
+
+    locate_init(config)
+    if tokenize is not None and not tokenize.tokenizer:
+        raise StageError(
+            f"pretrain.init: {config.init} holds no tokenizer ({' or '.join(tokenizer_files)}) and "
+            "tokenize.tokenizer is not set; a tokenizer trained anew would not match the checkpoint's "
+            "embeddings: set tokenize.tokenizer to the one the checkpoint was trained with"
+        )
+
+
+def _tokenizer_facts(tokenize: Any, preset: ModelConfig | None) -> tuple[int, dict[str, int]]:
+    """(vocab size, special ids) that tokenize is set to make: a given tokenizer's, or those it trains."""
+    from cram.stages.shared.special import SPECIAL_IDS
+
+    if tokenize is None:
+        return getattr(preset, "vocab_size", 0), dict(SPECIAL_IDS)
+    if not tokenize.tokenizer:
+        return tokenize.vocab_size, dict(SPECIAL_IDS)
+    from cram.stages.shared.tokenizer import TokenizerError, load
+
+    try:
+        found = load(Path(tokenize.tokenizer))
+    except TokenizerError as e:
+        raise StageError(f"tokenize.tokenizer: {e}") from None
+    return found.vocab_size, found.special_ids
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What `run` reads and derives before training: the data, the model, its masking and device."""
+
+    blocks: np.ndarray  # [blocks, seq_len] integers, memory-mapped: the training data
+    val: np.ndarray  # held out, as blocks of the first phase's length
+    model: ModelConfig  # at the data's vocabulary and the longest phase's length
+    plan: Plan  # the sequence-length phases
+    spec: MaskSpec  # the held-out masking, at the first phase's length
+    documents: Boundary | None  # attention within documents: pack's boundary token
+    device: torch.device
+    precision: precisions.Precision  # the configured one's first candidate, until the canary chooses
+    attention: str = "auto"  # `[run] attention`: how attention is computed
+
+    @property
+    def autocast(self) -> torch.dtype | None:
+        """The forward's autocast dtype; None: fp32."""
+        return self.precision.autocast()
+
+
+def prepare(config: Any, pack: Upstream, ctx: Context) -> Setup:
+    """The packed data and the model config, checked; what `StageError`s a bad config or input raises."""
+    import numpy as np
+
+    from cram import model
+    from cram.stages.shared.blocks import blocks_of, boundary
+
+    blocks = np.load(pack.path("train"), mmap_mode="r")
+    val = np.load(pack.path("val"), mmap_mode="r")
+    seq_len, special = int(pack.outputs["seq_len"]), pack.outputs["special_ids"]
+    vocab_size = int(pack.outputs["vocab_size"])  # the tokenizer's: a checkpoint may have more embedding rows
+    _check_data(blocks, val, seq_len, pack)
+    check_schedule(model, config)
+    if config.batch_size % (ctx.world_size * config.microbatch):
+        raise StageError(
+            f"pretrain.batch_size: {config.batch_size} must be a multiple of microbatch x ranks "
+            f"({ctx.world_size * config.microbatch})"
+        )
+    plan = plan_phases(config, seq_len, special, vocab_size, ctx.world_size)
+    cfg = _model_config(model, config, vocab_size, plan.chunk, special["pad"])
+    plan = plan.with_flops(lambda span: _flops_per_token(model, cfg, span))
+    first = plan.spans[0].seq_len
+    spec = mask_spec(config.masking, special, vocab_size, first)  # random replacements are real tokens
+    device = devices.resolve(ctx.device)
+    precision = precisions.candidates(config.precision, device, config.backend, config.compile)[0]
+    documents = boundary(pack.outputs["boundary"], special) if config.document_attention else None
+    return Setup(blocks, blocks_of(val, first), cfg, plan, spec, documents, device, precision, ctx.attention)
+
+
+def _flops_per_token(model, cfg: ModelConfig, span: Span) -> float:
+    """Model FLOPs per token of a phase: attention's share grows with its length."""
+    return model.flops_per_token(
+        dataclasses.replace(cfg, max_seq_len=span.seq_len), span.spec.per_sequence / span.seq_len
+    )
+
+
+MAX_PASSES = 4  # more passes over the training blocks than this: a warning that the data is too small
+
+
+def warn_of_data_limits(config: Any, setup: Setup, ctx: Context) -> None:
+    """Say when the data holds less than the config asks for: fewer held-out blocks than `val_blocks`,
+    or so few training blocks that a step or token budget passes over them many times."""
+    if config.val_blocks > len(setup.val):
+        ctx.log.warning(
+            f"pretrain.val_blocks = {config.val_blocks}, but pack's val holds {len(setup.val)} blocks: "
+            f"the held-out loss uses those {len(setup.val)}"
+        )
+    passes = planned_passes(config, setup, ctx.world_size)
+    if passes is not None:
+        warn_of_repeats(passes, len(setup.blocks), ctx, "makes about")
+
+
+def planned_passes(config: Any, setup: Setup, world_size: int) -> float | None:
+    """The passes over the training blocks that the step or token budget makes, the batch ramp (and the
+    phases) averaged over (at most) 10,000 points; None for a time budget alone, whose steps depend on
+    the speed."""
+    from cram.stages.pretraining.loop import micro_steps
+
+    budget = config.budget
+    tokens = [] if budget.tokens is None else [budget.tokens]
+    if budget.steps is not None:
+        points, total = min(budget.steps, 10_000), 0
+        for i in range(points):
+            span = setup.plan.span_at(i / points)
+            rank_tokens = span.microbatch * span.seq_len
+            total += (
+                micro_steps(i / points, config.ramp, span.batch_size // (world_size * span.microbatch)) * rank_tokens
+            )
+        tokens.append(budget.steps * total / points * world_size)
+    return min(tokens) / setup.blocks.size if tokens else None
+
+
+def warn_of_repeats(passes: float, blocks: int, ctx: Context, verb: str) -> None:
+    if passes > MAX_PASSES:
+        ctx.log.warning(
+            f"the budget {verb} {passes:.1f} passes over the {blocks} training blocks (more than "
+            f"{MAX_PASSES}): each block is seen that often; a larger corpus or a smaller budget repeats less"
+        )
+
+
+def _model_config(model, config: Any, vocab_size: int, seq_len: int, pad_id: int) -> ModelConfig:
+    if config.init:
+        return _checkpoint_config(config, vocab_size, seq_len, pad_id)
+    arch = config.model
+    if arch.preset not in model.PRESETS:
+        raise StageError(f"pretrain.model.preset: {arch.preset!r} is not one of {', '.join(model.PRESETS)}")
+    overrides = {k: v for k, v in dataclasses.asdict(arch).items() if k != "preset" and v is not None}
+    try:
+        return dataclasses.replace(
+            model.PRESETS[arch.preset], vocab_size=vocab_size, max_seq_len=seq_len, pad_id=pad_id, **overrides
+        )
+    except (TypeError, ValueError) as e:
+        raise StageError(f"pretrain.model: {e}") from None
+
+
+def locate_init(config: Any):
+    try:
+        return pretrained.locate(Path(config.init))
+    except pretrained.PretrainedError as e:
+        raise StageError(f"pretrain.init: {e}") from None
+
+
+def _checkpoint_config(config: Any, vocab_size: int, seq_len: int, pad_id: int) -> ModelConfig:
+    """`init`'s architecture, checked against `[pretrain.model]`, the tokenizer and the block length; its
+    weights are read from the files' headers only."""
+    try:
+        cfg, _ = pretrained.load(locate_init(config), shapes_only=True)
+    except pretrained.PretrainedError as e:
+        raise StageError(f"pretrain.init: {e}") from None
+    if config.model.preset != type(config.model)().preset:
+        raise StageError(
+            f"pretrain.model.preset: {config.model.preset!r}, but the architecture is pretrain.init's "
+            f"checkpoint ({config.init}); leave the preset out"
+        )
+    for key, value in dataclasses.asdict(config.model).items():
+        if key != "preset" and value is not None and value != getattr(cfg, key):
+            raise StageError(
+                f"pretrain.model.{key}: {value!r} contradicts the checkpoint's {getattr(cfg, key)!r} "
+                f"(pretrain.init = {config.init}); leave it out"
+            )
+    if vocab_size > cfg.vocab_size:
+        raise StageError(
+            f"tokenize.tokenizer: {vocab_size:,} tokens, more than the {cfg.vocab_size:,} embedding rows of "
+            f"pretrain.init's checkpoint ({config.init}): it is not the tokenizer the checkpoint was trained with"
+        )
+    if cfg.position == "learned" and seq_len > cfg.max_seq_len:
+        raise StageError(
+            f"pack.seq_len: {seq_len} is beyond the {cfg.max_seq_len} positions of pretrain.init's "
+            f"checkpoint ({config.init})"
+        )
+    try:
+        return dataclasses.replace(cfg, pad_id=pad_id)
+    except ValueError as e:
+        raise StageError(f"pretrain.init: {e}") from None
+
+
+# Refused only past this share of the device's memory: the estimate is rough, and a config that
+# may just fit is left to try rather than refused.
+MEMORY_SHARE = 0.9
+
+
+def check_memory(config: Any, cfg: ModelConfig, span: Span, device_name: str) -> None:
+    """StageError when one training step's estimated peak (`model.training_memory`) in the phase `span`
+    clearly exceeds the device's memory, naming the estimate, the memory and the settings that lower it."""
+    from cram import model
+
+    device = devices.resolve(device_name)
+    autocast = devices.autocast_dtype(config.precision, device) is not None
+    at_length = dataclasses.replace(cfg, max_seq_len=span.seq_len)
+    need = model.training_memory(at_length, span.microbatch, span.microbatch * span.spec.per_sequence, autocast)
+    have = devices.memory_bytes(device)
+    if need.total > MEMORY_SHARE * have:
+        gib = 2**30
+        raise StageError(
+            f"pretrain: a training step needs about {need.total / gib:,.1f} GiB ({need.state / gib:,.1f} GiB "
+            f"parameters, AdamW state and gradients of {model.parameter_count(cfg):,} parameters, "
+            f"{need.activations / gib:,.1f} GiB activations of microbatch {span.microbatch}), more than "
+            f"{MEMORY_SHARE:.0%} of the {have / gib:,.1f} GiB of {device}; lower pretrain.microbatch, "
+            "or pretrain.model.hidden, layers or intermediate"
+        )
+
+
+def check_schedule(model, config: Any) -> None:
+    if config.schedule not in model.SCHEDULES:
+        raise StageError(f"pretrain.schedule: {config.schedule!r} is not one of {', '.join(model.SCHEDULES)}")
+    try:
+        model.lr_schedule(config.schedule, 0.5, **config.schedule_args)
+    except (TypeError, ValueError) as e:
+        raise StageError(f"pretrain.schedule_args: {e}") from None
+
+
+def _check_data(train, val, seq_len: int, pack: Upstream) -> None:
+    for name, blocks in (("train", train), ("val", val)):
+        if blocks.ndim != 2 or blocks.shape[1] != seq_len or blocks.dtype.kind not in "iu":
+            raise StageError(
+                f"{pack.path(name)}: shape {blocks.shape} {blocks.dtype}; expected [blocks, {seq_len}] integers"
+            )
+    if len(train) == 0:
+        raise StageError(f"{pack.path('train')}: no blocks to train on")

@@ -1,0 +1,122 @@
+"""The pretrain stage's training steps: made compiled or eager, compiled for every phase's shape before
+the budget clock, and checked against eager steps by the canary in each candidate precision until one
+agrees (`stages/shared/precision.py`); and the eager held-out loss. `config` is pretrain's Config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from cram.stages import Context
+from cram.stages.pretraining.setup import Setup
+from cram.stages.shared import precision as precisions
+
+if TYPE_CHECKING:
+    from cram.stages.pretraining.batches import PhaseStream
+    from cram.stages.pretraining.loop import Steps
+    from cram.stages.pretraining.state import Params, TrainState
+
+
+def make_steps(config: Any, setup: Setup, world_size: int, compile: bool) -> Steps:
+    """The training steps, compiled or eager. One microbatch per step (no ramp to grow): the whole step is
+    one graph. Otherwise two graphs, accumulate (per microbatch) and apply (per step), since a graph cannot
+    loop over a varying count."""
+    import torch
+
+    from cram import model
+    from cram.stages.pretraining.loop import Steps
+
+    reduce_grads = model.make_grad_all_reduce(world_size) if world_size > 1 else None
+    single = all(span.batch_size == world_size * span.microbatch for span in setup.plan.spans)
+    how = dict(compile=compile, backend=config.backend, options=setup.precision.compile_options())
+    forward = dict(autocast_dtype=setup.autocast, attention=setup.attention)
+    whole = accumulate = apply = None
+    if single:
+        whole = model.make_train_step(setup.model, config.optimizer, reduce_grads=reduce_grads, **how, **forward)
+    else:
+        accumulate = model.make_accumulate_step(setup.model, **how, **forward)
+        apply = model.make_apply_step(config.optimizer, reduce_grads=reduce_grads, **how)
+    generator = torch.Generator(device=setup.device)
+    return Steps(whole, accumulate, apply, generator, setup.device, setup.autocast, setup.documents)
+
+
+def val_loss(config: Any, setup: Setup, params: Params) -> float:
+    """The held-out MLM loss on the first `val_blocks` blocks, masked as evaluate masks them. Two forward
+    passes over a few hundred blocks are not worth a compile."""
+    from cram import model
+    from cram.stages.shared.val_mlm import MASK_SEED, val_mlm
+
+    evaluate = model.make_eval_step(
+        setup.model, compile=False, autocast_dtype=setup.autocast, attention=setup.attention
+    )
+    return val_mlm(
+        evaluate,
+        params,
+        setup.val[: config.val_blocks],
+        setup.spec,
+        seed=MASK_SEED,
+        batch_size=setup.plan.spans[0].microbatch,
+        device=setup.device,
+        documents=setup.documents,
+    )["loss"]
+
+
+def compiled_steps(
+    config: Any, setup: Setup, ctx: Context, state: TrainState, data: PhaseStream
+) -> tuple[Setup, Steps, precisions.Choice, float]:
+    """The training steps in the precision they will train in, and the seconds spent compiling them.
+
+    Before the budget clock, unless the steps are eager or the budget is spent: each candidate precision
+    (`precision.candidates`) is compiled for every phase's shape and, with the canary on, checked against
+    eager steps at the first phase's; the first that agrees is kept (`precision.choose`)."""
+    from cram.stages.pretraining.budget import progress
+
+    if not config.compile or not progress(config.budget, state, state.elapsed_s) < 1:
+        why = "eager steps" if not config.compile else "the budget is spent"
+        choice = precisions.unchecked(config.precision, setup.device, f"{why}: no compile canary")
+        setup = dataclasses.replace(setup, precision=choice.precision)
+        return setup, make_steps(config, setup, ctx.world_size, compile=config.compile), choice, 0.0
+    built: dict[precisions.Precision, tuple[Setup, Steps]] = {}
+    compile_s = 0.0
+
+    def check(candidate: precisions.Precision) -> float:
+        nonlocal compile_s
+        trial = dataclasses.replace(setup, precision=candidate)
+        built[candidate] = trial, make_steps(config, trial, ctx.world_size, compile=True)
+        compile_s += _warm_up(setup, built[candidate][1], state)
+        diff = _canary(config, ctx, trial, built[candidate][1], state, data)
+        ctx.log.info("canary", precision=candidate.label, steps=config.canary_steps, max_relative_diff=diff)
+        return diff
+
+    if config.canary_steps:
+        choice = precisions.choose(
+            config.precision, setup.device, config.backend, check, config.canary_tolerance, ctx.log, "pretrain"
+        )
+    else:
+        choice = precisions.unchecked(config.precision, setup.device, "canary_steps = 0: not checked against eager")
+        check(choice.precision)
+    setup, steps = built[choice.precision]
+    return setup, steps, choice, compile_s
+
+
+def _warm_up(setup: Setup, steps: Steps, state: TrainState) -> float:
+    """Compile `steps` for every phase's shape; return seconds."""
+    from cram.stages.shared.blocks import blocks_of
+
+    shapes = {(s.microbatch, s.seq_len, s.spec.per_sequence): s for s in setup.plan.spans}
+    return sum(
+        steps.warm_up(state.params, state.opt_state, blocks_of(setup.blocks, s.seq_len), s.microbatch, s.spec)
+        for s in shapes.values()
+    )
+
+
+def _canary(config: Any, ctx: Context, setup: Setup, steps: Steps, state: TrainState, data: PhaseStream) -> float:
+    """The compiled steps' largest relative difference from eager steps in the same precision; 0 when
+    the canary is off."""
+    from cram.stages.pretraining.loop import canary
+
+    if not config.canary_steps:
+        return 0.0
+    eager = make_steps(config, setup, ctx.world_size, compile=False)
+    return canary(config, ctx, steps, eager, state.params, state.opt_state, data)
