@@ -16,20 +16,20 @@ import dataclasses
 import functools
 import json
 import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
 
 from cram.stages import Context, StageError, Upstream
-from cram.stages.finetuning.finetune import bucket, load_task
+from cram.stages.finetuning.checks import check_against_the_model, check_lengths, check_task, topic_gap
+from cram.stages.finetuning.finetune import load_task
+from cram.stages.finetuning.heldout import HeldOut, evaluate_mlm
 from cram.stages.finetuning.metrics import METRICS, REGRESSION_METRICS
 from cram.stages.finetuning.tasks import GLUE
 from cram.stages.shared import device as devices
 from cram.stages.shared import precision as precisions
 from cram.stages.shared.files import files_under, write_atomic
 from cram.stages.shared.files import fingerprint as fingerprint_files
-from cram.stages.shared.masking import masked_per_sequence
 
 NAME = "evaluate"
 VERSION = "4"
@@ -193,61 +193,16 @@ def validate(config: Config, pipeline: Any) -> None:
     stage runs, with no torch: the held-out masking seed, each local task's files (read in full:
     fields, labels, encoding), a held-out-topic task that the tokenize stage's settings leave without
     articles (the default task is then left out, not refused), and the lengths and masking rate
-    against the model (`_check_against_the_model`)."""
+    against the model (`check_against_the_model`)."""
     tokenize, pack = pipeline.stages.get("tokenize"), pipeline.stages.get("pack")
     if not 0 <= config.mlm_seed < 2**63:
         raise StageError(f"evaluate.mlm_seed: {config.mlm_seed} must be in [0, 2**63 - 1]")
     if tokenize is not None:
-        config = _fitting_tasks(config, lambda: _topic_gap(tokenize))
+        config = _fitting_tasks(config, lambda: topic_gap(tokenize))
     for i, task in enumerate(config.tasks):
-        _check_task(config, task, f"evaluate.tasks[{i}]", i, tokenize, pack)
+        check_task(config, task, f"evaluate.tasks[{i}]", i, tokenize, pack)
     if pack is not None:
-        _check_against_the_model(config, pipeline.stages.get("pretrain"), pack.seq_len)
-
-
-def _check_against_the_model(config: Config, pretrain: Any, pack_seq_len: int) -> None:
-    """What `run` checks against the model, from the configs: the fine-tuning lengths and the held-out
-    masked LM's (`_check_lengths`, `_check_position`) within the model's positions, each held-out
-    length at a masking rate that masks a token of it. The model is the one pretrain's config makes
-    (`pretrain` is its Config), or its `init`'s checkpoint, read from its headers."""
-    trained = list(dict.fromkeys(p.seq_len for p in getattr(pretrain, "phases", ()))) or [pack_seq_len]
-    lengths = (list(config.mlm_lengths) or trained) if config.mlm else []
-    rate = config.mlm_mask_rate or getattr(getattr(pretrain, "masking", None), "rate", 0.0)
-    key = "evaluate.mlm_mask_rate" if config.mlm_mask_rate else "pretrain.masking.rate"
-    for length in lengths:
-        if rate:
-            masked_per_sequence(rate, length, key if not config.mlm_lengths else f"{key} (at evaluate.mlm_lengths)")
-    positions = _positions(pretrain, max(trained))
-    if positions is not None:
-        _check_lengths(config, positions[1])
-        for length in lengths:
-            _check_position(length, *positions)
-
-
-def _check_position(length: int, position: str, max_seq_len: int) -> None:
-    """Learned and sinusoidal positions end at the longest length trained; rope's do not."""
-    if length > max_seq_len and position != "rope":
-        raise StageError(f"evaluate.mlm_lengths: {length} is beyond the model's {max_seq_len} {position} positions")
-
-
-def _positions(pretrain: Any, longest: int) -> tuple[str, int] | None:
-    """(position kind, positions) of the model pretrain's config makes, trained at `longest` at most;
-    None when its config cannot tell (its own `validate` says why)."""
-    from cram.model.config import PRESETS
-
-    if pretrain is None:
-        return None
-    if pretrain.init:
-        from cram.stages.shared import pretrained
-
-        try:
-            cfg, _ = pretrained.load(pretrained.locate(Path(pretrain.init)), shapes_only=True)
-        except pretrained.PretrainedError:
-            return None
-        return cfg.position, cfg.max_seq_len
-    preset = PRESETS.get(pretrain.model.preset)
-    position = pretrain.model.position or getattr(preset, "position", None)
-    return None if position is None else (position, longest)
+        check_against_the_model(config, pipeline.stages.get("pretrain"), pack.seq_len)
 
 
 def describe(config: Config, pipeline: Any) -> str:
@@ -255,7 +210,7 @@ def describe(config: Config, pipeline: Any) -> str:
     where its local files tell them; a held-out-topic task's examples are known only after tokenize,
     a GLUE task's from the hub once fetched."""
     if (tokenize := pipeline.stages.get("tokenize")) is not None:
-        config = _fitting_tasks(config, lambda: _topic_gap(tokenize))
+        config = _fitting_tasks(config, lambda: topic_gap(tokenize))
     parts = []
     for i, task in enumerate(config.tasks):
         epochs, seeds = config.setting(task, "epochs"), config.setting(task, "seeds")
@@ -275,34 +230,6 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('ch') else 's'}"
 
 
-_TOPIC_REMEDY = "drop this task, or give tokenize labelled documents to hold out"
-
-
-def _check_task(config: Config, task: TaskConfig, where: str, index: int, tokenize: Any, pack: Any) -> None:
-    max_length = config.setting(task, "max_length")
-    if pack is not None and bucket(max_length, config.buckets) > pack.seq_len:
-        raise StageError(
-            f"{where}: max_length {max_length} pads to {bucket(max_length, config.buckets)}, "
-            f"beyond pack.seq_len = {pack.seq_len}, the model's positions"
-        )
-    if task.kind != "heldout-topic":
-        if task.path:  # GLUE from the hub is fetched when the stage runs, not to check a config
-            load_task(task, index, None)
-    elif tokenize is not None and _topic_gap(tokenize):
-        raise StageError(f"{where}: kind 'heldout-topic' {_topic_gap(tokenize)}; {_TOPIC_REMEDY}")
-
-
-def _topic_gap(tokenize: Any) -> str | None:
-    """Why tokenize's settings (its Config) leave a held-out-topic task no articles to classify; None
-    when they do not."""
-    if tokenize.heldout_fraction == 0:
-        return "classifies the articles tokenize holds out, and tokenize.heldout_fraction = 0 holds out none"
-    plain_text = tokenize.corpus.kind in ("files", "package") and tokenize.corpus.format == "text"
-    if not tokenize.corpus.label_field or plain_text:
-        return "needs labelled documents, and the corpus has no labels (tokenize.corpus.label_field, or text files)"
-    return None
-
-
 def _fitting_tasks(config: Config, gap: Callable[[], str | None], log: Any = None) -> Config:
     """`config` without its default topic task when `gap()` says why the corpus gives it nothing to
     classify (noted in `log`): only the masked-LM numbers then. A topic task the config names itself
@@ -320,7 +247,7 @@ def _fitting_tasks(config: Config, gap: Callable[[], str | None], log: Any = Non
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
     config = _fitting_tasks(config, lambda: _heldout_gap(inputs["tokenize"]), ctx.log)
     cfg, params, tokenizer = _load_checkpoint(inputs["pretrain"], inputs["tokenize"])
-    _check_lengths(config, cfg.max_seq_len)
+    check_lengths(config, cfg.max_seq_len)
     seeds = [[ctx.seed + k for k in range(config.setting(tc, "seeds"))] for tc in config.tasks]
     jobs = [(i, seed) for i, task_seeds in enumerate(seeds) for seed in task_seeds]
     work = functools.partial(_work, config, inputs, ctx, cfg, params, tokenizer, jobs)
@@ -345,18 +272,6 @@ def _heldout_gap(tokenize: Upstream) -> str | None:
     if not has_topics(tokenize.dir / heldout):
         return "needs labelled documents, and the held-out articles have no labels"
     return None
-
-
-def _check_lengths(config: Config, max_seq_len: int) -> None:
-    """Each task's padded length within the model's `max_seq_len` positions."""
-    for i, task_cfg in enumerate(config.tasks):
-        max_length = config.setting(task_cfg, "max_length")
-        if bucket(max_length, config.buckets) > max_seq_len:
-            key = "max_length" if task_cfg.max_length is None else f"tasks[{i}].max_length"
-            raise StageError(
-                f"evaluate.{key}: {max_length} pads to {bucket(max_length, config.buckets)}, "
-                f"beyond the model's {max_seq_len} positions"
-            )
 
 
 @dataclass(frozen=True)
@@ -392,8 +307,8 @@ def _work(
     with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
         choice, tuner = _tuner(config, cfg, on_device, special, device, tasks, encoded, ctx)
         if config.mlm and ctx.is_main:
-            held_out = _HeldOut.of(config, inputs)
-            mlm = _evaluate_mlm(config, cfg, on_device, held_out, device, choice.precision, ctx)
+            held_out = HeldOut.of(config, inputs)
+            mlm = evaluate_mlm(config, cfg, on_device, held_out, device, choice.precision, ctx)
         for j, (i, seed) in enumerate(jobs):
             if owner[j] == ctx.rank:
                 runs[j] = finetune_seed(tuner, tasks[i][0], tasks[i][1], encoded[i], seed, ctx)
@@ -507,90 +422,6 @@ def _load_checkpoint(pretrain: Upstream, tokenize: Upstream):
             f"[{cfg.vocab_size}, {cfg.hidden}]"
         )
     return cfg, params, tokenizer
-
-
-# ----------------------------------------------------------------------------------- masked LM
-
-
-@dataclass(frozen=True)
-class _HeldOut:
-    """How the held-out masked LM is measured: pack's val blocks at `lengths`, masked as pretrain masked."""
-
-    path: Path  # pack's val.npy
-    lengths: list[int]
-    masking: dict  # a `Masking` as a dict; its rate: evaluate.mlm_mask_rate, or pretraining's
-    special: dict[str, int]
-    vocab_size: int  # the tokenizer's: random replacements are real tokens, not rows a model has past them
-    documents: Any  # a `blocks.Boundary` when pretrain attended within documents, else None
-
-    @classmethod
-    def of(cls, config: Config, inputs: dict[str, Upstream]) -> _HeldOut:
-        from cram.stages.shared.blocks import boundary
-
-        pretrain, pack, tokenize = inputs["pretrain"], inputs["pack"], inputs["tokenize"].outputs
-        special = tokenize["special_ids"]
-        trained = pretrain.outputs
-        masking = trained["masking"]
-        if config.mlm_mask_rate:
-            masking = {**masking, "rate": config.mlm_mask_rate}
-        lengths = list(config.mlm_lengths) or trained.get("seq_lens") or [int(pack.outputs["seq_len"])]
-        documents = boundary(pack.outputs["boundary"], special) if trained.get("document_attention") else None
-        return cls(pack.path("val"), lengths, masking, special, int(tokenize["vocab_size"]), documents)
-
-
-def _evaluate_mlm(config: Config, cfg, params, held_out: _HeldOut, device, precision, ctx: Context) -> dict:
-    """Mean loss and accuracy over every masked token of the held-out blocks, masked as pretrain masks
-    its held-out blocks (`stages/shared/val_mlm.py`), at each length of `held_out`: the first's figures,
-    and every length's under `by_length`."""
-    import numpy as np
-
-    blocks = np.load(held_out.path, mmap_mode="r")
-    if blocks.ndim != 2 or len(blocks) == 0:
-        raise StageError(f"{held_out.path}: expected blocks [n, seq_len] with n > 0, got {list(blocks.shape)}")
-    by_length = {
-        length: _mlm_at(config, cfg, params, blocks, length, held_out, device, precision, ctx.attention)
-        for length in held_out.lengths
-    }
-    result = {**by_length[held_out.lengths[0]], "mask_rate": held_out.masking["rate"]}
-    if len(by_length) > 1:
-        result["by_length"] = {str(length): r for length, r in by_length.items()}
-    ctx.log.info("mlm", **{k: v for k, v in result.items() if k != "by_length"})
-    return result
-
-
-def _mlm_at(
-    config: Config, cfg, params, blocks, length: int, held_out: _HeldOut, device, precision, attention: str
-) -> dict:
-    """The held-out masked LM on blocks of `length`; StageError when the model or the data has no such block."""
-    from cram import model
-    from cram.stages.shared.blocks import blocks_of
-    from cram.stages.shared.masking import Masking, mask_spec
-    from cram.stages.shared.val_mlm import val_mlm
-
-    began = time.perf_counter()
-    _check_position(length, cfg.position, cfg.max_seq_len)
-    at_length = blocks_of(blocks, length)
-    if len(at_length) == 0:
-        raise StageError(f"evaluate.mlm_lengths: {length}: pack's val ({blocks.size} tokens) holds no block that long")
-    spec = mask_spec(Masking(**held_out.masking), held_out.special, held_out.vocab_size, length)
-    # Its own compiled function per length: one graph each, never a recompile of another length's.
-    forward = dict(autocast_dtype=precision.autocast(), attention=attention)
-    options = precision.compile_options()
-    step = model.make_eval_step(cfg, compile=config.compile, backend=config.backend, options=options, **forward)
-    # The last, shorter batch runs eagerly rather than compiling a second graph for one call.
-    tail = model.make_eval_step(cfg, compile=False, **forward)
-    result = val_mlm(
-        step,
-        params,
-        at_length,
-        spec,
-        seed=config.mlm_seed,
-        batch_size=config.mlm_batch_size,
-        device=device,
-        tail=tail,
-        documents=held_out.documents,
-    )
-    return {**result, "blocks": len(at_length), "time_s": round(time.perf_counter() - began, 3)}
 
 
 # ------------------------------------------------------------------------------------------ output

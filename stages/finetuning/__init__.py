@@ -1,2 +1,3 @@
-"""The evaluate stage's fine-tuning: tasks as text/label examples (`tasks`: GLUE, custom files,
-held-out topics), their scores (`metrics`) and the per-seed fine-tuning loop (`finetune`)."""
+"""The evaluate stage's helpers: tasks as text/label examples (`tasks`: GLUE, custom files, held-out
+topics), their scores (`metrics`), the per-seed fine-tuning loop (`finetune`), the checks before it
+(`checks`) and the held-out masked LM (`heldout`)."""

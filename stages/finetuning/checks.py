@@ -1,0 +1,98 @@
+"""What the evaluate stage checks before it fine-tunes, from the configs alone: each task's files and
+lengths, a held-out-topic task that tokenize's settings leave without articles, and the lengths and
+masking rate against the model that pretrain's config makes. `config` is evaluate's Config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from cram.stages import StageError
+from cram.stages.finetuning.finetune import bucket, load_task
+from cram.stages.shared.masking import masked_per_sequence
+
+
+def check_against_the_model(config: Any, pretrain: Any, pack_seq_len: int) -> None:
+    """What `run` checks against the model, from the configs: the fine-tuning lengths and the held-out
+    masked LM's (`check_lengths`, `check_position`) within the model's positions, each held-out
+    length at a masking rate that masks a token of it. The model is the one pretrain's config makes
+    (`pretrain` is its Config), or its `init`'s checkpoint, read from its headers."""
+    trained = list(dict.fromkeys(p.seq_len for p in getattr(pretrain, "phases", ()))) or [pack_seq_len]
+    lengths = (list(config.mlm_lengths) or trained) if config.mlm else []
+    rate = config.mlm_mask_rate or getattr(getattr(pretrain, "masking", None), "rate", 0.0)
+    key = "evaluate.mlm_mask_rate" if config.mlm_mask_rate else "pretrain.masking.rate"
+    for length in lengths:
+        if rate:
+            masked_per_sequence(rate, length, key if not config.mlm_lengths else f"{key} (at evaluate.mlm_lengths)")
+    positions = _positions(pretrain, max(trained))
+    if positions is not None:
+        check_lengths(config, positions[1])
+        for length in lengths:
+            check_position(length, *positions)
+
+
+def check_position(length: int, position: str, max_seq_len: int) -> None:
+    """Learned and sinusoidal positions end at the longest length trained; rope's do not."""
+    if length > max_seq_len and position != "rope":
+        raise StageError(f"evaluate.mlm_lengths: {length} is beyond the model's {max_seq_len} {position} positions")
+
+
+def _positions(pretrain: Any, longest: int) -> tuple[str, int] | None:
+    """(position kind, positions) of the model pretrain's config makes, trained at `longest` at most;
+    None when its config cannot tell (its own `validate` says why)."""
+    from cram.model.config import PRESETS
+
+    if pretrain is None:
+        return None
+    if pretrain.init:
+        from cram.stages.shared import pretrained
+
+        try:
+            cfg, _ = pretrained.load(pretrained.locate(Path(pretrain.init)), shapes_only=True)
+        except pretrained.PretrainedError:
+            return None
+        return cfg.position, cfg.max_seq_len
+    preset = PRESETS.get(pretrain.model.preset)
+    position = pretrain.model.position or getattr(preset, "position", None)
+    return None if position is None else (position, longest)
+
+
+_TOPIC_REMEDY = "drop this task, or give tokenize labelled documents to hold out"
+
+
+def check_task(config: Any, task: Any, where: str, index: int, tokenize: Any, pack: Any) -> None:
+    max_length = config.setting(task, "max_length")
+    if pack is not None and bucket(max_length, config.buckets) > pack.seq_len:
+        raise StageError(
+            f"{where}: max_length {max_length} pads to {bucket(max_length, config.buckets)}, "
+            f"beyond pack.seq_len = {pack.seq_len}, the model's positions"
+        )
+    if task.kind != "heldout-topic":
+        if task.path:  # GLUE from the hub is fetched when the stage runs, not to check a config
+            load_task(task, index, None)
+    elif tokenize is not None and topic_gap(tokenize):
+        raise StageError(f"{where}: kind 'heldout-topic' {topic_gap(tokenize)}; {_TOPIC_REMEDY}")
+
+
+def topic_gap(tokenize: Any) -> str | None:
+    """Why tokenize's settings (its Config) leave a held-out-topic task no articles to classify; None
+    when they do not."""
+    if tokenize.heldout_fraction == 0:
+        return "classifies the articles tokenize holds out, and tokenize.heldout_fraction = 0 holds out none"
+    plain_text = tokenize.corpus.kind in ("files", "package") and tokenize.corpus.format == "text"
+    if not tokenize.corpus.label_field or plain_text:
+        return "needs labelled documents, and the corpus has no labels (tokenize.corpus.label_field, or text files)"
+    return None
+
+
+def check_lengths(config: Any, max_seq_len: int) -> None:
+    """Each task's padded length within the model's `max_seq_len` positions."""
+    for i, task_cfg in enumerate(config.tasks):
+        max_length = config.setting(task_cfg, "max_length")
+        if bucket(max_length, config.buckets) > max_seq_len:
+            key = "max_length" if task_cfg.max_length is None else f"tasks[{i}].max_length"
+            raise StageError(
+                f"evaluate.{key}: {max_length} pads to {bucket(max_length, config.buckets)}, "
+                f"beyond the model's {max_seq_len} positions"
+            )
