@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from cram.stages import Context, StageError, Upstream
 from cram.stages.data import shards
+from cram.stages.shared.runs import gather_runs
 
 NAME = "pack"
 VERSION = "1"
@@ -266,24 +267,6 @@ def nonempty_documents(offsets: Any) -> Any:
     import numpy as np
 
     return np.flatnonzero(offsets[1:] > offsets[:-1])
-
-
-def gather_runs(starts: Any, lengths: Any) -> Any:
-    """Indices starts[0], starts[0] + 1, ..., starts[0] + lengths[0] - 1, starts[1], ...: one
-    cumulative sum of steps that are 1 inside a run and jump at each run's first element."""
-    import numpy as np
-
-    nonempty = lengths > 0
-    starts, lengths = starts[nonempty], lengths[nonempty]
-    if len(starts) == 0:
-        return np.zeros(0, dtype=np.int32)
-    # int32 indices when they fit: half the memory traffic of int64.
-    index = np.int32 if int(starts.max()) + int(lengths.max()) < 2**31 else np.int64
-    steps = np.ones(int(lengths.sum()), dtype=index)
-    first = np.cumsum(lengths) - lengths
-    steps[0] = starts[0]
-    steps[first[1:]] = starts[1:] - (starts[:-1] + lengths[:-1] - 1)
-    return np.cumsum(steps, out=steps)  # in place: a second array this size costs more than the sum
 
 
 def _validation_split(order: Any, offsets: Any, config: Config, wrap: int) -> tuple[int, int]:
