@@ -124,7 +124,10 @@ def keyed_config(module: ModuleType, stage_config: Any) -> dict[str, Any]:
     paths such as "log_every_steps"), which change how a stage reports, not what it computes; and without
     the fields its `NEW_OPTIONS` names while they hold their default. Those are options added after the
     stage's key was fixed: at their default they compute what the stage computed before them, so a store
-    filled before they existed stays valid."""
+    filled before they existed stays valid. A stage's optional `key_config(config)` first sets what its
+    output does not depend on in that config (tokenize: the training fields, beside a given tokenizer)."""
+    if hasattr(module, "key_config"):
+        stage_config = module.key_config(stage_config)
     plain = cfg.as_plain(stage_config)
     for dotted in getattr(module, "NOT_IN_KEY", ()):
         _pop(plain, dotted)

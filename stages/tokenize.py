@@ -47,6 +47,17 @@ RESUMABLE = False
 # keeps it.
 NOT_IN_KEY = ("num_proc", "batch_size", "tokenizer")
 
+# What only trains a tokenizer: with one given, its key holds them at their defaults (`key_config`).
+TRAINING_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "lowercase",
+    "normalization",
+    "character_coverage",
+    "tokenizer_max_chars",
+    "max_line_chars",
+)
+
 # The names of the special pieces in the tokenizers cram trains, at the fixed ids SPECIAL_IDS.
 _PIECES = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
 _MAX_PROCS = 8  # beyond this, reading the corpus, not encoding, is what limits a machine
@@ -98,6 +109,17 @@ class Config:
         for key in ("tokenizer_max_chars", "max_line_chars", "num_proc", "batch_size"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ValueError(f"{key}: {getattr(self, key)} must be at least 1")
+
+
+def key_config(config: Config) -> Config:
+    """The config as the cache key sees it. With a tokenizer given, the fields that would train one are
+    ignored: they are keyed at their defaults, so changing one re-tokenizes nothing, and a store filled
+    before they were left out (with them at their defaults, as a given tokenizer leaves them) keeps
+    its keys."""
+    if not config.tokenizer:
+        return config
+    defaults = Config()
+    return dataclasses.replace(config, **{name: getattr(defaults, name) for name in TRAINING_FIELDS})
 
 
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
