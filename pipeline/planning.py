@@ -19,6 +19,7 @@ from typing import Any
 from cram import stages
 from cram.pipeline import config as cfg
 from cram.pipeline import rundir, store
+from cram.stages.shared.files import hashes_from
 
 
 class PlanError(Exception):
@@ -35,6 +36,7 @@ class Step:
     upstream_keys: dict[str, str]
     action: str  # "run", "reuse" (link the store's entry) or "skip"
     reason: str
+    inputs: list[list[Any]] | None = None  # the fingerprint `inputs_hash` digests
 
 
 def plan(
@@ -63,7 +65,7 @@ def plan(
         config_hash = cfg.digest({"version": module.VERSION, "config": keyed, "seed": config.run.seed})
         # A stage that reads files outside the run (a corpus, a checkpoint) says what of them its output
         # depends on; None: none with this config.
-        outside = module.fingerprint(stage_config) if hasattr(module, "fingerprint") else None
+        outside = fingerprint(module, stage_config, stored)
         inputs_hash = None if outside is None else cfg.digest(outside)
         key = cfg.digest(
             {
@@ -91,11 +93,19 @@ def plan(
             action, reason = "run", _why_not_done(record, key, config_hash, upstream, broken)
         else:
             action, reason = "skip", "not selected"
-        steps.append(Step(module.NAME, module, key, config_hash, inputs_hash, upstream, action, reason))
+        steps.append(Step(module.NAME, module, key, config_hash, inputs_hash, upstream, action, reason, outside))
     steps = _link_only_what_is_needed(steps, selected)
     _check_upstream_done(steps)
     _validate(config, steps)
     return steps
+
+
+def fingerprint(module: ModuleType, stage_config: Any, stored: store.Store) -> list[list[Any]] | None:
+    """The stage's optional `fingerprint(config)`, its large files hashed through the store's cache."""
+    if not hasattr(module, "fingerprint"):
+        return None
+    with hashes_from(store.hash_cache(stored.root)):
+        return module.fingerprint(stage_config)
 
 
 def _check_folder(run_dir: Path) -> None:

@@ -133,7 +133,7 @@ def flatten(tokens: Path, scratch: Path, dtype: Any, vocab_size: int) -> tuple[A
                         f"{path}: token ids outside [0, vocab_size = {vocab_size}): "
                         f"the tokenize output is not from this tokenizer; re-run tokenize"
                     ) from None
-                ids.astype(dtype, copy=False).tofile(out)
+                _write(ids.astype(dtype, copy=False), out)
                 lengths.append(n)
                 keys.append(_document_hashes(values, n))
     return np.concatenate(lengths or [np.zeros(0, np.int64)]), np.concatenate(keys or [np.zeros(0, np.uint64)])
@@ -217,11 +217,20 @@ def write_blocks(
             start = int(ends[first - 1]) if first else 0
             last = max(first + 1, int(np.searchsorted(ends, start + CHUNK_TOKENS, side="right")))
             chunk = wrapped(ids, offsets, docs[first:last], prefix, suffix)[:remaining]
-            chunk.tofile(out)
+            _write(chunk, out)
             remaining -= len(chunk)
             first = last
             ids.touched(len(chunk))
     return shape
+
+
+def _write(array: Any, out: Any) -> None:
+    """Append `array`'s bytes to the open file `out` (no copy); a disk that fills is one line naming the
+    file (the runner then removes the whole partial entry)."""
+    try:
+        out.write(memoryview(array).cast("B"))
+    except OSError as e:
+        raise OSError(e.errno, f"{out.name}: {e.strerror} while pack wrote it") from None
 
 
 def wrapped(ids: MappedIds, offsets: Any, docs: Any, prefix: list[int], suffix: list[int]) -> Any:
