@@ -14,9 +14,8 @@ def gather_runs(starts: Any, lengths: Any) -> Any:
     starts, lengths = starts[nonempty], lengths[nonempty]
     if len(starts) == 0:
         return np.zeros(0, dtype=np.int32)
-    # int32 indices when they fit: half the memory traffic of int64.
-    index = np.int32 if int(starts.max()) + int(lengths.max()) < 2**31 else np.int64
-    steps = np.ones(int(lengths.sum()), dtype=index)
+    # numpy's own index type: an int32 index would be converted to it by every gather, a copy of it each time.
+    steps = np.ones(int(lengths.sum()), dtype=np.intp)
     first = np.cumsum(lengths) - lengths
     steps[0] = starts[0]
     steps[first[1:]] = starts[1:] - (starts[:-1] + lengths[:-1] - 1)
