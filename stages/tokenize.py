@@ -367,9 +367,10 @@ def _parallel(work: Callable[[Any], Any], jobs: list[Any], num_proc: int) -> lis
 
 
 def _one_thread() -> None:
-    # A process per core already fills the machine, and turning ids into Python lists holds the GIL: the
-    # `tokenizers` library's own threads in each worker only compete for the cores (bench/README.md,
-    # "a given tokenizer"). In this process (num_proc 1) its threads stay on: alone they help.
+    # A process per core already fills the machine: a byte-level BPE's encoder (`bytelevel`) is Python
+    # and numpy under the GIL, and the `tokenizers` library's own threads in each worker only compete for
+    # the cores (bench/README.md, "a given tokenizer"). So many cores want many processes (num_proc, at most
+    # _MAX_PROCS by default), each on one thread. In this process (num_proc 1) its threads stay on.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
