@@ -211,12 +211,12 @@ def write_blocks(
     remaining = shape[0] * seq_len
     with open(path, "wb") as out:
         np.lib.format.write_array_header_1_0(out, header)
-        first = 0
+        first, buffers = 0, _Buffers(ids.dtype)
         while remaining > 0:
             # The documents that end within CHUNK_TOKENS of this chunk's start (at least one).
             start = int(ends[first - 1]) if first else 0
             last = max(first + 1, int(np.searchsorted(ends, start + CHUNK_TOKENS, side="right")))
-            chunk = wrapped(ids, offsets, docs[first:last], prefix, suffix)[:remaining]
+            chunk = wrapped(ids, offsets, docs[first:last], prefix, suffix, buffers)[:remaining]
             _write(chunk, out)
             remaining -= len(chunk)
             first = last
@@ -233,25 +233,44 @@ def _write(array: Any, out: Any) -> None:
         raise OSError(e.errno, f"{out.name}: {e.strerror} while pack wrote it") from None
 
 
-def wrapped(ids: MappedIds, offsets: Any, docs: Any, prefix: list[int], suffix: list[int]) -> Any:
+def wrapped(ids: MappedIds, offsets: Any, docs: Any, prefix: list[int], suffix: list[int], reuse: Any = None) -> Any:
     """The documents `docs`, in that order, each wrapped in prefix and suffix tokens, as one flat
-    array: one gather of each document with as many ids around it as it has boundary tokens (kept
-    within the file at its ends), then the boundary tokens written over those; no Python work per
-    token or per document, and no mask or second copy of the chunk."""
+    array: one gather of each document with as many ids around it as it has boundary tokens (clipped
+    to the file at its ends), then the boundary tokens written over those; no Python work per token or
+    per document, and no mask or second copy of the chunk. `reuse`: a `_Buffers` to build it in."""
     import numpy as np
 
     starts, lengths = offsets[docs], offsets[docs + 1] - offsets[docs]
     wrap = len(prefix) + len(suffix)
-    index = gather_runs(starts - len(prefix), lengths + wrap)
-    if len(docs) and (int(starts.min()) < len(prefix) or int((starts + lengths).max()) + len(suffix) > ids.count):
-        np.clip(index, 0, ids.count - 1, out=index)
-    out = ids[index]  # fancy indexing: several times faster here than np.take
+    size = int(lengths.sum()) + wrap * len(docs)
+    index, out = (None, np.empty(size, ids.dtype)) if reuse is None else reuse.take(size)
+    if size == 0:
+        return out
+    np.take(ids.array, gather_runs(starts - len(prefix), lengths + wrap, index), mode="clip", out=out)
     at = np.cumsum(lengths + wrap) - (lengths + wrap)  # where each wrapped document starts
     for k, token in enumerate(prefix):
         out[at + k] = token
     for k, token in enumerate(suffix):
         out[at + len(prefix) + lengths + k] = token
     return out
+
+
+class _Buffers:
+    """The index and output arrays of `wrapped`, kept from chunk to chunk (grown when one needs more):
+    fresh arrays of this size come from the system each time, their pages faulted in anew."""
+
+    def __init__(self, dtype: Any):
+        import numpy as np
+
+        self.dtype = dtype
+        self.index, self.out = np.empty(0, np.intp), np.empty(0, dtype)
+
+    def take(self, size: int) -> tuple[Any, Any]:
+        import numpy as np
+
+        if size > len(self.out):
+            self.index, self.out = np.empty(size, np.intp), np.empty(size, self.dtype)
+        return self.index, self.out[:size]
 
 
 def unique_documents(ids: MappedIds, offsets: Any, keys: Any) -> Any:
