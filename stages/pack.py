@@ -32,6 +32,9 @@ RESUMABLE = False
 
 _UINT16_LIMIT = 1 << 16
 CHUNK_TOKENS = 1 << 22  # tokens gathered and written at a time
+# Documents (with their boundary tokens) at least this long on average are copied a slice each,
+# shorter ones gathered through an index: the cost per token of the two crosses near here.
+LONG_DOCUMENTS = 128
 RESIDENT_BYTES = 256 << 20  # pages of the memory-mapped ids read before they are dropped from RSS
 
 
@@ -124,7 +127,11 @@ def flatten(tokens: Path, scratch: Path, dtype: Any, vocab_size: int) -> tuple[A
         for path in shards.shard_files(tokens):
             for batch in shards.read_batches(path, ("input_ids",)):
                 column = batch.column(0)
-                n = pc.fill_null(pc.list_value_length(column), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+                if column.null_count:  # a null list's offsets may span values that flatten() leaves out
+                    n = pc.fill_null(pc.list_value_length(column), 0).to_numpy(zero_copy_only=False)
+                else:
+                    n = np.diff(column.offsets.to_numpy())
+                n = n.astype(np.int64)
                 ids = column.flatten().to_numpy(zero_copy_only=False)
                 try:  # as unsigned, a negative id is out of the table's range too: one pass checks both ends
                     values = table[ids.view(np.uint32)]
@@ -246,8 +253,15 @@ def wrapped(ids: MappedIds, offsets: Any, docs: Any, prefix: list[int], suffix: 
     index, out = (None, np.empty(size, ids.dtype)) if reuse is None else reuse.take(size)
     if size == 0:
         return out
-    np.take(ids.array, gather_runs(starts - len(prefix), lengths + wrap, index), mode="clip", out=out)
     at = np.cumsum(lengths + wrap) - (lengths + wrap)  # where each wrapped document starts
+    if size >= LONG_DOCUMENTS * len(docs):
+        # Long documents: a slice copy each (a memcpy) costs less than building and reading an index
+        # for every token (bench/README.md, "Pack"); the boundary slots are written below.
+        array = ids.array
+        for to, start, length in zip((at + len(prefix)).tolist(), starts.tolist(), lengths.tolist()):
+            out[to : to + length] = array[start : start + length]
+    else:
+        np.take(ids.array, gather_runs(starts - len(prefix), lengths + wrap, index), mode="clip", out=out)
     for k, token in enumerate(prefix):
         out[at + k] = token
     for k, token in enumerate(suffix):
