@@ -36,6 +36,7 @@ CHUNK_TOKENS = 1 << 22  # tokens gathered and written at a time
 # shorter ones gathered through an index: the cost per token of the two crosses near here.
 LONG_DOCUMENTS = 128
 RESIDENT_BYTES = 256 << 20  # pages of the memory-mapped ids read before they are dropped from RSS
+_FAULT_AROUND = 64 << 10  # what one page fault in a mapped file may map (Linux's fault_around_bytes)
 
 
 @dataclass(frozen=True)
@@ -183,9 +184,10 @@ class MappedIds:
     def __getitem__(self, index: Any) -> Any:
         return self.array[index]
 
-    def touched(self, tokens: int) -> None:
-        # Scattered documents touch whole pages: count twice the bytes read.
-        self._read += 2 * tokens * self.array.itemsize
+    def touched(self, tokens: int, documents: int = 1) -> None:
+        # Scattered documents touch whole pages, and a page fault maps the cached pages around it too
+        # (the kernel's fault-around, 64 KB): count the larger of twice the bytes and that per document.
+        self._read += max(2 * tokens * self.array.itemsize, documents * _FAULT_AROUND)
         if self._read >= RESIDENT_BYTES and self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
             self._map.madvise(mmap.MADV_DONTNEED)
             self._read = 0
@@ -227,7 +229,7 @@ def write_blocks(
             _write(chunk, out)
             remaining -= len(chunk)
             first = last
-            ids.touched(len(chunk))
+            ids.touched(len(chunk), last - first)
     return shape
 
 
