@@ -19,6 +19,7 @@ from typing import Any
 from cram import stages
 from cram.pipeline import config as cfg
 from cram.pipeline import ranks, rundir, store
+from cram.stages.shared.files import hashes_from
 
 
 class PlanError(Exception):
@@ -35,6 +36,7 @@ class Step:
     upstream_keys: dict[str, str]
     action: str  # "run", "reuse" (link the store's entry) or "skip"
     reason: str
+    inputs: list[list[Any]] | None = None  # the fingerprint `inputs_hash` digests
 
 
 def plan(
@@ -63,7 +65,7 @@ def plan(
         config_hash = cfg.digest({"version": module.VERSION, "config": keyed, "seed": config.run.seed})
         # A stage that reads files outside the run (a corpus, a checkpoint) says what of them its output
         # depends on; None: none with this config.
-        outside = module.fingerprint(stage_config) if hasattr(module, "fingerprint") else None
+        outside = fingerprint(module, stage_config, stored)
         inputs_hash = None if outside is None else cfg.digest(outside)
         key = cfg.digest(
             {
@@ -91,7 +93,7 @@ def plan(
             action, reason = "run", _why_not_done(record, key, config_hash, upstream, broken)
         else:
             action, reason = "skip", "not selected"
-        steps.append(Step(module.NAME, module, key, config_hash, inputs_hash, upstream, action, reason))
+        steps.append(Step(module.NAME, module, key, config_hash, inputs_hash, upstream, action, reason, outside))
     steps = _link_only_what_is_needed(steps, selected)
     _check_upstream_done(steps)
     _validate(config, steps)
@@ -105,6 +107,14 @@ def _check_run(config: cfg.PipelineConfig, run_dir: Path) -> None:
     problem = ranks.device_problem(config.run.device)
     if problem is not None:
         raise PlanError(problem)
+
+
+def fingerprint(module: ModuleType, stage_config: Any, stored: store.Store) -> list[list[Any]] | None:
+    """The stage's optional `fingerprint(config)`, its large files hashed through the store's cache."""
+    if not hasattr(module, "fingerprint"):
+        return None
+    with hashes_from(store.hash_cache(stored.root)):
+        return module.fingerprint(stage_config)
 
 
 def _check_folder(run_dir: Path) -> None:
@@ -139,7 +149,10 @@ def keyed_config(module: ModuleType, stage_config: Any) -> dict[str, Any]:
     paths such as "log_every_steps"), which change how a stage reports, not what it computes; and without
     the fields its `NEW_OPTIONS` names while they hold their default. Those are options added after the
     stage's key was fixed: at their default they compute what the stage computed before them, so a store
-    filled before they existed stays valid."""
+    filled before they existed stays valid. A stage's optional `key_config(config)` first sets what its
+    output does not depend on in that config (tokenize: the training fields, beside a given tokenizer)."""
+    if hasattr(module, "key_config"):
+        stage_config = module.key_config(stage_config)
     plain = cfg.as_plain(stage_config)
     for dotted in getattr(module, "NOT_IN_KEY", ()):
         _pop(plain, dotted)

@@ -35,7 +35,7 @@ from cram import stages
 from cram.pipeline import config as cfg
 from cram.pipeline import logs, ranks, rundir, store
 from cram.pipeline.errors import CramError, Interrupted
-from cram.pipeline.planning import Step
+from cram.pipeline.planning import Step, fingerprint
 from cram.stages.shared import loggers as stage_loggers
 
 _VERSIONED = ("torch", "numpy", "datasets", "sentencepiece", "tokenizers", "safetensors", "structlog", "typer")
@@ -249,10 +249,14 @@ def _compute(
         error: tuple[str, int] | None = None
         if main or getattr(step.module, "DISTRIBUTED", False):
             outputs, error = _call(config, step, inputs, partial, ctx, log)
+        if main and error is None:
+            error = _changed_inputs(config, step, stored)
         error = ranks.agree(error, world_size)
         duration = round(time.perf_counter() - started, 3)
         if error is not None:
             if main:
+                if not getattr(step.module, "RESUMABLE", False):  # nothing to continue from: free its disk now
+                    shutil.rmtree(partial, ignore_errors=True)
                 attempt.save(status="failed", error=error[0], **attempt.closing("failed", duration))
                 log.error("failed", error=error[0], **({"kept": "the earlier result"} if attempt.keep else {}))
             raise StageFailed(step.name, error[0], error[1], run_dir / rundir.EVENTS)
@@ -321,6 +325,23 @@ def _context(
             config.run.loggers if rank == 0 else (), run_dir / "logs", run_dir.name, step.name, config.to_dict()
         ),
     )
+
+
+def _changed_inputs(config: cfg.PipelineConfig, step: Step, stored: store.Store) -> tuple[str, int] | None:
+    """The stage's outside inputs fingerprinted again once it returned: one that changed while it ran (a
+    tokenizer file rewritten, a corpus file cut short or deleted) would leave outputs under a key they do
+    not match, so the error names it and nothing is kept. (A large file costs a `stat`: the hash cache.)"""
+    if step.inputs is None:
+        return None
+    now = fingerprint(step.module, config.stages[step.name], stored) or []
+    if cfg.digest(now) == step.inputs_hash:
+        return None
+    before = {json.dumps(entry) for entry in step.inputs}
+    entry = next((e for e in now if json.dumps(e) not in before), None) or next(
+        (e for e in step.inputs if e not in now), ["inputs"]
+    )
+    name = next((str(x) for x in entry if isinstance(x, str) and x not in ("tokenizer", "unavailable")), str(entry))
+    return f"{name}: changed while {step.name} ran; nothing was kept: run it again", 2
 
 
 def _call(

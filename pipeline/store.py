@@ -23,6 +23,7 @@ recorded has sizes only and is trusted on sizes, as it was.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -31,7 +32,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from cram.pipeline import rundir
 from cram.stages.shared.files import CONTENT_HASH, DAMAGED, MARKER, content_hash, read_marker, write_atomic
@@ -39,6 +40,7 @@ from cram.stages.shared.files import CONTENT_HASH, DAMAGED, MARKER, content_hash
 STORE = ".store"
 _ITEM = re.compile(r"(?P<stage>[A-Za-z0-9_]+)-(?P<key>[0-9a-f]{64})(?P<kind>|\.partial|\.lock|\.retired-\d+)")
 _DELETING = ".deleting-"
+HASHES = "hashes"  # ROOT/.store/hashes/: sha256 of files outside the store (a checkpoint), by their metadata
 
 
 class StoreError(Exception):
@@ -105,6 +107,37 @@ class Store:
         os.replace(partial, entry)
         _hashed.update(_identity(p) for p in _files(entry) if p.name != MARKER)  # just hashed
         return entry
+
+
+def hash_cache(root: Path) -> Callable[[Path], str]:
+    """`content_hash` of files outside the store (an `init` checkpoint), remembered in `root/hashes/` (one
+    small file per path) with the file's size, modification time and inode: the same trust the store
+    gives its own entries' times. A file whose metadata is what was recorded is not read; any change
+    hashes it again. Nothing is written where the store does not exist yet (a first `--dry-run`)."""
+    folder = root / HASHES
+
+    def lookup(path: Path) -> str:
+        real = os.path.realpath(path)
+        stat = os.stat(real)  # before hashing: a file written to meanwhile does not match next time
+        seen = {"path": real, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino}
+        record = folder / f"{hashlib.sha256(real.encode()).hexdigest()[:32]}.json"
+        try:
+            known = json.loads(record.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            known = None
+        if isinstance(known, dict) and all(known.get(k) == v for k, v in seen.items()):
+            if isinstance(known.get(CONTENT_HASH), str):
+                return known[CONTENT_HASH]
+        digest = content_hash(Path(real))
+        if root.is_dir():
+            try:
+                folder.mkdir(exist_ok=True)
+                write_atomic(record, json.dumps({**seen, CONTENT_HASH: digest}) + "\n")
+            except OSError:  # a read-only root: hashed again next time, still correct
+                pass
+        return digest
+
+    return lookup
 
 
 def take_lock(path: Path, log: Any, wait: bool) -> int | None:

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from cram.stages import Context, StageError, Upstream
 from cram.stages.data import shards
+from cram.stages.shared.runs import gather_runs
 
 NAME = "pack"
 VERSION = "1"
@@ -31,7 +32,11 @@ RESUMABLE = False
 
 _UINT16_LIMIT = 1 << 16
 CHUNK_TOKENS = 1 << 22  # tokens gathered and written at a time
+# Documents (with their boundary tokens) at least this long on average are copied a slice each,
+# shorter ones gathered through an index: the cost per token of the two crosses near here.
+LONG_DOCUMENTS = 128
 RESIDENT_BYTES = 256 << 20  # pages of the memory-mapped ids read before they are dropped from RSS
+_FAULT_AROUND = 64 << 10  # what one page fault in a mapped file may map (Linux's fault_around_bytes)
 
 
 @dataclass(frozen=True)
@@ -123,16 +128,22 @@ def flatten(tokens: Path, scratch: Path, dtype: Any, vocab_size: int) -> tuple[A
         for path in shards.shard_files(tokens):
             for batch in shards.read_batches(path, ("input_ids",)):
                 column = batch.column(0)
-                n = pc.fill_null(pc.list_value_length(column), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+                if column.null_count:  # a null list's offsets may span values that flatten() leaves out
+                    n = pc.fill_null(pc.list_value_length(column), 0).to_numpy(zero_copy_only=False)
+                else:
+                    n = np.diff(column.offsets.to_numpy())
+                n = n.astype(np.int64)
                 ids = column.flatten().to_numpy(zero_copy_only=False)
-                if len(ids) and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
+                try:  # as unsigned, a negative id is out of the table's range too: one pass checks both ends
+                    values = table[ids.view(np.uint32)]
+                except IndexError:
                     raise StageError(
                         f"{path}: token ids outside [0, vocab_size = {vocab_size}): "
                         f"the tokenize output is not from this tokenizer; re-run tokenize"
-                    )
-                ids.astype(dtype, copy=False).tofile(out)
+                    ) from None
+                _write(ids.astype(dtype, copy=False), out)
                 lengths.append(n)
-                keys.append(_document_hashes(table[ids], n))
+                keys.append(_document_hashes(values, n))
     return np.concatenate(lengths or [np.zeros(0, np.int64)]), np.concatenate(keys or [np.zeros(0, np.uint64)])
 
 
@@ -173,9 +184,10 @@ class MappedIds:
     def __getitem__(self, index: Any) -> Any:
         return self.array[index]
 
-    def touched(self, tokens: int) -> None:
-        # Scattered documents touch whole pages: count twice the bytes read.
-        self._read += 2 * tokens * self.array.itemsize
+    def touched(self, tokens: int, documents: int = 1) -> None:
+        # Scattered documents touch whole pages, and a page fault maps the cached pages around it too
+        # (the kernel's fault-around, 64 KB): count the larger of twice the bytes and that per document.
+        self._read += max(2 * tokens * self.array.itemsize, documents * _FAULT_AROUND)
         if self._read >= RESIDENT_BYTES and self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
             self._map.madvise(mmap.MADV_DONTNEED)
             self._read = 0
@@ -208,37 +220,73 @@ def write_blocks(
     remaining = shape[0] * seq_len
     with open(path, "wb") as out:
         np.lib.format.write_array_header_1_0(out, header)
-        first = 0
+        first, buffers = 0, _Buffers(ids.dtype)
         while remaining > 0:
             # The documents that end within CHUNK_TOKENS of this chunk's start (at least one).
             start = int(ends[first - 1]) if first else 0
             last = max(first + 1, int(np.searchsorted(ends, start + CHUNK_TOKENS, side="right")))
-            chunk = wrapped(ids, offsets, docs[first:last], prefix, suffix)[:remaining]
-            chunk.tofile(out)
+            chunk = wrapped(ids, offsets, docs[first:last], prefix, suffix, buffers)[:remaining]
+            _write(chunk, out)
             remaining -= len(chunk)
             first = last
-            ids.touched(len(chunk))
+            ids.touched(len(chunk), last - first)
     return shape
 
 
-def wrapped(ids: MappedIds, offsets: Any, docs: Any, prefix: list[int], suffix: list[int]) -> Any:
+def _write(array: Any, out: Any) -> None:
+    """Append `array`'s bytes to the open file `out` (no copy); a disk that fills is one line naming the
+    file (the runner then removes the whole partial entry)."""
+    try:
+        out.write(memoryview(array).cast("B"))
+    except OSError as e:
+        raise OSError(e.errno, f"{out.name}: {e.strerror} while pack wrote it") from None
+
+
+def wrapped(ids: MappedIds, offsets: Any, docs: Any, prefix: list[int], suffix: list[int], reuse: Any = None) -> Any:
     """The documents `docs`, in that order, each wrapped in prefix and suffix tokens, as one flat
-    array: a gather and two scatters, no Python work per token or per document."""
+    array: one gather of each document with as many ids around it as it has boundary tokens (clipped
+    to the file at its ends), then the boundary tokens written over those; no Python work per token or
+    per document, and no mask or second copy of the chunk. `reuse`: a `_Buffers` to build it in."""
     import numpy as np
 
     starts, lengths = offsets[docs], offsets[docs + 1] - offsets[docs]
     wrap = len(prefix) + len(suffix)
-    out = np.empty(int(lengths.sum()) + wrap * len(docs), dtype=ids.dtype)
+    size = int(lengths.sum()) + wrap * len(docs)
+    index, out = (None, np.empty(size, ids.dtype)) if reuse is None else reuse.take(size)
+    if size == 0:
+        return out
     at = np.cumsum(lengths + wrap) - (lengths + wrap)  # where each wrapped document starts
-    body = np.ones(len(out), dtype=bool)
+    if size >= LONG_DOCUMENTS * len(docs):
+        # Long documents: a slice copy each (a memcpy) costs less than building and reading an index
+        # for every token (bench/README.md, "Pack"); the boundary slots are written below.
+        array = ids.array
+        for to, start, length in zip((at + len(prefix)).tolist(), starts.tolist(), lengths.tolist()):
+            out[to : to + length] = array[start : start + length]
+    else:
+        np.take(ids.array, gather_runs(starts - len(prefix), lengths + wrap, index), mode="clip", out=out)
     for k, token in enumerate(prefix):
         out[at + k] = token
-        body[at + k] = False
     for k, token in enumerate(suffix):
         out[at + len(prefix) + lengths + k] = token
-        body[at + len(prefix) + lengths + k] = False
-    out[body] = ids[gather_runs(starts, lengths)]
     return out
+
+
+class _Buffers:
+    """The index and output arrays of `wrapped`, kept from chunk to chunk (grown when one needs more):
+    fresh arrays of this size come from the system each time, their pages faulted in anew."""
+
+    def __init__(self, dtype: Any):
+        import numpy as np
+
+        self.dtype = dtype
+        self.index, self.out = np.empty(0, np.intp), np.empty(0, dtype)
+
+    def take(self, size: int) -> tuple[Any, Any]:
+        import numpy as np
+
+        if size > len(self.out):
+            self.index, self.out = np.empty(size, np.intp), np.empty(size, self.dtype)
+        return self.index, self.out[:size]
 
 
 def unique_documents(ids: MappedIds, offsets: Any, keys: Any) -> Any:
@@ -266,24 +314,6 @@ def nonempty_documents(offsets: Any) -> Any:
     import numpy as np
 
     return np.flatnonzero(offsets[1:] > offsets[:-1])
-
-
-def gather_runs(starts: Any, lengths: Any) -> Any:
-    """Indices starts[0], starts[0] + 1, ..., starts[0] + lengths[0] - 1, starts[1], ...: one
-    cumulative sum of steps that are 1 inside a run and jump at each run's first element."""
-    import numpy as np
-
-    nonempty = lengths > 0
-    starts, lengths = starts[nonempty], lengths[nonempty]
-    if len(starts) == 0:
-        return np.zeros(0, dtype=np.int32)
-    # int32 indices when they fit: half the memory traffic of int64.
-    index = np.int32 if int(starts.max()) + int(lengths.max()) < 2**31 else np.int64
-    steps = np.ones(int(lengths.sum()), dtype=index)
-    first = np.cumsum(lengths) - lengths
-    steps[0] = starts[0]
-    steps[first[1:]] = starts[1:] - (starts[:-1] + lengths[:-1] - 1)
-    return np.cumsum(steps, out=steps)  # in place: a second array this size costs more than the sum
 
 
 def _validation_split(order: Any, offsets: Any, config: Config, wrap: int) -> tuple[int, int]:

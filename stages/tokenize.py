@@ -47,6 +47,17 @@ RESUMABLE = False
 # keeps it.
 NOT_IN_KEY = ("num_proc", "batch_size", "tokenizer")
 
+# What only trains a tokenizer: with one given, its key holds them at their defaults (`key_config`).
+TRAINING_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "lowercase",
+    "normalization",
+    "character_coverage",
+    "tokenizer_max_chars",
+    "max_line_chars",
+)
+
 # The names of the special pieces in the tokenizers cram trains, at the fixed ids SPECIAL_IDS.
 _PIECES = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
 _MAX_PROCS = 8  # beyond this, reading the corpus, not encoding, is what limits a machine
@@ -98,6 +109,17 @@ class Config:
         for key in ("tokenizer_max_chars", "max_line_chars", "num_proc", "batch_size"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ValueError(f"{key}: {getattr(self, key)} must be at least 1")
+
+
+def key_config(config: Config) -> Config:
+    """The config as the cache key sees it. With a tokenizer given, the fields that would train one are
+    ignored: they are keyed at their defaults, so changing one re-tokenizes nothing, and a store filled
+    before they were left out (with them at their defaults, as a given tokenizer leaves them) keeps
+    its keys."""
+    if not config.tokenizer:
+        return config
+    defaults = Config()
+    return dataclasses.replace(config, **{name: getattr(defaults, name) for name in TRAINING_FIELDS})
 
 
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
@@ -345,9 +367,10 @@ def _parallel(work: Callable[[Any], Any], jobs: list[Any], num_proc: int) -> lis
 
 
 def _one_thread() -> None:
-    # A process per core already fills the machine, and turning ids into Python lists holds the GIL: the
-    # `tokenizers` library's own threads in each worker only compete for the cores (bench/README.md,
-    # "a given tokenizer"). In this process (num_proc 1) its threads stay on: alone they help.
+    # A process per core already fills the machine: a byte-level BPE's encoder (`bytelevel`) is Python
+    # and numpy under the GIL, and the `tokenizers` library's own threads in each worker only compete for
+    # the cores (bench/README.md, "a given tokenizer"). So many cores want many processes (num_proc, at most
+    # _MAX_PROCS by default), each on one thread. In this process (num_proc 1) its threads stay on.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
@@ -393,8 +416,8 @@ def _split_unit(job: tuple) -> dict[str, Any]:
 
 def _encode_shard(job: tuple[Path, Path, Path]) -> tuple[int, int]:
     """Encode one shard of training text into a shard of token ids; (tokens, unknown tokens)."""
+    import numpy as np
     import pyarrow as pa
-    import pyarrow.compute as pc
 
     text_path, tokens_path, tokenizer_file = job
     tokenizer = load_tokenizer(tokenizer_file)
@@ -402,10 +425,10 @@ def _encode_shard(job: tuple[Path, Path, Path]) -> tuple[int, int]:
     n_tokens = n_unk = 0
     with shards.ShardWriter(tokens_path, shards.TOKENS) as out:
         for batch in shards.read_batches(text_path):
-            ids = pa.array(tokenizer.encode(batch.column("text").to_pylist()), type=pa.list_(pa.int32()))
-            out.write({"input_ids": ids})
-            n_tokens += len(ids.values)
-            n_unk += 0 if unk is None else pc.sum(pc.equal(ids.values, unk)).as_py() or 0
+            offsets, values = tokenizer.encode_arrays(batch.column("text").to_pylist())
+            out.write({"input_ids": pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))})
+            n_tokens += len(values)
+            n_unk += 0 if unk is None else int(np.count_nonzero(values == unk))
     return n_tokens, n_unk
 
 

@@ -123,3 +123,29 @@ def test_a_built_wheel_installs_only_cram(tmp_path):
         "cram/stages/shared/masking.py",
     ):
         assert module in names
+
+
+# A tokenizer.json written out by hand (a WordLevel vocabulary), so its hash, and the keys, are fixed.
+TOKENIZER_JSON = (
+    '{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,'
+    '"pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":null,"model":{"type":"WordLevel",'
+    '"vocab":{"[UNK]":0,"[CLS]":1,"[SEP]":2,"[PAD]":3,"[MASK]":4,"a":5},"unk_token":"[UNK]"}}'
+)
+# The keys main computed (2a7587c) for pipeline.toml with that tokenizer given and a hub corpus, before
+# the tokenizer-training fields were left out of the key beside a given tokenizer.
+KEYS_WITH_A_GIVEN_TOKENIZER = {
+    "tokenize": "bbeb4b457f72e66a7140fb20b86236a5886cb584db89fe28dde67a8d05766f5d",
+    "pack": "ed75cbb50cf63e449e991760ac0ef398a045d88ab9b657b6ab547e202ad025fb",
+}
+
+
+@pytest.mark.parametrize("training", [[], ["tokenize.vocab_size=512", "tokenize.model_type='unigram'"]])
+def test_a_given_tokenizers_keys_are_those_of_before_whatever_the_training_fields(training, tmp_path):
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text(TOKENIZER_JSON)
+    modules = runner.default_stages()
+    corpus = ['tokenize.corpus.kind="hub"', 'tokenize.corpus.name="some/dataset"']
+    overrides = [*corpus, *training, f'tokenize.tokenizer="{tmp_path / "tok"}"', f'run.root="{tmp_path}"']
+    conf = cfg.load(REPO / "pipeline.toml", runner.config_classes(modules), overrides)
+    keys = {step.name: step.key for step in planning.plan(conf, modules, tmp_path / "x")}
+    assert {name: keys[name] for name in KEYS_WITH_A_GIVEN_TOKENIZER} == KEYS_WITH_A_GIVEN_TOKENIZER

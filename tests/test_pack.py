@@ -100,11 +100,13 @@ def reference_pack(
     return files
 
 
+@pytest.mark.parametrize("long_documents", [1, 1 << 30], ids=["slice-copies", "index-gather"])
 @pytest.mark.parametrize("chunk_tokens", [1, 37, 1 << 22])
 def test_chunked_out_of_core_pack_writes_exactly_what_an_in_memory_pack_does(
-    tmp_path, make_ctx, monkeypatch, chunk_tokens
+    tmp_path, make_ctx, monkeypatch, chunk_tokens, long_documents
 ):
     monkeypatch.setattr(pack, "CHUNK_TOKENS", chunk_tokens)
+    monkeypatch.setattr(pack, "LONG_DOCUMENTS", long_documents)  # each chunk copied either way
     if chunk_tokens < 100:
         monkeypatch.setattr(pack, "RESIDENT_BYTES", 64)  # the mapped pages are dropped again and again
     docs = random_documents(300, seed=3) + [[7, 8, 9]] * 3 + [[9, 8, 7], []] + random_documents(20, seed=3)
@@ -119,6 +121,15 @@ def test_chunked_out_of_core_pack_writes_exactly_what_an_in_memory_pack_does(
             assert (out / f"{split}.npy").read_bytes() == expected[split], (name, split)
         assert outputs["duplicates_removed"] == (22 if dedup else 0)  # 2 copies of [7, 8, 9], 20 repeated docs
         assert sorted(p.name for p in out.iterdir()) == ["pack.json", "train.npy", "val.npy"]  # no scratch left
+
+
+def test_a_null_document_is_an_empty_one(tmp_path, make_ctx):
+    docs = random_documents(60, seed=4)
+    with_null = docs[:30] + [None] + docs[30:]
+    out, outputs = run(make_tokens(tmp_path, with_null), tmp_path, make_ctx, val_fraction=0.05)
+    expected = reference_pack(docs[:30] + [[]] + docs[30:], 0, 16, 0.05, "cls-sep", True)
+    assert [(out / f"{s}.npy").read_bytes() for s in ("train", "val")] == [expected["train"], expected["val"]]
+    assert outputs["documents"] == 61
 
 
 def test_ids_beyond_the_vocab_are_a_stage_error(tmp_path, make_ctx):

@@ -9,8 +9,9 @@ import hashlib
 import json
 import os
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 
 def temp_path(path: Path) -> Path:
@@ -97,3 +98,25 @@ def stored_damage(path: Path) -> str | None:
     if isinstance(recorded, str) and content_hash(path) != recorded:
         return f"{path}: damaged, its {CONTENT_HASH} is not the one its store entry recorded"
     return None
+
+
+# Set by whoever plans (the pipeline, with its store's cache of hashes): stages never import the pipeline.
+_known_hashes: ContextVar[Callable[[Path], str] | None] = ContextVar("known_hashes", default=None)
+
+
+@contextmanager
+def hashes_from(lookup: Callable[[Path], str]) -> Iterator[None]:
+    """Within the block, `known_hash(path)` is `lookup(path)`: a cache that hashes a file only when its
+    metadata changed since it was last hashed."""
+    token = _known_hashes.set(lookup)
+    try:
+        yield
+    finally:
+        _known_hashes.reset(token)
+
+
+def known_hash(path: Path) -> str:
+    """`content_hash(path)`, through the cache `hashes_from` set when there is one: what a stage's
+    fingerprint of a large file (a checkpoint) costs when nothing changed is one `stat`."""
+    lookup = _known_hashes.get()
+    return content_hash(path) if lookup is None else lookup(path)

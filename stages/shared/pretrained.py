@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from cram.model.config import ModelConfig, ModelConfigError
-from cram.stages.shared.files import content_hash, stored_damage
+from cram.stages.shared.files import known_hash, stored_damage
 from cram.stages.shared.tokenizer import in_folder as tokenizer_in
 
 if TYPE_CHECKING:
@@ -65,8 +65,9 @@ def locate(path: Path) -> Pretrained:
 
 def fingerprint(found: Pretrained) -> list[list[str]]:
     """[file name, sha256] of the config and every weights file: what a stage started from it depends on.
-    The contents, not the paths: the same checkpoint copied elsewhere keeps the key."""
-    return [[f.name, content_hash(f)] for f in (found.config_file, *found.weights)]
+    The contents, not the paths: the same checkpoint copied elsewhere keeps the key. Hashed through the
+    planner's cache (`files.hashes_from`): a checkpoint that did not change is not read again."""
+    return [[f.name, known_hash(f)] for f in (found.config_file, *found.weights)]
 
 
 def load(found: Pretrained, shapes_only: bool = False) -> tuple[ModelConfig, dict[str, Tensor]]:

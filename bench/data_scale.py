@@ -1,0 +1,230 @@
+"""Tokenize + pack over gigabytes of text, with cram's sentencepiece path and with a given byte-level BPE
+(~50k tokens, trained here with `tokenizers` on a 50 MB sample): wall time, MB/s, tokens/s, peak memory
+(RssAnon and RSS, summed over the stage's process and its workers, sampled from /proc/PID/status every
+0.2 s) and peak disk use of the working folder (its files' allocated blocks, sampled every second).
+
+    python bench/data_scale.py --gb 2 [--paths bpe sp] [--dir bench-out] [--num-proc 2]
+
+The corpus is `bench/data.py`'s synthetic text (documents of 3-12 sentences drawn at random from the
+default corpus's Wikipedia extracts, one per paragraph, files of 50 MB): every document is a new draw,
+so de-duplication removes next to none. Each stage runs in a fresh child process (`bench/data.py
+--child`'s protocol); after each path its outputs are deleted, and at the end the whole folder. Rows are
+printed as they are measured (flushed), so a run cut short still tells what it reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from data import write_corpus
+
+_VOCAB = 50_000
+_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gb", type=float, default=2.0, help="text to tokenize, GB")
+    parser.add_argument("--paths", nargs="+", choices=["sp", "bpe"], default=["bpe", "sp"])
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="where the work folder goes")
+    parser.add_argument("--num-proc", type=int, default=2)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _child(json.loads(args.child))
+        return
+    args.dir.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="cram-bench-scale-", dir=args.dir))
+    disk = _DiskPeak(root)
+    try:
+        _measure(args, root, disk)
+    finally:
+        disk.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"peak disk use of the work folder: {disk.peak / 1e9:.1f} GB; load after: {_load()}", flush=True)
+
+
+def _measure(args: argparse.Namespace, root: Path, disk: _DiskPeak) -> None:
+    print(f"{os.cpu_count()} cores; load before: {_load()}; work folder {root}", flush=True)
+    t0 = time.perf_counter()
+    write_corpus(root / "corpus", round(args.gb * 1000))
+    print(f"corpus: {args.gb} GB written in {time.perf_counter() - t0:.0f} s", flush=True)
+    if "bpe" in args.paths:
+        t0 = time.perf_counter()
+        _train_bpe(sorted((root / "corpus").glob("*.txt"))[0], root / "bpe")
+        print(f"byte-level BPE of {_VOCAB} tokens trained on 50 MB in {time.perf_counter() - t0:.0f} s", flush=True)
+    print("| path | stage | wall s | text MB/s (stage) | encode MB/s | M tokens/s | peak RssAnon MB | peak RSS MB |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    for path in args.paths:
+        spec = {"corpus": str(root / "corpus" / "*.txt"), "num_proc": args.num_proc, "out": str(root / f"tok-{path}")}
+        spec["tokenizer"] = str(root / "bpe") if path == "bpe" else ""
+        t = _in_child({**spec, "stage": "tokenize"})
+        out = t["outputs"]
+        print(
+            f"| {path} | tokenize | {t['wall_s']:.0f} | {out['text_mb'] / t['wall_s']:.2f} | {out['mb_per_s']:.2f} | "
+            f"{out['total_tokens'] / t['wall_s'] / 1e6:.2f} | {t['anon_mb']:.0f} | {t['rss_mb']:.0f} |",
+            flush=True,
+        )
+        p = _in_child({"stage": "pack", "out": str(root / f"pack-{path}"), "tokens": spec["out"], "outputs": out})
+        packed = p["outputs"]
+        print(
+            f"| {path} | pack | {p['wall_s']:.0f} | {out['text_mb'] / p['wall_s']:.1f} | | "
+            f"{packed['tokens_per_s'] / 1e6:.1f} | {p['anon_mb']:.0f} | {p['rss_mb']:.0f} |",
+            flush=True,
+        )
+        print(
+            f"<!-- {path}: {out['text_mb']:.0f} MB, {out['documents']:,} documents, {out['total_tokens']:,} tokens, "
+            f"vocab {out['vocab_size']}, read {out['read_seconds']:.0f} s, tokenizer {out['train_seconds']:.0f} s, "
+            f"encode {out['encode_seconds']:.0f} s; pack {packed['seconds']:.0f} s in-stage, "
+            f"{packed['duplicates_removed']:,} duplicates, {packed['train_blocks']:,} train blocks; "
+            f"disk peak so far {disk.peak / 1e9:.1f} GB; load {_load()} -->",
+            flush=True,
+        )
+        shutil.rmtree(spec["out"])
+        shutil.rmtree(root / f"pack-{path}")
+
+
+def _train_bpe(sample: Path, folder: Path) -> None:
+    """A RoBERTa/ModernBERT-style byte-level BPE, as `transformers` would save its tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_VOCAB, special_tokens=_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    with open(sample, encoding="utf-8") as f:
+        tok.train_from_iterator((line for line in f if line.strip()), trainer)
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def _in_child(spec: dict) -> dict:
+    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"child failed ({spec['stage']}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _child(spec: dict) -> None:
+    """One stage in this fresh process; prints its outputs, wall time and peak memory as one JSON line."""
+    import structlog
+
+    from cram.stages import Context, Upstream, pack, tokenize
+    from cram.stages.data.source import CorpusConfig
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
+    sampler = _MemoryPeak(os.getpid())
+    out = Path(spec["out"])
+    out.mkdir()
+    ctx = Context(seed=0, device="cpu", run_dir=out.parent, log=structlog.get_logger())
+    started = time.perf_counter()
+    if spec["stage"] == "tokenize":
+        corpus = CorpusConfig(kind="files", paths=(spec["corpus"],), format="text")
+        config = tokenize.Config(
+            corpus=corpus, num_proc=spec["num_proc"], heldout_fraction=0.01, tokenizer=spec["tokenizer"]
+        )
+        outputs = tokenize.run(config, {}, out, ctx)
+    else:
+        outputs = pack.run(pack.Config(), {"tokenize": Upstream(Path(spec["tokens"]), spec["outputs"])}, out, ctx)
+    wall = time.perf_counter() - started
+    sampler.stop()
+    peaks = {"anon_mb": sampler.anon / 2**20, "rss_mb": sampler.rss / 2**20}
+    print(json.dumps({"outputs": outputs, "wall_s": wall, **peaks}))
+
+
+class _MemoryPeak:
+    """The peak over time of RssAnon and of VmRSS summed over a process and all its descendants."""
+
+    def __init__(self, root: int):
+        self.root, self.anon, self.rss = root, 0, 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(0.2):
+            anon = rss = 0
+            for pid in _tree(self.root):
+                fields = _status(pid)
+                anon += fields.get("RssAnon", 0)
+                rss += fields.get("VmRSS", 0)
+            self.anon, self.rss = max(self.anon, anon), max(self.rss, rss)
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+class _DiskPeak:
+    """The peak over time of the bytes allocated to the files under `root`."""
+
+    def __init__(self, root: Path):
+        self.root, self.peak = root, 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(1.0):
+            used = 0
+            for folder, _, names in os.walk(self.root):
+                for name in names:
+                    try:
+                        used += os.lstat(os.path.join(folder, name)).st_blocks * 512
+                    except OSError:
+                        pass  # removed meanwhile
+            self.peak = max(self.peak, used)
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def _tree(root: int) -> list[int]:
+    """`root` and its descendants (the workers are children of a forkserver, itself a child of `root`)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, stack = [], [root]
+    while stack:
+        pid = stack.pop()
+        found.append(pid)
+        stack += children.get(pid, [])
+    return found
+
+
+def _status(pid: int) -> dict[str, int]:
+    """The memory lines of /proc/PID/status, in bytes."""
+    fields = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name in ("RssAnon", "RssFile", "VmRSS"):
+                fields[name] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass  # gone meanwhile
+    return fields
+
+
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Pack alone on synthetic token ids: wall and CPU seconds, tokens per second and per CPU second, peak
+RSS, and the sha256 of `train.npy` / `val.npy` (equal across code versions: pack's bytes must not move).
+
+    python bench/pack_synthetic.py [--tokens 200000000] [--repeat 2] [--against SRC]
+
+The tokens are documents of 20-500 random ids below 8,192 in `datasets` shards of 20,000 documents, in a
+temporary folder removed after. Each pack runs in a fresh process, after its imports (the stage's own
+figure). `--against SRC`: a folder holding another checkout's packages as `SRC/cram/{model,pipeline,stages}`
+(e.g. made with `git archive`), run interleaved with this tree (this, SRC, this, SRC, ...): CPU time,
+which other load disturbs far less than wall time on a shared machine, is the figure to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+_SPECIAL = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=200_000_000)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--against", type=Path)
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _child(Path(args.child[0]), Path(args.child[1]))
+        return
+    with tempfile.TemporaryDirectory(prefix="cram-bench-pack-") as tmp:
+        _write_tokens(Path(tmp) / "tokenize", args.tokens)
+        print("| code | wall s | CPU s | M tokens/s | M tokens per CPU s | peak RSS MB | train.npy, val.npy sha256 |")
+        print("|---|---|---|---|---|---|---|")
+        for _ in range(args.repeat):
+            for name, source in [("this tree", None), *([("against", args.against)] if args.against else [])]:
+                env = {**os.environ, **({"PYTHONPATH": str(source)} if source else {})}
+                out = Path(tmp) / "pack"
+                done = subprocess.run(
+                    [sys.executable, __file__, "--child", str(Path(tmp) / "tokenize"), str(out)],
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                )
+                if done.returncode:
+                    sys.exit(done.stderr[-3000:])
+                r = json.loads(done.stdout.strip().splitlines()[-1])
+                print(
+                    f"| {name} | {r['seconds']:.2f} | {r['cpu_s']:.2f} | {r['tokens'] / r['seconds'] / 1e6:.1f} | "
+                    f"{r['tokens'] / r['cpu_s'] / 1e6:.1f} | {r['maxrss_mb']:.0f} | "
+                    f"{r['sha'][:12]}, {r['sha_val'][:12]} |",
+                    flush=True,
+                )
+
+
+def _write_tokens(folder: Path, tokens: int) -> None:
+    import numpy as np
+    import pyarrow as pa
+
+    from cram.stages.data import shards
+
+    (folder / "tokens").mkdir(parents=True)
+    rng, names, left = np.random.default_rng(0), [], tokens
+    while left > 0:
+        lengths = rng.integers(20, 500, 20_000)
+        values = rng.integers(5, 8192, int(lengths.sum()), dtype=np.int32)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        names.append(f"data-{len(names):05d}.arrow")
+        with shards.ShardWriter(folder / "tokens" / names[-1], shards.TOKENS) as writer:
+            for s in range(0, len(lengths), 1000):
+                o = offsets[s : s + 1001]
+                ids = pa.ListArray.from_arrays(pa.array(o - o[0]), pa.array(values[o[0] : o[-1]]))
+                writer.write({"input_ids": ids})
+        left -= int(lengths.sum())
+    shards.finish_folder(folder / "tokens", names, shards.TOKENS)
+
+
+def _child(tokens: Path, out: Path) -> None:
+    import resource
+    import shutil
+
+    import structlog
+
+    from cram.stages import Context, Upstream, pack
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    ctx = Context(seed=0, device="cpu", run_dir=out.parent, log=structlog.get_logger())
+    upstream = Upstream(tokens, {"vocab_size": 8192, "special_ids": _SPECIAL, "tokens": "tokens"})
+    import pyarrow.compute  # noqa: F401  (as the stage does: imports before its clock)
+
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    outputs = pack.run(pack.Config(), {"tokenize": upstream}, out, ctx)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    sha = {split: hashlib.sha256((out / f"{split}.npy").read_bytes()).hexdigest() for split in ("train", "val")}
+    result = {"seconds": outputs["seconds"], "tokens": outputs["tokens"], "cpu_s": cpu}
+    print(json.dumps({**result, "maxrss_mb": after.ru_maxrss / 1024, "sha": sha["train"], "sha_val": sha["val"]}))
+
+
+if __name__ == "__main__":
+    main()
