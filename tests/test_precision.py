@@ -34,11 +34,8 @@ NAN = float("nan")
 )
 def test_candidates_fastest_first(monkeypatch, setting, device, backend, native, expected):
     monkeypatch.setattr(devices, "native_cpu_bf16", lambda: native)
-    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # CUDA's choice sets them
-    try:
-        assert precision.candidates(setting, device, backend, compiled=True) == expected
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    monkeypatch.setattr(devices, "use_tf32", lambda: None)  # CUDA's choice sets it, process-wide
+    assert precision.candidates(setting, device, backend, compiled=True) == expected
 
 
 def test_the_256_bit_candidate_patches_inductor_for_its_graphs_only():
