@@ -107,7 +107,7 @@ def _synthetic(args: argparse.Namespace) -> None:
             for run in range(args.rounds):
                 for num_proc in args.num_proc:
                     out = root / f"tokenize-{run}-{num_proc}"
-                    result = _in_child(
+                    result = in_child(
                         {
                             "stage": "tokenize",
                             "out": str(out),
@@ -123,7 +123,7 @@ def _synthetic(args: argparse.Namespace) -> None:
                         flush=True,
                     )
             out, t = tokenized[0]
-            result = _in_child({"stage": "pack", "out": str(root / "pack"), "tokens": str(out), "outputs": t})
+            result = in_child({"stage": "pack", "out": str(root / "pack"), "tokens": str(out), "outputs": t})
             p = result["outputs"]
             print(
                 f"| {t['text_mb']:.0f} | pack | | {p['seconds']:.1f} | | {p['tokens_per_s'] / 1e6:.1f} | "
@@ -164,8 +164,9 @@ def write_corpus(folder: Path, megabytes: int, seed: int = 0) -> None:
         index += 1
 
 
-def _in_child(spec: dict) -> dict:
-    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True)
+def in_child(spec: dict, script: str = __file__) -> dict:
+    """`script --child SPEC` in a fresh process: its last stdout line, read as JSON."""
+    done = subprocess.run([sys.executable, script, "--child", json.dumps(spec)], capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"child failed ({spec['stage']}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -206,25 +207,33 @@ def _child(spec: dict) -> None:
     )
 
 
-def _tree_rss_mb(root: int) -> float:
-    """The resident memory of process `root` and all its descendants (worker processes are
-    children of a forkserver, not of the stage's process: getrusage does not see them)."""
+def process_tree(root: int) -> list[int]:
+    """`root` and its descendants (the workers are children of a forkserver, itself a child of `root`)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
-                continue  # gone meanwhile
+                continue
             children.setdefault(ppid, []).append(int(entry))
-    pages, stack = 0, [root]
+    found, stack = [], [root]
     while stack:
         pid = stack.pop()
+        found.append(pid)
+        stack += children.get(pid, [])
+    return found
+
+
+def _tree_rss_mb(root: int) -> float:
+    """The resident memory of process `root` and all its descendants (worker processes are
+    children of a forkserver, not of the stage's process: getrusage does not see them)."""
+    pages = 0
+    for pid in process_tree(root):
         try:
             pages += int(Path(f"/proc/{pid}/statm").read_text().split()[1])
         except (OSError, IndexError, ValueError):
-            pass
-        stack += children.get(pid, [])
+            pass  # gone meanwhile
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 

@@ -18,14 +18,12 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from data import write_corpus
+from data import in_child, process_tree, write_corpus
 
 _VOCAB = 50_000
 _SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
@@ -67,14 +65,16 @@ def _measure(args: argparse.Namespace, root: Path, disk: _DiskPeak) -> None:
     for path in args.paths:
         spec = {"corpus": str(root / "corpus" / "*.txt"), "num_proc": args.num_proc, "out": str(root / f"tok-{path}")}
         spec["tokenizer"] = str(root / "bpe") if path == "bpe" else ""
-        t = _in_child({**spec, "stage": "tokenize"})
+        t = in_child({**spec, "stage": "tokenize"}, __file__)
         out = t["outputs"]
         print(
             f"| {path} | tokenize | {t['wall_s']:.0f} | {out['text_mb'] / t['wall_s']:.2f} | {out['mb_per_s']:.2f} | "
             f"{out['total_tokens'] / t['wall_s'] / 1e6:.2f} | {t['anon_mb']:.0f} | {t['rss_mb']:.0f} |",
             flush=True,
         )
-        p = _in_child({"stage": "pack", "out": str(root / f"pack-{path}"), "tokens": spec["out"], "outputs": out})
+        p = in_child(
+            {"stage": "pack", "out": str(root / f"pack-{path}"), "tokens": spec["out"], "outputs": out}, __file__
+        )
         packed = p["outputs"]
         print(
             f"| {path} | pack | {p['wall_s']:.0f} | {out['text_mb'] / p['wall_s']:.1f} | | "
@@ -107,13 +107,6 @@ def _train_bpe(sample: Path, folder: Path) -> None:
         tok.train_from_iterator((line for line in f if line.strip()), trainer)
     folder.mkdir()
     tok.save(str(folder / "tokenizer.json"))
-
-
-def _in_child(spec: dict) -> dict:
-    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True)
-    if done.returncode:
-        sys.exit(f"child failed ({spec['stage']}):\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _child(spec: dict) -> None:
@@ -155,7 +148,7 @@ class _MemoryPeak:
     def _run(self) -> None:
         while not self._done.wait(0.2):
             anon = rss = 0
-            for pid in _tree(self.root):
+            for pid in process_tree(self.root):
                 fields = _status(pid)
                 anon += fields.get("RssAnon", 0)
                 rss += fields.get("VmRSS", 0)
@@ -189,24 +182,6 @@ class _DiskPeak:
     def stop(self) -> None:
         self._done.set()
         self._thread.join()
-
-
-def _tree(root: int) -> list[int]:
-    """`root` and its descendants (the workers are children of a forkserver, itself a child of `root`)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, stack = [], [root]
-    while stack:
-        pid = stack.pop()
-        found.append(pid)
-        stack += children.get(pid, [])
-    return found
 
 
 def _status(pid: int) -> dict[str, int]:

@@ -2,7 +2,7 @@
 right (against the same step run eagerly), and how fast is it.
 
     python bench/precision.py [--preset tiny] [--vocab 8192] [--batch 32] [--seq 128] [--rounds 5]
-                              [--layout default|crammed|bert] [--mask-rate 0.4] [--documents]
+                              [--model position=learned --model glu=false ...] [--mask-rate 0.4] [--documents]
 
 Compiles the train step once per candidate (bf16 with inductor's own vector width, bf16 with 256-bit
 vector code, fp32: `stages/shared/precision.py`) in this one process (each candidate's inductor options
@@ -20,31 +20,24 @@ import time
 import torch
 
 from cram import model
+from cram.pipeline.config import parse_value
 from cram.stages.shared.masking import Masking, mask_spec, mask_tokens
 from cram.stages.shared.precision import BF16, BF16_256, FP32
 from cram.stages.shared.special import SPECIAL_IDS
 
-LAYOUTS = {
-    "default": {},  # the preset's own (ModernBERT's)
-    "crammed": {"position": "sinusoidal", "head_transform": False, "first_attn_norm": True},
-    "bert": dict(
-        position="learned",
-        position_offset=2,
-        glu=False,
-        head_transform=True,
-        post_norm=True,
-        linear_bias=True,
-        norm_bias=True,
-        token_types=2,
-        decoder_bias=True,
-    ),
-}
+
+def override(pair: str) -> tuple[str, object]:
+    """A `--model KEY=VALUE` pair, VALUE read as `--set` reads it (a TOML value, else the text)."""
+    key, _, value = pair.partition("=")
+    return key, parse_value(value)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--layout", default="default", choices=list(LAYOUTS))
+    parser.add_argument(
+        "--model", action="append", default=[], type=override, help="KEY=VALUE: a ModelConfig field (repeatable)"
+    )
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq", type=int, default=128)
@@ -55,7 +48,7 @@ def main() -> None:
     args = parser.parse_args()
 
     cfg = dataclasses.replace(
-        model.PRESETS[args.preset], vocab_size=args.vocab, max_seq_len=args.seq, **LAYOUTS[args.layout]
+        model.PRESETS[args.preset], vocab_size=args.vocab, max_seq_len=args.seq, **dict(args.model)
     )
     params = model.init(cfg, 0)
     state = model.adamw_init(params)
@@ -91,7 +84,8 @@ def main() -> None:
             rows[candidate]["tokens_per_s"].append(args.steps * tokens / (time.perf_counter() - began))
 
     shape = f"vocab {args.vocab}, {args.batch}x{args.seq}, masking {args.mask_rate}, documents {args.documents}"
-    print(f"\n{args.preset} ({args.layout} layout), {shape}, torch {torch.__version__}")
+    layout = ", ".join(f"{k}={v}" for k, v in args.model) or "the preset's layout"
+    print(f"\n{args.preset} ({layout}), {shape}, torch {torch.__version__}")
     print("| candidate | grad norm compiled | eager | relative diff | compile s | tokens/s (median) |")
     print("|---|---|---|---|---|---|")
     for candidate, row in rows.items():

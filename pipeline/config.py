@@ -202,10 +202,10 @@ def _apply_override(raw: dict[str, Any], item: str, config_classes: dict[str, ty
         table = table.setdefault(part, {})
         if not isinstance(table, dict):
             raise ConfigError(f"{flag}: '{part}' is a value, not a table")
-    table[parts[-1]] = _parse_value(text.strip())
+    table[parts[-1]] = parse_value(text.strip())
 
 
-def _parse_value(text: str) -> Any:
+def parse_value(text: str) -> Any:
     """A TOML value (`5e-4`, `true`, `[1, 2]`, `"x"`), or the text itself when it is not one."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
