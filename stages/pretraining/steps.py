@@ -80,12 +80,15 @@ def compiled_steps(
     built: dict[precisions.Precision, tuple[Setup, Steps]] = {}
     compile_s = 0.0
 
-    def check(candidate: precisions.Precision) -> float:
+    def build(candidate: precisions.Precision) -> tuple[Setup, Steps]:
         nonlocal compile_s
         trial = dataclasses.replace(setup, precision=candidate)
         built[candidate] = trial, make_steps(config, trial, ctx.world_size, compile=True)
         compile_s += _warm_up(setup, built[candidate][1], state)
-        diff = _canary(config, ctx, trial, built[candidate][1], state, data)
+        return built[candidate]
+
+    def check(candidate: precisions.Precision) -> float:
+        diff = _canary(config, ctx, *build(candidate), state, data)
         ctx.log.info("canary", precision=candidate.label, steps=config.canary_steps, max_relative_diff=diff)
         return diff
 
@@ -95,7 +98,7 @@ def compiled_steps(
         )
     else:
         choice = precisions.unchecked(config.precision, setup.device, "canary_steps = 0: not checked against eager")
-        check(choice.precision)
+        build(choice.precision)
     setup, steps = built[choice.precision]
     return setup, steps, choice, compile_s
 
@@ -112,11 +115,8 @@ def _warm_up(setup: Setup, steps: Steps, state: TrainState) -> float:
 
 
 def _canary(config: Any, ctx: Context, setup: Setup, steps: Steps, state: TrainState, data: PhaseStream) -> float:
-    """The compiled steps' largest relative difference from eager steps in the same precision; 0 when
-    the canary is off."""
+    """The compiled steps' largest relative difference from eager steps in the same precision."""
     from cram.stages.pretraining.loop import canary
 
-    if not config.canary_steps:
-        return 0.0
     eager = make_steps(config, setup, ctx.world_size, compile=False)
     return canary(config, ctx, steps, eager, state.params, state.opt_state, data)
