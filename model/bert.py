@@ -109,12 +109,15 @@ def encode(
     attention_mask: Tensor | None = None,
     document_ids: Tensor | None = None,
     attention: Attention = "auto",
+    dropout: float | Tensor | None = None,
 ) -> Tensor:
     """Hidden states [B, S, H] after the last norm. attention_mask: [B, S] bool, True = real token;
     document_ids: [B, S] integers, a query reads only keys of its own document (packed blocks);
-    attention: how attention is computed (`attends_with`), never what it computes."""
+    attention: how attention is computed (`attends_with`), never what it computes; dropout: the rate
+    (None: `cfg.dropout`), a 0-dim tensor for one graph at every rate (see `dropout`)."""
     S = input_ids.shape[1]
-    x = _embed(params, cfg, input_ids)
+    rate = cfg.dropout if dropout is None else dropout
+    x = _embed(params, cfg, input_ids, rate)
     rope = local_rope = None
     if cfg.position == "rope":
         rope = local_rope = _rope_tables(S, cfg.head_dim, cfg.rope_theta, x.device)
@@ -124,18 +127,18 @@ def encode(
     mask, local_mask = _masks(cfg, S, attention_mask, document_ids, x.device)
     for i in range(cfg.layers):
         p = f"layers.{i}."
-        kind = (local_mask, local_rope, attention) if cfg.is_local(i) else (mask, rope, attention)
+        kind = (local_mask, local_rope, attention, rate) if cfg.is_local(i) else (mask, rope, attention, rate)
         if cfg.post_norm:
             x = _norm(x + _attention(params, p, cfg, x, *kind), params, p + "attn_norm", cfg)
-            x = _norm(x + _feed_forward(params, p, cfg, x), params, p + "ffn_norm", cfg)
+            x = _norm(x + _feed_forward(params, p, cfg, x, rate), params, p + "ffn_norm", cfg)
             continue
         h = _norm(x, params, p + "attn_norm", cfg) if i > 0 or cfg.first_attn_norm else x
         x = x + _attention(params, p, cfg, h, *kind)
-        x = x + _feed_forward(params, p, cfg, _norm(x, params, p + "ffn_norm", cfg))
+        x = x + _feed_forward(params, p, cfg, _norm(x, params, p + "ffn_norm", cfg), rate)
     return x if cfg.post_norm else _norm(x, params, "final_norm", cfg)
 
 
-def _embed(params: dict[str, Tensor], cfg: ModelConfig, input_ids: Tensor) -> Tensor:
+def _embed(params: dict[str, Tensor], cfg: ModelConfig, input_ids: Tensor, rate: float | Tensor) -> Tensor:
     S = input_ids.shape[1]
     x = F.embedding(input_ids, params["embed.tokens.weight"])
     if cfg.token_types:
@@ -146,7 +149,7 @@ def _embed(params: dict[str, Tensor], cfg: ModelConfig, input_ids: Tensor) -> Te
         x = x + params["embed.positions.weight"][cfg.position_offset : cfg.position_offset + S]
     if cfg.embedding_norm:
         x = _norm(x, params, "embed.norm", cfg)
-    return _dropout(x, cfg)
+    return dropout(x, rate)
 
 
 def _masks(
@@ -217,14 +220,15 @@ def _attention(
     mask: Tensor | None,
     rope: tuple[Tensor, Tensor] | None,
     attention: Attention,
+    rate: float | Tensor,
 ) -> Tensor:
     B, S, H = x.shape
     qkv = _linear(x, params, p + "attn.qkv", cfg).view(B, S, 3, cfg.heads, cfg.head_dim)
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, S, head_dim]
     if rope is not None:
         q, k = _rotate(q, *rope), _rotate(k, *rope)
-    out = _attend(q, k, v, mask, cfg.dropout, attention)
-    return _dropout(_linear(out.transpose(1, 2).reshape(B, S, H), params, p + "attn.out", cfg), cfg)
+    out = _attend(q, k, v, mask, rate, attention)
+    return dropout(_linear(out.transpose(1, 2).reshape(B, S, H), params, p + "attn.out", cfg), rate)
 
 
 def attends_with(attention: Attention, device: torch.device) -> str:
@@ -237,11 +241,12 @@ def attends_with(attention: Attention, device: torch.device) -> str:
     return attention
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float, attention: Attention) -> Tensor:
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rate: float | Tensor, attention: Attention) -> Tensor:
     """softmax(q k^T / sqrt(d)) v over [B, heads, S, head_dim]; `mask` (broadcast to [B, heads, S, S], as
-    [B, 1, 1, S] for padding alone) is True where a key may be read."""
-    if attends_with(attention, q.device) == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+    [B, 1, 1, S] for padding alone) is True where a key may be read. SDPA takes its dropout rate as a
+    number: a rate given as a tensor attends with the written-out product."""
+    if attends_with(attention, q.device) == "sdpa" and not isinstance(rate, Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=rate)
     # On a CPU the written-out product is faster than SDPA's flash kernel, which tiles for long
     # sequences: forward + backward at seq 128 profiled 3x faster compiled in bf16 (the flash
     # backward is slow in bf16), 1.3x in fp32, and faster eager too. On a GPU it is the fallback for an
@@ -251,23 +256,28 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float
         scores = scores.float()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = F.dropout(scores.softmax(dim=-1), dropout) if dropout else scores.softmax(dim=-1)
-    return torch.matmul(probs.to(v.dtype), v)
+    return torch.matmul(dropout(scores.softmax(dim=-1), rate).to(v.dtype), v)
 
 
-def _feed_forward(params: dict[str, Tensor], p: str, cfg: ModelConfig, x: Tensor) -> Tensor:
+def _feed_forward(params: dict[str, Tensor], p: str, cfg: ModelConfig, x: Tensor, rate: float | Tensor) -> Tensor:
     h = _linear(x, params, p + "ffn.up", cfg)
     if cfg.glu:
         h, gate = h.chunk(2, dim=-1)
         h = F.gelu(h) * gate
     else:
         h = F.gelu(h)
-    return _dropout(_linear(h, params, p + "ffn.down", cfg), cfg)
+    return dropout(_linear(h, params, p + "ffn.down", cfg), rate)
 
 
-def _dropout(x: Tensor, cfg: ModelConfig) -> Tensor:
-    """cramming's fine-tuning dropout (embeddings, attention output, feed-forward output); none when 0."""
-    return F.dropout(x, cfg.dropout) if cfg.dropout else x
+def dropout(x: Tensor, rate: float | Tensor) -> Tensor:
+    """cramming's fine-tuning dropout (embeddings, attention, outputs of attention and feed-forward).
+
+    A number is `F.dropout`'s rate (none at 0). A 0-dim tensor is drawn from its own uniform mask, so
+    one compiled graph serves every rate, 0 included (a compile canary against eager)."""
+    if not isinstance(rate, Tensor):
+        return F.dropout(x, rate) if rate else x
+    keep = torch.rand(x.shape, device=x.device) >= rate
+    return x * keep.to(x.dtype) / (1 - rate).to(x.dtype)
 
 
 def _sinusoids(length: int, dim: int, device: torch.device) -> Tensor:

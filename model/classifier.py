@@ -3,13 +3,18 @@
 Pure functions over the same flat `dict[str, Tensor]` as the encoder: the head's tensors join the
 pretrained ones under `classifier.`, so one AdamW state covers encoder and head. The head is
 cramming's GLUE head (and BERT's pooler): pool, dense + tanh (+ dropout), then a linear layer to the
-outputs. Dropout is `cfg.dropout`: give the fine-tune step a config with it and prediction one without.
+outputs.
+
+Shapes are static (`dynamic=False`): each padded batch shape compiles once, so the graph count is
+bounded by the length buckets. The dropout rate is an input of the fine-tune step (`batch["dropout"]`),
+so a compile canary at rate 0 and the fine-tune at its own rate share one graph.
 
 Batches for the steps:
     input_ids       [B, S] int64
     attention_mask  [B, S] bool, True = real token (every row needs at least one)
     labels          [B] int64 class ids, or float32 targets (regression: one output, squared error)
     weights         [B] float32, 0 for rows that only pad the batch to its fixed size
+    dropout         [] float32, the fine-tune step's dropout rate (encoder and head)
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cram.model.bert import INIT_STD, encode
+from cram.model.bert import INIT_STD, dropout, encode
 from cram.model.config import Attention, ModelConfig, OptimizerConfig
 from cram.model.step import CompileOptions, autocast, compiled, detached_params, make_apply_step
 
@@ -56,14 +61,15 @@ def classify(
     attention_mask: Tensor,
     pooling: Pooling = "first",
     attention: Attention = "auto",
+    rate: float | Tensor | None = None,
 ) -> Tensor:
-    """Logits [B, num_outputs] (fp32) of the head over the encoder; `cfg.dropout` applies in the encoder
-    and after the head's dense layer (cramming's fine-tuning), so predict with a `cfg` without it."""
-    hidden = encode(params, cfg, input_ids, attention_mask, attention=attention)
+    """Logits [B, num_outputs] (fp32) of the head over the encoder; dropout at `rate` (None: `cfg.dropout`)
+    applies in the encoder and after the head's dense layer (cramming's fine-tuning)."""
+    rate = cfg.dropout if rate is None else rate
+    hidden = encode(params, cfg, input_ids, attention_mask, attention=attention, dropout=rate)
     pooled = pool(hidden, attention_mask, pooling)
     x = torch.tanh(F.linear(pooled, params["classifier.dense.weight"], params["classifier.dense.bias"]))
-    if cfg.dropout:
-        x = F.dropout(x, cfg.dropout)
+    x = dropout(x, rate)
     return F.linear(x, params["classifier.out.weight"], params["classifier.out.bias"]).float()
 
 
@@ -89,15 +95,17 @@ def make_finetune_step(
 ) -> Callable[..., tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]]:
     """step(params, opt_state, batch, lr: 0-dim tensor) -> (params, opt_state, {"loss", "grad_norm"}).
 
-    Forward, loss, gradient and AdamW update in one graph. Shapes are static (`dynamic=False`): each
-    padded batch shape compiles once, so the graph count is bounded by the length buckets.
+    Forward, loss, gradient and AdamW update in one graph per batch shape; the dropout rate is
+    `batch["dropout"]` where the batch has one, else `cfg.dropout`.
     """
     _check_pooling(pooling)
     apply = make_apply_step(opt_cfg, compile=False)
 
     def loss_fn(params: dict[str, Tensor], batch: dict[str, Tensor]) -> Tensor:
-        with autocast(batch["input_ids"], autocast_dtype):
-            logits = classify(params, cfg, batch["input_ids"], batch["attention_mask"], pooling, attention)
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        with autocast(ids, autocast_dtype):
+            rate = batch["dropout"] if "dropout" in batch else torch.tensor(cfg.dropout, device=ids.device)
+            logits = classify(params, cfg, ids, mask, pooling, attention, rate)
         return finetune_loss(logits, batch["labels"], batch["weights"])
 
     def step(params, opt_state, batch, lr):
@@ -119,13 +127,14 @@ def make_classify_eval_step(
     attention: Attention = "auto",
     options: CompileOptions = None,
 ) -> Callable[[dict[str, Tensor], dict[str, Tensor]], Tensor]:
-    """predict(params, batch) -> logits [B, num_outputs] fp32; `labels`/`weights` are not needed."""
+    """predict(params, batch) -> logits [B, num_outputs] fp32, without dropout; `labels`/`weights` are not
+    needed."""
     _check_pooling(pooling)
 
     @torch.no_grad()
     def predict(params, batch):
         with autocast(batch["input_ids"], autocast_dtype):
-            return classify(params, cfg, batch["input_ids"], batch["attention_mask"], pooling, attention)
+            return classify(params, cfg, batch["input_ids"], batch["attention_mask"], pooling, attention, 0.0)
 
     return compiled(predict, compile, backend, options)
 

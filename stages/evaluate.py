@@ -323,8 +323,8 @@ def _tuner(
     first that agrees is kept (`precision.choose`)."""
     from cram.stages.finetuning.finetune import Tuner
 
-    def make(candidate: precisions.Precision, compile: bool = config.compile, dropout: float = config.dropout):
-        settings = dataclasses.replace(config, compile=compile, dropout=dropout)
+    def make(candidate: precisions.Precision, compile: bool = config.compile):
+        settings = dataclasses.replace(config, compile=compile)
         return Tuner.make(settings, cfg, params, special, device, candidate, ctx.attention)
 
     if not config.compile or not config.canary_steps or not tasks:
@@ -332,15 +332,18 @@ def _tuner(
         choice = precisions.unchecked(config.precision, device, f"{why}: no compile canary")
         return choice, make(choice.precision)
 
+    checked: dict[precisions.Precision, Tuner] = {}  # the compiled tuner of each candidate tried
+
     def check(candidate: precisions.Precision) -> float:
-        # Dropout off: compiled and eager dropout draw different masks from the same seed.
-        compiled, eager = make(candidate, dropout=0.0), make(candidate, compile=False, dropout=0.0)
-        diff = compiled.canary(eager, tasks[0][1].num_outputs, encoded[0].train, config.canary_steps, ctx.seed)
+        checked[candidate] = make(candidate)
+        diff = checked[candidate].canary(
+            make(candidate, compile=False), tasks[0][1].num_outputs, encoded[0].train, config.canary_steps, ctx.seed
+        )
         ctx.log.info("canary", precision=candidate.label, steps=config.canary_steps, max_relative_diff=diff)
         return diff
 
     choice = precisions.choose(config.precision, device, config.backend, check, config.canary_tolerance, ctx.log, NAME)
-    return choice, make(choice.precision)
+    return choice, checked[choice.precision]
 
 
 def _on_every_rank(work: Callable, ctx: Context) -> tuple[dict | None, dict[int, dict], _Prepared]:

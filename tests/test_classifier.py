@@ -99,6 +99,22 @@ def test_compiled_steps_are_one_graph_each_and_match_eager():
     torch.testing.assert_close(logits, classify(expected[0], CFG, batch["input_ids"], batch["attention_mask"]))
 
 
+def test_the_dropout_rate_is_an_input_of_one_graph():
+    """The canary's rate 0 and the fine-tune's 0.1 share one compiled graph; at 0 it computes what eager
+    does, at 0.1 it draws fresh masks every step."""
+    params = params_with_head()
+    eager = make_finetune_step(CFG, OPT, compile=False)
+    compiled = make_finetune_step(CFG, OPT, backend="aot_eager")
+    state, lr = (params, model.adamw_init(params)), torch.tensor(1e-3)
+    before = counters["stats"]["unique_graphs"]
+    at_zero = {**toy_batch(), "dropout": torch.tensor(0.0)}
+    torch.testing.assert_close(compiled(*state, at_zero, lr)[2], eager(*state, at_zero, lr)[2])
+    dropped = {**toy_batch(), "dropout": torch.tensor(0.1)}
+    losses = {float(compiled(*state, dropped, lr)[2]["loss"]) for _ in range(3)}
+    assert counters["stats"]["unique_graphs"] - before == 1
+    assert len(losses) == 3 and float(compiled(*state, at_zero, lr)[2]["loss"]) not in losses
+
+
 def test_finetune_step_learns_a_toy_task():
     params, batch = params_with_head(), toy_batch(rows=32)
     opt_state = model.adamw_init(params)

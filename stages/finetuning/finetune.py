@@ -184,17 +184,9 @@ class Tuner:
             options=precision.compile_options() if config.compile else None,
             attention=attention,
         )
-        # Dropout (cramming's 0.1) in the fine-tune step only; prediction sees the whole network.
-        training = dataclasses.replace(cfg, dropout=config.dropout)
-        return cls(
-            config,
-            cfg,
-            params,
-            special,
-            device,
-            make_finetune_step(training, opt_cfg, **kw),
-            make_classify_eval_step(dataclasses.replace(cfg, dropout=0.0), **kw),
-        )
+        cfg = dataclasses.replace(cfg, dropout=0.0)  # the fine-tune step's rate comes with each batch
+        step, predict = make_finetune_step(cfg, opt_cfg, **kw), make_classify_eval_step(cfg, **kw)
+        return cls(config, cfg, params, special, device, step, predict)
 
     def train(
         self, num_outputs: int, train, epochs: int, lr: float, seed: int, label: str = "fine-tune", log: Any = None
@@ -223,7 +215,7 @@ class Tuner:
             order = rng.permutation(len(rows))
             losses = []
             for i in track(range(steps_per_epoch), label, total, done=epoch * steps_per_epoch):
-                batch = self.batch(rows, lengths, labels, order[i * size : (i + 1) * size], size)
+                batch = self.batch(rows, lengths, labels, order[i * size : (i + 1) * size], size, self.config.dropout)
                 progress = (epoch * steps_per_epoch + i) / total
                 lr_now = to_device(
                     torch.tensor(
@@ -240,9 +232,9 @@ class Tuner:
 
     def canary(self, eager: Tuner, num_outputs: int, train, steps: int, seed: int) -> float:
         """The largest relative difference between this tuner's (compiled) steps and `eager`'s, the same
-        steps run eagerly: `steps` fine-tune steps from the same fresh head on the first batch of `train`
-        (loss and gradient norm), then both predictions on it (logits, relative to their largest);
-        inf when one is not finite."""
+        steps run eagerly: `steps` fine-tune steps from the same fresh head on the first batch of `train`,
+        dropout off (loss and gradient norm), then both predictions on it (logits, relative to their
+        largest); inf when one is not finite. The compiled steps are the ones fine-tuning then uses."""
         import numpy as np
         import torch
 
@@ -251,7 +243,8 @@ class Tuner:
 
         rows, lengths, labels = train
         size = self.config.batch_size
-        batch = self.batch(rows, lengths, labels, np.arange(min(size, len(rows))), size)
+        first = np.arange(min(size, len(rows)))
+        batch = self.batch(rows, lengths, labels, first, size, dropout=0.0)
         lr = to_device(torch.tensor(self.config.lr, dtype=torch.float32), self.device)
         head = {k: v.to(self.device) for k, v in init_head(self.cfg, num_outputs, seed, self.config.head_width).items()}
         start = {**self.params, **head}
@@ -265,7 +258,9 @@ class Tuner:
                 states[k] = params, opt_state
                 readings.append(torch.stack([m["loss"], m["grad_norm"]]))
             diffs.append((readings[0] - readings[1]).abs() / readings[1].abs().clamp(min=1e-6))
-        inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+        # as many rows as prediction takes: the graph checked is the one that predicts the test sets
+        padded = self.batch(rows, lengths, labels, first, self.config.eval_batch_size)
+        inputs = {k: padded[k] for k in ("input_ids", "attention_mask")}
         logits = [tuner.predict(states[k][0], inputs).float() for k, tuner in enumerate(tuners)]
         scale = logits[1].abs().max().clamp(min=1e-6)
         diffs.append(((logits[0] - logits[1]).abs().max() / scale).reshape(1))
@@ -289,8 +284,9 @@ class Tuner:
         unsorted[order] = np.arange(len(order))
         return torch.cat(outputs).cpu().numpy()[unsorted]  # one host sync, after the last batch
 
-    def batch(self, rows: list, lengths, labels, index, size: int) -> dict:
-        """`size` rows padded to the bucket of the longest; rows past `len(index)` are weightless fillers."""
+    def batch(self, rows: list, lengths, labels, index, size: int, dropout: float = 0.0) -> dict:
+        """`size` rows padded to the bucket of the longest; rows past `len(index)` are weightless fillers;
+        `dropout`: the fine-tune step's rate."""
         import numpy as np
         import torch
 
@@ -308,6 +304,7 @@ class Tuner:
         weights = np.zeros(size, dtype=np.float32)
         weights[: len(index)] = 1.0
         arrays = {"input_ids": ids, "attention_mask": mask, "labels": padded_labels, "weights": weights}
+        arrays["dropout"] = np.array(dropout, dtype=np.float32)
         return {k: to_device(torch.from_numpy(v), self.device) for k, v in arrays.items()}
 
 
