@@ -242,7 +242,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     setup = prepare(config, inputs["pack"], ctx)
     if ctx.is_main:
         warn_of_data_limits(config, setup, ctx)
-    made = made_head(config)
+    made = _made_head(config)
     # A head made for a zero budget never trains: no held-out loss of it means anything.
     measured = config.val_blocks > 0 and not (made and config.budget.tokens == 0)
     state = _start(config, setup, out_dir, ctx)
@@ -347,7 +347,7 @@ def _pretrained_params(config: Config, ctx: Context) -> Params:
     return {name: params[name] if name in params else made_params[name] for name in shapes(cfg)}
 
 
-def made_head(config: Config) -> list[str]:
+def _made_head(config: Config) -> list[str]:
     """The masked-LM head's parameters that `init`'s checkpoint lacks and the stage makes (from the files'
     headers); none without a checkpoint."""
     from cram.model.hf import missing_head

@@ -20,6 +20,7 @@ from test_tokenizer import bert_style
 from cram import model
 from cram.pipeline import config as pipeline_config
 from cram.pipeline import runner
+from cram.stages.pretraining.state import TrainState
 from cram.stages.shared import pretrained
 from cram.stages.shared.tokenizer import load as load_tokenizer
 
@@ -90,8 +91,9 @@ def test_a_headless_bert_continues_with_a_made_head_and_keeps_its_pooler_unchang
     trained = load_file(run / "pretrain" / "params.safetensors")
     for name in model.bert.POOLER:  # neither a gradient step nor weight decay moved it
         assert torch.equal(trained[name], checkpoint[name])
-    saved = load_file(next((run / "pretrain" / "checkpoints").glob("step-*")) / "params.safetensors")
-    assert torch.equal(saved["pooler.dense.weight"], checkpoint["pooler.dense.weight"])
+    step = next((run / "pretrain" / "checkpoints").glob("step-*"))
+    assert torch.equal(load_file(step / "params.safetensors")["pooler.dense.weight"], checkpoint["pooler.dense.weight"])
+    assert not [k for k in load_file(step / "optimizer.safetensors") if "pooler" in k]  # AdamW never saw it
     moved = trained["layers.0.attn.out.weight"] - checkpoint["encoder.layer.0.attention.output.dense.weight"]
     assert moved.abs().max() > 0  # the encoder did train
     assert 0 < stages_of(run)["evaluate"]["outputs"]["mlm_loss"]
@@ -153,3 +155,12 @@ def test_an_unsupported_family_is_one_line_exit_2_naming_it(ws):
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
     assert "model_type='deberta-v2' (DeBERTa's disentangled relative attention" in result.output
     assert not (ws / "runs").exists()
+
+
+def test_a_checkpoint_s_params_split_into_trained_and_kept_each_in_its_order():
+    names = ["embed.tokens.weight", "pooler.dense.weight", "head.dense.weight", "pooler.dense.bias"]
+    state = TrainState.from_json({"seed": 0}, {name: torch.zeros(1) for name in names}, {})
+    assert list(state.params) == ["embed.tokens.weight", "head.dense.weight"]
+    assert list(state.kept) == ["pooler.dense.weight", "pooler.dense.bias"]
+    assert list(state.saved_params()) == [*state.params, *state.kept]
+    assert "kept" not in state.to_json()
