@@ -4,7 +4,7 @@ Parameter names (stable: checkpoints and exports rely on them). H = hidden, V = 
 I = intermediate, F = I // 2 with a GLU and I without, S = max_seq_len, T = token_types:
 
     embed.tokens.weight          [V, H]   also the tied decoder
-    embed.types.weight           [T, H]   token_types > 0: every token adds row 0
+    embed.types.weight           [T, H]   token_types > 0: a token adds its type's row (token_type_ids; none: 0)
     embed.positions.scale        [1]      position="sinusoidal": learnable scale, starts at position_scale
     embed.positions.weight       [O+S, H] position="learned" (O = position_offset): position p reads row p + O
     embed.norm.weight            [H]      embedding_norm
@@ -23,6 +23,8 @@ I = intermediate, F = I // 2 with a GLU and I without, S = max_seq_len, T = toke
     head.dense.bias              [H]      head_transform and linear_bias
     head.norm.weight             [H]      head_transform
     head.decoder.bias            [V]      decoder_bias: added to the tied decoder's logits
+    pooler.dense.weight          [H, H]   pooler: BERT's pooler, read by fine-tuning alone (`POOLER`)
+    pooler.dense.bias            [H]      pooler
     <every norm>.bias            [H]      norm_bias: zero at init (cramming's nn.LayerNorm)
 
 Biases are zero at init, tables and matrices normal(0.02), norm weights one. By default no linear layer
@@ -41,6 +43,8 @@ from torch import Tensor
 from cram.model.config import ATTENTIONS, Attention, ModelConfig
 
 INIT_STD = 0.02  # cramming's and BERT's normal init for every matrix
+# BERT's pooler: kept from a checkpoint, never trained by the masked LM (pretraining carries it unchanged).
+POOLER = ("pooler.dense.weight", "pooler.dense.bias")
 
 
 def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -82,14 +86,19 @@ def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         norm("head.norm")
     if cfg.decoder_bias:
         out["head.decoder.bias"] = (V,)
+    if cfg.pooler:
+        out[POOLER[0]], out[POOLER[1]] = (H, H), (H,)
     return out
 
 
-def init(cfg: ModelConfig, seed: int) -> dict[str, Tensor]:
-    """Fresh fp32 CPU parameters; the same seed always gives the same values."""
+def init(cfg: ModelConfig, seed: int, names: list[str] | None = None) -> dict[str, Tensor]:
+    """Fresh fp32 CPU parameters; the same seed always gives the same values. `names`: only these (a
+    masked-LM head for a checkpoint without one), drawn in `shapes`' order from the seed."""
     gen = torch.Generator().manual_seed(seed)
     params = {}
     for name, shape in shapes(cfg).items():
+        if names is not None and name not in names:
+            continue
         if name == "embed.positions.scale":
             scale = 1.0 / math.sqrt(cfg.hidden) if cfg.position_scale is None else cfg.position_scale
             params[name] = torch.full(shape, scale)
@@ -109,15 +118,18 @@ def encode(
     attention_mask: Tensor | None = None,
     document_ids: Tensor | None = None,
     attention: Attention = "auto",
+    token_type_ids: Tensor | None = None,
     dropout: float | Tensor | None = None,
 ) -> Tensor:
     """Hidden states [B, S, H] after the last norm. attention_mask: [B, S] bool, True = real token;
     document_ids: [B, S] integers, a query reads only keys of its own document (packed blocks);
-    attention: how attention is computed (`attends_with`), never what it computes; dropout: the rate
-    (None: `cfg.dropout`), a 0-dim tensor for one graph at every rate (see `dropout`)."""
+    attention: how attention is computed (`attends_with`), never what it computes; token_type_ids:
+    [B, S] rows of the token-type table (a pair's second text: 1), read only when the model has one
+    (None: row 0 for every token); dropout: the rate (None: `cfg.dropout`), a 0-dim tensor for one
+    graph at every rate (see `dropout`)."""
     S = input_ids.shape[1]
     rate = cfg.dropout if dropout is None else dropout
-    x = _embed(params, cfg, input_ids, rate)
+    x = _embed(params, cfg, input_ids, token_type_ids, rate)
     rope = local_rope = None
     if cfg.position == "rope":
         rope = local_rope = _rope_tables(S, cfg.head_dim, cfg.rope_theta, x.device)
@@ -138,11 +150,15 @@ def encode(
     return x if cfg.post_norm else _norm(x, params, "final_norm", cfg)
 
 
-def _embed(params: dict[str, Tensor], cfg: ModelConfig, input_ids: Tensor, rate: float | Tensor) -> Tensor:
+def _embed(
+    params: dict[str, Tensor], cfg: ModelConfig, input_ids: Tensor, token_type_ids: Tensor | None, rate: float | Tensor
+) -> Tensor:
     S = input_ids.shape[1]
     x = F.embedding(input_ids, params["embed.tokens.weight"])
-    if cfg.token_types:
+    if cfg.token_types and token_type_ids is None:
         x = x + params["embed.types.weight"][0]
+    elif cfg.token_types:
+        x = x + F.embedding(token_type_ids, params["embed.types.weight"])
     if cfg.position == "sinusoidal":
         x = x + params["embed.positions.scale"] * _sinusoids(S, cfg.hidden, x.device)
     elif cfg.position == "learned":

@@ -14,6 +14,7 @@ Batches for the steps:
     attention_mask  [B, S] bool, True = real token (every row needs at least one)
     labels          [B] int64 class ids, or float32 targets (regression: one output, squared error)
     weights         [B] float32, 0 for rows that only pad the batch to its fixed size
+    token_type_ids  [B, S] int64, optional: 1 for a pair's second text (models with a token-type table)
     dropout         [] float32, the fine-tune step's dropout rate (encoder and head)
 """
 
@@ -29,8 +30,9 @@ from cram.model.bert import INIT_STD, dropout, encode
 from cram.model.config import Attention, ModelConfig, OptimizerConfig
 from cram.model.step import CompileOptions, autocast, compiled, detached_params, make_apply_step
 
-Pooling = Literal["first", "mean"]
-POOLINGS: tuple[str, ...] = ("first", "mean")
+# "pooler": the first token, through a head whose dense layer starts as the checkpoint's pooler (`pooler_head`).
+Pooling = Literal["first", "mean", "pooler"]
+POOLINGS: tuple[str, ...] = ("first", "mean", "pooler")
 
 
 def init_head(cfg: ModelConfig, num_outputs: int, seed: int, width: int | None = None) -> dict[str, Tensor]:
@@ -46,9 +48,19 @@ def init_head(cfg: ModelConfig, num_outputs: int, seed: int, width: int | None =
     }
 
 
+def pooler_head(head: dict[str, Tensor], params: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`head` whose dense layer is the encoder's pooler (`pooler.dense.*`, BERT's dense + tanh over the
+    first token), as transformers' BertForSequenceClassification starts; its dense width must be hidden."""
+    return {
+        **head,
+        "classifier.dense.weight": params["pooler.dense.weight"].clone(),
+        "classifier.dense.bias": params["pooler.dense.bias"].clone(),
+    }
+
+
 def pool(hidden: Tensor, attention_mask: Tensor, pooling: Pooling) -> Tensor:
-    """[B, S, H] -> [B, H]: the first ([CLS]) token, or the mean over real tokens."""
-    if pooling == "first":
+    """[B, S, H] -> [B, H]: the first ([CLS]) token ("first", "pooler"), or the mean over real tokens."""
+    if pooling in ("first", "pooler"):
         return hidden[:, 0]
     weights = attention_mask.to(hidden.dtype).unsqueeze(-1)
     return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)
@@ -61,12 +73,16 @@ def classify(
     attention_mask: Tensor,
     pooling: Pooling = "first",
     attention: Attention = "auto",
+    token_type_ids: Tensor | None = None,
     rate: float | Tensor | None = None,
 ) -> Tensor:
     """Logits [B, num_outputs] (fp32) of the head over the encoder; dropout at `rate` (None: `cfg.dropout`)
-    applies in the encoder and after the head's dense layer (cramming's fine-tuning)."""
+    applies in the encoder and after the head's dense layer (cramming's fine-tuning).
+    token_type_ids: [B, S], a pair's second text 1 (`encode`); None: every token type 0."""
     rate = cfg.dropout if rate is None else rate
-    hidden = encode(params, cfg, input_ids, attention_mask, attention=attention, dropout=rate)
+    hidden = encode(
+        params, cfg, input_ids, attention_mask, attention=attention, token_type_ids=token_type_ids, dropout=rate
+    )
     pooled = pool(hidden, attention_mask, pooling)
     x = torch.tanh(F.linear(pooled, params["classifier.dense.weight"], params["classifier.dense.bias"]))
     x = dropout(x, rate)
@@ -102,10 +118,10 @@ def make_finetune_step(
     apply = make_apply_step(opt_cfg, compile=False)
 
     def loss_fn(params: dict[str, Tensor], batch: dict[str, Tensor]) -> Tensor:
-        ids, mask = batch["input_ids"], batch["attention_mask"]
+        ids, mask, types = batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids")
         with autocast(ids, autocast_dtype):
             rate = batch["dropout"] if "dropout" in batch else torch.tensor(cfg.dropout, device=ids.device)
-            logits = classify(params, cfg, ids, mask, pooling, attention, rate)
+            logits = classify(params, cfg, ids, mask, pooling, attention, types, rate)
         return finetune_loss(logits, batch["labels"], batch["weights"])
 
     def step(params, opt_state, batch, lr):
@@ -134,7 +150,8 @@ def make_classify_eval_step(
     @torch.no_grad()
     def predict(params, batch):
         with autocast(batch["input_ids"], autocast_dtype):
-            return classify(params, cfg, batch["input_ids"], batch["attention_mask"], pooling, attention, 0.0)
+            ids, mask, types = batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids")
+            return classify(params, cfg, ids, mask, pooling, attention, types, 0.0)
 
     return compiled(predict, compile, backend, options)
 

@@ -80,6 +80,9 @@ class ModelConfig:
     position_offset: int = 0  # learned positions: position p reads row p + offset (RoBERTa: pad_token_id + 1)
     token_types: int = 0  # rows of a token-type table added to the embeddings; every token reads row 0 (BERT: 2)
     decoder_bias: bool = False  # a bias over the vocabulary added to the tied decoder's logits
+    # BERT's pooler (dense + tanh over the first token), kept from a checkpoint that brought one for
+    # fine-tuning (`pooling = "pooler"`) and export; the masked LM never reads it, and pretraining leaves it as it is.
+    pooler: bool = False
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "hidden", "layers", "heads", "intermediate", "max_seq_len"):

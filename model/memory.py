@@ -48,16 +48,18 @@ class MemoryEstimate:
 class Parameters:
     """How many parameters `model.init(cfg)` makes (`model/bert.py` lists them), by part: the token
     embeddings (and the token-type table), the positions, the encoder (its layers and norms) and the head
-    (the transform before the tied decoder, and the decoder's bias)."""
+    (the transform before the tied decoder, and the decoder's bias), and a checkpoint's pooler, which the
+    masked LM never reads (no FLOPs)."""
 
     embedding: int
     positions: int
     encoder: int
     head: int
+    pooler: int = 0
 
     @property
     def total(self) -> int:
-        return self.embedding + self.positions + self.encoder + self.head
+        return self.embedding + self.positions + self.encoder + self.head + self.pooler
 
 
 def parameters(cfg: ModelConfig) -> Parameters:
@@ -74,6 +76,7 @@ def parameters(cfg: ModelConfig) -> Parameters:
         positions={"sinusoidal": 1, "learned": (cfg.position_offset + cfg.max_seq_len) * H}.get(cfg.position, 0),
         encoder=encoder,
         head=head,
+        pooler=H * H + H if cfg.pooler else 0,
     )
 
 

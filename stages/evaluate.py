@@ -21,7 +21,14 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from cram.stages import Context, StageError, Upstream
-from cram.stages.finetuning.checks import check_against_the_model, check_lengths, check_task, topic_gap
+from cram.stages.finetuning.checks import (
+    check_against_the_model,
+    check_lengths,
+    check_pooler,
+    check_task,
+    init_model,
+    topic_gap,
+)
 from cram.stages.finetuning.finetune import load_task
 from cram.stages.finetuning.heldout import HeldOut, evaluate_mlm
 from cram.stages.finetuning.metrics import METRICS, REGRESSION_METRICS
@@ -107,7 +114,10 @@ class Config:
     weight_decay: float = 0.0  # cramming fine-tunes without weight decay
     max_length: int = 128  # tokens per example, [CLS] and [SEP]s included; longer texts are cut
     buckets: tuple[int, ...] = (32, 64, 128)  # padded batch lengths: one compiled graph each, at most
-    pooling: Literal["first", "mean"] = "first"
+    # first: the [CLS] token; mean: the mean over real tokens; pooler: the first token through a head whose
+    # dense layer starts as the checkpoint's pooler (BERT's; head_width = 0). auto: the pooling of
+    # pretrain.init's sentence-transformers folder where it names one, else first (resolved at load, `linked`).
+    pooling: Literal["auto", "first", "mean", "pooler"] = "auto"
     head_width: int = 1024  # the classifier head's dense layer (cramming's); 0: the model's hidden size
     dropout: float = 0.1  # fine-tuning only: embeddings, attention, hidden and the head (cramming's)
     seeds: int = 5
@@ -163,6 +173,21 @@ class Config:
         if repeated:
             raise ValueError(f"tasks: the name {repeated[0]!r} is used twice; results are keyed by name")
 
+    def linked(self, sections: dict[str, Any]) -> Config:
+        """`pooling = "auto"` is the pooling that `pretrain.init`'s sentence-transformers folder names ("mean"
+        or "first"), else "first": resolved here, so the cache key holds the pooling that runs."""
+        if self.pooling != "auto":
+            return self
+        from cram.stages.shared import pretrained
+
+        init, pooling = getattr(sections.get("pretrain"), "init", ""), None
+        if init:
+            try:
+                pooling = pretrained.locate(Path(init)).pooling
+            except pretrained.PretrainedError:  # pretrain's validate names it
+                pass
+        return dataclasses.replace(self, pooling=pooling or "first")
+
     def setting(self, task: TaskConfig, key: str) -> Any:
         """The task's own `key` (epochs, seeds, lr or max_length), or the stage's when it has none."""
         own = getattr(task, key)
@@ -203,6 +228,10 @@ def validate(config: Config, pipeline: Any) -> None:
         check_task(config, task, f"evaluate.tasks[{i}]", i, tokenize, pack)
     if pack is not None:
         check_against_the_model(config, pipeline.stages.get("pretrain"), pack.seq_len)
+    if config.pooling == "pooler":
+        pretrain = pipeline.stages.get("pretrain")
+        started = "pretrain.init's checkpoint" if getattr(pretrain, "init", "") else "a model pretrained from scratch"
+        check_pooler(config, init_model(pretrain), started)
 
 
 def describe(config: Config, pipeline: Any) -> str:
@@ -245,9 +274,11 @@ def _fitting_tasks(config: Config, gap: Callable[[], str | None], log: Any = Non
 
 
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
-    config = _fitting_tasks(config, lambda: _heldout_gap(inputs["tokenize"]), ctx.log)
+    config = _fitting_tasks(config, lambda: _heldout_gap(inputs["tokenize"]), ctx.log).linked({})
     cfg, params, tokenizer = _load_checkpoint(inputs["pretrain"], inputs["tokenize"])
     check_lengths(config, cfg.max_seq_len)
+    if config.pooling == "pooler":
+        check_pooler(config, cfg, str(inputs["pretrain"].path("model_config")))
     seeds = [[ctx.seed + k for k in range(config.setting(tc, "seeds"))] for tc in config.tasks]
     jobs = [(i, seed) for i, task_seeds in enumerate(seeds) for seed in task_seeds]
     work = functools.partial(_work, config, inputs, ctx, cfg, params, tokenizer, jobs)
@@ -306,13 +337,23 @@ def _work(
     limit = max(8, len(config.buckets) * len(tasks))
     with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
         choice, tuner = _tuner(config, cfg, on_device, special, device, tasks, encoded, ctx)
-        if config.mlm and ctx.is_main:
+        if config.mlm and ctx.is_main and not _untrained_head(inputs["pretrain"], ctx):
             held_out = HeldOut.of(config, inputs)
             mlm = evaluate_mlm(config, cfg, on_device, held_out, device, choice.precision, ctx)
         for j, (i, seed) in enumerate(jobs):
             if owner[j] == ctx.rank:
                 runs[j] = finetune_seed(tuner, tasks[i][0], tasks[i][1], encoded[i], seed, ctx)
     return mlm, runs, _Prepared(tasks, encoded, choice)
+
+
+def _untrained_head(pretrain: Upstream, ctx: Context) -> bool:
+    """Whether pretrain made a masked-LM head for a checkpoint without one and trained it not a step (a
+    zero budget): its masked-LM figures would measure a random head, so there are none."""
+    made = pretrain.outputs.get("head_initialised")
+    if made and not pretrain.outputs.get("steps"):
+        ctx.log.info("no mlm figures", reason="pretrain.init's checkpoint has no masked-LM head, and none was trained")
+        return True
+    return False
 
 
 def _tuner(

@@ -77,8 +77,9 @@ NEW_OPTIONS = (
 )
 
 
-# vocab_size, max_seq_len and pad_id come from the data; dropout is fine-tuning's (evaluate's).
-_NOT_CONFIGURED_HERE = ("vocab_size", "max_seq_len", "pad_id", "dropout")
+# vocab_size, max_seq_len and pad_id come from the data; dropout is fine-tuning's (evaluate's); a pooler
+# only a checkpoint brings (pretraining never trains one).
+_NOT_CONFIGURED_HERE = ("vocab_size", "max_seq_len", "pad_id", "dropout", "pooler")
 # `[pretrain.model]`: a preset of `model.PRESETS` and overrides of any other `ModelConfig` field (None:
 # the preset's). Made from ModelConfig's fields, so an architecture option is never copied by hand.
 Architecture = dataclasses.make_dataclass(
@@ -241,6 +242,9 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     setup = prepare(config, inputs["pack"], ctx)
     if ctx.is_main:
         warn_of_data_limits(config, setup, ctx)
+    made = _made_head(config)
+    # A head made for a zero budget never trains: no held-out loss of it means anything.
+    measured = config.val_blocks > 0 and not (made and config.budget.tokens == 0)
     state = _start(config, setup, out_dir, ctx)
     data = PhaseStream(
         setup.blocks,
@@ -257,7 +261,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     recompiles = torch._dynamo.config.patch(recompile_limit=setup.plan.shapes, fail_on_recompile_limit_hit=True)
     with recompiles, data:
         setup, steps, choice, compile_s = compiled_steps(config, setup, ctx, state, data)
-        if ctx.is_main and config.val_blocks and state.val_loss_start is None:
+        if ctx.is_main and measured and state.val_loss_start is None:
             state.val_loss_start = val_loss(config, setup, state.params)
         if ctx.is_main:  # measured on a CPU, which takes seconds: before the budget clock starts
             peak_flops(setup.device, setup.autocast)
@@ -273,13 +277,14 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         "masking": dataclasses.asdict(config.masking),
         "seq_lens": setup.plan.lengths,
         "document_attention": config.document_attention,
+        **({"head_initialised": made} if made else {}),
     }
     if not ctx.is_main:
         return outputs
     if planned_passes(config, setup, ctx.world_size) is None:  # a time budget: the passes are known now
         warn_of_repeats(setup.plan.position(state) / setup.blocks.size, len(setup.blocks), ctx, "made")
     _write_model(out_dir / outputs["params"], out_dir / outputs["model_config"], setup, state)
-    figures = _figures(config, setup, ctx, state, compile_s, choice)
+    figures = _figures(config, setup, ctx, state, compile_s, choice, measured)
     ctx.log.info("trained", **figures)
     ctx.metrics.log(state.step, figures, prefix="final/")
     return {**outputs, **figures}
@@ -298,7 +303,8 @@ def _start(config: Config, setup: Setup, out_dir: Path, ctx: Context) -> TrainSt
     resume_from = agree_on(checkpoint.latest(out_dir / "checkpoints", ctx.log), ctx.world_size)
     if resume_from is None:
         params = _pretrained_params(config, ctx) if config.init else model.init(setup.model, ctx.seed)
-        state = TrainState(seed=ctx.seed, params=params, opt_state=model.adamw_init(params))
+        trained, kept = TrainState.split(params)
+        state = TrainState(seed=ctx.seed, params=trained, opt_state=model.adamw_init(trained), kept=kept)
     else:
         params, opt_state, counters = checkpoint.load(resume_from)
         state = TrainState.from_json(counters, params, opt_state)
@@ -314,16 +320,45 @@ def _start(config: Config, setup: Setup, out_dir: Path, ctx: Context) -> TrainSt
 
 
 def _pretrained_params(config: Config, ctx: Context) -> Params:
+    """The checkpoint's params, with a masked-LM head made from the run's seed where it has none (a base
+    model, a sequence classifier): the decoder is tied to the token embeddings as transformers ties it,
+    the head's transform, norm and bias start fresh, and one warning names them (none for a zero budget,
+    which trains nothing)."""
     import time
+
+    from cram import model
+    from cram.model.bert import shapes
+    from cram.model.hf import missing_head
 
     started = time.perf_counter()
     found = locate_init(config)
     try:
-        _, params = pretrained.load(found)
+        cfg, params = pretrained.load(found)
     except pretrained.PretrainedError as e:
         raise StageError(f"pretrain.init: {e}") from None
     ctx.log.info("init", checkpoint=str(found.folder), kind=found.kind, seconds=round(time.perf_counter() - started, 2))
-    return params
+    made = missing_head(cfg, params)
+    if made and config.budget.tokens != 0 and ctx.is_main:
+        ctx.log.warning(
+            f"pretrain.init: {found.folder} has no masked-LM head; initialised {', '.join(made)} from the run's "
+            "seed (the decoder is tied to the token embeddings); they train with the encoder from the first step"
+        )
+    made_params = model.init(cfg, ctx.seed, names=made)
+    return {name: params[name] if name in params else made_params[name] for name in shapes(cfg)}
+
+
+def _made_head(config: Config) -> list[str]:
+    """The masked-LM head's parameters that `init`'s checkpoint lacks and the stage makes (from the files'
+    headers); none without a checkpoint."""
+    from cram.model.hf import missing_head
+
+    if not config.init:
+        return []
+    try:
+        cfg, params = pretrained.load(locate_init(config), shapes_only=True)
+    except pretrained.PretrainedError as e:
+        raise StageError(f"pretrain.init: {e}") from None
+    return missing_head(cfg, params)
 
 
 def _hooks(config: Config, ctx: Context, steps: Steps, out_dir: Path, bar: ProgressBar, last_saved: int) -> list[Hook]:
@@ -343,7 +378,7 @@ def _hooks(config: Config, ctx: Context, steps: Steps, out_dir: Path, bar: Progr
 def _write_model(params_path: Path, config_path: Path, setup: Setup, state: TrainState) -> None:
     from cram.stages.pretraining import checkpoint
 
-    checkpoint.write_tensors(params_path, state.params)
+    checkpoint.write_tensors(params_path, state.saved_params())
     config_path.write_text(json.dumps(dataclasses.asdict(setup.model), indent=1) + "\n")
 
 
@@ -354,6 +389,7 @@ def _figures(
     state: TrainState,
     compile_s: float,
     choice: precisions.Choice,
+    measured: bool,
 ) -> dict[str, Any]:
     """The stage's results: losses, throughput, what training cost."""
     from cram import model
@@ -366,7 +402,7 @@ def _figures(
         "final_loss": state.loss_end,
         "loss_start": state.loss_start,
         "val_loss_start": state.val_loss_start,
-        "val_loss_end": val_loss(config, setup, state.params) if config.val_blocks else None,
+        "val_loss_end": val_loss(config, setup, state.params) if measured else None,
         "steps": state.step,
         "tokens_seen": state.tokens_seen,
         "flops_seen": state.flops_seen,  # model FLOPs: a budget that carries across hardware

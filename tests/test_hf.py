@@ -276,15 +276,18 @@ def test_a_missing_weight_an_untied_decoder_and_an_unknown_weight_are_refused(ch
         from_transformers({**config, "tie_word_embeddings": False}, untied, where="ckpt")
     with pytest.raises(UnsupportedCheckpoint, match="weight cls.predictions.extra has no place"):
         from_transformers(config, {**state, "cls.predictions.extra": embeddings}, where="ckpt")
-    # What BERT's pretraining checkpoints also hold, and the tied decoder's copy, are read past.
+    # What BERT's pretraining checkpoints also hold, and the tied decoder's copy, are read past; the pooler is kept.
     harmless = {
         **state,
-        "bert.pooler.dense.weight": torch.zeros(32, 32),
+        "bert.pooler.dense.weight": torch.ones(32, 32),
+        "bert.pooler.dense.bias": torch.zeros(32),
         "cls.seq_relationship.bias": torch.zeros(2),
         "bert.embeddings.position_ids": torch.arange(S)[None],
         "cls.predictions.decoder.weight": embeddings,
     }
-    assert from_transformers(config, harmless, where="ckpt")[0] == from_transformers(config, state, where="ckpt")[0]
+    with_pooler, params = from_transformers(config, harmless, where="ckpt")
+    assert with_pooler == dataclasses.replace(from_transformers(config, state, where="ckpt")[0], pooler=True)
+    assert torch.equal(params["pooler.dense.weight"], torch.ones(32, 32))
 
 
 @pytest.mark.parametrize(

@@ -538,6 +538,7 @@ def test_model_section_offers_every_architecture_field_and_checks_types(tmp_path
         "max_seq_len",
         "pad_id",
         "dropout",
+        "pooler",  # only a checkpoint brings one
     }
     config = load_pretrain(tmp_path, '[pretrain.model]\npreset = "small"\nposition = "rope"\nglu = false\n')
     assert (config.model.preset, config.model.position, config.model.glu, config.model.hidden) == (

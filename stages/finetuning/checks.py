@@ -46,16 +46,38 @@ def _positions(pretrain: Any, longest: int) -> tuple[str, int] | None:
     if pretrain is None:
         return None
     if pretrain.init:
-        from cram.stages.shared import pretrained
-
-        try:
-            cfg, _ = pretrained.load(pretrained.locate(Path(pretrain.init)), shapes_only=True)
-        except pretrained.PretrainedError:
-            return None
-        return cfg.position, cfg.max_seq_len
+        cfg = init_model(pretrain)
+        return None if cfg is None else (cfg.position, cfg.max_seq_len)
     preset = PRESETS.get(pretrain.model.preset)
     position = pretrain.model.position or getattr(preset, "position", None)
     return None if position is None else (position, longest)
+
+
+def init_model(pretrain: Any):
+    """The ModelConfig of pretrain's `init` checkpoint (`pretrain` is its Config), read from its headers;
+    None without one, or for one its own `validate` refuses."""
+    if pretrain is None or not pretrain.init:
+        return None
+    from cram.stages.shared import pretrained
+
+    try:
+        return pretrained.load(pretrained.locate(Path(pretrain.init)), shapes_only=True)[0]
+    except pretrained.PretrainedError:
+        return None
+
+
+def check_pooler(config: Any, cfg: Any, where: str = "pretrain.init's checkpoint") -> None:
+    """`pooling = "pooler"` needs a model with a pooler (`cfg`, None: one with none) and a head as wide as it."""
+    if cfg is None or not cfg.pooler:
+        raise StageError(
+            f'evaluate.pooling: "pooler" starts the head from the checkpoint\'s pooler, and {where} has none '
+            '(only BERT and RoBERTa checkpoints bring pooler.dense); use "first" or "mean"'
+        )
+    if config.head_width not in (0, cfg.hidden):
+        raise StageError(
+            f'evaluate.head_width: {config.head_width}, but pooling = "pooler" starts the head\'s dense layer '
+            f"from the checkpoint's {cfg.hidden} x {cfg.hidden} pooler; set 0 (the hidden size)"
+        )
 
 
 _TOPIC_REMEDY = "drop this task, or give tokenize labelled documents to hold out"

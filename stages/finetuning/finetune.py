@@ -24,6 +24,12 @@ if TYPE_CHECKING:
     from cram.stages.shared.tokenizer import Tokenizer
 
 PROGRESS_EVERY_S = 30.0  # a fine-tune's progress line in the log this often (and when it starts)
+# What of a batch the model reads (`Tuner.batch`): prediction is given these alone.
+MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def model_inputs(batch: dict) -> dict:
+    return {k: batch[k] for k in MODEL_INPUTS if k in batch}
 
 
 def load_task(task_cfg: Any, index: int, tokenize: Upstream):
@@ -197,13 +203,12 @@ class Tuner:
         import torch
 
         from cram import model
-        from cram.model.classifier import init_head
 
         rows, lengths, labels = train
         size = self.config.batch_size
-        head = init_head(self.cfg, num_outputs, seed, width=self.config.head_width)
+        head = self.head(num_outputs, seed)
         torch.manual_seed(seed)  # dropout's masks: a seed's fine-tune is the same wherever it runs
-        params = {**self.params, **{k: v.to(self.device) for k, v in head.items()}}
+        params = {**self.params, **head}
         opt_state = model.adamw_init(params)
         rng = np.random.default_rng(seed)
         steps_per_epoch = math.ceil(len(rows) / size)
@@ -239,15 +244,13 @@ class Tuner:
         import torch
 
         from cram import model
-        from cram.model.classifier import init_head
 
         rows, lengths, labels = train
         size = self.config.batch_size
         first = np.arange(min(size, len(rows)))
         batch = self.batch(rows, lengths, labels, first, size, dropout=0.0)
         lr = to_device(torch.tensor(self.config.lr, dtype=torch.float32), self.device)
-        head = {k: v.to(self.device) for k, v in init_head(self.cfg, num_outputs, seed, self.config.head_width).items()}
-        start = {**self.params, **head}
+        start = {**self.params, **self.head(num_outputs, seed)}
         tuners = (self, eager)
         states = [(start, model.adamw_init(start)) for _ in tuners]
         diffs = []
@@ -259,8 +262,7 @@ class Tuner:
                 readings.append(torch.stack([m["loss"], m["grad_norm"]]))
             diffs.append((readings[0] - readings[1]).abs() / readings[1].abs().clamp(min=1e-6))
         # as many rows as prediction takes: the graph checked is the one that predicts the test sets
-        padded = self.batch(rows, lengths, labels, first, self.config.eval_batch_size)
-        inputs = {k: padded[k] for k in ("input_ids", "attention_mask")}
+        inputs = model_inputs(self.batch(rows, lengths, labels, first, self.config.eval_batch_size))
         logits = [tuner.predict(states[k][0], inputs).float() for k, tuner in enumerate(tuners)]
         scale = logits[1].abs().max().clamp(min=1e-6)
         diffs.append(((logits[0] - logits[1]).abs().max() / scale).reshape(1))
@@ -278,7 +280,7 @@ class Tuner:
         outputs = []
         for start in range(0, len(rows), size):
             batch = self.batch(rows, lengths, no_labels, order[start : start + size], size)
-            logits = self.predict(params, {k: batch[k] for k in ("input_ids", "attention_mask")})
+            logits = self.predict(params, model_inputs(batch))
             outputs.append(logits[: len(order[start : start + size])])
         unsorted = np.empty_like(order)
         unsorted[order] = np.arange(len(order))
@@ -304,8 +306,20 @@ class Tuner:
         weights = np.zeros(size, dtype=np.float32)
         weights[: len(index)] = 1.0
         arrays = {"input_ids": ids, "attention_mask": mask, "labels": padded_labels, "weights": weights}
+        if self.cfg.token_types > 1:  # BERT's segments: what follows the first [SEP] is the pair's second text
+            is_sep = ids == sep
+            arrays["token_type_ids"] = (((np.cumsum(is_sep, axis=1) - is_sep) > 0) & mask).astype(np.int64)
         arrays["dropout"] = np.array(dropout, dtype=np.float32)
         return {k: to_device(torch.from_numpy(v), self.device) for k, v in arrays.items()}
+
+    def head(self, num_outputs: int, seed: int) -> dict:
+        """A fresh head on the device; with `pooling = "pooler"` its dense layer is the checkpoint's pooler."""
+        from cram.model.classifier import init_head, pooler_head
+
+        head = init_head(self.cfg, num_outputs, seed, width=self.config.head_width)
+        if self.config.pooling == "pooler":
+            head = pooler_head(head, self.params)
+        return {k: v.to(self.device) for k, v in head.items()}
 
 
 def bucket(length: int, buckets: tuple[int, ...]) -> int:

@@ -127,7 +127,7 @@ class Checkpointer:
         state.progress = progress(self.config.budget, state, state.elapsed_s)
         state.unlogged = list(info.metrics.fetch())
         checkpoint.save(
-            self.root, state.step, state.params, state.opt_state, state.to_json(), self.config.keep_checkpoints
+            self.root, state.step, state.saved_params(), state.opt_state, state.to_json(), self.config.keep_checkpoints
         )
         self.last_saved, self.last_saved_at = state.step, time.perf_counter()
         self.log.info("checkpoint", step=state.step)

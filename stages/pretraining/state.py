@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 Params = dict[str, "Tensor"]
 
 # Fields that are tensors, saved as safetensors beside state.json rather than in it.
-_TENSORS = ("params", "opt_state")
+_TENSORS = ("params", "opt_state", "kept")
 # Counters added after the format was fixed: left out while at their default, so a checkpoint that
 # lacks them reads and writes back as it was (its run had one phase; its FLOPs count restarts at 0).
 _NEW = {"phase": 0, "phase_start": 0, "flops_seen": 0.0}
@@ -42,6 +42,20 @@ class TrainState:
     # since the last log line, so that a resumed run logs the curve an uninterrupted one would
     params: Params = field(default_factory=dict, repr=False)
     opt_state: Params = field(default_factory=dict, repr=False)
+    # What the checkpoint brought that training never reads (BERT's pooler): carried as it is, saved
+    # beside the params in the same file (`saved_params`), never given to the steps or the optimizer.
+    kept: Params = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def split(cls, params: Params) -> tuple[Params, Params]:
+        """(what training updates, what it carries unchanged) of a model's params, each in their order."""
+        from cram.model.bert import POOLER
+
+        return {k: v for k, v in params.items() if k not in POOLER}, {k: v for k, v in params.items() if k in POOLER}
+
+    def saved_params(self) -> Params:
+        """The whole model: the trained params, then the kept ones."""
+        return {**self.params, **self.kept}
 
     def advance(self, params: Params, opt_state: Params, sequences: int, seq_len: int, flops_per_token: float) -> None:
         """Take the result of one optimizer step over `sequences` (global) sequences of `seq_len` tokens."""
@@ -60,5 +74,6 @@ class TrainState:
     def from_json(
         cls, counters: dict[str, Any], params: Params | None = None, opt_state: Params | None = None
     ) -> TrainState:
-        """The state of a checkpoint: its `state.json` and its tensors."""
-        return cls(**counters, params=params or {}, opt_state=opt_state or {})
+        """The state of a checkpoint: its `state.json` and its tensors (`params` as `saved_params` wrote them)."""
+        trained, kept = cls.split(params or {})
+        return cls(**counters, params=trained, opt_state=opt_state or {}, kept=kept)

@@ -3,8 +3,11 @@ are, what of them enters a cache key, and its params as cram's model reads them.
 
 PATH is one of:
 - a `transformers` model folder: `config.json` and `model.safetensors` (or the shards that
-  `model.safetensors.index.json` lists) of a ModernBertForMaskedLM, BertForMaskedLM or
-  RobertaForMaskedLM; its tokenizer is the `tokenizer.json` beside them;
+  `model.safetensors.index.json` lists) of a ModernBERT, BERT, RoBERTa / XLM-R or DistilBERT masked LM,
+  base model or sequence classifier (`model/hf.py`); its tokenizer is the `tokenizer.json` beside them;
+- a sentence-transformers folder (`modules.json`): the transformer at its root or in the sub-folder its
+  `sentence_transformers.models.Transformer` module names, and the pooling of its `Pooling` module's
+  `config.json` (`pooling`: mean tokens as "mean", the CLS token as "first");
 - a cram export (`cram export RUN --to DIR`) or a finished pretrain stage folder: `model.json` and
   `params.safetensors`, with `tokenizer.json` or `tokenizer.model` beside them in an export;
 - a run directory: its `pretrain/` folder, and the tokenizer of its `tokenize/` folder.
@@ -28,6 +31,10 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 _SHARD_INDEX = "model.safetensors.index.json"
+_MODULES = "modules.json"  # a sentence-transformers folder
+_ST = "sentence_transformers.models."
+# A Pooling module's modes, as evaluate's `pooling` names them; other modes (max, weighted mean) have none.
+_POOLINGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "first"}
 
 
 class PretrainedError(ValueError):
@@ -43,6 +50,7 @@ class Pretrained:
     config_file: Path  # config.json or model.json
     weights: tuple[Path, ...]  # safetensors files
     tokenizer: Path | None  # its tokenizer file, when it has one
+    pooling: str | None = None  # a sentence-transformers folder's pooling, "mean" or "first"; None: none said
 
 
 def locate(path: Path) -> Pretrained:
@@ -55,6 +63,8 @@ def locate(path: Path) -> Pretrained:
         return Pretrained(found.folder, "cram", found.config_file, found.weights, tokenizer_in(path / "tokenize"))
     if (path / "model.json").is_file():
         return _cram(path)
+    if (path / _MODULES).is_file():
+        return _sentence_transformers(path)
     if (path / "config.json").is_file():
         return _transformers(path)
     raise PretrainedError(
@@ -132,6 +142,36 @@ def _transformers(folder: Path) -> Pretrained:
         )
         raise PretrainedError(f"{folder}: config.json without model.safetensors{hint}")
     return Pretrained(folder, "transformers", folder / "config.json", weights, tokenizer_in(folder))
+
+
+def _sentence_transformers(root: Path) -> Pretrained:
+    """The transformer module of a sentence-transformers folder, its tokenizer (the module's, else the
+    root's) and the pooling of its Pooling module."""
+    modules = _read_json(root / _MODULES)
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise PretrainedError(f"{root / _MODULES}: not a list of modules")
+    paths = {m.get("type"): m.get("path", "") for m in modules}
+    transformer = paths.get(_ST + "Transformer")
+    if not isinstance(transformer, str):
+        raise PretrainedError(f"{root / _MODULES}: no {_ST}Transformer module; cram reads that one")
+    folder = root / transformer
+    if not (folder / "config.json").is_file():
+        raise PretrainedError(f"{root / _MODULES}: its Transformer module's folder {folder} has no config.json")
+    found = _transformers(folder)
+    pooling = None
+    if isinstance(paths.get(_ST + "Pooling"), str):
+        settings = _read_json(root / paths[_ST + "Pooling"] / "config.json")
+        modes = [mode for key, mode in _POOLINGS.items() if isinstance(settings, dict) and settings.get(key) is True]
+        pooling = modes[0] if len(modes) == 1 else None
+    tokenizer = found.tokenizer or tokenizer_in(root)
+    return Pretrained(folder, "transformers", found.config_file, found.weights, tokenizer, pooling)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PretrainedError(f"{path}: not readable JSON ({e})") from None
 
 
 def _shards(folder: Path) -> tuple[Path, ...]:
