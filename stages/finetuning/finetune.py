@@ -91,8 +91,11 @@ def _longest_first(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
     return (budget + 1) // 2, budget // 2
 
 
-def finetune_seed(tuner: Tuner, task_cfg: Any, task, data: Encoded, seed: int, ctx: Context) -> dict:
-    """Fine-tune one seed of one task from the pretrained params and score it on each test set."""
+def finetune_seed(
+    tuner: Tuner, task_cfg: Any, task, data: Encoded, seed: int, ctx: Context, keep: Callable | None = None
+) -> dict:
+    """Fine-tune one seed of one task from the pretrained params and score it on each test set; `keep`,
+    when given, is called with the fine-tuned params and the run's record (`kept.Keeper.offer`)."""
     from cram.stages.finetuning.metrics import score
 
     began = time.perf_counter()
@@ -111,7 +114,10 @@ def finetune_seed(tuner: Tuner, task_cfg: Any, task, data: Encoded, seed: int, c
         train_loss=round(loss, 4),
         **{f"{t}_{m}": round(v, 4) for t, ms in scores.items() for m, v in ms.items()},
     )
-    return {"train_loss": loss, "scores": scores, "time_s": time.perf_counter() - began}
+    run = {"train_loss": loss, "scores": scores, "time_s": time.perf_counter() - began}
+    if keep is not None:
+        keep(params, run)
+    return run
 
 
 def task_result(
@@ -183,6 +189,7 @@ class Tuner:
             autocast_dtype=precision.autocast(),
             options=precision.compile_options() if config.compile else None,
             attention=attention,
+            head=config.head,
         )
         # Dropout (cramming's 0.1) in the fine-tune step only; prediction sees the whole network.
         training = dataclasses.replace(cfg, dropout=config.dropout)
@@ -209,7 +216,7 @@ class Tuner:
 
         rows, lengths, labels = train
         size = self.config.batch_size
-        head = init_head(self.cfg, num_outputs, seed, width=self.config.head_width)
+        head = init_head(self.cfg, num_outputs, seed, self.config.head_width, self.config.head)
         torch.manual_seed(seed)  # dropout's masks: a seed's fine-tune is the same wherever it runs
         params = {**self.params, **{k: v.to(self.device) for k, v in head.items()}}
         opt_state = model.adamw_init(params)
@@ -253,7 +260,8 @@ class Tuner:
         size = self.config.batch_size
         batch = self.batch(rows, lengths, labels, np.arange(min(size, len(rows))), size)
         lr = to_device(torch.tensor(self.config.lr, dtype=torch.float32), self.device)
-        head = {k: v.to(self.device) for k, v in init_head(self.cfg, num_outputs, seed, self.config.head_width).items()}
+        fresh = init_head(self.cfg, num_outputs, seed, self.config.head_width, self.config.head)
+        head = {k: v.to(self.device) for k, v in fresh.items()}
         start = {**self.params, **head}
         tuners = (self, eager)
         states = [(start, model.adamw_init(start)) for _ in tuners]
@@ -272,8 +280,9 @@ class Tuner:
         worst = torch.cat(diffs).double().max()
         return float(worst) if torch.isfinite(worst) else float("inf")
 
-    def outputs(self, params: dict, rows: list, lengths):
-        """Model outputs [N, num_outputs] for every row, in the rows' order."""
+    def outputs(self, params: dict, rows: list, lengths, label: str | None = None, report: Callable | None = None):
+        """Model outputs [N, num_outputs] for every row, in the rows' order. With `label`, a progress bar
+        (on a terminal), and `report(rows done)` every PROGRESS_EVERY_S."""
         import numpy as np
         import torch
 
@@ -281,7 +290,10 @@ class Tuner:
         order = np.argsort(lengths, kind="stable")  # similar lengths together: less padding
         no_labels = np.zeros(len(rows), dtype=np.int64)
         outputs = []
-        for start in range(0, len(rows), size):
+        starts, every = range(0, len(rows), size), Every(PROGRESS_EVERY_S)
+        for start in starts if label is None else track(starts, label, len(starts)):
+            if report is not None and every.due():
+                report(start)
             batch = self.batch(rows, lengths, no_labels, order[start : start + size], size)
             logits = self.predict(params, {k: batch[k] for k in ("input_ids", "attention_mask")})
             outputs.append(logits[: len(order[start : start + size])])
