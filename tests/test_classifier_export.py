@@ -261,3 +261,22 @@ def test_keep_best_holds_one_candidate_and_the_overall_best_is_written_by_its_ho
         f"seed-{s}" for s in range(10, 14)
     ]
     assert keeping.folder_of("a/b", 3) == "task3" and keeping.folder_of("sst2", 0) == "sst2"
+
+
+def test_predict_compiles_once_per_bucket_and_reports_progress_off_a_terminal(tmp_path, sp_model, monkeypatch, capsys):
+    from torch._dynamo.utils import counters
+
+    from cram.stages.finetuning import finetune
+
+    run, _ = fake_run(tmp_path, sp_model)
+    with_classifier(run, MODERNBERT, "modernbert")  # buckets (8, 24)
+    folder = export(run, tmp_path / "cram", task="t")
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(["a b"] * 5 + ["the quick brown fox jumps over the lazy dog " * 2] * 5) + "\n")
+    monkeypatch.setattr(finetune, "PROGRESS_EVERY_S", 0.0)
+    before = counters["stats"]["unique_graphs"]
+    # batches of 2: 5 batches, short and long, every one through one of two graphs (a third would fail)
+    predict.predict(folder, [texts], out=tmp_path / "o.jsonl", backend="aot_eager", batch_size=2)
+    assert counters["stats"]["unique_graphs"] - before == 2
+    assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 10
+    assert "predict: 8/10 texts" in capsys.readouterr().err
