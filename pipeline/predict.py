@@ -159,7 +159,9 @@ def _outputs(
     def report(done: int) -> None:
         print(f"predict: {done:,}/{len(rows):,} texts", file=sys.stderr, flush=True)
 
-    with torch._dynamo.config.patch(recompile_limit=len(config.buckets), fail_on_recompile_limit_hit=True):
+    # One graph per bucket; past dynamo's limit it would fall back to eager silently: an error instead.
+    limit = max(8, len(config.buckets))  # as evaluate's: the code object may hold graphs of earlier calls
+    with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
         bar = None if not sys.stderr.isatty() else f"predict {meta['task']}"
         return tuner.outputs(params, rows, lengths, bar, None if bar else report)
 
