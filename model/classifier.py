@@ -1,9 +1,13 @@
 """A sequence classification / regression head on the encoder, and its compiled fine-tune and eval steps.
 
 Pure functions over the same flat `dict[str, Tensor]` as the encoder: the head's tensors join the
-pretrained ones under `classifier.`, so one AdamW state covers encoder and head. The head is
-cramming's GLUE head (and BERT's pooler): pool, dense + tanh (+ dropout), then a linear layer to the
-outputs.
+pretrained ones under `classifier.`, so one AdamW state covers encoder and head. The head's kind
+(`HEADS`) is one of transformers' sequence-classification heads, so that a fine-tuned classifier
+exports exactly (`model/hf.py`):
+    cramming    pool, dense (width: cramming's 1024) + tanh, dropout, out: cramming's GLUE head
+    bert        the same at the hidden width: BERT's pooler and classifier
+    roberta     dropout first, then as bert: RoBERTa's classification head
+    modernbert  pool, dense + GELU + LayerNorm (biases as the encoder's), dropout, out: ModernBERT's
 
 Shapes are static (`dynamic=False`): each padded batch shape compiles once, so the graph count is
 bounded by the length buckets. The dropout rate is an input of the fine-tune step (`batch["dropout"]`),
@@ -33,19 +37,30 @@ from cram.model.step import CompileOptions, autocast, compiled, detached_params,
 # "pooler": the first token, through a head whose dense layer starts as the checkpoint's pooler (`pooler_head`).
 Pooling = Literal["first", "mean", "pooler"]
 POOLINGS: tuple[str, ...] = ("first", "mean", "pooler")
+Head = Literal["cramming", "bert", "roberta", "modernbert"]
+HEADS: tuple[str, ...] = ("cramming", "bert", "roberta", "modernbert")
 
 
-def init_head(cfg: ModelConfig, num_outputs: int, seed: int, width: int | None = None) -> dict[str, Tensor]:
-    """Fresh fp32 CPU head parameters: `num_outputs` classes, or 1 for regression; the dense layer has
-    `width` outputs (cramming: 1024; None: the hidden size, as BERT's pooler)."""
+def init_head(
+    cfg: ModelConfig, num_outputs: int, seed: int, width: int | None = None, head: Head = "cramming"
+) -> dict[str, Tensor]:
+    """Fresh fp32 CPU head parameters: `num_outputs` classes, or 1 for regression. The cramming head's
+    dense layer has `width` outputs (cramming: 1024; None: the hidden size); the others' the hidden size.
+    ModernBERT's dense layer and norm have biases where the encoder's linear layers and norms do."""
+    _check_head(head)
     gen = torch.Generator().manual_seed(seed)
-    H, W = cfg.hidden, width or cfg.hidden
-    return {
-        "classifier.dense.weight": torch.randn(W, H, generator=gen) * INIT_STD,
-        "classifier.dense.bias": torch.zeros(W),
-        "classifier.out.weight": torch.randn(num_outputs, W, generator=gen) * INIT_STD,
-        "classifier.out.bias": torch.zeros(num_outputs),
-    }
+    H = cfg.hidden
+    W = (width or H) if head == "cramming" else H
+    params = {"classifier.dense.weight": torch.randn(W, H, generator=gen) * INIT_STD}
+    if head != "modernbert" or cfg.linear_bias:
+        params["classifier.dense.bias"] = torch.zeros(W)
+    if head == "modernbert":
+        params["classifier.norm.weight"] = torch.ones(H)
+        if cfg.norm_bias:
+            params["classifier.norm.bias"] = torch.zeros(H)
+    params["classifier.out.weight"] = torch.randn(num_outputs, W, generator=gen) * INIT_STD
+    params["classifier.out.bias"] = torch.zeros(num_outputs)
+    return params
 
 
 def pooler_head(head: dict[str, Tensor], params: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -75,16 +90,31 @@ def classify(
     attention: Attention = "auto",
     token_type_ids: Tensor | None = None,
     rate: float | Tensor | None = None,
+    head: Head = "cramming",
 ) -> Tensor:
     """Logits [B, num_outputs] (fp32) of the head over the encoder; dropout at `rate` (None: `cfg.dropout`)
-    applies in the encoder and after the head's dense layer (cramming's fine-tuning).
+    applies in the encoder and in the head where its kind has dropout (cramming's fine-tuning).
     token_type_ids: [B, S], a pair's second text 1 (`encode`); None: every token type 0."""
     rate = cfg.dropout if rate is None else rate
     hidden = encode(
         params, cfg, input_ids, attention_mask, attention=attention, token_type_ids=token_type_ids, dropout=rate
     )
-    pooled = pool(hidden, attention_mask, pooling)
-    x = torch.tanh(F.linear(pooled, params["classifier.dense.weight"], params["classifier.dense.bias"]))
+    return head_logits(params, cfg, pool(hidden, attention_mask, pooling), head, rate)
+
+
+def head_logits(
+    params: dict[str, Tensor], cfg: ModelConfig, pooled: Tensor, head: Head = "cramming", rate: float | Tensor = 0.0
+) -> Tensor:
+    """[B, H] pooled -> logits [B, num_outputs] fp32, through the head of kind `head` (module docstring),
+    with dropout at `rate`."""
+    if head == "roberta":
+        pooled = dropout(pooled, rate)
+    x = F.linear(pooled, params["classifier.dense.weight"], params.get("classifier.dense.bias"))
+    if head == "modernbert":
+        norm = params["classifier.norm.weight"]
+        x = F.layer_norm(F.gelu(x), norm.shape, norm, params.get("classifier.norm.bias"), cfg.norm_eps)
+    else:
+        x = torch.tanh(x)
     x = dropout(x, rate)
     return F.linear(x, params["classifier.out.weight"], params["classifier.out.bias"]).float()
 
@@ -108,6 +138,7 @@ def make_finetune_step(
     autocast_dtype: torch.dtype | None = None,
     attention: Attention = "auto",
     options: CompileOptions = None,
+    head: Head = "cramming",
 ) -> Callable[..., tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]]:
     """step(params, opt_state, batch, lr: 0-dim tensor) -> (params, opt_state, {"loss", "grad_norm"}).
 
@@ -115,13 +146,14 @@ def make_finetune_step(
     `batch["dropout"]` where the batch has one, else `cfg.dropout`.
     """
     _check_pooling(pooling)
+    _check_head(head)
     apply = make_apply_step(opt_cfg, compile=False)
 
     def loss_fn(params: dict[str, Tensor], batch: dict[str, Tensor]) -> Tensor:
         ids, mask, types = batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids")
         with autocast(ids, autocast_dtype):
             rate = batch["dropout"] if "dropout" in batch else torch.tensor(cfg.dropout, device=ids.device)
-            logits = classify(params, cfg, ids, mask, pooling, attention, types, rate)
+            logits = classify(params, cfg, ids, mask, pooling, attention, types, rate, head)
         return finetune_loss(logits, batch["labels"], batch["weights"])
 
     def step(params, opt_state, batch, lr):
@@ -142,16 +174,18 @@ def make_classify_eval_step(
     autocast_dtype: torch.dtype | None = None,
     attention: Attention = "auto",
     options: CompileOptions = None,
+    head: Head = "cramming",
 ) -> Callable[[dict[str, Tensor], dict[str, Tensor]], Tensor]:
     """predict(params, batch) -> logits [B, num_outputs] fp32, without dropout; `labels`/`weights` are not
     needed."""
     _check_pooling(pooling)
+    _check_head(head)
 
     @torch.no_grad()
     def predict(params, batch):
         with autocast(batch["input_ids"], autocast_dtype):
             ids, mask, types = batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids")
-            return classify(params, cfg, ids, mask, pooling, attention, types, 0.0)
+            return classify(params, cfg, ids, mask, pooling, attention, types, 0.0, head)
 
     return compiled(predict, compile, backend, options)
 
@@ -159,3 +193,8 @@ def make_classify_eval_step(
 def _check_pooling(pooling: str) -> None:
     if pooling not in POOLINGS:
         raise ValueError(f"pooling={pooling!r}: allowed {', '.join(POOLINGS)}")
+
+
+def _check_head(head: str) -> None:
+    if head not in HEADS:
+        raise ValueError(f"head={head!r}: allowed {', '.join(HEADS)}")

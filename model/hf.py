@@ -2,15 +2,17 @@
 
     cfg, params = from_transformers(json.loads(config_text), load_file(weights), where="ckpt/")
     config, state = to_transformers(cfg, params, special_ids)      # config.json and model.safetensors
+    config, state = classifier_to_transformers(cfg, params, special_ids, pooling, labels)  # a fine-tuned one
 
 Four families: ModernBERT (`ModernBertForMaskedLM`: pre-norm, rope, GLU, local/global layers), BERT
 (`BertForMaskedLM`: post-norm, learned positions, biases), RoBERTa (`RobertaForMaskedLM`, also
 XLM-RoBERTa: BERT with positions offset by `pad_token_id + 1`) and, read only, DistilBERT (BERT without
 token types). Each is read as its masked LM, its base model (`BertModel`, with or without the `bert.`
 prefix) or its sequence classifier; the names are in `hf_families.py`, the configs' fields in
-`hf_config.py`. A feature cram cannot compute exactly is refused with `UnsupportedCheckpoint`, one line
-naming the config key or weight. Only torch and json: reading and writing the files is the caller's job,
-and `transformers` is never imported.
+`hf_config.py`. A fine-tuned classifier exports as ModernBERT's, BERT's or RoBERTa's
+`...ForSequenceClassification` (`classifier_blockers` says when its head cannot). A feature cram cannot
+compute exactly is refused with `UnsupportedCheckpoint`, one line naming the config key or weight. Only
+torch and json: reading and writing the files is the caller's job, and `transformers` is never imported.
 """
 
 from __future__ import annotations
@@ -133,6 +135,69 @@ def to_transformers(cfg: ModelConfig, params: dict[str, Tensor], special_ids: di
         sources = hf_names(name, family)
         for source, part in zip(sources, tensor.chunk(len(sources))):
             state[source] = part.contiguous()
+    return config, state
+
+
+# The classifier head (model/classifier.py HEADS) of each family's ...ForSequenceClassification.
+FAMILY_HEADS = {"ModernBERT": "modernbert", "BERT": "bert", "RoBERTa": "roberta"}
+# The masked-LM head's tensors in each family's state dict: a classifier has none of them.
+_MLM_HEAD = {"modernbert": ("head.", "decoder."), "bert": ("cls.",), "roberta": ("lm_head.",)}
+
+
+def family_head(cfg: ModelConfig) -> str | None:
+    """The classifier head kind of the transformers family `cfg` maps onto; None where it maps onto none."""
+    return None if transformers_blockers(cfg) else FAMILY_HEADS[layout(cfg)]
+
+
+def classifier_blockers(cfg: ModelConfig, head: str, width: int, pooling: str) -> list[str]:
+    """`evaluate.key=value` for every evaluate setting that must change before a classifier with this
+    head (kind, the cramming head's `width`, `pooling`) maps onto `layout(cfg)`'s ...ForSequenceClassification.
+    In eval mode BERT's and RoBERTa's heads are the cramming head at the hidden width (dense + tanh on
+    the first token); ModernBERT's is its own (dense, GELU, LayerNorm; first-token or mean pooling)."""
+    wanted = FAMILY_HEADS[layout(cfg)]
+    blockers = []
+    if wanted == "modernbert" and head != "modernbert" or wanted != "modernbert" and head == "modernbert":
+        blockers.append(f'evaluate.head="{wanted}"')
+    elif head == "cramming" and width not in (0, cfg.hidden):
+        blockers.append(f"evaluate.head_width=0 (the hidden size {cfg.hidden}, not {width})")
+    if wanted != "modernbert" and pooling != "first":
+        blockers.append('evaluate.pooling="first"')
+    return blockers
+
+
+def classifier_to_transformers(
+    cfg: ModelConfig,
+    params: dict[str, Tensor],
+    special_ids: dict[str, int],
+    pooling: str,
+    labels: list[str],
+) -> tuple[dict, dict]:
+    """config.json and state dict of a fine-tuned classifier (encoder and `classifier.` head params) as
+    `layout(cfg)`'s ...ForSequenceClassification; `labels` are the class names in id order, empty for a
+    regression (one output). The caller checks `classifier_blockers` first."""
+    family = FAMILY_HEADS[layout(cfg)]
+    # The masked-LM head is no part of a classifier: zeros stand in for it and are dropped again.
+    mlm = {name: torch.zeros(shape) for name, shape in shapes(cfg).items() if name.startswith("head.")}
+    config, state = to_transformers(cfg, {**mlm, **params}, special_ids)
+    state = {k: v for k, v in state.items() if not k.startswith(_MLM_HEAD[family])}
+    names = {
+        "bert": {"dense": "bert.pooler.dense", "out": "classifier"},
+        "roberta": {"dense": "classifier.dense", "out": "classifier.out_proj"},
+        "modernbert": {"dense": "head.dense", "norm": "head.norm", "out": "classifier"},
+    }[family]
+    for name, tensor in params.items():
+        if name.startswith("classifier."):
+            part, kind = name.removeprefix("classifier.").split(".")
+            state[f"{names[part]}.{kind}"] = tensor.contiguous()
+    arch = {"bert": "BertForSequenceClassification", "roberta": "RobertaForSequenceClassification"}
+    config["architectures"] = [arch.get(family, "ModernBertForSequenceClassification")]
+    config["num_labels"] = len(labels) or 1
+    config["problem_type"] = "single_label_classification" if labels else "regression"
+    if labels:
+        config["id2label"] = {str(i): name for i, name in enumerate(labels)}
+        config["label2id"] = {name: i for i, name in enumerate(labels)}
+    if family == "modernbert":
+        config.update(classifier_pooling="cls" if pooling == "first" else "mean", classifier_dropout=0.0)
     return config, state
 
 

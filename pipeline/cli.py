@@ -11,6 +11,8 @@
     cram compare 'runs/lr*' --sort mlm_loss [--out t.md] [--plot loss.png]   one row per run: config keys
                                                  that differ, headline figures, best first
     cram export runs/default --to out/default [--format transformers] [--force]
+    cram export runs/default --task topic --to out/topic [--format transformers]   the kept classifier
+    cram predict runs/default --task topic texts.csv [--out labels.jsonl]   classify (or: cram predict out/topic ...)
     cram ls runs                                 every run with its newest stage
     cram sweep pipeline.toml --grid pretrain.optimizer.lr=1e-3,3e-3 [--grid ...] [--set ...]
     cram gc runs [--dry-run]                     remove store entries that no run refers to
@@ -200,10 +202,28 @@ def export_run(
     to: Path = typer.Option(..., "--to", help="The directory to write."),
     fmt: str = typer.Option("cram", "--format", help="cram (params, model.json, tokenizer) or transformers."),
     force: bool = typer.Option(False, "--force", help="Replace TO even if it is not empty."),
+    task: Optional[str] = typer.Option(None, "--task", help="Export the classifier evaluate kept for this task."),
 ) -> None:
-    """Export the pretrained encoder with its tokenizer and a model card."""
-    exporting.export(run_dir, to, fmt, force)
-    out.print(f"exported {run_dir} ({fmt}) to {to}")
+    """Export the pretrained encoder (or a kept classifier) with its tokenizer and a model card."""
+    exporting.export(run_dir, to, fmt, force, task)
+    out.print(f"exported {run_dir}{'' if task is None else f' task {task}'} ({fmt}) to {to}")
+
+
+@app.command("predict")
+def predict_files(
+    source: Path = typer.Argument(..., help="A run directory (with --task) or a `cram export --task` folder."),
+    files: List[Path] = typer.Argument(..., help="CSV, TSV, JSON-lines or text files holding the task's fields."),
+    task: Optional[str] = typer.Option(None, "--task", help="The task whose kept classifier to use."),
+    out_file: Optional[Path] = typer.Option(None, "--out", help="Write the rows here (.jsonl, .csv); default stdout."),
+    compile: bool = typer.Option(True, "--compile/--no-compile", help="Compile the prediction (one graph per bucket)."),
+    batch_size: int = typer.Option(128, "--batch-size", min=1, help="Texts per batch."),
+) -> None:
+    """Classify every text of FILES with a kept classifier: one row per text, label and probabilities."""
+    from cram.pipeline import predict
+
+    written = predict.predict(source, files, task, out_file, compile=compile, batch_size=batch_size)
+    if out_file is not None:
+        out.print(f"{written:,} rows: {out_file}")
 
 
 @app.command("ls")

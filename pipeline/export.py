@@ -3,6 +3,7 @@
     export(Path("runs/default"), Path("out/default"))                       # cram's format
     export(Path("runs/default"), Path("out/hf"), fmt="transformers")        # a ModernBERT (or BERT) directory
     cfg, params, tokenizer = load_export(Path("out/default"))               # ready for model.encode
+    export(Path("runs/default"), Path("out/topic"), task="topic")           # the kept topic classifier
 
 cram's format: `params.safetensors` (cram's parameter names), `model.json` (the `ModelConfig`), the run's
 tokenizer (`tokenizer.model`, sentencepiece, or `tokenizer.json` when tokenize reused a tokenizers one),
@@ -12,6 +13,9 @@ The transformers format holds what `AutoModelForMaskedLM.from_pretrained` and
 `tokenizer_config.json`, and the same card. It exists for the ModernBERT layout and, with `post_norm`,
 BERT's or RoBERTa's (`model/hf.py`, the one mapping, and its `transformers_blockers`); building its
 tokenizer from sentencepiece needs `tokenizers` and `protobuf`.
+With `task`, the classifier the evaluate stage kept for that task (`pipeline/classifiers.py`): cram's
+format adds its `classifier.json` (what `cram predict` reads), the transformers format is the family's
+`...ForSequenceClassification` (`hf.classifier_to_transformers`), with `id2label` and `label2id`.
 Both formats hold `.cram-export`, the marker by which `--force` knows a folder it may replace: an
 earlier export, never a run, the runs folder or anything else.
 """
@@ -25,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from cram.model.config import ModelConfig, ModelConfigError
-from cram.pipeline import rundir, store
+from cram.pipeline import classifiers, rundir, store
 from cram.stages.shared.figures import is_number
 from cram.stages.shared.tokenizer import FILE_NAMES as TOKENIZER_FILE_NAMES
 from cram.stages.shared.tokenizer import in_folder as tokenizer_in
@@ -38,29 +42,26 @@ class ExportError(Exception):
     """A run directory, target or architecture that cannot be exported; one line, exit code 2."""
 
 
-def export(run_dir: Path, to: Path, fmt: str = "cram", force: bool = False) -> Path:
-    """Write the final params of RUN_DIR's pretrain stage to TO, atomically; return TO."""
+def export(run_dir: Path, to: Path, fmt: str = "cram", force: bool = False, task: str | None = None) -> Path:
+    """Write the final params of RUN_DIR's pretrain stage (or, with `task`, the classifier its evaluate
+    stage kept for that task) to TO, atomically; return TO."""
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt}: allowed {', '.join(FORMATS)}")
-    run = _finished_run(run_dir)
-    cfg = _model_config(run["pretrain_dir"] / run["pretrain"]["model_config"])
+    run = finished_run(run_dir)
+    kept = None if task is None else classifiers.find(run_dir, task)
+    cfg = _model_config(run["pretrain_dir"] / run["pretrain"]["model_config"]) if kept is None else kept.cfg
     if fmt == "transformers":
-        from cram.model import hf  # torch: only an export to transformers needs it
-
-        if blockers := hf.transformers_blockers(cfg):
-            raise ExportError(
-                f"{run_dir}: the model does not map onto transformers' {hf.layout(cfg)}; set {', '.join(blockers)}"
-            )
+        _check_transformers(run_dir, cfg, kept)
     target = _check_target(run_dir, to, force)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
         if fmt == "cram":
-            _write_cram(run, tmp)
+            _write_cram(run, tmp, kept)
         else:
-            _write_transformers(run, cfg, tmp)
-        (tmp / "README.md").write_text(model_card(run_dir, fmt), encoding="utf-8")
+            _write_transformers(run, cfg, tmp, kept)
+        (tmp / "README.md").write_text(model_card(run_dir, fmt, task), encoding="utf-8")
         (tmp / MARKER).write_text(json.dumps({"run": str(run_dir.resolve()), "format": fmt}) + "\n")
         _replace_dir(tmp, target)
     except OSError as e:
@@ -68,6 +69,25 @@ def export(run_dir: Path, to: Path, fmt: str = "cram", force: bool = False) -> P
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return to
+
+
+def _check_transformers(run_dir: Path, cfg: ModelConfig, kept: classifiers.Kept | None) -> None:
+    """ExportError naming the settings to change where the model (or the kept classifier's head) has no
+    place in transformers' family of it."""
+    from cram.model import hf  # torch: only an export to transformers needs it
+
+    if blockers := hf.transformers_blockers(cfg):
+        raise ExportError(
+            f"{run_dir}: the model does not map onto transformers' {hf.layout(cfg)}; set {', '.join(blockers)}"
+        )
+    if kept is not None:
+        meta = kept.meta
+        if blockers := hf.classifier_blockers(cfg, meta["head"], meta["head_width"], meta["pooling"]):
+            raise ExportError(
+                f"--task {meta['task']}: its head (evaluate.head = {json.dumps(meta['head'])}, head_width "
+                f"{meta['head_width']}, pooling {json.dumps(meta['pooling'])}) has no place in transformers' "
+                f"{hf.layout(cfg)} classifier; set {', '.join(blockers)} and re-run evaluate"
+            )
 
 
 def load_export(path: Path) -> tuple[ModelConfig, dict[str, Any], Path]:
@@ -146,7 +166,7 @@ def fast_tokenizer(sp_model: Path, special_ids: dict[str, int]) -> Any:
     return tokenizer
 
 
-def model_card(run_dir: Path, fmt: str) -> str:
+def model_card(run_dir: Path, fmt: str, task: str | None = None) -> str:
     """README.md of an export: how to load it, the run's figures per stage and its resolved config."""
     stages = rundir.Manifest.load(run_dir).records
     saved = run_dir / rundir.CONFIG
@@ -154,7 +174,14 @@ def model_card(run_dir: Path, fmt: str) -> str:
         config = saved.read_text(encoding="utf-8") if saved.is_file() else ""
     except (OSError, UnicodeDecodeError) as e:
         raise ExportError(f"{saved}: not a readable config ({e}); the model card quotes it") from None
-    if fmt == "cram":
+    if task is not None:
+        usage = (
+            "cram predict DIR texts.csv --out labels.jsonl"
+            if fmt == "cram"
+            else "from transformers import pipeline\n\n"
+            'classify = pipeline("text-classification", model="DIR")\nclassify(["a text"])'
+        )
+    elif fmt == "cram":
         usage = (
             "from pathlib import Path\n\nfrom cram import model\nfrom cram.pipeline.export import load_export\n\n"
             'cfg, params, tokenizer = load_export(Path("DIR"))\nhidden = model.encode(params, cfg, input_ids, mask)'
@@ -167,7 +194,9 @@ def model_card(run_dir: Path, fmt: str) -> str:
     lines = [
         f"# {run_dir.name}",
         "",
-        f"A BERT-style masked language model crammed by `cram` (run `{run_dir.name}`), exported in the `{fmt}` format.",
+        f"A BERT-style masked language model crammed by `cram` (run `{run_dir.name}`), exported in the `{fmt}` format."
+        if task is None
+        else f"The `{task}` classifier fine-tuned by `cram` (run `{run_dir.name}`), exported in the `{fmt}` format.",
         "",
         "```python",
         usage,
@@ -191,7 +220,9 @@ def model_card(run_dir: Path, fmt: str) -> str:
 _NEEDED = {"tokenize": ("tokenizer", "special_ids"), "pretrain": ("params", "model_config")}  # what export reads
 
 
-def _finished_run(run_dir: Path) -> dict[str, Any]:
+def finished_run(run_dir: Path) -> dict[str, Any]:
+    """What an export reads of RUN_DIR's tokenize and pretrain stages (their outputs and folders), once
+    they are done and the files read are the ones the store recorded."""
     try:
         stages = rundir.records(run_dir)
     except rundir.RunDirError as e:
@@ -275,16 +306,20 @@ def _replace_dir(new: Path, to: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_cram(run: dict[str, Any], out: Path) -> None:
+def _write_cram(run: dict[str, Any], out: Path, kept: classifiers.Kept | None = None) -> None:
     pretrain, tokenize = run["pretrain_dir"], run["tokenize_dir"]
-    shutil.copyfile(pretrain / run["pretrain"]["params"], out / "params.safetensors")
-    shutil.copyfile(pretrain / run["pretrain"]["model_config"], out / "model.json")
+    if kept is None:
+        shutil.copyfile(pretrain / run["pretrain"]["params"], out / "params.safetensors")
+        shutil.copyfile(pretrain / run["pretrain"]["model_config"], out / "model.json")
+    else:
+        for name in (classifiers.PARAMS, classifiers.MODEL, classifiers.META):
+            shutil.copyfile(kept.folder / name, out / name)
     tokenizer = tokenize / run["tokenize"]["tokenizer"]
     shutil.copyfile(tokenizer, out / ("tokenizer.json" if tokenizer.suffix == ".json" else "tokenizer.model"))
     (out / "special_ids.json").write_text(json.dumps(run["tokenize"]["special_ids"], indent=1) + "\n")
 
 
-def _write_transformers(run: dict[str, Any], cfg: ModelConfig, out: Path) -> None:
+def _write_transformers(run: dict[str, Any], cfg: ModelConfig, out: Path, kept: classifiers.Kept | None) -> None:
     from safetensors.torch import load_file, save_file
 
     from cram.model import hf
@@ -297,7 +332,10 @@ def _write_transformers(run: dict[str, Any], cfg: ModelConfig, out: Path) -> Non
     else:
         tokenizer = fast_tokenizer(source, special)
         tokenizer.save(str(out / "tokenizer.json"))
-    config, state = hf.to_transformers(cfg, load_file(run["pretrain_dir"] / run["pretrain"]["params"]), special)
+    if kept is None:
+        config, state = hf.to_transformers(cfg, load_file(run["pretrain_dir"] / run["pretrain"]["params"]), special)
+    else:
+        config, state = hf.classifier_to_transformers(cfg, kept.params(), special, kept.meta["pooling"], kept.labels)
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     names = {f"{role}_token": tokenizer.id_to_token(i) for role, i in special.items()}

@@ -44,7 +44,7 @@ UPSTREAM = ("tokenize", "pack", "pretrain")
 RESUMABLE = False
 DISTRIBUTED = True  # under torchrun every rank fine-tunes a share of the (task, seed) pairs
 # Added after the key was fixed: at its default it measures what evaluate measured before.
-NEW_OPTIONS = ("mlm_lengths", "canary_steps", "canary_tolerance")
+NEW_OPTIONS = ("mlm_lengths", "canary_steps", "canary_tolerance", "keep", "head")
 
 
 @dataclass(frozen=True)
@@ -141,6 +141,14 @@ class Config:
     # next precision, or stops the stage. 0: off (and off when compile is false).
     canary_steps: int = 2
     canary_tolerance: float = 0.02
+    # Per task, the fine-tuned classifier (encoder and head) of its best seed by the reported score,
+    # of every seed, or of none: outputs `classifiers/` (stages/finetuning/kept.py), which
+    # `cram export RUN --task NAME` and `cram predict RUN --task NAME` read.
+    keep: Literal["best", "all", "none"] = "best"
+    # The classifier head (model/classifier.py): cramming's (`head_width` wide, the default), or the one
+    # of transformers' BERT, RoBERTa or ModernBERT ...ForSequenceClassification (the hidden size wide),
+    # which export exactly; "auto": the head of the family the model maps onto (model/hf.py), else cramming's.
+    head: Literal["cramming", "auto", "bert", "roberta", "modernbert"] = "cramming"
 
     def __post_init__(self) -> None:
         positive = ("epochs", "batch_size", "max_length", "seeds", "eval_batch_size", "mlm_batch_size")
@@ -274,15 +282,22 @@ def _fitting_tasks(config: Config, gap: Callable[[], str | None], log: Any = Non
 
 
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
+    from cram.model.hf import family_head
+    from cram.stages.finetuning.kept import Keeper, best_jobs
+
     config = _fitting_tasks(config, lambda: _heldout_gap(inputs["tokenize"]), ctx.log).linked({})
     cfg, params, tokenizer = _load_checkpoint(inputs["pretrain"], inputs["tokenize"])
+    if config.head == "auto":
+        config = dataclasses.replace(config, head=family_head(cfg) or "cramming")
     check_lengths(config, cfg.max_seq_len)
     if config.pooling == "pooler":
         check_pooler(config, cfg, str(inputs["pretrain"].path("model_config")))
     seeds = [[ctx.seed + k for k in range(config.setting(tc, "seeds"))] for tc in config.tasks]
     jobs = [(i, seed) for i, task_seeds in enumerate(seeds) for seed in task_seeds]
-    work = functools.partial(_work, config, inputs, ctx, cfg, params, tokenizer, jobs)
+    keeper = Keeper(config.keep, out_dir, inputs["pretrain"].path("model_config"), {})
+    work = functools.partial(_work, config, inputs, ctx, cfg, params, tokenizer, jobs, keeper)
     mlm, runs, prepared = work() if ctx.world_size == 1 else _on_every_rank(work, ctx)
+    kept = keeper.finish(jobs, best_jobs(jobs, runs, prepared.tasks))  # every rank: the one holding a best writes it
     if not ctx.is_main:
         return {"results": "results.json"}  # rank 0 writes them
     results = _results(config, ctx, mlm, prepared.tasks, prepared.encoded, seeds, jobs, runs)
@@ -290,7 +305,8 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     _write_json(out_dir / "results.json", results)
     ctx.metrics.log(inputs["pretrain"].outputs.get("steps", 0), _headline(results))  # at the end of pretraining
     precision = {"precision": prepared.choice.precision.name, "precision_reason": prepared.choice.reason}
-    return {"results": "results.json", **_headline(results), **precision}
+    classifiers = {"classifiers": kept} if kept else {}
+    return {"results": "results.json", **_headline(results), **precision, **classifiers}
 
 
 def _heldout_gap(tokenize: Upstream) -> str | None:
@@ -315,17 +331,27 @@ class _Prepared:
 
 
 def _work(
-    config: Config, inputs: dict[str, Upstream], ctx: Context, cfg: Any, params: dict, tokenizer: Any, jobs: list
+    config: Config,
+    inputs: dict[str, Upstream],
+    ctx: Context,
+    cfg: Any,
+    params: dict,
+    tokenizer: Any,
+    jobs: list,
+    keeper: Any,
 ) -> tuple[dict | None, dict[int, dict], _Prepared]:
-    """This rank's share: the masked-LM numbers (rank 0) and its (task, seed) fine-tunes."""
+    """This rank's share: the masked-LM numbers (rank 0) and its (task, seed) fine-tunes, each offered
+    to `keeper` (kept.Keeper)."""
     import torch
 
     from cram.stages.finetuning.finetune import encode, finetune_seed, share_out
+    from cram.stages.finetuning.kept import describe
 
     tokenize, special = inputs["tokenize"], inputs["tokenize"].outputs["special_ids"]
     # Load and tokenize every task before training any: a bad task fails the stage at once.
     tasks = [(tc, load_task(tc, i, tokenize)) for i, tc in enumerate(config.tasks)]
     encoded = [encode(task, tokenizer, special, config.setting(tc, "max_length")) for tc, task in tasks]
+    keeper.meta.update({i: describe(config, tc, task, tokenize) for i, (tc, task) in enumerate(tasks)})
     costs = [len(encoded[i].train[0]) * config.setting(config.tasks[i], "epochs") for i, _ in jobs]
     owner = share_out(costs, ctx.world_size)
     device = devices.resolve(ctx.device)
@@ -342,7 +368,8 @@ def _work(
             mlm = evaluate_mlm(config, cfg, on_device, held_out, device, choice.precision, ctx)
         for j, (i, seed) in enumerate(jobs):
             if owner[j] == ctx.rank:
-                runs[j] = finetune_seed(tuner, tasks[i][0], tasks[i][1], encoded[i], seed, ctx)
+                keep = functools.partial(keeper.offer, i, seed, tasks[i][1])
+                runs[j] = finetune_seed(tuner, tasks[i][0], tasks[i][1], encoded[i], seed, ctx, keep)
     return mlm, runs, _Prepared(tasks, encoded, choice)
 
 

@@ -397,13 +397,25 @@ def test_under_torchrun_ranks_share_the_seeds_and_match_one_process(upstream, tm
     assert sorted(share_out([5, 1, 4, 2, 3, 3], 2)) == [0, 0, 0, 1, 1, 1]  # 9 and 9: balanced
     tasks = [TaskConfig(lr=3e-3, epochs=1), TaskConfig(kind="glue", name="sst2", path=str(upstream["root"] / "glue"))]
     config = fp32(tasks=tasks, epochs=1, seeds=3, max_length=32, buckets=(32,), compile=False, mlm_batch_size=16)
-    _, alone = run_stage(config, upstream["inputs"], tmp_path, make_ctx)
+    figures, alone = run_stage(config, upstream["inputs"], tmp_path, make_ctx)
 
     result, out_dir = run_under_torchrun(config, upstream["inputs"], tmp_path, free_port())
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = json.loads((out_dir / "results.json").read_text())
     assert without_times(ranks) == without_times(alone)
     assert json.loads((out_dir / "rank1.json").read_text()) == {"results": "results.json"}
+    # The kept classifiers are the best across ranks, written once, by the rank that trained each.
+    import torch
+    from safetensors.torch import load_file
+
+    kept = json.loads((out_dir / "rank0.json").read_text())["classifiers"]
+    assert kept == figures["classifiers"] and set(kept) == {"topic", "sst2"}
+    files = {p.relative_to(tmp_path / "out") for p in (tmp_path / "out" / "classifiers").rglob("*") if p.is_file()}
+    assert files == {p.relative_to(out_dir) for p in (out_dir / "classifiers").rglob("*") if p.is_file()}
+    assert len(files) == 6  # two tasks, one seed each, three files
+    for name in (f for f in files if f.suffix == ".safetensors"):
+        alone_params, rank_params = load_file(tmp_path / "out" / name), load_file(out_dir / name)
+        assert all(torch.equal(alone_params[k], rank_params[k]) for k in alone_params)
 
 
 @pytest.mark.slow
@@ -445,3 +457,42 @@ def test_auto_precision_falls_back_when_the_compiled_fine_tune_step_is_wrong(ups
     assert [e["precision"] for e in logs if e["event"] == "canary"] == ["bf16", "bf16 with 256-bit vector code", "fp32"]
     assert results["precision"] == {"name": "fp32", "reason": out["precision_reason"]}
     assert np.isfinite(results["tasks"]["topic"]["train_loss"][0])
+
+
+@pytest.mark.parametrize("keep", ["best", "all", "none"])
+def test_keep_writes_the_best_every_or_no_seed_classifier(upstream, tmp_path, make_ctx, keep):
+    import torch
+    from safetensors.torch import load_file
+
+    from cram.stages.shared.precision import FP32
+    from cram.stages.shared.tokenizer import load as load_tokenizer
+
+    config = fp32(
+        tasks=[TaskConfig(lr=3e-3, epochs=2)], seeds=2, max_length=32, buckets=(32,), compile=False, keep=keep
+    )
+    config = dataclasses.replace(config, mlm=False, head="auto")
+    figures, results = run_stage(config, upstream["inputs"], tmp_path, make_ctx)
+    folder = tmp_path / "out" / "classifiers" / "topic"
+    if keep == "none":
+        assert "classifiers" not in figures and not folder.exists()
+        return
+    scores = results["tasks"]["topic"]["scores"]["test"]["accuracy"]
+    best = results["tasks"]["topic"]["seeds"][scores.index(max(scores))]
+    assert figures["classifiers"] == {"topic": f"classifiers/topic/seed-{best}"}
+    seeds = results["tasks"]["topic"]["seeds"] if keep == "all" else [best]
+    assert sorted(p.name for p in folder.iterdir()) == sorted(f"seed-{s}" for s in seeds)
+    kept = tmp_path / "out" / figures["classifiers"]["topic"]
+    meta = json.loads((kept / "classifier.json").read_text())
+    assert meta["seed"] == best and meta["score"] == max(scores) and meta["labels"] == sorted(TOPICS)
+    assert meta["head"] == "cramming"  # "auto": the test model (cramming's layout) maps onto no transformers family
+    assert (meta["text_fields"], meta["max_length"], meta["tokenizer"]["file"]) == (["text"], 32, "tokenizer.model")
+    params = load_file(kept / "params.safetensors")
+    assert not any(k.startswith("head.") for k in params) and params["classifier.out.weight"].shape[0] == 3
+    # The kept params are the fine-tuned ones: they reproduce the reported test accuracy.
+    cfg = model.ModelConfig.from_json(kept / "model.json")
+    settings = dataclasses.replace(config, head=meta["head"])
+    tuner = finetune.Tuner.make(settings, cfg, params, SPECIAL_IDS, torch.device("cpu"), FP32)
+    task = finetune.load_task(config.tasks[0], 0, upstream["inputs"]["tokenize"])
+    tokenizer = load_tokenizer(upstream["inputs"]["tokenize"].path("tokenizer"))
+    rows, lengths, labels = finetune.encode(task, tokenizer, SPECIAL_IDS, 32).tests["test"]
+    assert float((tuner.outputs(params, rows, lengths).argmax(-1) == labels).mean()) == pytest.approx(max(scores))

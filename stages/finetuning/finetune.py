@@ -97,8 +97,11 @@ def _longest_first(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
     return (budget + 1) // 2, budget // 2
 
 
-def finetune_seed(tuner: Tuner, task_cfg: Any, task, data: Encoded, seed: int, ctx: Context) -> dict:
-    """Fine-tune one seed of one task from the pretrained params and score it on each test set."""
+def finetune_seed(
+    tuner: Tuner, task_cfg: Any, task, data: Encoded, seed: int, ctx: Context, keep: Callable | None = None
+) -> dict:
+    """Fine-tune one seed of one task from the pretrained params and score it on each test set; `keep`,
+    when given, is called with the fine-tuned params and the run's record (`kept.Keeper.offer`)."""
     from cram.stages.finetuning.metrics import score
 
     began = time.perf_counter()
@@ -117,7 +120,10 @@ def finetune_seed(tuner: Tuner, task_cfg: Any, task, data: Encoded, seed: int, c
         train_loss=round(loss, 4),
         **{f"{t}_{m}": round(v, 4) for t, ms in scores.items() for m, v in ms.items()},
     )
-    return {"train_loss": loss, "scores": scores, "time_s": time.perf_counter() - began}
+    run = {"train_loss": loss, "scores": scores, "time_s": time.perf_counter() - began}
+    if keep is not None:
+        keep(params, run)
+    return run
 
 
 def task_result(
@@ -189,6 +195,7 @@ class Tuner:
             autocast_dtype=precision.autocast(),
             options=precision.compile_options() if config.compile else None,
             attention=attention,
+            head=config.head,
         )
         cfg = dataclasses.replace(cfg, dropout=0.0)  # the fine-tune step's rate comes with each batch
         step, predict = make_finetune_step(cfg, opt_cfg, **kw), make_classify_eval_step(cfg, **kw)
@@ -269,8 +276,9 @@ class Tuner:
         worst = torch.cat(diffs).double().max()
         return float(worst) if torch.isfinite(worst) else float("inf")
 
-    def outputs(self, params: dict, rows: list, lengths):
-        """Model outputs [N, num_outputs] for every row, in the rows' order."""
+    def outputs(self, params: dict, rows: list, lengths, label: str | None = None, report: Callable | None = None):
+        """Model outputs [N, num_outputs] for every row, in the rows' order. With `label`, a progress bar
+        (on a terminal), and `report(rows done)` every PROGRESS_EVERY_S."""
         import numpy as np
         import torch
 
@@ -278,7 +286,10 @@ class Tuner:
         order = np.argsort(lengths, kind="stable")  # similar lengths together: less padding
         no_labels = np.zeros(len(rows), dtype=np.int64)
         outputs = []
-        for start in range(0, len(rows), size):
+        starts, every = range(0, len(rows), size), Every(PROGRESS_EVERY_S)
+        for start in starts if label is None else track(starts, label, len(starts)):
+            if report is not None and every.due():
+                report(start)
             batch = self.batch(rows, lengths, no_labels, order[start : start + size], size)
             logits = self.predict(params, model_inputs(batch))
             outputs.append(logits[: len(order[start : start + size])])
@@ -316,7 +327,7 @@ class Tuner:
         """A fresh head on the device; with `pooling = "pooler"` its dense layer is the checkpoint's pooler."""
         from cram.model.classifier import init_head, pooler_head
 
-        head = init_head(self.cfg, num_outputs, seed, width=self.config.head_width)
+        head = init_head(self.cfg, num_outputs, seed, self.config.head_width, self.config.head)
         if self.config.pooling == "pooler":
             head = pooler_head(head, self.params)
         return {k: v.to(self.device) for k, v in head.items()}

@@ -319,22 +319,45 @@ def _read_records(path: Path, text_fields: Sequence[str], label_field: str):
         records = _parse_records(path)
     except UnicodeDecodeError as e:
         raise StageError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
-    texts, labels = [], []
+    _check_fields(records, path, (*text_fields, label_field))
+    return [tuple(str(r[k]) for k in text_fields) for r in records], [r[label_field] for r in records]
+
+
+def read_texts(path: Path, text_fields: Sequence[str]) -> list[tuple[str, ...]]:
+    """The texts of a file to classify, read as a custom task's files are: CSV or TSV with a header, JSON
+    lines, or (`.txt`, `.text`, one text field only) plain text, one text a line (blank lines skipped)."""
+    try:
+        if path.suffix in (".txt", ".text"):
+            if len(text_fields) != 1:
+                raise StageError(
+                    f"{path}: plain text holds one text a line, and the task reads a pair "
+                    f"({', '.join(text_fields)}); give a CSV, TSV or JSON-lines file with those fields"
+                )
+            with path.open(encoding="utf-8-sig") as f:
+                texts = [(line.rstrip("\r\n"),) for line in f if line.strip()]
+            if not texts:
+                raise StageError(f"{path}: no text")
+            return texts
+        records = _parse_records(path)
+    except UnicodeDecodeError as e:
+        raise StageError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
+    _check_fields(records, path, tuple(text_fields))
+    return [tuple(str(r[k]) for k in text_fields) for r in records]
+
+
+def _check_fields(records: list[dict], path: Path, fields: tuple[str, ...]) -> None:
     for n, record in enumerate(records, 1):
-        missing = next((k for k in (*text_fields, label_field) if k not in record or record[k] is None), None)
+        missing = next((k for k in fields if k not in record or record[k] is None), None)
         if missing is not None:
             raise StageError(f"{path}: record {n} has no field {missing!r}; it has {', '.join(map(str, record))}")
-        texts.append(tuple(str(record[k]) for k in text_fields))
-        labels.append(record[label_field])
-    if not texts:
+    if not records:
         raise StageError(f"{path}: no records")
-    return texts, labels
 
 
 def _parse_records(path: Path) -> list[dict]:
-    if path.suffix == ".csv":
+    if path.suffix in (".csv", ".tsv"):
         with path.open(encoding="utf-8-sig", newline="") as f:
-            return list(csv.DictReader(f))
+            return list(csv.DictReader(f, delimiter="\t" if path.suffix == ".tsv" else ","))
     records = []
     with path.open(encoding="utf-8") as f:
         for n, line in enumerate(f, 1):

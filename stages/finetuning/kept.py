@@ -1,0 +1,134 @@
+"""The fine-tuned classifiers evaluate keeps (`[evaluate] keep`): per task the best seed's, every
+seed's, or none, as outputs of the stage that the store checksums like every other.
+
+    classifiers/<task>/seed-<seed>/params.safetensors   encoder and `classifier.` head, fp32 (no MLM head)
+    classifiers/<task>/seed-<seed>/model.json           the encoder's ModelConfig (pretrain's)
+    classifiers/<task>/seed-<seed>/classifier.json      what `cram export --task` and `cram predict` need
+
+"Best" is the highest main score (the task's first metric on its first test set: the score evaluate
+reports), the lowest seed on ties. With keep = "best" a rank holds one candidate per task in memory,
+its best so far; under torchrun every rank knows every run's scores after the gather, so the rank
+holding the overall best writes it (`Keeper.finish`), before the runner's closing collective, so rank 0
+hashes a complete folder. With "all" each seed is written as soon as it is scored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cram.stages.shared.files import write_atomic
+
+KEEP = ("best", "all", "none")
+FOLDER = "classifiers"
+PARAMS, MODEL, META = "params.safetensors", "model.json", "classifier.json"
+_SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def folder_of(name: str, index: int) -> str:
+    """A task's folder under `classifiers/`: its name where that is a safe folder name, else `task<index>`."""
+    return name if _SAFE.fullmatch(name) else f"task{index}"
+
+
+def main_score(task: Any, run: dict) -> float:
+    """A run's main score (the task's first metric on its first test set); -inf where it is NaN."""
+    value = run["scores"][next(iter(task.tests))][task.metrics[0]]
+    return -math.inf if math.isnan(value) else value
+
+
+def best_jobs(jobs: list[tuple[int, int]], runs: dict[int, dict], tasks: list) -> dict[int, int]:
+    """Task index -> the job (index into `jobs`) of its best seed, from every rank's gathered runs."""
+    best: dict[int, int] = {}
+    for j, (i, seed) in enumerate(jobs):
+        task = tasks[i][1]
+        if i not in best or main_score(task, runs[j]) > main_score(task, runs[best[i]]):
+            best[i] = j  # jobs are in seed order: a tie keeps the lower seed
+    return best
+
+
+@dataclass
+class Keeper:
+    """This rank's side of keeping: `offer` each fine-tuned seed, then `finish` with the overall best."""
+
+    mode: str  # KEEP
+    out_dir: Path
+    model_json: Path  # pretrain's model config, copied beside each kept classifier
+    meta: dict[int, dict]  # task index -> the classifier.json fields every seed of it shares
+    held: dict[int, tuple[int, float, dict, dict]] = field(default_factory=dict)  # task -> seed, score, params, run
+
+    def offer(self, index: int, seed: int, task: Any, params: dict, run: dict) -> None:
+        """A fine-tuned seed of task `index`: written now ("all"), held if the best so far ("best")."""
+        if self.mode == "none":
+            return
+        score = main_score(task, run)
+        if self.mode == "all":
+            self._write(index, seed, score, _on_cpu(params), run)
+        elif index not in self.held or score > self.held[index][1]:
+            self.held[index] = (seed, score, _on_cpu(params), run)
+
+    def finish(self, jobs: list[tuple[int, int]], best: dict[int, int]) -> dict[str, str]:
+        """Write the best candidates this rank holds; return task name -> its kept folder (relative)."""
+        kept = {}
+        for i, j in best.items():
+            seed = jobs[j][1]
+            if self.mode == "best" and i in self.held and self.held[i][0] == seed:
+                self._write(i, *self.held.pop(i))
+            if self.mode != "none":
+                kept[self.meta[i]["task"]] = self._folder(i, seed)
+        return kept
+
+    def _folder(self, index: int, seed: int) -> str:
+        return f"{FOLDER}/{folder_of(self.meta[index]['task'], index)}/seed-{seed}"
+
+    def _write(self, index: int, seed: int, score: float, params: dict, run: dict) -> None:
+        from safetensors.torch import save_file
+
+        folder = self.out_dir / self._folder(index, seed)
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{PARAMS}.tmp-{os.getpid()}"
+        save_file(params, tmp, metadata={"format": "pt"})
+        os.replace(tmp, folder / PARAMS)
+        shutil.copyfile(self.model_json, folder / MODEL)
+        meta = {**self.meta[index], "seed": seed, "score": score, "scores": run["scores"], "params": PARAMS}
+        write_atomic(folder / META, json.dumps(meta, indent=1) + "\n")
+
+
+def _on_cpu(params: dict) -> dict:
+    """What a classifier reads of fine-tuned params, copied to the CPU: all but the masked-LM head."""
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in params.items() if not k.startswith("head.")}
+
+
+def describe(config: Any, task_cfg: Any, task: Any, tokenize: Any) -> dict:
+    """The classifier.json fields a task's kept seeds share: the task, its labels and text fields, how
+    its examples were cut and batched, the head, and the run's tokenizer (the tokenize stage's key and
+    file, and its special ids)."""
+    from cram.stages.finetuning.tasks import GLUE
+
+    entry = Path(os.path.realpath(tokenize.dir)).name
+    fields = {"custom": task_cfg.text_fields, "glue": GLUE[task.name].hf_text if task_cfg.kind == "glue" else ()}
+    return {
+        "task": task.name,
+        "kind": task_cfg.kind,
+        "labels": list(task.label_names),
+        "regression": task.regression,
+        "num_outputs": task.num_outputs,
+        "metric": task.metrics[0],
+        "text_fields": list(fields.get(task_cfg.kind) or ("text",)),
+        "max_length": config.setting(task_cfg, "max_length"),
+        "buckets": list(config.buckets),
+        "pooling": config.pooling,
+        "head": config.head,
+        "head_width": config.head_width,
+        "tokenizer": {
+            "stage": "tokenize",
+            "key": entry.removeprefix("tokenize-") if entry.startswith("tokenize-") else None,
+            "file": tokenize.outputs.get("tokenizer"),
+            "special_ids": tokenize.outputs.get("special_ids"),
+        },
+    }
