@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cram.stages import StageError, Upstream, pack
+from cram.stages.data import scratch
 from cram.stages.shared.special import SPECIAL_IDS
 
 REPO = Path(__file__).parent.parent
@@ -109,6 +110,9 @@ def test_chunked_out_of_core_pack_writes_exactly_what_an_in_memory_pack_does(
     monkeypatch.setattr(pack, "LONG_DOCUMENTS", long_documents)  # each chunk copied either way
     if chunk_tokens < 100:
         monkeypatch.setattr(pack, "RESIDENT_BYTES", 64)  # the mapped pages are dropped again and again
+        # The per-document arrays built and read in blocks of 7 documents, de-duplication in 64 buckets.
+        monkeypatch.setattr(scratch, "DOCUMENTS", 7)
+        monkeypatch.setattr(scratch, "BUCKET_DOCUMENTS", 5)
     docs = random_documents(300, seed=3) + [[7, 8, 9]] * 3 + [[9, 8, 7], []] + random_documents(20, seed=3)
     upstream = make_tokens(tmp_path, docs, shards=3)
     for seed, boundary, dedup in ((0, "cls-sep", True), (5, "sep", False), (9, "cls-sep", False)):
@@ -195,6 +199,15 @@ def test_bad_settings_name_their_key():
         pack.Config(seq_len=4)
     with pytest.raises(ValueError, match=r"^val_fraction:"):
         pack.Config(val_fraction=0.0)
+
+
+@pytest.mark.parametrize("block", [3, 1 << 18])
+def test_the_shuffle_over_a_memory_map_is_numpys_permutation(tmp_path, monkeypatch, block):
+    monkeypatch.setattr(scratch, "DOCUMENTS", block)
+    docs = np.flatnonzero(np.random.default_rng(1).random(1000) < 0.7)  # ascending, with gaps
+    order = scratch.shuffled(docs, 7, tmp_path)
+    assert order.tolist() == docs[np.random.default_rng(7).permutation(len(docs))].tolist()
+    assert scratch.shuffled(docs[:0], 7, tmp_path).tolist() == []
 
 
 def test_gather_runs_matches_a_loop():
