@@ -132,7 +132,7 @@ def flatten(tokens: Path, folder: Path, dtype: Any, vocab_size: int) -> tuple[An
     table = np.random.default_rng(0).integers(0, 2**32, size=vocab_size, dtype=np.uint32).astype(np.uint64)
     offsets, keys = scratch.Appender(folder / "offsets", np.int64), scratch.Appender(folder / "keys", np.uint64)
     offsets.append(np.zeros(1, np.int64))
-    end = 0
+    end, buffers = 0, _Buffers(dtype)
     with open(folder / "ids.scratch", "wb") as out:
         for path in shards.shard_files(tokens):
             for batch in shards.read_batches(path, ("input_ids",)):
@@ -142,15 +142,22 @@ def flatten(tokens: Path, folder: Path, dtype: Any, vocab_size: int) -> tuple[An
                 else:
                     n = np.diff(column.offsets.to_numpy())
                 n = n.astype(np.int64)
-                ids = column.flatten().to_numpy(zero_copy_only=False)
-                try:  # as unsigned, a negative id is out of the table's range too: one pass checks both ends
-                    values = table[ids.view(np.uint32)]
-                except IndexError:
+                ids = column.flatten().to_numpy(zero_copy_only=False).view(np.uint32)
+                # As unsigned, a negative id is past the table's end too: one maximum checks both ends.
+                if len(ids) and int(ids.max()) >= vocab_size:
                     raise StageError(
                         f"{path}: token ids outside [0, vocab_size = {vocab_size}): "
                         f"the tokenize output is not from this tokenizer; re-run tokenize"
-                    ) from None
-                scratch.write(ids.astype(dtype, copy=False), out)
+                    )
+                # Built in the buffers kept from batch to batch: fresh arrays fault their pages in anew.
+                values = buffers.values(len(ids))
+                np.take(table, ids, out=values, mode="clip")  # "clip": unbuffered (and checked above)
+                if np.dtype(dtype).itemsize == ids.itemsize:
+                    scratch.write(ids, out)  # int32 ids: the same bytes
+                else:
+                    cast = buffers.take(len(ids))[1]
+                    np.copyto(cast, ids, casting="unsafe")
+                    scratch.write(cast, out)
                 ends = np.cumsum(n) + end
                 offsets.append(ends)
                 end = int(ends[-1]) if len(ends) else end
@@ -263,10 +270,13 @@ def wrapped(ids: MappedIds, starts: Any, lengths: Any, prefix: list[int], suffix
     at = np.cumsum(lengths + wrap) - (lengths + wrap)  # where each wrapped document starts
     if size >= LONG_DOCUMENTS * len(starts):
         # Long documents: a slice copy each (a memcpy) costs less than building and reading an index
-        # for every token (bench/README.md, "Pack"); the boundary slots are written below.
-        array = ids.array
-        for to, start, length in zip((at + len(prefix)).tolist(), starts.tolist(), lengths.tolist()):
-            out[to : to + length] = array[start : start + length]
+        # for every token (bench/README.md, "Pack"); the boundary slots are written below. Slices of
+        # memoryviews of bytes, which cost ~0.3 us less per document than numpy's slices.
+        item = out.itemsize
+        places = zip(((at + len(prefix)) * item).tolist(), (starts * item).tolist(), (lengths * item).tolist())
+        with memoryview(ids.array) as whole, whole.cast("B") as source, memoryview(out) as part, part.cast("B") as to_:
+            for to, start, length in places:
+                to_[to : to + length] = source[start : start + length]
     else:
         np.take(ids.array, gather_runs(starts - len(prefix), lengths + wrap, index), mode="clip", out=out)
     for k, token in enumerate(prefix):
@@ -277,14 +287,23 @@ def wrapped(ids: MappedIds, starts: Any, lengths: Any, prefix: list[int], suffix
 
 
 class _Buffers:
-    """The index and output arrays of `wrapped`, kept from chunk to chunk (grown when one needs more):
-    fresh arrays of this size come from the system each time, their pages faulted in anew."""
+    """The index and output arrays of `wrapped` (and `flatten`'s cast ids and hash values), kept from
+    chunk to chunk (grown when one needs more): fresh arrays of this size come from the system each
+    time, their pages faulted in anew."""
 
     def __init__(self, dtype: Any):
         import numpy as np
 
         self.dtype = dtype
-        self.index, self.out = np.empty(0, np.intp), np.empty(0, dtype)
+        self.index, self.out, self.hashed = np.empty(0, np.intp), np.empty(0, dtype), np.empty(0, np.uint64)
+
+    def values(self, size: int) -> Any:
+        """A uint64 array of `size`, for `flatten`'s hash values."""
+        import numpy as np
+
+        if size > len(self.hashed):
+            self.hashed = np.empty(size, np.uint64)
+        return self.hashed[:size]
 
     def take(self, size: int) -> tuple[Any, Any]:
         import numpy as np

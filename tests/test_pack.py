@@ -136,8 +136,9 @@ def test_a_null_document_is_an_empty_one(tmp_path, make_ctx):
     assert outputs["documents"] == 61
 
 
-def test_ids_beyond_the_vocab_are_a_stage_error(tmp_path, make_ctx):
-    upstream = make_tokens(tmp_path, random_documents(50) + [[5, 1000]], vocab_size=1000)
+@pytest.mark.parametrize("bad_id", [1000, -1])
+def test_ids_beyond_the_vocab_are_a_stage_error(tmp_path, make_ctx, bad_id):
+    upstream = make_tokens(tmp_path, random_documents(50) + [[5, bad_id]], vocab_size=1000)
     with pytest.raises(StageError, match=r"token ids outside \[0, vocab_size = 1000\).*re-run tokenize"):
         run(upstream, tmp_path, make_ctx)
 
