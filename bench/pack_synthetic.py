@@ -43,7 +43,7 @@ def main() -> None:
         _write_tokens(Path(tmp) / "tokenize", args.tokens, args.documents)
         print(f"{os.cpu_count()} cores, load {_load()}", flush=True)
         print(
-            "| code | wall s | CPU s | M tokens/s | M tokens per CPU s | peak RssAnon MB | peak RSS MB "
+            "| code | wall s | CPU s (user + system) | M tokens/s | M tokens per CPU s | peak RssAnon MB | peak RSS MB "
             "| train.npy, val.npy sha256 | load |"
         )
         print("|---|---|---|---|---|---|---|---|---|", flush=True)
@@ -61,7 +61,8 @@ def main() -> None:
                     sys.exit(done.stderr[-3000:])
                 r = json.loads(done.stdout.strip().splitlines()[-1])
                 print(
-                    f"| {name} | {r['seconds']:.2f} | {r['cpu_s']:.2f} | {r['tokens'] / r['seconds'] / 1e6:.1f} | "
+                    f"| {name} | {r['seconds']:.2f} | {r['cpu_s']:.2f} ({r['user_s']:.2f} + {r['sys_s']:.2f}) | "
+                    f"{r['tokens'] / r['seconds'] / 1e6:.1f} | "
                     f"{r['tokens'] / r['cpu_s'] / 1e6:.1f} | {r['anon_mb']:.0f} | {r['rss_mb']:.0f} | "
                     f"{r['sha'][:12]}, {r['sha_val'][:12]} | {_load()} |",
                     flush=True,
@@ -116,12 +117,13 @@ def _child(tokens: Path, out: Path) -> None:
     outputs = pack.run(pack.Config(), {"tokenize": upstream}, out, ctx)
     sampler.stop()
     after = resource.getrusage(resource.RUSAGE_SELF)
-    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    user, system = after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
     sha = {}
     for split in ("train", "val"):
         with open(out / f"{split}.npy", "rb") as f:
             sha[split] = hashlib.file_digest(f, "sha256").hexdigest()
-    result = {"seconds": outputs["seconds"], "tokens": outputs["tokens"], "cpu_s": cpu}
+    result = {"seconds": outputs["seconds"], "tokens": outputs["tokens"], "cpu_s": user + system}
+    result |= {"user_s": user, "sys_s": system}
     peaks = {"anon_mb": sampler.anon / 2**20, "rss_mb": sampler.rss / 2**20}
     print(json.dumps({**result, **peaks, "sha": sha["train"], "sha_val": sha["val"]}))
 
