@@ -211,6 +211,15 @@ def test_the_shuffle_over_a_memory_map_is_numpys_permutation(tmp_path, monkeypat
     assert scratch.shuffled(docs[:0], 7, tmp_path).tolist() == []
 
 
+def test_documents_of_one_length_spread_over_the_dedup_buckets(tmp_path):
+    rng = np.random.default_rng(0)
+    lengths = np.full(20_000, 128)
+    values = rng.integers(0, 2**32, size=int(lengths.sum()), dtype=np.uint64)
+    keys = pack._document_hashes(values, lengths)
+    counts = np.bincount(scratch.bucket_of(keys, 64), minlength=64)
+    assert len(counts) == 64 and counts.max() < 2 * counts.mean()  # not all in one bucket
+
+
 def test_gather_runs_matches_a_loop():
     starts, lengths = np.array([10, 0, 5, 3, 40]), np.array([3, 0, 2, 1, 4])
     expected = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])

@@ -97,13 +97,12 @@ def unique_documents(ids: Any, offsets: Any, keys: Any, docs: Any, folder: Path)
     n_buckets = 1
     while n_buckets < MAX_BUCKETS and n_buckets * BUCKET_DOCUMENTS < len(docs):
         n_buckets *= 2
-    shift = np.uint64(64 - n_buckets.bit_length() + 1)
     buckets = [Appender(folder / f"bucket-{b}", _RECORD) for b in range(n_buckets)]
     for start, stop in blocks(len(docs)):
         records = np.empty(stop - start, _RECORD)
         records["doc"] = docs[start:stop]
         records["key"] = keys[records["doc"]]
-        which = (records["key"] >> shift).astype(np.intp) if n_buckets > 1 else np.zeros(len(records), np.intp)
+        which = bucket_of(records["key"], n_buckets)
         records = records[np.argsort(which, kind="stable")]  # stable: each bucket stays in document order
         counts = np.bincount(which, minlength=n_buckets)
         ends = np.cumsum(counts)
@@ -118,6 +117,19 @@ def unique_documents(ids: Any, offsets: Any, keys: Any, docs: Any, folder: Path)
         part = docs[start:stop]
         out.append(part[~dropped[part]])
     return out.mapped()
+
+
+def bucket_of(keys: Any, n_buckets: int) -> Any:
+    """Which of `n_buckets` (a power of two) buckets each hash goes to: the top bits of the hash times
+    an odd constant. The top bits of the hash alone would be those of its length term (the sum of
+    a document's values is ~40 bits), putting every document of one length into one bucket."""
+    import numpy as np
+
+    if n_buckets == 1:
+        return np.zeros(len(keys), np.intp)
+    with np.errstate(over="ignore"):  # the product wraps around 2**64 on purpose
+        mixed = keys * np.uint64(0xD6E8FEB86659FD93)
+    return (mixed >> np.uint64(65 - n_buckets.bit_length())).astype(np.intp)
 
 
 def _drop_duplicates(ids: Any, offsets: Any, records: Any, dropped: Any) -> None:
