@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from data import in_child, process_tree, write_corpus
+from memory import MemoryPeak
 
 _VOCAB = 50_000
 _SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
@@ -117,7 +118,7 @@ def _child(spec: dict) -> None:
     from cram.stages.data.source import CorpusConfig
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
-    sampler = _MemoryPeak(os.getpid())
+    sampler = MemoryPeak(lambda: process_tree(os.getpid()))
     out = Path(spec["out"])
     out.mkdir()
     ctx = Context(seed=0, device="cpu", run_dir=out.parent, log=structlog.get_logger())
@@ -134,29 +135,6 @@ def _child(spec: dict) -> None:
     sampler.stop()
     peaks = {"anon_mb": sampler.anon / 2**20, "rss_mb": sampler.rss / 2**20}
     print(json.dumps({"outputs": outputs, "wall_s": wall, **peaks}))
-
-
-class _MemoryPeak:
-    """The peak over time of RssAnon and of VmRSS summed over a process and all its descendants."""
-
-    def __init__(self, root: int):
-        self.root, self.anon, self.rss = root, 0, 0
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._done.wait(0.2):
-            anon = rss = 0
-            for pid in process_tree(self.root):
-                fields = _status(pid)
-                anon += fields.get("RssAnon", 0)
-                rss += fields.get("VmRSS", 0)
-            self.anon, self.rss = max(self.anon, anon), max(self.rss, rss)
-
-    def stop(self) -> None:
-        self._done.set()
-        self._thread.join()
 
 
 class _DiskPeak:
@@ -182,19 +160,6 @@ class _DiskPeak:
     def stop(self) -> None:
         self._done.set()
         self._thread.join()
-
-
-def _status(pid: int) -> dict[str, int]:
-    """The memory lines of /proc/PID/status, in bytes."""
-    fields = {}
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            name, _, value = line.partition(":")
-            if name in ("RssAnon", "RssFile", "VmRSS"):
-                fields[name] = int(value.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass  # gone meanwhile
-    return fields
 
 
 def _load() -> str:

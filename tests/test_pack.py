@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cram.stages import StageError, Upstream, pack
+from cram.stages.data import scratch
 from cram.stages.shared.special import SPECIAL_IDS
 
 REPO = Path(__file__).parent.parent
@@ -109,6 +110,9 @@ def test_chunked_out_of_core_pack_writes_exactly_what_an_in_memory_pack_does(
     monkeypatch.setattr(pack, "LONG_DOCUMENTS", long_documents)  # each chunk copied either way
     if chunk_tokens < 100:
         monkeypatch.setattr(pack, "RESIDENT_BYTES", 64)  # the mapped pages are dropped again and again
+        # The per-document arrays built and read in blocks of 7 documents, de-duplication in 64 buckets.
+        monkeypatch.setattr(scratch, "DOCUMENTS", 7)
+        monkeypatch.setattr(scratch, "BUCKET_DOCUMENTS", 5)
     docs = random_documents(300, seed=3) + [[7, 8, 9]] * 3 + [[9, 8, 7], []] + random_documents(20, seed=3)
     upstream = make_tokens(tmp_path, docs, shards=3)
     for seed, boundary, dedup in ((0, "cls-sep", True), (5, "sep", False), (9, "cls-sep", False)):
@@ -132,8 +136,9 @@ def test_a_null_document_is_an_empty_one(tmp_path, make_ctx):
     assert outputs["documents"] == 61
 
 
-def test_ids_beyond_the_vocab_are_a_stage_error(tmp_path, make_ctx):
-    upstream = make_tokens(tmp_path, random_documents(50) + [[5, 1000]], vocab_size=1000)
+@pytest.mark.parametrize("bad_id", [1000, -1])
+def test_ids_beyond_the_vocab_are_a_stage_error(tmp_path, make_ctx, bad_id):
+    upstream = make_tokens(tmp_path, random_documents(50) + [[5, bad_id]], vocab_size=1000)
     with pytest.raises(StageError, match=r"token ids outside \[0, vocab_size = 1000\).*re-run tokenize"):
         run(upstream, tmp_path, make_ctx)
 
@@ -195,6 +200,24 @@ def test_bad_settings_name_their_key():
         pack.Config(seq_len=4)
     with pytest.raises(ValueError, match=r"^val_fraction:"):
         pack.Config(val_fraction=0.0)
+
+
+@pytest.mark.parametrize("block", [3, 1 << 18])
+def test_the_shuffle_over_a_memory_map_is_numpys_permutation(tmp_path, monkeypatch, block):
+    monkeypatch.setattr(scratch, "DOCUMENTS", block)
+    docs = np.flatnonzero(np.random.default_rng(1).random(1000) < 0.7)  # ascending, with gaps
+    order = scratch.shuffled(docs, 7, tmp_path)
+    assert order.tolist() == docs[np.random.default_rng(7).permutation(len(docs))].tolist()
+    assert scratch.shuffled(docs[:0], 7, tmp_path).tolist() == []
+
+
+def test_documents_of_one_length_spread_over_the_dedup_buckets(tmp_path):
+    rng = np.random.default_rng(0)
+    lengths = np.full(20_000, 128)
+    values = rng.integers(0, 2**32, size=int(lengths.sum()), dtype=np.uint64)
+    keys = pack._document_hashes(values, lengths)
+    counts = np.bincount(scratch.bucket_of(keys, 64), minlength=64)
+    assert len(counts) == 64 and counts.max() < 2 * counts.mean()  # not all in one bucket
 
 
 def test_gather_runs_matches_a_loop():
