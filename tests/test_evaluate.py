@@ -153,6 +153,21 @@ def test_topic_glue_and_custom_tasks_end_to_end(upstream, tmp_path, make_ctx):
 
     topic = results["tasks"]["topic"]
     assert topic["seeds"] == [3, 4, 5] and topic["train_examples"] + topic["test_examples"]["test"] == 120
+    # every hyper-parameter that produced the score is recorded beside it
+    assert topic["settings"] == {
+        "batch_size": config.batch_size,
+        "warmup": config.warmup,
+        "weight_decay": 0.0,
+        "dropout": config.dropout,
+        "pooling": "first",
+        "head": "cramming",
+        "head_width": config.head_width,
+        "buckets": [16, 32],
+        "betas": [0.9, 0.98],
+        "eps": 1e-6,
+        "clip_norm": 0.0,
+        "schedule": "cosine",
+    }
     for task in results["tasks"].values():
         for test, by_metric in task["scores"].items():
             for metric, per_seed in by_metric.items():
@@ -490,7 +505,7 @@ def test_keep_writes_the_best_every_or_no_seed_classifier(upstream, tmp_path, ma
     assert not any(k.startswith("head.") for k in params) and params["classifier.out.weight"].shape[0] == 3
     # The kept params are the fine-tuned ones: they reproduce the reported test accuracy.
     cfg = model.ModelConfig.from_json(kept / "model.json")
-    settings = dataclasses.replace(config, head=meta["head"])
+    settings = dataclasses.replace(config.linked({}), head=meta["head"])
     tuner = finetune.Tuner.make(settings, cfg, params, SPECIAL_IDS, torch.device("cpu"), FP32)
     task = finetune.load_task(config.tasks[0], 0, upstream["inputs"]["tokenize"])
     tokenizer = load_tokenizer(upstream["inputs"]["tokenize"].path("tokenizer"))

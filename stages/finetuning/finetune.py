@@ -23,6 +23,11 @@ if TYPE_CHECKING:
     from cram.stages.shared.precision import Precision
     from cram.stages.shared.tokenizer import Tokenizer
 
+# The stage-wide hyper-parameters of every fine-tune, recorded beside each task's own (epochs, lr,
+# max_length, seeds) so that a score says everything that produced it.
+FINETUNE_SETTINGS = ("batch_size", "warmup", "weight_decay", "dropout", "pooling", "head", "head_width", "buckets")
+# cramming's fine-tuning AdamW: betas (0.9, 0.98), eps 1e-6, no gradient clipping; cosine after the warm-up.
+FINETUNE_OPTIMIZER = {"betas": (0.9, 0.98), "eps": 1e-6, "clip_norm": 0.0, "schedule": "cosine"}
 PROGRESS_EVERY_S = 30.0  # a fine-tune's progress line in the log this often (and when it starts)
 # What of a batch the model reads (`Tuner.batch`): prediction is given these alone.
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -145,6 +150,7 @@ def task_result(
         "lr": config.setting(task_cfg, "lr"),
         "max_length": config.setting(task_cfg, "max_length"),
         "seeds": seeds,
+        "settings": _json_values({**{key: getattr(config, key) for key in FINETUNE_SETTINGS}, **FINETUNE_OPTIMIZER}),
         "train_loss": [r["train_loss"] for r in runs],
         "scores": scores,
         "median": {t: {m: float(np.median(v)) for m, v in ms.items()} for t, ms in scores.items()},
@@ -153,6 +159,11 @@ def task_result(
     }
     ctx.log.info("task", task=task.name, median=result["median"], baseline=result["baseline"], time_s=result["time_s"])
     return result
+
+
+def _json_values(settings: dict) -> dict:
+    """Tuples as lists: results read back from results.json (other ranks, a cached run) compare equal."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
 
 
 def share_out(costs: list[float], world_size: int) -> list[int]:
@@ -186,8 +197,8 @@ class Tuner:
         from cram import model
         from cram.model.classifier import make_classify_eval_step, make_finetune_step
 
-        # cramming's fine-tuning AdamW: betas (0.9, 0.98), eps 1e-6, no gradient clipping.
-        opt_cfg = model.OptimizerConfig(lr=config.lr, eps=1e-6, weight_decay=config.weight_decay, clip_norm=0.0)
+        fixed = {k: v for k, v in FINETUNE_OPTIMIZER.items() if k != "schedule"}
+        opt_cfg = model.OptimizerConfig(lr=config.lr, weight_decay=config.weight_decay, **fixed)
         kw = dict(
             pooling=config.pooling,
             compile=config.compile,
@@ -229,12 +240,8 @@ class Tuner:
             for i in track(range(steps_per_epoch), label, total, done=epoch * steps_per_epoch):
                 batch = self.batch(rows, lengths, labels, order[i * size : (i + 1) * size], size, self.config.dropout)
                 progress = (epoch * steps_per_epoch + i) / total
-                lr_now = to_device(
-                    torch.tensor(
-                        lr * model.lr_schedule("cosine", progress, warmup=self.config.warmup), dtype=torch.float32
-                    ),
-                    self.device,
-                )
+                factor = model.lr_schedule(FINETUNE_OPTIMIZER["schedule"], progress, warmup=self.config.warmup)
+                lr_now = to_device(torch.tensor(lr * factor, dtype=torch.float32), self.device)
                 params, opt_state, metrics = self.step(params, opt_state, batch, lr_now)
                 losses.append(metrics["loss"])
                 if log is not None and every.due():  # the loss read here is the one host sync in 30 s
