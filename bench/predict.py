@@ -65,7 +65,7 @@ def make_exports(root: Path, texts: list[str], preset: str, max_length: int, bat
     params = model.init(cfg, seed=0)
     save_file(params, run / "pretrain" / "params.safetensors")
     (run / "pretrain" / "model.json").write_text(json.dumps(dataclasses.asdict(cfg)))
-    config = evaluate.Config(tasks=[], head="modernbert", max_length=max_length, eval_batch_size=batch)
+    config = evaluate.Config(tasks=[], head="modernbert", pooling="first", max_length=max_length, eval_batch_size=batch)
     task_cfg = evaluate.TaskConfig(kind="custom", name="bench", path="-", text_fields=("text",), metrics=("accuracy",))
     empty = Examples([], np.zeros(0, np.int64))
     task = Task("bench", ("accuracy",), LABELS, empty, {"test": empty})
