@@ -174,7 +174,7 @@ def child(work: Path, kind: str, args: argparse.Namespace, seed: int) -> dict:
     outcome = run([sys.executable, __file__, *own], limit_s=3600, log=log, env=env)
     if not outcome.ok:
         raise SystemExit(f"{kind} seed {seed}: {outcome.why()}\n{outcome.tail()}")
-    line = next(x for x in reversed(log.read_text().splitlines()) if x.startswith("RESULT "))
+    line = next(x for x in reversed(outcome.stdout.splitlines()) if x.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
 
 
