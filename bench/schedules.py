@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -47,6 +48,10 @@ VARIANTS: dict[str, list[str]] = {
         "pretrain.masking.phase_rates=[0.4, 0.3, 0.2]",
     ],
     "allmask": ["pretrain.masking.mask_token=1.0", "pretrain.masking.random_token=0.0"],
+    # Around the schedule (the lr was tuned for budget-triangle): a longer 1-sqrt decay, a higher peak.
+    "decay40": ["pretrain.schedule_args={warmup=0.1, decay=0.4}"],  # with wsd: its decay over the last 40%
+    "lr5": ["pretrain.optimizer.lr=5e-3"],
+    "lr2": ["pretrain.optimizer.lr=2e-3"],
 }
 BASES = {"old": BASE, "default": []}
 # The held-out loss at one masking rate and one corruption (80/10/10), whatever each variant trained with.
@@ -59,12 +64,20 @@ EVALUATE = [
 FIGURES = ("mlm_loss@128", "mlm_loss@512", "wall_s", "tokens_per_s")
 
 
-def run(name: str, overrides: list[str]) -> None:
+def run(name: str, overrides: list[str], log: Path | None = None, only: str = "") -> None:
+    """`cram run` of the variant; its output into `log` (one thread per run: `--jobs` runs share the cores)."""
     args = [sys.executable, "-m", "cram.pipeline.cli", "run", "pipeline.toml", "--name", name]
+    args += ["--only", only] if only else []
     for item in overrides:
         args += ["--set", item]
     print("$", " ".join(args[2:]), flush=True)
-    subprocess.run(args, check=True, cwd=REPO)
+    if log is None:
+        subprocess.run(args, check=True, cwd=REPO)
+        return
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        subprocess.run(args, check=True, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 def figures(run_dir: Path) -> dict[str, float]:
@@ -85,6 +98,7 @@ def main() -> None:
     budget.add_argument("--tokens", type=int, default=2_000_000)
     budget.add_argument("--hours", type=float)
     parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time, one thread each (a quality budget only)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--set", action="append", default=[], help="a further override for every variant")
     parser.add_argument(
@@ -100,14 +114,22 @@ def main() -> None:
     work = args.work.resolve()
     common = [f"run.root={json.dumps(str(work / 'runs'))}", off, limit, *EVALUATE, *args.set]
     budget_name = f"{args.hours}h" if args.hours else f"{args.tokens}t"
+    runs = {  # seed by seed, every variant: interleaved
+        f"{variant.replace('+', '_')}-{budget_name}-s{seed}": (
+            variant,
+            [*common, f"run.seed={seed}", *BASES[args.base], *(o for p in variant.split("+") for o in VARIANTS[p])],
+        )
+        for seed in args.seeds.split(",")
+        for variant in variants
+    }
+    if args.jobs > 1:  # each seed's tokenize and pack first, so that parallel runs only read them
+        for seed in args.seeds.split(","):
+            for stage in ("tokenize", "pack"):
+                run(f"data-s{seed}", [*common, f"run.seed={seed}"], work / "logs" / f"data-s{seed}.log", only=stage)
     rows: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
-    for seed in args.seeds.split(","):
-        for variant in variants:
-            name = f"{variant.replace('+', '_')}-{budget_name}-s{seed}"
-            variant_overrides = [o for part in variant.split("+") for o in VARIANTS[part]]
-            run(name, [*common, f"run.seed={seed}", *BASES[args.base], *variant_overrides])
-            rows[variant].append(figures(work / "runs" / name))
-            print(f"= {name}: " + " ".join(f"{k} {v:.3f}" for k, v in rows[variant][-1].items()), flush=True)
+    for name, figured in _measure(work, runs, args.jobs):
+        rows[runs[name][0]].append(figured)
+        print(f"= {name}: " + " ".join(f"{k} {v:.3f}" for k, v in figured.items()), flush=True)
 
     print(f"\nbudget {budget_name}, seeds {args.seeds} (median; then each seed)")
     print("| variant | " + " | ".join(FIGURES) + " |\n|---|" + "---:|" * len(FIGURES))
@@ -115,6 +137,20 @@ def main() -> None:
         medians = " | ".join(f"{statistics.median(r[k] for r in runs):.3f}" for k in FIGURES)
         each = "; ".join(" ".join(f"{r[k]:.3f}" for k in FIGURES[:2]) for r in runs)
         print(f"| {variant} | {medians} |   ({each})", flush=True)
+
+
+def _measure(work: Path, runs: dict[str, tuple[str, list[str]]], jobs: int):
+    """(name, figures) of every run, as each ends; `jobs` at a time, in the order given."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    def one(name: str) -> dict[str, float]:
+        run(name, runs[name][1], work / "logs" / f"{name}.log" if jobs > 1 else None)
+        return figures(work / "runs" / name)
+
+    with ThreadPoolExecutor(jobs) as pool:
+        futures = {pool.submit(one, name): name for name in runs}
+        for future in as_completed(futures):
+            yield futures[future], future.result()
 
 
 if __name__ == "__main__":
