@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -64,20 +63,12 @@ EVALUATE = [
 FIGURES = ("mlm_loss@128", "mlm_loss@512", "wall_s", "tokens_per_s")
 
 
-def run(name: str, overrides: list[str], log: Path | None = None, only: str = "") -> None:
-    """`cram run` of the variant; its output into `log` (one thread per run: `--jobs` runs share the cores)."""
+def run(name: str, overrides: list[str]) -> None:
     args = [sys.executable, "-m", "cram.pipeline.cli", "run", "pipeline.toml", "--name", name]
-    args += ["--only", only] if only else []
     for item in overrides:
         args += ["--set", item]
     print("$", " ".join(args[2:]), flush=True)
-    if log is None:
-        subprocess.run(args, check=True, cwd=REPO)
-        return
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as out:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        subprocess.run(args, check=True, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
+    subprocess.run(args, check=True, cwd=REPO)
 
 
 def figures(run_dir: Path) -> dict[str, float]:
@@ -98,7 +89,6 @@ def main() -> None:
     budget.add_argument("--tokens", type=int, default=2_000_000)
     budget.add_argument("--hours", type=float)
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--jobs", type=int, default=1, help="runs at a time, one thread each (a quality budget only)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--set", action="append", default=[], help="a further override for every variant")
     parser.add_argument(
@@ -122,35 +112,19 @@ def main() -> None:
         for seed in args.seeds.split(",")
         for variant in variants
     }
-    if args.jobs > 1:  # each seed's tokenize and pack first, so that parallel runs only read them
-        for seed in args.seeds.split(","):
-            for stage in ("tokenize", "pack"):
-                run(f"data-s{seed}", [*common, f"run.seed={seed}"], work / "logs" / f"data-s{seed}.log", only=stage)
     rows: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
-    for name, figured in _measure(work, runs, args.jobs):
-        rows[runs[name][0]].append(figured)
+    for name, (variant, overrides) in runs.items():
+        run(name, overrides)
+        figured = figures(work / "runs" / name)
+        rows[variant].append(figured)
         print(f"= {name}: " + " ".join(f"{k} {v:.3f}" for k, v in figured.items()), flush=True)
 
     print(f"\nbudget {budget_name}, seeds {args.seeds} (median; then each seed)")
     print("| variant | " + " | ".join(FIGURES) + " |\n|---|" + "---:|" * len(FIGURES))
-    for variant, runs in rows.items():
-        medians = " | ".join(f"{statistics.median(r[k] for r in runs):.3f}" for k in FIGURES)
-        each = "; ".join(" ".join(f"{r[k]:.3f}" for k in FIGURES[:2]) for r in runs)
+    for variant, measured in rows.items():
+        medians = " | ".join(f"{statistics.median(r[k] for r in measured):.3f}" for k in FIGURES)
+        each = "; ".join(" ".join(f"{r[k]:.3f}" for k in FIGURES[:2]) for r in measured)
         print(f"| {variant} | {medians} |   ({each})", flush=True)
-
-
-def _measure(work: Path, runs: dict[str, tuple[str, list[str]]], jobs: int):
-    """(name, figures) of every run, as each ends; `jobs` at a time, in the order given."""
-    from concurrent.futures import ThreadPoolExecutor, as_completed
-
-    def one(name: str) -> dict[str, float]:
-        run(name, runs[name][1], work / "logs" / f"{name}.log" if jobs > 1 else None)
-        return figures(work / "runs" / name)
-
-    with ThreadPoolExecutor(jobs) as pool:
-        futures = {pool.submit(one, name): name for name in runs}
-        for future in as_completed(futures):
-            yield futures[future], future.result()
 
 
 if __name__ == "__main__":
