@@ -1,7 +1,7 @@
 """Learning-rate schedules: the multiplier of the peak rate at a point of the budget's progress.
 
 A schedule with a decay (all but `constant`) takes its shape, `shape` (linear, cosine or 1-sqrt: the
-multiplier at fraction d of the decay is 1 - d, (1 + cos(pi d)) / 2 or 1 - sqrt(d); None: the
+multiplier at fraction d of the decay is 1 - d, (1 + cos(pi d)) / 2 or 1 - sqrt(d); "": the
 schedule's own, cosine's cosine and the others' linear), and its floor, `decay_to` (the decay ends at
 that fraction of the peak, e.g. 0.02 as ModernBERT's and mmBERT's warmup-stable-decay, instead of 0).
 Progress is the budget's (time, steps or tokens), so the shapes apply alike to every budget.
@@ -16,15 +16,15 @@ import math
 DECAY_SHAPES: tuple[str, ...] = ("linear", "cosine", "1-sqrt")
 
 
-def lr_schedule(name: str, progress: float, shape: str | None = None, decay_to: float = 0.0, **kw: float) -> float:
+def lr_schedule(name: str, progress: float, shape: str = "", decay_to: float = 0.0, **kw: float) -> float:
     """Multiplier of the peak learning rate at `progress` in [0, 1] (clamped) of the budget."""
     if name not in _SCHEDULES:
         raise ValueError(f"schedule {name!r}: allowed {', '.join(SCHEDULES)}")
-    if shape is not None and shape not in DECAY_SHAPES:
+    if shape and shape not in DECAY_SHAPES:
         raise ValueError(f"decay_shape {shape!r}: allowed {', '.join(DECAY_SHAPES)}")
     if not 0 <= decay_to < 1:
         raise ValueError(f"decay_to {decay_to}: allowed [0, 1)")
-    if name == "constant" and (shape is not None or decay_to):
+    if name == "constant" and (shape or decay_to):
         raise ValueError("schedule 'constant' has no decay: decay_shape and decay_to do not apply")
     value, decayed = _SCHEDULES[name](min(max(progress, 0.0), 1.0), **kw)
     if decayed is None:

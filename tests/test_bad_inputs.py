@@ -412,7 +412,7 @@ CASES = [
         "unknown decay shape",
         nothing,
         [*RUN, *sets(**{"pretrain.decay_shape": '"sqrt"'})],
-        "pretrain.decay_shape: expected 'linear' or 'cosine' or '1-sqrt', got 'sqrt'",
+        "pretrain.decay_shape: 'sqrt' is not allowed; choose one of '', 'linear', 'cosine', '1-sqrt'",
     ),
     (
         "mlm length beyond learned positions",

@@ -417,7 +417,7 @@ def test_decay_shapes_and_floor():
     assert model.lr_schedule("one-cycle", 0.625, "1-sqrt", 0.2) == pytest.approx(0.2 + 0.8 * 0.5)
     assert model.lr_schedule("cosine", 0.8, "linear", warmup=0.2) == pytest.approx(0.25)
     assert model.lr_schedule("cosine", 0.8, warmup=0.2) == pytest.approx((1 + math.cos(0.75 * math.pi)) / 2)
-    # None is the schedule's own shape: the triangle's linear decay as before.
+    # "" is the schedule's own shape: the triangle's linear decay as before.
     assert model.lr_schedule("budget-triangle", 0.875) == model.lr_schedule("budget-triangle", 0.875, "linear")
     with pytest.raises(ValueError, match="decay_shape 'sqrt': allowed linear, cosine, 1-sqrt"):
         model.lr_schedule("wsd", 0.9, "sqrt")
