@@ -2,9 +2,11 @@
 
     python bench/schedules.py [--work bench-out/schedules] [--tokens 2000000 | --hours 0.0583]
         [--seeds 0,1,2] [--variants m25,m40,m30-15,m40-20,docs,long512,m40+docs] [--set KEY=VALUE ...]
+        [--base old|default]
 
-Each variant is `pipeline.toml` with `BASE` (25% masking, attention across documents, one length) and
-its overrides (`VARIANTS`; `a+b` joins two), trained on the same budget: a fixed
+Each variant is `pipeline.toml` with `BASE` (25% masking, attention across documents, one length; or
+nothing with `--base default`: the pipeline as it is) and its overrides (`VARIANTS`; `a+b` joins them),
+trained on the same budget: a fixed
 token count (`--tokens`, the default: compares what each learns per token) or a fixed time (`--hours`:
 what each learns per second, on this machine, under its load). Runs are interleaved (seed 0: every
 variant, then seed 1: every variant, ...) so that load from other work hits all alike, and the
@@ -34,8 +36,30 @@ VARIANTS: dict[str, list[str]] = {
     "m40-20": ["pretrain.masking.rate=0.4", "pretrain.masking.end_rate=0.2"],
     "docs": ["pretrain.document_attention=true"],
     "long512": ["pretrain.phases=[{seq_len=128, until=0.9}, {seq_len=512}]"],
+    # The 2025 encoder recipe (ModernBERT, Ettin, mmBERT, NeoBERT), each measured on `--base default`:
+    "default": [],  # pipeline.toml as it is
+    "stable": ["pretrain.optimizer.kind='stable_adamw'", "pretrain.optimizer.clip_norm=0"],
+    "wsd": ["pretrain.schedule='wsd'", "pretrain.decay_shape='1-sqrt'", "pretrain.decay_to=0.02"],
+    "tri1sqrt": ["pretrain.decay_shape='1-sqrt'", "pretrain.decay_to=0.02"],  # budget-triangle's decay so
+    "m30": ["pretrain.masking.rate=0.3"],
+    "mphase": [  # three phases of one length: 40% -> 30% -> 20% at 60% and 85% of the budget
+        "pretrain.phases=[{seq_len=128, until=0.6}, {seq_len=128, until=0.85}, {seq_len=128}]",
+        "pretrain.masking.phase_rates=[0.4, 0.3, 0.2]",
+    ],
+    "allmask": ["pretrain.masking.mask_token=1.0", "pretrain.masking.random_token=0.0"],
+    # Around the schedule (the lr was tuned for budget-triangle): a longer 1-sqrt decay, a higher peak.
+    "decay40": ["pretrain.schedule_args={warmup=0.1, decay=0.4}"],  # with wsd: its decay over the last 40%
+    "lr5": ["pretrain.optimizer.lr=5e-3"],
+    "lr2": ["pretrain.optimizer.lr=2e-3"],
 }
-EVALUATE = ["evaluate.tasks=[]", "evaluate.mlm_mask_rate=0.25", "evaluate.mlm_lengths=[128, 512]"]
+BASES = {"old": BASE, "default": []}
+# The held-out loss at one masking rate and one corruption (80/10/10), whatever each variant trained with.
+EVALUATE = [
+    "evaluate.tasks=[]",
+    "evaluate.mlm_mask_rate=0.25",
+    "evaluate.mlm_lengths=[128, 512]",
+    "evaluate.mlm_corruption='bert'",
+]
 FIGURES = ("mlm_loss@128", "mlm_loss@512", "wall_s", "tokens_per_s")
 
 
@@ -67,6 +91,9 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--set", action="append", default=[], help="a further override for every variant")
+    parser.add_argument(
+        "--base", choices=tuple(BASES), default="old", help="old: BASE under every variant; default: pipeline.toml"
+    )
     args = parser.parse_args()
     variants = args.variants.split(",")
     unknown = [part for v in variants for part in v.split("+") if part not in VARIANTS]
@@ -77,20 +104,27 @@ def main() -> None:
     work = args.work.resolve()
     common = [f"run.root={json.dumps(str(work / 'runs'))}", off, limit, *EVALUATE, *args.set]
     budget_name = f"{args.hours}h" if args.hours else f"{args.tokens}t"
+    runs = {  # seed by seed, every variant: interleaved
+        f"{variant.replace('+', '_')}-{budget_name}-s{seed}": (
+            variant,
+            [*common, f"run.seed={seed}", *BASES[args.base], *(o for p in variant.split("+") for o in VARIANTS[p])],
+        )
+        for seed in args.seeds.split(",")
+        for variant in variants
+    }
     rows: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
-    for seed in args.seeds.split(","):
-        for variant in variants:
-            name = f"{variant.replace('+', '_')}-{budget_name}-s{seed}"
-            variant_overrides = [o for part in variant.split("+") for o in VARIANTS[part]]
-            run(name, [*common, f"run.seed={seed}", *BASE, *variant_overrides])
-            rows[variant].append(figures(work / "runs" / name))
+    for name, (variant, overrides) in runs.items():
+        run(name, overrides)
+        figured = figures(work / "runs" / name)
+        rows[variant].append(figured)
+        print(f"= {name}: " + " ".join(f"{k} {v:.3f}" for k, v in figured.items()), flush=True)
 
     print(f"\nbudget {budget_name}, seeds {args.seeds} (median; then each seed)")
     print("| variant | " + " | ".join(FIGURES) + " |\n|---|" + "---:|" * len(FIGURES))
-    for variant, runs in rows.items():
-        medians = " | ".join(f"{statistics.median(r[k] for r in runs):.3f}" for k in FIGURES)
-        each = "; ".join(" ".join(f"{r[k]:.3f}" for k in FIGURES[:2]) for r in runs)
-        print(f"| {variant} | {medians} |   ({each})")
+    for variant, measured in rows.items():
+        medians = " | ".join(f"{statistics.median(r[k] for r in measured):.3f}" for k in FIGURES)
+        each = "; ".join(" ".join(f"{r[k]:.3f}" for k in FIGURES[:2]) for r in measured)
+        print(f"| {variant} | {medians} |   ({each})", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,11 @@
-"""AdamW as pure functions (optax style); the learning-rate schedules are in `model/schedules.py`.
+"""AdamW and StableAdamW as pure functions (optax style); the learning-rate schedules are in
+`model/schedules.py`.
+
+StableAdamW (Wortsman et al. 2023, "Stable and low-precision training for large-scale vision-language
+models", Algorithm 2; ModernBERT's and Ettin's optimizer) is AdamW with its rate clipped per tensor:
+lr_t = lr / max(1, RMS_t), RMS_t = sqrt(mean(g_t^2 / max(v_hat_t, eps^2))) over the tensor's entries, v_hat_t
+the bias-corrected second moment after this step's gradient. A tensor whose gradient spikes far above
+its running second moment takes a smaller step (its decay too) instead of a huge one.
 
 The optimizer state is a flat dict of tensors, so it saves directly as safetensors:
 `step` (0-dim fp32), `exp_avg.<param name>` and `exp_avg_sq.<param name>`.
@@ -32,10 +39,12 @@ def global_norm(tensors: dict[str, Tensor]) -> Tensor:
 def adamw_update(
     cfg: OptimizerConfig, params: dict[str, Tensor], state: dict[str, Tensor], grads: dict[str, Tensor], lr: Tensor
 ) -> tuple[dict[str, Tensor], dict[str, Tensor], Tensor]:
-    """One clipped AdamW step; returns new params, new state and the gradient norm before clipping.
+    """One clipped AdamW (or StableAdamW, `cfg.kind`) step; returns new params, new state and the
+    gradient norm before clipping.
 
-    The same arithmetic as `torch.optim.AdamW` (decoupled decay, bias correction) after
-    `clip_grad_norm_`, so the two agree to rounding.
+    AdamW is the same arithmetic as `torch.optim.AdamW` (decoupled decay, bias correction) after
+    `clip_grad_norm_`, so the two agree to rounding. `cfg.kind` is a Python string: the compiled step
+    holds one kind's graph, no branch.
     """
     grad_norm = global_norm(grads)
     if cfg.clip_norm > 0:
@@ -50,9 +59,16 @@ def adamw_update(
         g = grads[name]
         exp_avg = torch.lerp(state[f"exp_avg.{name}"], g, 1 - beta1)
         exp_avg_sq = state[f"exp_avg_sq.{name}"] * beta2 + g * g * (1 - beta2)
+        clip = _update_clip(g, exp_avg_sq / (bias2_sqrt * bias2_sqrt), cfg.eps) if cfg.kind == "stable_adamw" else 1
         if decays(p):
-            p = p * (1 - lr * cfg.weight_decay)
-        new_params[name] = p - step_size * exp_avg / (exp_avg_sq.sqrt() / bias2_sqrt + cfg.eps)
+            p = p * (1 - lr * clip * cfg.weight_decay)
+        new_params[name] = p - (step_size * clip) * exp_avg / (exp_avg_sq.sqrt() / bias2_sqrt + cfg.eps)
         new_state[f"exp_avg.{name}"] = exp_avg
         new_state[f"exp_avg_sq.{name}"] = exp_avg_sq
     return new_params, new_state, grad_norm
+
+
+def _update_clip(g: Tensor, v_hat: Tensor, eps: float) -> Tensor:
+    """StableAdamW's factor of the rate for one tensor: 1 / max(1, RMS(g / sqrt(v_hat)))."""
+    rms = torch.sqrt(torch.mean(g * g / torch.clamp(v_hat, min=eps * eps)))
+    return 1 / torch.clamp(rms, min=1.0)

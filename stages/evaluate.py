@@ -44,7 +44,7 @@ UPSTREAM = ("tokenize", "pack", "pretrain")
 RESUMABLE = False
 DISTRIBUTED = True  # under torchrun every rank fine-tunes a share of the (task, seed) pairs
 # Added after the key was fixed: at its default it measures what evaluate measured before.
-NEW_OPTIONS = ("mlm_lengths", "canary_steps", "canary_tolerance", "keep", "head")
+NEW_OPTIONS = ("mlm_lengths", "canary_steps", "canary_tolerance", "keep", "head", "mlm_corruption")
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,10 @@ class Config:
     # 0: mask the held-out blocks at pretraining's rate; else at this one, so that runs trained at
     # different masking rates (a sweep) compare on one held-out loss.
     mlm_mask_rate: float = 0.0
+    # "pretrain": corrupt the held-out masked tokens as pretraining did (pretrain.masking.mask_token and
+    # random_token); "bert": BERT's 80/10/10 whatever pretraining used, so that runs trained with other
+    # corruptions (all [MASK]) compare on one held-out loss.
+    mlm_corruption: Literal["pretrain", "bert"] = "pretrain"
     mlm_batch_size: int = 128
     # The held-out masked-LM at each of these block lengths (`mlm_loss@L` when more than one); empty:
     # the lengths pretrain trained at. `mlm_loss` stays the first length's.

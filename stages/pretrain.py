@@ -74,6 +74,10 @@ NEW_OPTIONS = (
     "phases",
     "masking.end_rate",
     "document_attention",
+    "optimizer.kind",
+    "decay_shape",
+    "decay_to",
+    "masking.phase_rates",
 )
 
 
@@ -138,6 +142,10 @@ class Config:
     masking: Masking = field(default_factory=Masking)
     schedule: str = "budget-triangle"  # a name in model.SCHEDULES
     schedule_args: dict[str, float] = field(default_factory=dict)  # e.g. {warmup = 0.1}
+    # The schedule's decay (model/schedules.py): its shape ("": the schedule's own) and the fraction
+    # of the peak it ends at, e.g. schedule = "wsd", decay_shape = "1-sqrt", decay_to = 0.02 (mmBERT's).
+    decay_shape: Literal["", "linear", "cosine", "1-sqrt"] = ""
+    decay_to: float = 0.0
     microbatch: int = 32  # sequences per rank per forward/backward; its shape never changes within a phase
     batch_size: int = 32  # target global batch in sequences, reached by the ramp (cramming: 8192)
     ramp: float = 0.6  # fraction of the budget at which batch_size is reached; 0: from the start
@@ -193,6 +201,10 @@ class Config:
             raise ValueError(f"batch_size: {self.batch_size} must be a multiple of microbatch ({self.microbatch})")
         if not 0 <= self.ramp <= 1:
             raise ValueError(f"ramp: {self.ramp} must be in [0, 1]")
+        if not 0 <= self.decay_to < 1:
+            raise ValueError(f"decay_to: {self.decay_to} must be in [0, 1) (a fraction of the peak lr)")
+        if self.schedule == "constant" and (self.decay_shape or self.decay_to):
+            raise ValueError("decay_shape, decay_to: schedule 'constant' has no decay for them to shape")
         if self.val_blocks < 0:
             raise ValueError(f"val_blocks: {self.val_blocks} must be >= 0")
 

@@ -381,6 +381,40 @@ CASES = [
         "mask_token, random_token: 0 and 0 leave every selected token as it was",
     ),
     (
+        "all [MASK] at a rate that masks nothing",
+        nothing,
+        [
+            *RUN,
+            *sets(**{"pretrain.masking.mask_token": "1", "pretrain.masking.random_token": "0"}),
+            *sets(**{"pretrain.masking.rate": "0.01"}),
+        ],
+        "pretrain.masking.rate: 0.01 masks no token of a 16-token block",
+    ),
+    (
+        "masking phase rates not one per phase",
+        nothing,
+        [*RUN, *sets(**{"pretrain.masking.phase_rates": "[0.4, 0.2]"})],
+        "pretrain.masking.phase_rates: 2 rates for 1 phase(s)",
+    ),
+    (
+        "unknown optimizer kind",
+        nothing,
+        [*RUN, *sets(**{"pretrain.optimizer.kind": '"lion"'})],
+        "optimizer.kind='lion': allowed adamw, stable_adamw",
+    ),
+    (
+        "lr floor outside [0, 1)",
+        nothing,
+        [*RUN, *sets(**{"pretrain.decay_to": "1"})],
+        "decay_to: 1.0 must be in [0, 1)",
+    ),
+    (
+        "unknown decay shape",
+        nothing,
+        [*RUN, *sets(**{"pretrain.decay_shape": '"sqrt"'})],
+        "pretrain.decay_shape: 'sqrt' is not allowed; choose one of '', 'linear', 'cosine', '1-sqrt'",
+    ),
+    (
         "mlm length beyond learned positions",
         nothing,
         [*RUN, *sets(**{"pretrain.model.position": '"learned"', "evaluate.mlm_lengths": "[16, 32]"})],

@@ -239,6 +239,17 @@ def test_held_out_blocks_are_masked_at_mlm_mask_rate_when_given(upstream, tmp_pa
         Config(mlm_mask_rate=1.0)
 
 
+def test_mlm_corruption_bert_masks_held_out_blocks_80_10_10_whatever_pretraining_used(upstream, tmp_path, make_ctx):
+    config = fp32(tasks=[], compile=False, mlm_batch_size=16)
+    pretrain = upstream["inputs"]["pretrain"]
+    masking = {**pretrain.outputs["masking"], "mask_token": 1.0, "random_token": 0.0}
+    all_mask = {**upstream["inputs"], "pretrain": Upstream(pretrain.dir, {**pretrain.outputs, "masking": masking})}
+    bert, _ = run_stage(config, upstream["inputs"], tmp_path, make_ctx, "bert")  # pretrained at 80/10/10
+    own, _ = run_stage(config, all_mask, tmp_path, make_ctx, "own")
+    both, _ = run_stage(dataclasses.replace(config, mlm_corruption="bert"), all_mask, tmp_path, make_ctx, "both")
+    assert both["mlm_loss"] == bert["mlm_loss"] != own["mlm_loss"]
+
+
 def test_a_model_with_more_rows_than_tokens_is_evaluated_masking_within_the_tokenizer(
     upstream, tmp_path, make_ctx, monkeypatch
 ):

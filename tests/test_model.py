@@ -324,6 +324,67 @@ def test_adamw_matches_torch_optim_with_clipping():
     assert set(state) == {"step", "exp_avg.w", "exp_avg.norm", "exp_avg_sq.w", "exp_avg_sq.norm"}
 
 
+def _stable_adamw_reference(params, grads_per_step, lr, betas, eps, weight_decay):
+    """Wortsman et al. 2023, Algorithm 2 (StableAdamW), written out in float64 with Python scalars for
+    the per-tensor factors: m, v; m_hat, v_hat; RMS = sqrt(mean(g^2 / max(v_hat, eps^2))); eta = lr / max(1, RMS);
+    theta -= eta * (weight_decay * theta (matrices only) + m_hat / (sqrt(v_hat) + eps))."""
+    b1, b2 = betas
+    theta = {k: v.double().clone() for k, v in params.items()}
+    m = {k: torch.zeros_like(v) for k, v in theta.items()}
+    v = {k: torch.zeros_like(t) for k, t in theta.items()}
+    etas = []
+    for t, grads in enumerate(grads_per_step, start=1):
+        etas.append({})
+        for k in theta:
+            g = grads[k].double()
+            m[k] = b1 * m[k] + (1 - b1) * g
+            v[k] = b2 * v[k] + (1 - b2) * g * g
+            m_hat, v_hat = m[k] / (1 - b1**t), v[k] / (1 - b2**t)
+            rms = math.sqrt(float((g * g / v_hat.clamp(min=eps * eps)).mean()))
+            eta = lr / max(1.0, rms)
+            etas[-1][k] = eta
+            decay = weight_decay * theta[k] if theta[k].ndim >= 2 else 0.0
+            theta[k] = theta[k] - eta * decay - eta * m_hat / (v_hat.sqrt() + eps)
+    return theta, etas
+
+
+def test_stable_adamw_matches_the_published_update_rule_through_a_gradient_spike():
+    cfg = OptimizerConfig(kind="stable_adamw", weight_decay=0.1, clip_norm=0.0, eps=1e-8)
+    gen = torch.Generator().manual_seed(0)
+    params = {
+        "w": torch.randn(4, 3, generator=gen),
+        "emb": torch.randn(6, 2, generator=gen),
+        "norm": torch.randn(3, generator=gen),
+    }
+    grads_per_step = []
+    for step in range(5):
+        grads = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+        if step == 3:
+            grads["w"] = grads["w"] * 1000.0  # a spike far above w's running second moment
+        grads_per_step.append(grads)
+    expected, etas = _stable_adamw_reference(params, grads_per_step, 0.01, cfg.betas, cfg.eps, cfg.weight_decay)
+    # The spike is clipped (w's rate about halved, the most a spike gets at beta2 0.98 and step 4: RMS is
+    # at most sqrt((1 - beta2^t) / (1 - beta2))); the other steps of w and the other tensors hardly are,
+    # so the test covers both branches of max(1, RMS).
+    assert etas[3]["w"] < 0.6 * 0.01 and min(e["w"] for i, e in enumerate(etas) if i != 3) > 0.009
+    assert sum(eta == 0.01 for e in etas for eta in e.values()) >= 5  # unclipped: max(1, RMS) = 1
+    state = model.adamw_init(params)
+    for grads in grads_per_step:
+        params, state, _ = model.adamw_update(cfg, params, state, grads, torch.tensor(0.01))
+    for k in params:
+        assert torch.allclose(params[k].double(), expected[k], rtol=1e-5, atol=1e-6), k
+    plain = OptimizerConfig(weight_decay=0.1, clip_norm=0.0, eps=1e-8)
+    unclipped, state = dict(params), model.adamw_init(params)
+    for grads in grads_per_step:
+        unclipped, state, _ = model.adamw_update(plain, unclipped, state, grads, torch.tensor(0.01))
+    assert not torch.allclose(unclipped["w"], params["w"], atol=1e-4)  # AdamW takes the spike's full step
+
+
+def test_optimizer_kind_is_checked():
+    with pytest.raises(ValueError, match="optimizer.kind='lion': allowed adamw, stable_adamw"):
+        OptimizerConfig(kind="lion")
+
+
 def test_schedules():
     assert set(model.SCHEDULES) == {"constant", "budget-triangle", "one-cycle", "cosine", "wsd"}
     triangle = [model.lr_schedule("budget-triangle", p) for p in (0.0, 0.375, 0.75, 0.875, 1.0)]
@@ -338,6 +399,32 @@ def test_schedules():
         model.lr_schedule("linear", 0.5)
     with pytest.raises(ValueError, match="decay=0"):
         model.lr_schedule("wsd", 0.5, decay=0.0)
+
+
+def test_decay_shapes_and_floor():
+    wsd = dict(warmup=0.1, decay=0.2)
+    # At a quarter of wsd's decay (p = 0.85): linear 0.75, cosine (1 + cos(pi/4)) / 2, 1-sqrt 1 - 0.5.
+    at_quarter = {shape: model.lr_schedule("wsd", 0.85, shape, **wsd) for shape in model.DECAY_SHAPES}
+    assert at_quarter == pytest.approx({"linear": 0.75, "cosine": (1 + math.sqrt(0.5)) / 2, "1-sqrt": 0.5})
+    # The floor: the decay ends at decay_to, and the value in between is lifted by (1 - decay_to).
+    floored = [model.lr_schedule("wsd", p, "1-sqrt", 0.02, **wsd) for p in (0.05, 0.5, 0.8, 0.85, 1.0)]
+    assert floored == pytest.approx([0.5, 1.0, 1.0, 0.02 + 0.98 * 0.5, 0.02])
+    # The budget-driven shapes: the triangle's last quarter, one-cycle's second half, cosine after warmup.
+    assert model.lr_schedule("budget-triangle", 0.8125, "1-sqrt") == pytest.approx(0.5)
+    assert model.lr_schedule("budget-triangle", 0.5, "1-sqrt", 0.1) == pytest.approx(0.25 + 0.5 * 0.75 / 0.75)
+    assert model.lr_schedule("budget-triangle", 1.0, "cosine", 0.1) == pytest.approx(0.1)
+    assert model.lr_schedule("one-cycle", 0.75, "cosine") == pytest.approx(0.5)
+    assert model.lr_schedule("one-cycle", 0.625, "1-sqrt", 0.2) == pytest.approx(0.2 + 0.8 * 0.5)
+    assert model.lr_schedule("cosine", 0.8, "linear", warmup=0.2) == pytest.approx(0.25)
+    assert model.lr_schedule("cosine", 0.8, warmup=0.2) == pytest.approx((1 + math.cos(0.75 * math.pi)) / 2)
+    # "" is the schedule's own shape: the triangle's linear decay as before.
+    assert model.lr_schedule("budget-triangle", 0.875) == model.lr_schedule("budget-triangle", 0.875, "linear")
+    with pytest.raises(ValueError, match="decay_shape 'sqrt': allowed linear, cosine, 1-sqrt"):
+        model.lr_schedule("wsd", 0.9, "sqrt")
+    with pytest.raises(ValueError, match=r"decay_to 1.0: allowed \[0, 1\)"):
+        model.lr_schedule("wsd", 0.9, decay_to=1.0)
+    with pytest.raises(ValueError, match="'constant' has no decay"):
+        model.lr_schedule("constant", 0.9, decay_to=0.1)
 
 
 def test_norm_bias_adds_a_zero_bias_to_every_norm_and_trains_it():

@@ -148,6 +148,51 @@ def test_the_schedule_masks_at_each_phases_peak_and_labels_the_current_rate():
     assert constant.spec_at(constant.spans[0], 0.7).labelled is None  # no schedule: every row, as before
 
 
+def test_a_rate_per_phase_masks_each_phase_at_its_own_static_count():
+    three = (Phase(SEQ, until=0.5), Phase(SEQ, until=0.8), Phase(SEQ))  # one length: a schedule over progress
+    phased = plan(small(phases=three, masking=Masking(phase_rates=(0.4, 0.25, 0.1))), SEQ, SPECIAL_IDS, VOCAB)
+    assert [s.spec.per_sequence for s in phased.spans] == [round(0.4 * 32), round(0.25 * 32), round(0.1 * 32)]
+    assert phased.shapes == 3  # each count its own graph, declared up front; no labelled subset
+    assert all(phased.spec_at(s, s.start).labelled is None for s in phased.spans)
+    assert phased.span_at(0.6).spec.per_sequence == 8
+    with pytest.raises(StageError, match=r"pretrain.masking.phase_rates\[1\]: 0.01 masks no token of a 32"):
+        plan(small(phases=TWO_PHASES, masking=Masking(phase_rates=(0.4, 0.01))), SEQ, SPECIAL_IDS, VOCAB)
+    with pytest.raises(StageError, match="pretrain.masking.phase_rates: 3 rates for 2 phase"):
+        plan(small(phases=TWO_PHASES, masking=Masking(phase_rates=(0.4, 0.3, 0.2))), SEQ, SPECIAL_IDS, VOCAB)
+    with pytest.raises(ValueError, match="phase_rates, end_rate"):
+        Masking(phase_rates=(0.3,), end_rate=0.2)
+
+
+def test_all_mask_replaces_every_selected_token_by_mask():
+    spec = MaskSpec(
+        per_sequence=8,
+        mask_id=4,
+        vocab_size=VOCAB,
+        special_ids=tuple(SPECIAL_IDS.values()),
+        replace_with_mask=1.0,
+        replace_with_random=0.0,
+    )
+    ids = torch.randint(5, VOCAB, (16, SEQ))
+    batch = mask_tokens(ids, spec, torch.Generator().manual_seed(0))
+    assert (batch["input_ids"].view(-1)[batch["mlm_positions"]] == 4).all()
+    assert torch.equal(batch["mlm_labels"], ids.view(-1)[batch["mlm_positions"]])
+    unchosen = torch.ones(16 * SEQ, dtype=torch.bool).index_fill(0, batch["mlm_positions"], False)
+    assert torch.equal(batch["input_ids"].view(-1)[unchosen], ids.view(-1)[unchosen])
+    # BERT's 80/10/10 on the same draw: some chosen rows keep their token or take a random one.
+    bert = mask_tokens(
+        ids,
+        MaskSpec(**{**spec.__dict__, "replace_with_mask": 0.8, "replace_with_random": 0.1}),
+        torch.Generator().manual_seed(0),
+    )
+    assert (bert["input_ids"].view(-1)[bert["mlm_positions"]] != 4).any()
+    assert (
+        plan(small(masking=Masking(mask_token=1.0, random_token=0.0)), SEQ, SPECIAL_IDS, VOCAB)
+        .spans[0]
+        .spec.replace_with_random
+        == 0.0
+    )
+
+
 @pytest.mark.parametrize(
     "kw, message",
     [

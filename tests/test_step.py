@@ -44,12 +44,20 @@ def zeros_like(params):
     return {name: torch.zeros_like(p) for name, p in params.items()}
 
 
-@pytest.mark.parametrize("which", ["train", "train-bf16", "accumulate", "apply", "eval"])
+STABLE = OptimizerConfig(kind="stable_adamw", clip_norm=0.0)
+
+
+STEPS = ["train", "train-stable", "train-bf16", "accumulate", "apply", "apply-stable", "eval"]
+
+
+@pytest.mark.parametrize("which", STEPS)
 def test_each_step_is_one_graph_without_breaks(which):
     params, state = fresh(TINIEST)
     batch, lr = random_batch(TINIEST, 2, seed=0), torch.tensor(1e-3)
     fn, args = {
         "train": (model.make_train_step(TINIEST, OPT, compile=False), (params, state, batch, lr)),
+        "train-stable": (model.make_train_step(TINIEST, STABLE, compile=False), (params, state, batch, lr)),
+        "apply-stable": (model.make_apply_step(STABLE, compile=False), (params, state, params, torch.tensor(2.0), lr)),
         "train-bf16": (
             model.make_train_step(TINIEST, OPT, compile=False, autocast_dtype=torch.bfloat16),
             (params, state, batch, lr),
@@ -134,6 +142,23 @@ def test_new_batches_lrs_evals_and_microbatch_counts_never_recompile():
     assert state["step"].item() == 24
     assert set(metrics) == {"loss", "grad_norm", "accuracy"} and all(m.ndim == 0 for m in metrics.values())
     assert all(torch.isfinite(m) for m in metrics.values())
+
+
+def test_the_stable_adamw_step_never_recompiles_and_matches_eager():
+    counters = torch._dynamo.utils.counters["stats"]
+    graphs_before = counters["unique_graphs"]
+    runs = {}
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for compiled in (False, True):
+            params, state = fresh(TINIEST)
+            train = model.make_train_step(TINIEST, STABLE, compile=compiled, backend="aot_eager")
+            for i in range(8):
+                lr = torch.tensor(1e-3 * model.lr_schedule("wsd", i / 8, "1-sqrt", 0.02))
+                params, state, metrics = train(params, state, random_batch(TINIEST, 4, seed=i), lr)
+            runs[compiled] = params
+    assert counters["unique_graphs"] - graphs_before == 1
+    for name, p in runs[False].items():
+        assert torch.allclose(runs[True][name], p, rtol=0, atol=1e-6), name
 
 
 def test_inductor_matches_eager_over_ten_steps():

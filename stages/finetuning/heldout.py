@@ -34,6 +34,8 @@ class HeldOut:
         masking = trained["masking"]
         if config.mlm_mask_rate:
             masking = {**masking, "rate": config.mlm_mask_rate}
+        if config.mlm_corruption == "bert":
+            masking = {**masking, "mask_token": 0.8, "random_token": 0.1}
         lengths = list(config.mlm_lengths) or trained.get("seq_lens") or [int(pack.outputs["seq_len"])]
         documents = boundary(pack.outputs["boundary"], special) if trained.get("document_attention") else None
         return cls(pack.path("val"), lengths, masking, special, int(tokenize["vocab_size"]), documents)

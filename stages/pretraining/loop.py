@@ -196,7 +196,9 @@ def train(config: Any, ctx: Context, steps: Steps, state: TrainState, data: Phas
         data.follow(state)
         span = plan.spans[state.phase]
         n_micro = micro_steps(spent, config.ramp, span.batch_size // (ctx.world_size * span.microbatch))
-        info.lr = config.optimizer.lr * model.lr_schedule(config.schedule, spent, **config.schedule_args)
+        info.lr = config.optimizer.lr * model.lr_schedule(
+            config.schedule, spent, config.decay_shape, config.decay_to, **config.schedule_args
+        )
         info.batch, info.seq_len = n_micro * ctx.world_size * span.microbatch, span.seq_len
         spec = plan.spec_at(span, spent)
         params, opt_state, row = steps.step(state.params, state.opt_state, data, n_micro, info.lr, spec)

@@ -115,6 +115,12 @@ def plan(config: Any, pack_seq_len: int, special: dict[str, int], vocab_size: in
     naming the key when they cannot run (the order of `until`, a length, a microbatch, a masking rate)."""
     phases = config.phases or (Phase(pack_seq_len),)
     _check_order(phases)
+    rates = config.masking.phase_rates
+    if rates and len(rates) != len(phases):
+        raise StageError(
+            f"pretrain.masking.phase_rates: {len(rates)} rates for {len(phases)} phase(s) (pretrain.phases; "
+            "none: one at pack's length); give one rate per phase"
+        )
     chunk = max(p.seq_len for p in phases)
     spans, start = [], 0.0
     for i, phase in enumerate(phases):
@@ -129,7 +135,7 @@ def plan(config: Any, pack_seq_len: int, special: dict[str, int], vocab_size: in
                 f"{key}.microbatch: {microbatch} x {world_size} rank(s) must divide the phase's batch of "
                 f"{batch_size} sequences (pretrain.batch_size scaled to seq_len {phase.seq_len})"
             )
-        spec = _spec(config.masking, special, vocab_size, phase.seq_len, start, until)
+        spec = _spec(config.masking, special, vocab_size, phase.seq_len, start, until, i)
         spans.append(Span(phase.seq_len, start, until, microbatch, batch_size, spec))
         start = until
     return Plan(tuple(spans), chunk, config.masking)
@@ -158,8 +164,14 @@ def _scaled(sequences: int, pack_seq_len: int, seq_len: int, key: str) -> int:
     return tokens // seq_len
 
 
-def _spec(masking: Masking, special: dict[str, int], vocab_size: int, seq_len: int, start: float, until: float):
-    """The phase's masking: K rows at its highest rate; its lowest rate must still mask a token."""
+def _spec(
+    masking: Masking, special: dict[str, int], vocab_size: int, seq_len: int, start: float, until: float, index: int
+) -> MaskSpec:
+    """The phase's masking: K rows at its highest rate (its own rate with `phase_rates`); its lowest rate
+    must still mask a token."""
+    if masking.phase_rates:
+        own = dataclasses.replace(masking, rate=masking.phase_rates[index])
+        return mask_spec(own, special, vocab_size, seq_len, f"pretrain.masking.phase_rates[{index}]")
     spec = mask_spec(masking, special, vocab_size, seq_len)
     if masking.end_rate is None:
         return spec

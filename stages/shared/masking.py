@@ -22,15 +22,26 @@ class Masking:
     """Exactly round(rate * seq_len) positions per sequence; of those, `mask_token` become [MASK],
     `random_token` a random token, the rest keep their token.
 
+    The corruption is BERT's 80/10/10 by default; `mask_token = 1.0, random_token = 0.0` replaces every
+    selected token by [MASK] (NeoBERT's choice: the model never sees the token it predicts, and never
+    has to tell a kept or random token from a true one).
+
     `end_rate`: the rate moves linearly from `rate` at the start of the budget to `end_rate` at its
     end (None: `rate` throughout). Shapes stay static: each sequence-length phase masks as many rows
     as its highest rate needs, and the rows above the current rate keep their token and their label
-    is ignored."""
+    is ignored.
+
+    `phase_rates`: one rate per entry of `[pretrain] phases` (one phase at pack's length when there are
+    none), used in training instead of `rate` (which stays evaluate's default held-out rate), e.g.
+    mmBERT's 30% -> 15% -> 5%. Phases of one length make it a piecewise-constant schedule over the
+    budget's progress; each phase's row count is its own static shape (one more compiled graph per
+    distinct count)."""
 
     rate: float = 0.25
     mask_token: float = 0.8
     random_token: float = 0.1
     end_rate: float | None = None
+    phase_rates: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 < self.rate < 1:
@@ -41,6 +52,11 @@ class Masking:
             raise ValueError(
                 f"mask_token, random_token: {self.mask_token}, {self.random_token} must be >= 0 with sum <= 1"
             )
+        for i, rate in enumerate(self.phase_rates):
+            if not 0 < rate < 1:
+                raise ValueError(f"phase_rates[{i}]: {rate} must be in (0, 1)")
+        if self.phase_rates and self.end_rate is not None:
+            raise ValueError("phase_rates, end_rate: a rate per phase or a linear schedule, not both")
         if self.mask_token == self.random_token == 0:
             raise ValueError(
                 "mask_token, random_token: 0 and 0 leave every selected token as it was, so the model sees "
@@ -69,10 +85,13 @@ class MaskSpec:
     labelled: int | None = None
 
 
-def mask_spec(masking: Masking, special: dict[str, int], vocab_size: int, seq_len: int):
-    """The masking of pretraining for blocks of `seq_len`; evaluate masks its held-out blocks alike."""
+def mask_spec(
+    masking: Masking, special: dict[str, int], vocab_size: int, seq_len: int, rate_key: str = "pretrain.masking.rate"
+) -> MaskSpec:
+    """The masking of pretraining for blocks of `seq_len` at `masking.rate` (`rate_key` names it in an
+    error); evaluate masks its held-out blocks alike."""
     return MaskSpec(
-        per_sequence=masked_per_sequence(masking.rate, seq_len, "pretrain.masking.rate"),
+        per_sequence=masked_per_sequence(masking.rate, seq_len, rate_key),
         mask_id=special["mask"],
         vocab_size=vocab_size,
         special_ids=tuple(sorted(set(special.values()))),
