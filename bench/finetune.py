@@ -38,19 +38,11 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from children import run  # noqa: E402
 
-BERT_LAYOUT = dict(
-    position="learned",
-    glu=False,
-    head_transform=True,
-    post_norm=True,
-    norm_bias=True,
-    linear_bias=True,
-    decoder_bias=True,
-    token_types=2,
-    embedding_norm=True,
-    first_attn_norm=True,
-    local_attention=0,
-)
+from cram.model import hf  # noqa: E402
+
+# transformers' BERT layout (post-norm, learned positions, biases) with its two token types
+BERT_LAYOUT = {**hf.BERT_LAYOUT, "post_norm": True, "norm_bias": True, "linear_bias": True, "decoder_bias": True}
+BERT_LAYOUT["token_types"] = 2
 BATCH, WARMUP, DROPOUT = 16, 0.1, 0.1
 BACKENDS = ("aot_eager", "inductor")
 

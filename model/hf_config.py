@@ -128,6 +128,20 @@ def _modernbert_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
     )
 
 
+# BERT's and DistilBERT's layer layout: post-norm blocks, learned positions, biases everywhere, a GELU MLP.
+_POST_NORM_LAYERS = dict(
+    position="learned",
+    glu=False,
+    head_transform=True,
+    embedding_norm=True,
+    first_attn_norm=True,
+    post_norm=True,
+    norm_bias=True,
+    linear_bias=True,
+    decoder_bias=True,
+)
+
+
 def _bert_fields(config: dict[str, Any], family: str, where: str) -> dict[str, Any]:
     _refuse_common(config, where, activation_keys=("hidden_act",))
     kind = config.get("position_embedding_type", "absolute")
@@ -139,17 +153,9 @@ def _bert_fields(config: dict[str, Any], family: str, where: str) -> dict[str, A
         _common_fields(config),
         intermediate=config.get("intermediate_size", 3072),
         max_seq_len=config.get("max_position_embeddings", 512) - offset,
-        position="learned",
+        **_POST_NORM_LAYERS,
         position_offset=offset,
         token_types=config.get("type_vocab_size", 1 if family == "roberta" else 2),
-        glu=False,
-        head_transform=True,
-        embedding_norm=True,
-        first_attn_norm=True,
-        post_norm=True,
-        norm_bias=True,
-        linear_bias=True,
-        decoder_bias=True,
         norm_eps=config.get("layer_norm_eps", 1e-12),
         pad_id=pad,
     )
@@ -166,15 +172,7 @@ def _distilbert_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
         heads=config.get("n_heads", 12),
         intermediate=config.get("hidden_dim", 3072),
         max_seq_len=config.get("max_position_embeddings", 512),
-        position="learned",
-        glu=False,
-        head_transform=True,
-        embedding_norm=True,
-        first_attn_norm=True,
-        post_norm=True,
-        norm_bias=True,
-        linear_bias=True,
-        decoder_bias=True,
+        **_POST_NORM_LAYERS,
         norm_eps=1e-12,  # DistilBERT's LayerNorms fix it
         pad_id=config.get("pad_token_id", 0),
     )
