@@ -41,10 +41,11 @@ def predict(
     compile: bool = True,
     backend: str = "inductor",
     batch_size: int = 128,
-    stream: TextIO = sys.stdout,
+    stream: TextIO | None = None,
 ) -> int:
     """Classify every text of FILES with SOURCE's classifier (a run directory and `task`, or a cram-format
-    classifier export); write the rows to OUT (or `stream`); return how many were written."""
+    classifier export); write the rows to OUT (or `stream`, by default the stdout of the moment, never the
+    one at import); return how many were written."""
     check_paths(files, out)
     kept, tokenizer, special = _classifier(source, task)
     texts = _texts(files, kept.meta["text_fields"])
@@ -52,7 +53,7 @@ def predict(
     rows = _rows(kept, outputs)
     text = _format(rows, kept, "csv" if out is not None and out.suffix == ".csv" else "jsonl")
     if out is None:
-        stream.write(text)
+        (stream or sys.stdout).write(text)
     else:
         tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
         try:
