@@ -13,7 +13,7 @@ one checkpoint, the same rows and the same hyper-parameters, interleaved seed by
    (`pretrain.init`, a zero budget, this one task, one seed, masked LM off; a fresh inductor cache, as a
    new user's first run), then `transformers`: AutoTokenizer + AutoModelForSequenceClassification from
    the same folder, AdamW (0.9, 0.98, eps 1e-6, no weight decay), linear warm-up over 10% then cosine,
-   batch 16, dropout 0.1, bf16 autocast where the CPU has it, padding to the longest row of each batch.
+   batch 16, dropout 0.1 (`--dropout`), bf16 autocast where the CPU has it, padding to the longest row of each batch.
    cram's head is made the shape of BERT's pooler + classifier (`head_width = 0`).
 4. Step time: the median over one epoch of each side's fine-tune step, steps that compiled left out,
    both reading the loss every step; cram's from its own Tuner (the stage's code) in a child.
@@ -43,7 +43,7 @@ from cram.model import hf  # noqa: E402
 # transformers' BERT layout (post-norm, learned positions, biases) with its two token types
 BERT_LAYOUT = {**hf.BERT_LAYOUT, "post_norm": True, "norm_bias": True, "linear_bias": True, "decoder_bias": True}
 BERT_LAYOUT["token_types"] = 2
-BATCH, WARMUP, DROPOUT = 16, 0.1, 0.1
+BATCH, WARMUP = 16, 0.1
 BACKENDS = ("aot_eager", "inductor")
 
 
@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--max-length", type=int, default=64)
     parser.add_argument("--lr", type=float, default=5e-5)
+    parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--model", action="append", default=[], help="KEY=VALUE: a [pretrain.model] field")
     parser.add_argument("--child", choices=("hf", "cram-steps"), help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -134,7 +135,7 @@ def evaluate_sets(work: Path, export: Path, args: argparse.Namespace, seed: int)
         "evaluate.max_length": args.max_length,
         "evaluate.batch_size": BATCH,
         "evaluate.warmup": WARMUP,
-        "evaluate.dropout": DROPOUT,
+        "evaluate.dropout": args.dropout,
         "evaluate.head_width": 0,
         "evaluate.mlm": "false",
         "evaluate.mlm_lengths": "[128]",
@@ -160,7 +161,7 @@ def cram_seed(work: Path, export: Path, args: argparse.Namespace, seed: int) -> 
 
 def child(work: Path, kind: str, args: argparse.Namespace, seed: int) -> dict:
     own = ["--work", str(work), "--child", kind, "--seed", str(seed), "--epochs", str(args.epochs)]
-    own += ["--max-length", str(args.max_length), "--lr", str(args.lr)]
+    own += ["--max-length", str(args.max_length), "--lr", str(args.lr), "--dropout", str(args.dropout)]
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / f"inductor-steps-{time.time_ns()}")}
     log = work / f"{kind}-{seed}.log"
     outcome = run([sys.executable, __file__, *own], limit_s=3600, log=log, env=env)
@@ -188,7 +189,10 @@ def hf_child(args: argparse.Namespace, work: Path) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(work / "export")
     torch.manual_seed(args.seed)
     model = AutoModelForSequenceClassification.from_pretrained(
-        work / "export", num_labels=len(names), hidden_dropout_prob=DROPOUT, attention_probs_dropout_prob=DROPOUT
+        work / "export",
+        num_labels=len(names),
+        hidden_dropout_prob=args.dropout,
+        attention_probs_dropout_prob=args.dropout,
     )
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.0)
     steps_per_epoch = -(-len(texts) // BATCH)
@@ -255,7 +259,12 @@ def cram_steps_child(args: argparse.Namespace, work: Path) -> dict:
     tuners, states, times = {}, {}, {}
     for backend in BACKENDS:  # pipeline.toml's evaluate backend, and inductor's C++
         config = evaluate.Config(
-            batch_size=BATCH, lr=args.lr, dropout=DROPOUT, head_width=0, max_length=args.max_length, backend=backend
+            batch_size=BATCH,
+            lr=args.lr,
+            dropout=args.dropout,
+            head_width=0,
+            max_length=args.max_length,
+            backend=backend,
         ).linked({})
         tuners[backend] = Tuner.make(config, cfg, params, special, device, precision)
         state = {**params, **tuners[backend].head(len(names), args.seed)}
@@ -264,7 +273,7 @@ def cram_steps_child(args: argparse.Namespace, work: Path) -> dict:
     order, seen = np.random.default_rng(args.seed).permutation(len(rows)), set()
     for i in range(-(-len(rows) // BATCH)):  # both backends step on each batch in turn: interleaved
         for backend, tuner in tuners.items():
-            batch = tuner.batch(rows, lengths, y, order[i * BATCH : (i + 1) * BATCH], BATCH, DROPOUT)
+            batch = tuner.batch(rows, lengths, y, order[i * BATCH : (i + 1) * BATCH], BATCH, args.dropout)
             t = time.perf_counter()
             state, opt_state, metrics = tuner.step(*states[backend], batch, lr)
             float(metrics["loss"])
