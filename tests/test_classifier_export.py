@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_export import MODERNBERT, corpus, fake_run
+from test_export import BERT, MODERNBERT, corpus, fake_run
 from typer.testing import CliRunner
 
 from cram.model.classifier import classify, init_head
@@ -25,18 +25,6 @@ from cram.stages.shared.special import SPECIAL_IDS
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 KEY = "e" * 64
-BERT = dataclasses.replace(
-    MODERNBERT,
-    position="learned",
-    first_attn_norm=True,
-    glu=False,
-    post_norm=True,
-    linear_bias=True,
-    norm_bias=True,
-    token_types=2,
-    decoder_bias=True,
-    norm_eps=1e-12,
-)
 ROBERTA = dataclasses.replace(BERT, position_offset=SPECIAL_IDS["pad"] + 1, token_types=1)
 FAMILIES = {"modernbert": MODERNBERT, "bert": BERT, "roberta": ROBERTA}
 LABELS = ["negative", "neutral", "positive"]

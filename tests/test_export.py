@@ -37,6 +37,19 @@ SENTENCES = [
     "Numbers like 1,234.5 and words like tokenizer, tokenize, tokens.",
     "The [MASK] sat on the mat.",
 ]
+# BERT's layout at MODERNBERT's sizes: post-norm, learned positions, biases, two token types.
+BERT = dataclasses.replace(
+    MODERNBERT,
+    position="learned",
+    first_attn_norm=True,
+    glu=False,
+    post_norm=True,
+    linear_bias=True,
+    norm_bias=True,
+    token_types=2,
+    decoder_bias=True,
+    norm_eps=1e-12,
+)
 
 
 def corpus():
@@ -206,38 +219,26 @@ def test_a_bert_layout_and_a_reused_tokenizer_json_export_to_both_formats(tmp_pa
 
     tokenizer_json = tmp_path / "tokenizer.json"
     fast_tokenizer(sp_model, SPECIAL_IDS).save(str(tokenizer_json))
-    bert = dataclasses.replace(
-        MODERNBERT,
-        position="learned",
-        first_attn_norm=True,
-        glu=False,
-        post_norm=True,
-        linear_bias=True,
-        norm_bias=True,
-        token_types=2,
-        decoder_bias=True,
-        norm_eps=1e-12,
-    )
-    run, params = fake_run(tmp_path, tokenizer_json, cfg=bert)
+    run, params = fake_run(tmp_path, tokenizer_json, cfg=BERT)
     cfg, loaded, tokenizer = load_export(export(run, tmp_path / "cram"))
-    assert cfg == bert and tokenizer.name == "tokenizer.json" and tokenizer.read_bytes() == tokenizer_json.read_bytes()
+    assert cfg == BERT and tokenizer.name == "tokenizer.json" and tokenizer.read_bytes() == tokenizer_json.read_bytes()
     assert not (tmp_path / "cram" / "tokenizer.model").exists()
 
     out = export(run, tmp_path / "hf", fmt="transformers")
     assert (out / "tokenizer.json").read_bytes() == tokenizer_json.read_bytes()  # copied, not rebuilt
     hf = transformers.AutoModelForMaskedLM.from_pretrained(out).eval()
     assert type(hf).__name__ == "BertForMaskedLM"
-    ids = torch.randint(5, bert.vocab_size, (2, bert.max_seq_len))
+    ids = torch.randint(5, BERT.vocab_size, (2, BERT.max_seq_len))
     mask = torch.ones_like(ids, dtype=torch.bool)
     mask[1, 10:] = False
     with torch.no_grad():
         expected = hf(input_ids=ids, attention_mask=mask.long()).logits
-    ours = model.mlm_logits(params, bert, model.encode(params, bert, ids, mask))
+    ours = model.mlm_logits(params, BERT, model.encode(params, BERT, ids, mask))
     assert (ours[mask] - expected[mask]).abs().max().item() <= 1e-4
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     assert (hf_tokenizer.pad_token_id, hf_tokenizer.mask_token_id) == (SPECIAL_IDS["pad"], SPECIAL_IDS["mask"])
 
-    rope_bert = dataclasses.replace(bert, position="rope")
+    rope_bert = dataclasses.replace(BERT, position="rope")
     run, _ = fake_run(tmp_path / "b", sp_model, cfg=rope_bert)
     with pytest.raises(ExportError, match="does not map onto transformers' BERT; set pretrain.model.position="):
         export(run, tmp_path / "rope", fmt="transformers")
