@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+from collections.abc import Collection
 from typing import Callable
 
 import torch
@@ -21,6 +22,9 @@ from cram.model.optim import adamw_update
 Params = dict[str, Tensor]
 GradReducer = Callable[[Params], Params]
 CompileOptions = dict[str, object] | None  # the backend's options for these graphs alone (inductor's config keys)
+# The params a step trains (None: all of them); the others are constants of its graph, returned as they came,
+# and so are their optimizer moments: a fresh head trained with the encoder frozen (`pretrain.head_warmup`).
+Trained = Collection[str] | None
 
 
 def make_train_step(
@@ -33,15 +37,17 @@ def make_train_step(
     reduce_grads: GradReducer | None = None,
     attention: Attention = "auto",
     options: CompileOptions = None,
+    trained: Trained = None,
 ) -> Callable[[Params, Params, Params, Tensor], tuple[Params, Params, dict[str, Tensor]]]:
-    """step(params, opt_state, batch, lr) -> (params, opt_state, {"loss", "grad_norm", "accuracy"})."""
-    loss_and_grads = _loss_and_grads(cfg, autocast_dtype, attention)
+    """step(params, opt_state, batch, lr) -> (params, opt_state, {"loss", "grad_norm", "accuracy"}); only
+    the `trained` params (None: all) change."""
+    loss_and_grads = _loss_and_grads(cfg, autocast_dtype, attention, trained)
 
     def train_step(params, opt_state, batch, lr):
         grads, (loss, aux) = loss_and_grads(params, batch)
         if reduce_grads is not None:
             grads = reduce_grads(grads)
-        params, opt_state, grad_norm = adamw_update(opt_cfg, params, opt_state, grads, lr)
+        params, opt_state, grad_norm = _update(opt_cfg, params, opt_state, grads, lr)
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "accuracy": aux["accuracy"]}
 
     return detached_params(compiled(train_step, compile, backend, options))
@@ -55,9 +61,11 @@ def make_accumulate_step(
     autocast_dtype: torch.dtype | None = None,
     attention: Attention = "auto",
     options: CompileOptions = None,
+    trained: Trained = None,
 ) -> Callable[[Params, Params, Params], tuple[Params, dict[str, Tensor]]]:
-    """accumulate(params, grads, batch) -> (grads + this microbatch's grads, {"loss", "accuracy"})."""
-    loss_and_grads = _loss_and_grads(cfg, autocast_dtype, attention)
+    """accumulate(params, grads, batch) -> (grads + this microbatch's grads, {"loss", "accuracy"}); `grads`
+    holds the `trained` params' alone (None: all)."""
+    loss_and_grads = _loss_and_grads(cfg, autocast_dtype, attention, trained)
 
     def accumulate_step(params, grads, batch):
         micro, (loss, aux) = loss_and_grads(params, batch)
@@ -77,14 +85,14 @@ def make_apply_step(
     """apply(params, opt_state, grads, n_micro, lr) -> (params, opt_state, {"grad_norm"}).
 
     Summed microbatch gradients are divided by `n_micro` (a tensor: a growing batch never
-    recompiles), reduced across ranks, clipped and applied.
+    recompiles), reduced across ranks, clipped and applied to the params they are of.
     """
 
     def apply_step(params, opt_state, grads, n_micro, lr):
         grads = {name: g / n_micro for name, g in grads.items()}
         if reduce_grads is not None:
             grads = reduce_grads(grads)
-        params, opt_state, grad_norm = adamw_update(opt_cfg, params, opt_state, grads, lr)
+        params, opt_state, grad_norm = _update(opt_cfg, params, opt_state, grads, lr)
         return params, opt_state, {"grad_norm": grad_norm}
 
     return compiled(apply_step, compile, backend, options)
@@ -127,12 +135,32 @@ def make_grad_all_reduce(world_size: int, group=None) -> GradReducer:
     return all_reduce_mean
 
 
-def _loss_and_grads(cfg: ModelConfig, autocast_dtype: torch.dtype | None, attention: Attention):
-    def loss(params, batch):
-        with autocast(batch["input_ids"], autocast_dtype):
-            return mlm_loss(params, cfg, batch, attention)
+def _loss_and_grads(cfg: ModelConfig, autocast_dtype: torch.dtype | None, attention: Attention, trained: Trained):
+    """(params, batch) -> (gradients of the `trained` params (None: all), (loss, aux))."""
 
-    return torch.func.grad_and_value(loss, has_aux=True)
+    def loss(learned, fixed, batch):
+        with autocast(batch["input_ids"], autocast_dtype):
+            return mlm_loss({**fixed, **learned}, cfg, batch, attention)
+
+    grad = torch.func.grad_and_value(loss, has_aux=True)
+
+    def loss_and_grads(params, batch):
+        if trained is None:
+            return grad(params, {}, batch)
+        return grad({k: params[k] for k in trained}, {k: v for k, v in params.items() if k not in trained}, batch)
+
+    return loss_and_grads
+
+
+def _update(opt_cfg: OptimizerConfig, params: Params, opt_state: Params, grads: Params, lr: Tensor):
+    """AdamW on the params that `grads` holds; the others, and their moments, come back as they were."""
+    if len(grads) == len(params):
+        return adamw_update(opt_cfg, params, opt_state, grads, lr)
+    moments = {f"{m}.{k}": opt_state[f"{m}.{k}"] for k in grads for m in ("exp_avg", "exp_avg_sq")}
+    learned, state, grad_norm = adamw_update(
+        opt_cfg, {k: params[k] for k in grads}, {"step": opt_state["step"], **moments}, grads, lr
+    )
+    return {**params, **learned}, {**opt_state, **state}, grad_norm
 
 
 def detached_params(step: Callable) -> Callable:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from cram.model.config import ModelConfig, OptimizerConfig
 from cram.stages import Context, StageError, Upstream
+from cram.stages.pretraining import start
 from cram.stages.pretraining.phases import Phase
 from cram.stages.pretraining.setup import (
     Setup,
@@ -34,7 +35,6 @@ from cram.stages.pretraining.setup import (
     check_memory,
     check_not_its_own,
     check_schedule,
-    locate_init,
     planned_model,
     planned_passes,
     prepare,
@@ -49,7 +49,7 @@ from cram.stages.shared.masking import Masking
 
 if TYPE_CHECKING:
     from cram.stages.pretraining.loop import Hook, Steps
-    from cram.stages.pretraining.state import Params, TrainState
+    from cram.stages.pretraining.state import TrainState
     from cram.stages.pretraining.telemetry import ProgressBar
 
 NAME = "pretrain"
@@ -78,6 +78,8 @@ NEW_OPTIONS = (
     "decay_shape",
     "decay_to",
     "masking.phase_rates",
+    "head_warmup",
+    "head_lr",
 )
 
 
@@ -177,6 +179,12 @@ class Config:
     # checkpoint's (`[pretrain.model]` may only repeat it), its tokenizer the default of `tokenize.tokenizer`,
     # its files' contents part of the cache key; the optimizer starts fresh. "": the preset's random init.
     init: str = ""
+    # The masked-LM head alone first, the encoder frozen (stages/pretraining/head_warmup.py), then the whole
+    # model with a fresh AdamW and its lr schedule over the rest of the budget: a fraction of the budget (< 1)
+    # or tokens (>= 1); 0: off. "auto": head_warmup.AUTO_FRACTION where `init`'s checkpoint lacks its head
+    # (the stage makes one), none where it brought its own. At the constant lr `head_lr` (0: optimizer.lr).
+    head_warmup: float | Literal["auto"] = "auto"
+    head_lr: float = 0.0
 
     def __post_init__(self) -> None:
         positive = {
@@ -207,6 +215,13 @@ class Config:
             raise ValueError("decay_shape, decay_to: schedule 'constant' has no decay for them to shape")
         if self.val_blocks < 0:
             raise ValueError(f"val_blocks: {self.val_blocks} must be >= 0")
+        warmup = self.head_warmup
+        if warmup != "auto" and (warmup < 0 or (warmup >= 1 and warmup != int(warmup))):
+            raise ValueError(
+                f"head_warmup: {warmup} must be a fraction of the budget in [0, 1), a whole number of tokens, or 'auto'"
+            )
+        if self.head_lr < 0:
+            raise ValueError(f"head_lr: {self.head_lr} must be > 0, or 0 for optimizer.lr")
 
 
 def fingerprint(config: Config) -> list[list[str]] | None:
@@ -220,6 +235,17 @@ def fingerprint(config: Config) -> list[list[str]] | None:
         return [["unavailable", f"pretrain.init: {e}"]]
 
 
+def key_config(config: Config) -> Config:
+    """The config as the key sees it: `head_warmup` as it runs, "auto" (left out of the key) where none
+    runs, so that a run without a warm-up keeps the key it had before the option existed. A checkpoint
+    that cannot be read leaves it as given: `validate` names the problem."""
+    try:
+        runs = start.warmup_setting(config)
+    except StageError:
+        return config
+    return dataclasses.replace(config, head_warmup=runs or "auto")
+
+
 def validate(config: Config, pipeline: Any) -> None:
     """What `run` would reject before training, checked by the runner before the first stage runs, with
     no torch: the model preset and overrides, or `init`'s checkpoint and what it must agree with (at the
@@ -230,8 +256,9 @@ def validate(config: Config, pipeline: Any) -> None:
     if config.init:
         check_not_its_own(config, Path(pipeline.run.root) / pipeline.run.name)
         check_has_tokenizer(config, pipeline.stages.get("tokenize"))
-    planned_model(config, pipeline)
+    _, cfg = planned_model(config, pipeline)
     check_schedule(model, config)
+    start.check_head_warmup(config, cfg, pipeline.stages.get("pack"))
 
 
 def validate_runtime(config: Config, pipeline: Any) -> None:
@@ -254,10 +281,11 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     setup = prepare(config, inputs["pack"], ctx)
     if ctx.is_main:
         warn_of_data_limits(config, setup, ctx)
-    made = _made_head(config)
+    made = start.made_head(config)
     # A head made for a zero budget never trains: no held-out loss of it means anything.
     measured = config.val_blocks > 0 and not (made and config.budget.tokens == 0)
-    state = _start(config, setup, out_dir, ctx)
+    setup = dataclasses.replace(setup, warmup=start.warmup_of(config, setup.model))
+    state = start.start(config, setup, out_dir, ctx)
     data = PhaseStream(
         setup.blocks,
         setup.plan,
@@ -279,7 +307,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
             peak_flops(setup.device, setup.autocast)
         with ProgressBar(ctx.is_main) as bar:
             hooks = _hooks(config, ctx, steps, out_dir, bar, last_saved=state.step)
-            train(config, ctx, steps, state, data, hooks)
+            train(config, ctx, steps, state, data, hooks, setup.warmup)
 
     outputs = {
         "params": "params.safetensors",
@@ -290,9 +318,13 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         "seq_lens": setup.plan.lengths,
         "document_attention": config.document_attention,
         **({"head_initialised": made} if made else {}),
+        # The budget's progress at which the whole model began training after the head's warm-up.
+        **({"head_warmup_until": state.full_start} if setup.warmup else {}),
     }
     if not ctx.is_main:
         return outputs
+    if setup.warmup and state.full_start is None:
+        ctx.log.warning("the budget ended within pretrain.head_warmup: only the masked-LM head trained")
     if planned_passes(config, setup, ctx.world_size) is None:  # a time budget: the passes are known now
         warn_of_repeats(setup.plan.position(state) / setup.blocks.size, len(setup.blocks), ctx, "made")
     _write_model(out_dir / outputs["params"], out_dir / outputs["model_config"], setup, state)
@@ -300,77 +332,6 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     ctx.log.info("trained", **figures)
     ctx.metrics.log(state.step, figures, prefix="final/")
     return {**outputs, **figures}
-
-
-def _start(config: Config, setup: Setup, out_dir: Path, ctx: Context) -> TrainState:
-    """The state of the newest checkpoint (the one rank 0 sees, on every rank), or a fresh one (the init's,
-    which a checkpoint would only repeat), on the device. Rank 0's metrics.jsonl loses the lines written
-    after that state (a killed run's), all of them on a fresh start."""
-    from cram import model
-    from cram.stages.pretraining import checkpoint
-    from cram.stages.pretraining.state import TrainState
-    from cram.stages.pretraining.telemetry import MetricsLog
-    from cram.stages.shared.collectives import agree_on
-
-    resume_from = agree_on(checkpoint.latest(out_dir / "checkpoints", ctx.log), ctx.world_size)
-    if resume_from is None:
-        params = _pretrained_params(config, ctx) if config.init else model.init(setup.model, ctx.seed)
-        trained, kept = TrainState.split(params)
-        state = TrainState(seed=ctx.seed, params=trained, opt_state=model.adamw_init(trained), kept=kept)
-    else:
-        params, opt_state, counters = checkpoint.load(resume_from)
-        state = TrainState.from_json(counters, params, opt_state)
-        if state.seed != ctx.seed:
-            raise StageError(f"{resume_from}: saved with seed {state.seed}, the run has seed {ctx.seed}")
-        ctx.log.info("resume", checkpoint=str(resume_from), step=state.step, elapsed_s=state.elapsed_s)
-    state.params = {k: v.to(setup.device) for k, v in state.params.items()}
-    state.opt_state = {k: v.to(setup.device) for k, v in state.opt_state.items()}
-    if ctx.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        MetricsLog(out_dir / "metrics.jsonl").truncate(state.step)
-    return state
-
-
-def _pretrained_params(config: Config, ctx: Context) -> Params:
-    """The checkpoint's params, with a masked-LM head made from the run's seed where it has none (a base
-    model, a sequence classifier): the decoder is tied to the token embeddings as transformers ties it,
-    the head's transform, norm and bias start fresh, and one warning names them (none for a zero budget,
-    which trains nothing)."""
-    import time
-
-    from cram import model
-    from cram.model.bert import shapes
-    from cram.model.hf import missing_head
-
-    started = time.perf_counter()
-    found = locate_init(config)
-    try:
-        cfg, params = pretrained.load(found)
-    except pretrained.PretrainedError as e:
-        raise StageError(f"pretrain.init: {e}") from None
-    ctx.log.info("init", checkpoint=str(found.folder), kind=found.kind, seconds=round(time.perf_counter() - started, 2))
-    made = missing_head(cfg, params)
-    if made and config.budget.tokens != 0 and ctx.is_main:
-        ctx.log.warning(
-            f"pretrain.init: {found.folder} has no masked-LM head; initialised {', '.join(made)} from the run's "
-            "seed (the decoder is tied to the token embeddings); they train with the encoder from the first step"
-        )
-    made_params = model.init(cfg, ctx.seed, names=made)
-    return {name: params[name] if name in params else made_params[name] for name in shapes(cfg)}
-
-
-def _made_head(config: Config) -> list[str]:
-    """The masked-LM head's parameters that `init`'s checkpoint lacks and the stage makes (from the files'
-    headers); none without a checkpoint."""
-    from cram.model.hf import missing_head
-
-    if not config.init:
-        return []
-    try:
-        cfg, params = pretrained.load(locate_init(config), shapes_only=True)
-    except pretrained.PretrainedError as e:
-        raise StageError(f"pretrain.init: {e}") from None
-    return missing_head(cfg, params)
 
 
 def _hooks(config: Config, ctx: Context, steps: Steps, out_dir: Path, bar: ProgressBar, last_saved: int) -> list[Hook]:

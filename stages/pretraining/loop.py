@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from cram.stages import Context
 from cram.stages.pretraining.budget import Clock, progress
+from cram.stages.pretraining.head_warmup import HeadWarmup, schedule_position
 from cram.stages.pretraining.state import Params, TrainState
 from cram.stages.pretraining.telemetry import Interval
 
@@ -50,6 +51,8 @@ class Steps:
     device: torch.device
     autocast: torch.dtype | None  # the forward's autocast dtype; None: fp32
     documents: Boundary | None = None  # attention within documents: the batch carries `document_ids`
+    trained: tuple[str, ...] | None = None  # the params these steps train; None: all
+    head: Steps | None = None  # the same steps training the MLM head alone (`head_warmup.py`); None: no warm-up
 
     def batch(self, micro: Microbatch, spec: MaskSpec) -> Params:
         from cram.stages.shared.blocks import document_ids
@@ -79,7 +82,7 @@ class Steps:
         if self.whole is not None:
             params, opt_state, m = self.whole(params, opt_state, self.batch(data.next(), spec), self.scalar(lr))
             return params, opt_state, torch.stack([m["loss"], m["accuracy"], m["grad_norm"]])
-        grads = {k: torch.zeros_like(v) for k, v in params.items()}
+        grads = {k: torch.zeros_like(v) for k, v in params.items() if self.trained is None or k in self.trained}
         loss = accuracy = 0.0
         for _ in range(n_micro):
             grads, m = self.accumulate(params, grads, self.batch(data.next(), spec))
@@ -175,10 +178,17 @@ class Hook(Protocol):
     def __call__(self, info: StepInfo) -> None: ...
 
 
-def train(config: Any, ctx: Context, steps: Steps, state: TrainState, data: PhaseStream, hooks: Sequence[Hook]) -> None:
+def train(
+    config: Any,
+    ctx: Context,
+    steps: Steps,
+    state: TrainState,
+    data: PhaseStream,
+    hooks: Sequence[Hook],
+    warmup: HeadWarmup | None = None,
+) -> None:
     """Step until the budget of `config` (a `pretrain.Config`) is spent, from `state` on (updated in place),
-    over `data`, the stream of its phases."""
-    from cram import model
+    over `data`, the stream of its phases; the head alone first while `warmup` is active."""
     from cram.stages.pretraining.phases import enter
 
     plan = data.plan
@@ -196,18 +206,46 @@ def train(config: Any, ctx: Context, steps: Steps, state: TrainState, data: Phas
         data.follow(state)
         span = plan.spans[state.phase]
         n_micro = micro_steps(spent, config.ramp, span.batch_size // (ctx.world_size * span.microbatch))
-        info.lr = config.optimizer.lr * model.lr_schedule(
-            config.schedule, spent, config.decay_shape, config.decay_to, **config.schedule_args
-        )
+        active = _mode(config, ctx, steps, state, spent, warmup)
+        info.lr = _lr(config, state, spent, warmup if active is steps.head else None)
         info.batch, info.seq_len = n_micro * ctx.world_size * span.microbatch, span.seq_len
         spec = plan.spec_at(span, spent)
-        params, opt_state, row = steps.step(state.params, state.opt_state, data, n_micro, info.lr, spec)
+        params, opt_state, row = active.step(state.params, state.opt_state, data, n_micro, info.lr, spec)
         metrics.add(row)
         state.advance(params, opt_state, info.batch, span.seq_len, span.flops_per_token)
         _run_due(hooks, info)
     info.final = True
     info.sync()
     _run_due(hooks, info)
+
+
+def _mode(config: Any, ctx: Context, steps: Steps, state: TrainState, spent: float, warmup: HeadWarmup | None) -> Steps:
+    """The steps to take now: the head's while the warm-up lasts; at its end the whole model's, with a fresh
+    AdamW (the encoder's moments were never updated, and the shared step count would skip their bias
+    correction)."""
+    from cram import model
+
+    if warmup is None or state.full_start is not None:
+        return steps
+    if warmup.active(state, spent):
+        return steps.head
+    state.full_start = spent
+    state.opt_state = model.adamw_init(state.params)
+    if ctx.is_main:
+        ctx.log.info("head warm-up done", step=state.step, tokens=state.tokens_seen, progress=round(spent, 4))
+    return steps
+
+
+def _lr(config: Any, state: TrainState, spent: float, warmup: HeadWarmup | None) -> float:
+    """The warm-up's constant lr for the head alone; otherwise the schedule's, started with the whole model."""
+    from cram import model
+
+    if warmup is not None:
+        return warmup.lr
+    position = schedule_position(spent, state.full_start)
+    return config.optimizer.lr * model.lr_schedule(
+        config.schedule, position, config.decay_shape, config.decay_to, **config.schedule_args
+    )
 
 
 def _run_due(hooks: Sequence[Hook], info: StepInfo) -> None:

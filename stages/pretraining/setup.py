@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from cram.stages.pretraining.head_warmup import HeadWarmup
     from cram.stages.shared.blocks import Boundary
 
 
@@ -98,6 +99,7 @@ class Setup:
     device: torch.device
     precision: precisions.Precision  # the configured one's first candidate, until the canary chooses
     attention: str = "auto"  # `[run] attention`: how attention is computed
+    warmup: HeadWarmup | None = None  # a fresh MLM head trained alone first (`head_warmup.py`)
 
     @property
     def autocast(self) -> torch.dtype | None:

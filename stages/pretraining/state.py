@@ -20,7 +20,7 @@ Params = dict[str, "Tensor"]
 _TENSORS = ("params", "opt_state", "kept")
 # Counters added after the format was fixed: left out while at their default, so a checkpoint that
 # lacks them reads and writes back as it was (its run had one phase; its FLOPs count restarts at 0).
-_NEW = {"phase": 0, "phase_start": 0, "flops_seen": 0.0}
+_NEW = {"phase": 0, "phase_start": 0, "flops_seen": 0.0, "full_start": 0.0}
 
 
 @dataclass(kw_only=True)
@@ -34,6 +34,9 @@ class TrainState:
     elapsed_s: float = 0.0  # budget time spent, carried over across resumes
     data_wait_s: float = 0.0  # of which waiting for batches
     progress: float = 0.0  # schedule position
+    # The budget's progress at which the whole model began training; None while a fresh head trains
+    # alone (`head_warmup.py`), 0.0 when it trained whole from the start.
+    full_start: float | None = 0.0
     seed: int
     loss_start: float | None = None
     loss_end: float | None = None

@@ -19,9 +19,9 @@ if TYPE_CHECKING:
 
 
 def make_steps(config: Any, setup: Setup, world_size: int, compile: bool) -> Steps:
-    """The training steps, compiled or eager. One microbatch per step (no ramp to grow): the whole step is
-    one graph. Otherwise two graphs, accumulate (per microbatch) and apply (per step), since a graph cannot
-    loop over a varying count."""
+    """The training steps, compiled or eager, and with a head warm-up (`setup.warmup`) the head's own as
+    `head`. One microbatch per step (no ramp to grow): the whole step is one graph. Otherwise two graphs,
+    accumulate (per microbatch) and apply (per step), since a graph cannot loop over a varying count."""
     import torch
 
     from cram import model
@@ -31,14 +31,23 @@ def make_steps(config: Any, setup: Setup, world_size: int, compile: bool) -> Ste
     single = all(span.batch_size == world_size * span.microbatch for span in setup.plan.spans)
     how = dict(compile=compile, backend=config.backend, options=setup.precision.compile_options())
     forward = dict(autocast_dtype=setup.autocast, attention=setup.attention)
-    whole = accumulate = apply = None
-    if single:
-        whole = model.make_train_step(setup.model, config.optimizer, reduce_grads=reduce_grads, **how, **forward)
-    else:
-        accumulate = model.make_accumulate_step(setup.model, **how, **forward)
-        apply = model.make_apply_step(config.optimizer, reduce_grads=reduce_grads, **how)
     generator = torch.Generator(device=setup.device)
-    return Steps(whole, accumulate, apply, generator, setup.device, setup.autocast, setup.documents)
+
+    def training(trained: tuple[str, ...] | None) -> Steps:
+        whole = accumulate = apply = None
+        if single:
+            whole = model.make_train_step(
+                setup.model, config.optimizer, reduce_grads=reduce_grads, trained=trained, **how, **forward
+            )
+        else:
+            accumulate = model.make_accumulate_step(setup.model, trained=trained, **how, **forward)
+            apply = model.make_apply_step(config.optimizer, reduce_grads=reduce_grads, **how)
+        return Steps(whole, accumulate, apply, generator, setup.device, setup.autocast, setup.documents, trained)
+
+    steps = training(None)
+    if setup.warmup is not None:
+        steps.head = training(setup.warmup.names)
+    return steps
 
 
 def val_loss(config: Any, setup: Setup, params: Params) -> float:
@@ -104,19 +113,28 @@ def compiled_steps(
 
 
 def _warm_up(setup: Setup, steps: Steps, state: TrainState) -> float:
-    """Compile `steps` for every phase's shape; return seconds."""
+    """Compile `steps` (and the head's) for every phase's shape; return seconds."""
     from cram.stages.shared.blocks import blocks_of
 
     shapes = {(s.microbatch, s.seq_len, s.spec.per_sequence): s for s in setup.plan.spans}
     return sum(
-        steps.warm_up(state.params, state.opt_state, blocks_of(setup.blocks, s.seq_len), s.microbatch, s.spec)
+        each.warm_up(state.params, state.opt_state, blocks_of(setup.blocks, s.seq_len), s.microbatch, s.spec)
+        for each in _modes(steps)
         for s in shapes.values()
     )
 
 
 def _canary(config: Any, ctx: Context, setup: Setup, steps: Steps, state: TrainState, data: PhaseStream) -> float:
-    """The compiled steps' largest relative difference from eager steps in the same precision."""
+    """The compiled steps' largest relative difference from eager steps in the same precision (the head's
+    and the whole model's, with a warm-up)."""
     from cram.stages.pretraining.loop import canary
 
     eager = make_steps(config, setup, ctx.world_size, compile=False)
-    return canary(config, ctx, steps, eager, state.params, state.opt_state, data)
+    return max(
+        canary(config, ctx, compiled, plain, state.params, state.opt_state, data)
+        for compiled, plain in zip(_modes(steps), _modes(eager))
+    )
+
+
+def _modes(steps: Steps) -> list[Steps]:
+    return [steps] if steps.head is None else [steps.head, steps]
