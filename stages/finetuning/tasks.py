@@ -157,10 +157,12 @@ def load_custom(
         )
     train = (train_file, *_read_records(train_file, text_fields, label_field))
     test = (test_file, *_read_records(test_file, text_fields, label_field))
-    _check_unseen(train, test, where)
     if all(m in REGRESSION_METRICS for m in metrics):
-        return _regression_task(name, tuple(metrics), train, test, label_field)
-    return _classification_task(name, tuple(metrics), train, test, label_field)
+        task = _regression_task(name, tuple(metrics), train, test, label_field)
+    else:
+        task = _classification_task(name, tuple(metrics), train, test, label_field)
+    _check_unseen(train, test, where)  # after the labels: a file's own faults are named first
+    return task
 
 
 def _check_unseen(train: tuple, test: tuple, where: str) -> None:
