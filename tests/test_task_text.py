@@ -213,3 +213,29 @@ def test_a_test_set_that_shares_rows_with_training_or_is_its_file_is_refused(tmp
     (tmp_path / "t" / "test.jsonl").symlink_to(tmp_path / "t" / "train.jsonl")
     with pytest.raises(StageError, match=r"^evaluate.tasks\[0\].path: train.jsonl and test.jsonl are the same file"):
         load_task(custom(tmp_path / "t"), 0, None)
+
+
+def test_the_example_config_parses_and_checks_out_up_to_the_missing_checkpoint(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cram.pipeline import cli
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "adapt-classifier.toml"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data" / "domain").mkdir(parents=True)
+    write_corpus(tmp_path / "data" / "domain" / "a.jsonl")
+    (tmp_path / "data" / "domain" / "a.jsonl").write_text(
+        (tmp_path / "data" / "domain" / "a.jsonl").read_text().replace('"body"', '"text"')
+    )
+    write_task(tmp_path / "data" / "my-task")
+    conf = cfg.load(config, runner.config_classes(runner.default_stages()))
+    (task,) = conf.stages["tokenize"].task_files
+    assert (task.kind, task.path, task.text_fields, conf.stages["tokenize"].task_text) == (
+        "custom",
+        "data/my-task",
+        ("text",),
+        "add",
+    )
+    result = CliRunner().invoke(cli.app, ["run", str(config), "--dry-run"], env={"COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: pretrain.init: ") and "models/ModernBERT-base" in result.output
