@@ -114,7 +114,7 @@ def _classifier(source: Path, task: str | None) -> tuple[classifiers.Kept, Path,
 
 
 def _texts(files: list[Path], fields: list[str]) -> list[tuple[str, ...]]:
-    from cram.stages.finetuning.tasks import read_texts
+    from cram.stages.shared.taskfiles import read_texts
 
     texts = []
     for path in files:

@@ -6,6 +6,10 @@ Held-out documents are chosen by a hash of their title (of their text when untit
 documents are held out whatever the seed or the tokenizer settings; their text never reaches the
 tokenizer's training data or the `tokens` output that pretraining reads.
 
+With `task_text`, the training rows of the pipeline's evaluate tasks are documents too (`data/tasktext.py`),
+beside the corpus or instead of it. They are training documents only: none is held out, so the held-out
+masked-LM loss measures the corpus alone, the same documents with task text or without.
+
 Three passes, each streaming and each but the second spread over `num_proc` processes, one corpus
 unit (`corpus.units`) at a time: read (standardise, split off the held-out documents, count) into
 shards of training text; train the tokenizer on a sample of at most `tokenizer_max_chars` (or copy
@@ -28,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 
 from cram.stages import Context, StageError, Upstream
-from cram.stages.data import corpus, readers, shards
+from cram.stages.data import corpus, readers, shards, tasktext
 from cram.stages.data.source import CorpusConfig
 from cram.stages.shared import pretrained
 from cram.stages.shared.files import atomic, content_hash
@@ -46,6 +50,8 @@ RESUMABLE = False
 # Nor is where a given tokenizer lies: its files' contents are in the key (`fingerprint`), so a moved copy
 # keeps it.
 NOT_IN_KEY = ("num_proc", "batch_size", "tokenizer")
+# Added after the key was fixed: at its default it tokenizes what tokenize did before.
+NEW_OPTIONS = ("task_text", "task_files")
 
 # What only trains a tokenizer: with one given, its key holds them at their defaults (`key_config`).
 TRAINING_FIELDS = (
@@ -83,19 +89,31 @@ class Config:
     max_line_chars: int = 2000  # longer lines are cut before training: sentencepiece skips them
     num_proc: int | None = None  # processes (cores) reading and encoding; None: the machine's cores, at most 8
     batch_size: int = 1000  # documents per encoding call
+    # Task-adaptive pretraining: the text of the training files of [[evaluate.tasks]] of kind "custom"
+    # or "glue" (a local folder; not the hub), labels dropped, as training documents. "add": beside the
+    # corpus; "only": instead of it (no corpus is read, so none is held out); "none": not read. Never a
+    # task's test or validation file. A row is a document, a pair's two texts joined by a newline; task
+    # documents are never held out. "heldout-topic" tasks classify the held-out corpus documents and have
+    # no training file of their own: they give none.
+    task_text: Literal["none", "add", "only"] = "none"
+    # Filled from [[evaluate.tasks]] (`linked`), not by hand: what is written here is replaced.
+    task_files: tuple[tasktext.TaskFile, ...] = ()
 
     def linked(self, sections: dict[str, Any]) -> Config:
         """Left empty, `tokenizer` is the tokenizer of `pretrain.init`'s checkpoint, when it holds one: a
         tokenizer trained anew would not match the checkpoint's embeddings. (A checkpoint that cannot be
-        found is left to pretrain's `validate` to name.)"""
+        found is left to pretrain's `validate` to name.) `task_files` are evaluate's tasks with a
+        training file when `task_text` is on, none when it is off: they are in the key (`NEW_OPTIONS`)."""
+        tasks = getattr(sections.get("evaluate"), "tasks", ()) if self.task_text != "none" else ()
+        linked = dataclasses.replace(self, task_files=tasktext.of_tasks(tasks))
         init = getattr(sections.get("pretrain"), "init", "")
         if self.tokenizer or not init:
-            return self
+            return linked
         try:
             found = pretrained.locate(Path(init)).tokenizer
         except pretrained.PretrainedError:
-            return self
-        return self if found is None else dataclasses.replace(self, tokenizer=str(found))
+            return linked
+        return linked if found is None else dataclasses.replace(linked, tokenizer=str(found))
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.heldout_fraction < 1.0:
@@ -115,7 +133,9 @@ def key_config(config: Config) -> Config:
     """The config as the cache key sees it. With a tokenizer given, the fields that would train one are
     ignored: they are keyed at their defaults, so changing one re-tokenizes nothing, and a store filled
     before they were left out (with them at their defaults, as a given tokenizer leaves them) keeps
-    its keys."""
+    its keys. With `task_text = "only"` the corpus is not read: it is keyed at its default."""
+    if config.task_text == "only":
+        config = dataclasses.replace(config, corpus=CorpusConfig())
     if not config.tokenizer:
         return config
     defaults = Config()
@@ -134,6 +154,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     ctx.log.info(
         "corpus read",
         documents=totals["documents"],
+        task_documents=totals["task_documents"],
         heldout=totals["heldout"],
         units=totals["units"],
         num_proc=num_proc,
@@ -161,6 +182,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         **_tokenizer_settings(config),
         "documents": totals["documents"],
         "heldout_documents": totals["heldout"],
+        "task_documents": totals["task_documents"],  # of them, from the evaluate tasks' training files
         "characters": totals["characters"],
         "documents_cut": totals["documents_cut"],  # text over readers.MAX_DOCUMENT_CHARS, in pieces
         "records_skipped": totals["records_skipped"],  # records over it
@@ -217,19 +239,22 @@ def _tokenizer_settings(config: Config) -> dict[str, Any]:
 
 
 def _read_corpus(config: Config, out_dir: Path, scratch: Path, num_proc: int) -> tuple[dict, list[Path], bool]:
-    """Read the corpus in parallel units into text shards under `scratch` (training documents) and a
-    `datasets` folder `out_dir/heldout` (held-out documents, none: no folder). Returns the totals, the
-    text shards and whether any document was held out."""
+    """Read the corpus in parallel units, and each task of `task_files`, into text shards under `scratch`
+    (training documents) and a `datasets` folder `out_dir/heldout` (held-out documents, none: no folder).
+    Returns the totals, the text shards and whether any document was held out."""
     for folder in (scratch, out_dir / "tokens", out_dir / "heldout"):
         folder.mkdir()
-    units = corpus.units(config.corpus, num_proc)
-    jobs = [(unit, i, config, scratch, out_dir / "heldout", SHARD_BYTES) for i, unit in enumerate(units)]
+    units = [] if config.task_text == "only" else corpus.units(config.corpus, num_proc)
+    sources = [*units, *config.task_files]
+    jobs = [(source, i, config, scratch, out_dir / "heldout", SHARD_BYTES) for i, source in enumerate(sources)]
     parts = _parallel(_split_unit, jobs, num_proc)
-    keys = ("documents", "heldout", "characters", "bytes", *readers.TALLY)
+    keys = ("documents", "heldout", "task_documents", "characters", "bytes", *readers.TALLY)
     totals = {key: sum(part[key] for part in parts) for key in keys}
     if totals["documents"] + totals["heldout"] == 0:
         skipped = totals["records_skipped"]
         why = f"; {skipped:,} records over {readers.MAX_DOCUMENT_CHARS:,} characters skipped" if skipped else ""
+        if config.task_text == "only":
+            raise StageError('tokenize.task_text: "only", and the tasks\' training files hold no text')
         raise StageError(f"tokenize.corpus: {_source(config.corpus)}: the corpus is empty (no document with text{why})")
     if totals["documents"] == 0:
         raise StageError(f"tokenize.heldout_fraction: {config.heldout_fraction} leaves no training document")
@@ -244,7 +269,17 @@ def _read_corpus(config: Config, out_dir: Path, scratch: Path, num_proc: int) ->
 def validate(config: Config, pipeline: Any) -> None:
     """Checked by the runner before any stage runs: the local corpus can be found, each local file's
     first bytes fit its format and, for a held-out-topic evaluation, its records have the label field;
-    a given tokenizer can be read and has the special tokens pack and masking need."""
+    with `task_text`, an evaluate task has a training file and each is found; a given tokenizer can be
+    read and has the special tokens pack and masking need."""
+    if config.task_text != "none":
+        tasktext.check(config.task_files, config.task_text, pipeline.stages.get("evaluate"))
+    if config.task_text != "only":
+        _validate_corpus(config, pipeline)
+    if config.tokenizer:
+        _given_tokenizer(config)
+
+
+def _validate_corpus(config: Config, pipeline: Any) -> None:
     unavailable = next((entry[1] for entry in corpus.fingerprint(config.corpus) if entry[0] == "unavailable"), None)
     if unavailable is not None:
         raise StageError(unavailable)
@@ -255,8 +290,6 @@ def validate(config: Config, pipeline: Any) -> None:
         problem = readers.label_problem(*local[0], config.corpus)
         if problem:
             raise StageError(problem)
-    if config.tokenizer:
-        _given_tokenizer(config)
 
 
 def _classifies_topics(pipeline: Any) -> bool:
@@ -267,9 +300,11 @@ def _classifies_topics(pipeline: Any) -> bool:
 
 def fingerprint(config: Config) -> list[list[Any]]:
     """What the runner adds to this stage's key besides the config: the local corpus files' stats and
-    the content of a given tokenizer's files (name and hash, not its path). One that cannot
-    be found gives its error instead; `validate` reports it."""
-    prints = corpus.fingerprint(config.corpus)
+    the content of a given tokenizer's files (name and hash, not its path), and with `task_text` the
+    stats of the evaluate tasks' training files. One that cannot be found gives its error instead;
+    `validate` reports it."""
+    prints = [] if config.task_text == "only" else corpus.fingerprint(config.corpus)
+    prints += tasktext.fingerprint(config.task_files)
     if config.tokenizer:
         try:
             found = tokenizer_files(Path(os.path.expanduser(config.tokenizer)))
@@ -375,18 +410,26 @@ def _one_thread() -> None:
 
 
 def _split_unit(job: tuple) -> dict[str, Any]:
-    """One pass over one corpus unit: the held-out split, the training documents' text to scratch
-    shards of at most ~SHARD_BYTES each (the units of the encoding pass), the held-out documents to
-    a shard of the `heldout` output, and their sizes."""
+    """One pass over one corpus unit or task file: the held-out split (a task's documents are all
+    training documents), the training documents' text to scratch shards of at most ~SHARD_BYTES each
+    (the units of the encoding pass), the held-out documents to a shard of the `heldout` output, and
+    their sizes."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    unit, index, config, scratch, heldout_dir, max_shard_bytes = job
+    source, index, config, scratch, heldout_dir, max_shard_bytes = job
     counts: dict[str, Any] = {"documents": 0, "heldout": 0, "characters": 0, "bytes": 0, "text": []}
+    counts.update(dict.fromkeys(readers.TALLY, 0))
+    task = isinstance(source, tasktext.TaskFile)
+    fraction = 0.0 if task else config.heldout_fraction
+    if task:
+        batches = tasktext.documents(source, config.batch_size, readers.MAX_DOCUMENT_CHARS, counts)
+    else:
+        batches = corpus.documents(source, config.corpus, config.batch_size, counts)
     train, shard_bytes = None, 0
     with shards.ShardWriter(heldout_dir / f"data-{index:05d}.arrow", shards.DOCUMENTS) as heldout:
-        for batch in corpus.documents(unit, config.corpus, config.batch_size, counts):
-            flags = [is_heldout(t, x, config.heldout_fraction) for t, x in zip(batch["title"], batch["text"])]
+        for batch in batches:
+            flags = [is_heldout(t, x, fraction) for t, x in zip(batch["title"], batch["text"])]
             held = [i for i, f in enumerate(flags) if f]
             if held:
                 heldout.write({key: [values[i] for i in held] for key, values in batch.items()})
@@ -407,6 +450,7 @@ def _split_unit(job: tuple) -> dict[str, Any]:
             shard_bytes += n_bytes
         if train is not None:
             train.close()
+    counts["task_documents"] = counts["documents"] if task else 0
     counts["heldout"] = heldout.rows
     counts["heldout_shard"] = heldout.path.name if heldout.rows else None
     if not heldout.rows:

@@ -80,7 +80,9 @@ def write_workspace(ws: Path) -> None:
             f.write(json.dumps({"title": f"doc {i}", "text": text, "topic": ["sky", "home", "pets"][i % 3]}) + "\n")
     (ws / "tasks").mkdir()
     for split, n in (("train", 24), ("test", 8)):
-        rows = ["text,label"] + [f"{rng.choice(WORDS)} {rng.choice(WORDS)},{i % 2}" for i in range(n)]
+        # Three words a test row, two a training row: no test row is a training row (evaluate refuses one).
+        size = 2 if split == "train" else 3
+        rows = ["text,label"] + [" ".join(rng.choice(WORDS) for _ in range(size)) + f",{i % 2}" for i in range(n)]
         (ws / "tasks" / f"{split}.csv").write_text("\n".join(rows) + "\n")
     (ws / "pipeline.toml").write_text(PIPELINE)
 
@@ -203,6 +205,17 @@ def one_class(ws: Path) -> None:
 def float_labels(ws: Path) -> None:
     (ws / "tasks" / "train.csv").unlink()
     (ws / "tasks" / "train.jsonl").write_text('{"text": "cat", "label": 0.5}\n{"text": "dog", "label": 1}\n')
+
+
+def shared_test_rows(ws: Path) -> None:
+    train = (ws / "tasks" / "train.csv").read_text().splitlines(keepends=True)
+    with open(ws / "tasks" / "test.csv", "a") as f:
+        f.writelines(train[1:3])
+
+
+def train_as_test(ws: Path) -> None:
+    (ws / "tasks" / "test.csv").unlink()
+    (ws / "tasks" / "test.csv").symlink_to("train.csv")
 
 
 def log_folder_is_a_file(ws: Path) -> None:  # what a read-only run directory does too (tests run as root here)
@@ -544,6 +557,25 @@ CASES = [
     ),
     ("task unseen label", rewrite("tasks/test.csv", "text,label\ncat sat,7\n"), RUN, "label '7' of field 'label'"),
     ("task empty", rewrite("tasks/train.csv", "text,label\n"), RUN, "tasks/train.csv: no records"),
+    ("task test rows in train", shared_test_rows, RUN, "evaluate.tasks[0].path: 2 of the 10 rows of test.csv have"),
+    ("task test is train", train_as_test, RUN, "train.csv and test.csv are the same file"),
+    # tokenize.task_text: the evaluate tasks' training files, so there must be one
+    (
+        "task text without tasks",
+        nothing,
+        [*RUN, *sets(**{"tokenize.task_text": '"add"', "evaluate.tasks": "[]"})],
+        'tokenize.task_text: "add" pretrains on the training files of [[evaluate.tasks]]',
+    ),
+    (
+        "task text of topics",
+        nothing,
+        [
+            *RUN,
+            *sets(**{"tokenize.task_text": '"only"'}),
+            *tasks(kind='"heldout-topic"', text_fields="[]", metrics="[]"),
+        ],
+        "its tasks are heldout-topic, which classify tokenize's held-out documents",
+    ),
     (
         "task too long",
         nothing,
@@ -763,7 +795,7 @@ def test_the_finished_run_is_all_cached(ws):
 
 
 def test_editing_a_task_file_reruns_evaluate_alone(ws):
-    (ws / "tasks" / "test.csv").write_text("text,label\ncat sat,0\ndog ran,1\n")
+    (ws / "tasks" / "test.csv").write_text("text,label\ncat sat on,0\ndog ran on,1\n")
     result = cram(*RUN, "--dry-run")
     assert result.exit_code == 0, result.output
     plan = {

@@ -99,7 +99,9 @@ def upstream(tmp_path_factory):
     custom.mkdir()
     for split, n in (("train", 24), ("test", 9)):
         # lengths 1..24 words: every bucket of (8, 16, 32) is needed
-        records = [{"text": " ".join(["goal"] * (1 + i % 24)), "score": float(i % 24)} for i in range(n)]
+        # the test rows' word differs from the training rows': no test row is a training row
+        word = "goal" if split == "train" else "aim"
+        records = [{"text": " ".join([word] * (1 + i % 24)), "score": float(i % 24)} for i in range(n)]
         (custom / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
     return {

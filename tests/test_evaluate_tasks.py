@@ -322,7 +322,7 @@ def test_custom_labels_are_what_their_metrics_claim(tmp_path, train, metric, mes
 
 def test_integer_and_string_classes_and_varied_targets_load(tmp_path):
     (tmp_path / "train.jsonl").write_text('{"text": "a", "y": 1}\n{"text": "b", "y": "two"}\n{"text": "c", "y": 1}\n')
-    (tmp_path / "test.jsonl").write_text('{"text": "c", "y": 1}\n')
+    (tmp_path / "test.jsonl").write_text('{"text": "d", "y": 1}\n')
     assert tasks.load_custom("c", str(tmp_path), ("text",), "y", ("accuracy",), "t").label_names == ("1", "two")
     (tmp_path / "train.jsonl").write_text('{"text": "a", "y": "1.5"}\n{"text": "b", "y": -2}\n')
     (tmp_path / "test.jsonl").write_text('{"text": "c", "y": 1}\n{"text": "d", "y": 0.25}\n')

@@ -100,6 +100,8 @@ def check_task(config: Any, task: Any, where: str, index: int, tokenize: Any, pa
 def topic_gap(tokenize: Any) -> str | None:
     """Why tokenize's settings (its Config) leave a held-out-topic task no articles to classify; None
     when they do not."""
+    if getattr(tokenize, "task_text", "none") == "only":
+        return 'classifies the articles tokenize holds out, and tokenize.task_text = "only" reads no corpus'
     if tokenize.heldout_fraction == 0:
         return "classifies the articles tokenize holds out, and tokenize.heldout_fraction = 0 holds out none"
     plain_text = tokenize.corpus.kind in ("files", "package") and tokenize.corpus.format == "text"

@@ -7,10 +7,9 @@ held-out Wikipedia articles' topics. Scoring them is `metrics.py`.
 
 from __future__ import annotations
 
-import csv
 import hashlib
-import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,16 @@ import numpy as np
 
 from cram.stages import StageError
 from cram.stages.finetuning.metrics import REGRESSION_METRICS, score
+from cram.stages.shared.taskfiles import (
+    GLUE,
+    GlueSpec,
+    check_fields,
+    find_split,
+    glue_folder,
+    glue_rows,
+    parse_records,
+    read_tsv,
+)
 
 # --------------------------------------------------------------------------------------------- tasks
 
@@ -46,69 +55,6 @@ class Task:
         return len(self.label_names) or 1
 
 
-@dataclass(frozen=True)
-class GlueSpec:
-    tsv_dir: str  # folder name in the GLUE download
-    tsv_text: tuple[str | int, ...]  # TSV columns by header name, or by index where there is no header
-    tsv_label: str | int
-    hf_text: tuple[str, ...]  # the hub's column names
-    labels: tuple[str, ...]  # the hub's label names in id order; () = regression
-    metrics: tuple[str, ...]
-    tests: tuple[tuple[str, str, str], ...] = (("test", "dev.tsv", "validation"),)  # (name, tsv, hub split)
-
-
-# The labelled dev sets are GLUE's test sets here: the official test labels are hidden.
-GLUE: dict[str, GlueSpec] = {
-    "cola": GlueSpec("CoLA", (3,), 1, ("sentence",), ("unacceptable", "acceptable"), ("matthews",)),
-    "sst2": GlueSpec("SST-2", ("sentence",), "label", ("sentence",), ("negative", "positive"), ("accuracy",)),
-    "mrpc": GlueSpec(
-        "MRPC",
-        ("#1 String", "#2 String"),
-        "Quality",
-        ("sentence1", "sentence2"),
-        ("not_equivalent", "equivalent"),
-        ("f1", "accuracy"),
-    ),
-    "stsb": GlueSpec(
-        "STS-B", ("sentence1", "sentence2"), "score", ("sentence1", "sentence2"), (), ("spearman", "pearson")
-    ),
-    "qqp": GlueSpec(
-        "QQP",
-        ("question1", "question2"),
-        "is_duplicate",
-        ("question1", "question2"),
-        ("not_duplicate", "duplicate"),
-        ("f1", "accuracy"),
-    ),
-    "mnli": GlueSpec(
-        "MNLI",
-        ("sentence1", "sentence2"),
-        "gold_label",
-        ("premise", "hypothesis"),
-        ("entailment", "neutral", "contradiction"),
-        ("accuracy",),
-        tests=(
-            ("matched", "dev_matched.tsv", "validation_matched"),
-            ("mismatched", "dev_mismatched.tsv", "validation_mismatched"),
-        ),
-    ),
-    "qnli": GlueSpec(
-        "QNLI",
-        ("question", "sentence"),
-        "label",
-        ("question", "sentence"),
-        ("entailment", "not_entailment"),
-        ("accuracy",),
-    ),
-    "rte": GlueSpec(
-        "RTE",
-        ("sentence1", "sentence2"),
-        "label",
-        ("sentence1", "sentence2"),
-        ("entailment", "not_entailment"),
-        ("accuracy",),
-    ),
-}
 TOPIC_LEFT_OUT = ("", "Uncategorized")
 
 
@@ -123,16 +69,8 @@ def load_glue(name: str, path: str, where: str) -> Task:
     spec = GLUE[name]
     if not path:
         return _glue_from_hub(name, spec, where)
-    root = Path(path).expanduser()
-    for folder in (root, root / spec.tsv_dir, root / name):
-        if (folder / "dataset_dict.json").is_file():
-            return _glue_from_saved(name, spec, folder)
-        if (folder / "train.tsv").is_file():
-            return _glue_from_tsv(name, spec, folder)
-    raise StageError(
-        f"{where}.path: {root} holds no GLUE {name} data; expected train.tsv (GLUE TSV layout) or "
-        f"dataset_dict.json (datasets save_to_disk) in it or in {spec.tsv_dir}/ or {name}/ below it"
-    )
+    layout, folder = glue_folder(name, path, where)
+    return _glue_from_saved(name, spec, folder) if layout == "saved" else _glue_from_tsv(name, spec, folder)
 
 
 def _glue_from_hub(name: str, spec: GlueSpec, where: str) -> Task:
@@ -156,15 +94,8 @@ def _glue_from_saved(name: str, spec: GlueSpec, folder: Path) -> Task:
 
 def _glue_from_dataset_dict(name: str, spec: GlueSpec, data, source: str) -> Task:
     def split(split_name: str) -> Examples:
-        if split_name not in data:
-            raise StageError(f"{source}: no split {split_name!r} for GLUE {name}; found {', '.join(data)}")
-        columns = data[split_name].column_names
-        for column in (*spec.hf_text, "label"):
-            if column not in columns:
-                raise StageError(f"{source}/{split_name}: no column {column!r}; found {', '.join(columns)}")
-        rows = data[split_name].select_columns([*spec.hf_text, "label"]).to_dict()
-        texts = list(zip(*(rows[c] for c in spec.hf_text)))
-        examples = _check_labels(texts, rows["label"], spec.labels, f"{source}/{split_name}")
+        texts, labels = glue_rows(name, data, split_name, source)
+        examples = _check_labels(texts, labels, spec.labels, f"{source}/{split_name}")
         return examples if spec.labels else _varied(examples, f"{source}/{split_name}", f"GLUE {name}'s label")
 
     return Task(name, spec.metrics, spec.labels, split("train"), {t: split(hf) for t, _, hf in spec.tests})
@@ -176,7 +107,7 @@ def _glue_from_tsv(name: str, spec: GlueSpec, folder: Path) -> Task:
         if not path.is_file():
             raise StageError(f"{path}: missing; the GLUE TSV layout of {name} has it")
         try:
-            texts, labels = _read_tsv(path, spec.tsv_text, spec.tsv_label)
+            texts, labels = read_tsv(path, spec.tsv_text, spec.tsv_label)
         except UnicodeDecodeError as e:
             raise StageError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
         labels = [_tsv_label(v, spec.labels, path) for v in labels]
@@ -184,26 +115,6 @@ def _glue_from_tsv(name: str, spec: GlueSpec, folder: Path) -> Task:
         return examples if spec.labels else _varied(examples, path, f"GLUE {name}'s label")
 
     return Task(name, spec.metrics, spec.labels, split("train.tsv"), {t: split(f) for t, f, _ in spec.tests})
-
-
-def _read_tsv(path: Path, text_cols: Sequence[str | int], label_col: str | int):
-    # GLUE's TSVs carry bare quote characters inside sentences: quoting must be off. MRPC's header
-    # starts with a byte-order mark, which utf-8-sig drops.
-    with path.open(encoding="utf-8-sig", newline="") as f:
-        rows = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        if isinstance(label_col, str):
-            header = next(rows, [])
-            missing = [c for c in (*text_cols, label_col) if c not in header]
-            if missing:
-                raise StageError(f"{path}: no column {missing[0]!r} in the header; found {', '.join(header)}")
-            text_idx = [header.index(c) for c in text_cols]
-            label_idx = header.index(label_col)
-        else:
-            text_idx, label_idx = list(text_cols), label_col
-        width = max(*text_idx, label_idx) + 1
-        # QQP's train.tsv has a few broken lines (too few fields): skipped, as the hub's loader does.
-        good = [row for row in rows if len(row) >= width]
-    return [tuple(row[i] for i in text_idx) for row in good], [row[label_idx] for row in good]
 
 
 def _tsv_label(value: str, names: tuple[str, ...], path: Path) -> int | float | str:
@@ -238,13 +149,32 @@ def load_custom(
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise StageError(f"{where}.path: {folder} is not a directory (of train and test .csv or .jsonl files)")
-    train_file = _find_split(folder, ("train",), where)
-    test_file = _find_split(folder, ("test", "dev", "validation"), where)
+    train_file = find_split(folder, ("train",), where)
+    test_file = find_split(folder, ("test", "dev", "validation"), where)
+    if os.path.samefile(train_file, test_file):
+        raise StageError(
+            f"{where}.path: {train_file.name} and {test_file.name} are the same file; a test set must be unseen"
+        )
     train = (train_file, *_read_records(train_file, text_fields, label_field))
     test = (test_file, *_read_records(test_file, text_fields, label_field))
     if all(m in REGRESSION_METRICS for m in metrics):
-        return _regression_task(name, tuple(metrics), train, test, label_field)
-    return _classification_task(name, tuple(metrics), train, test, label_field)
+        task = _regression_task(name, tuple(metrics), train, test, label_field)
+    else:
+        task = _classification_task(name, tuple(metrics), train, test, label_field)
+    _check_unseen(train, test, where)  # after the labels: a file's own faults are named first
+    return task
+
+
+def _check_unseen(train: tuple, test: tuple, where: str) -> None:
+    """`train` and `test`: (file, texts, labels). No test row's text may be a training row's: the score
+    would measure memory, and `tokenize.task_text` would pretrain on the test set's text."""
+    seen = set(train[1])
+    shared = sum(text in seen for text in test[1])
+    if shared:
+        raise StageError(
+            f"{where}.path: {shared:,} of the {len(test[1]):,} rows of {test[0].name} have the text of a row of "
+            f"{train[0].name}; a test set must be unseen: drop them from one of the files"
+        )
 
 
 def _regression_task(name: str, metrics: tuple[str, ...], train: tuple, test: tuple, label_field: str) -> Task:
@@ -306,70 +236,13 @@ def _check_class_labels(labels: list, path: Path, label_field: str) -> None:
         )
 
 
-def _find_split(folder: Path, stems: Sequence[str], where: str) -> Path:
-    for stem in stems:
-        for suffix in (".csv", ".jsonl"):
-            if (folder / f"{stem}{suffix}").is_file():
-                return folder / f"{stem}{suffix}"
-    raise StageError(f"{where}.path: {folder} has no {'|'.join(stems)}.csv or .jsonl")
-
-
 def _read_records(path: Path, text_fields: Sequence[str], label_field: str):
     try:
-        records = _parse_records(path)
+        records = parse_records(path)
     except UnicodeDecodeError as e:
         raise StageError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
-    _check_fields(records, path, (*text_fields, label_field))
+    check_fields(records, path, (*text_fields, label_field))
     return [tuple(str(r[k]) for k in text_fields) for r in records], [r[label_field] for r in records]
-
-
-def read_texts(path: Path, text_fields: Sequence[str]) -> list[tuple[str, ...]]:
-    """The texts of a file to classify, read as a custom task's files are: CSV or TSV with a header, JSON
-    lines, or (`.txt`, `.text`, one text field only) plain text, one text a line (blank lines skipped)."""
-    try:
-        if path.suffix in (".txt", ".text"):
-            if len(text_fields) != 1:
-                raise StageError(
-                    f"{path}: plain text holds one text a line, and the task reads a pair "
-                    f"({', '.join(text_fields)}); give a CSV, TSV or JSON-lines file with those fields"
-                )
-            with path.open(encoding="utf-8-sig") as f:
-                texts = [(line.rstrip("\r\n"),) for line in f if line.strip()]
-            if not texts:
-                raise StageError(f"{path}: no text")
-            return texts
-        records = _parse_records(path)
-    except UnicodeDecodeError as e:
-        raise StageError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
-    _check_fields(records, path, tuple(text_fields))
-    return [tuple(str(r[k]) for k in text_fields) for r in records]
-
-
-def _check_fields(records: list[dict], path: Path, fields: tuple[str, ...]) -> None:
-    for n, record in enumerate(records, 1):
-        missing = next((k for k in fields if k not in record or record[k] is None), None)
-        if missing is not None:
-            raise StageError(f"{path}: record {n} has no field {missing!r}; it has {', '.join(map(str, record))}")
-    if not records:
-        raise StageError(f"{path}: no records")
-
-
-def _parse_records(path: Path) -> list[dict]:
-    if path.suffix in (".csv", ".tsv"):
-        with path.open(encoding="utf-8-sig", newline="") as f:
-            return list(csv.DictReader(f, delimiter="\t" if path.suffix == ".tsv" else ","))
-    records = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise StageError(f"{path}:{n}: not JSON: {e.msg}") from None
-                if not isinstance(record, dict):
-                    raise StageError(f"{path}:{n}: not a JSON object (one record per line)")
-                records.append(record)
-    return records
 
 
 def _float_labels(texts, labels, path: Path, label_field: str) -> Examples:
