@@ -37,7 +37,7 @@ def print_plan(steps: list[planning.Step], run_dir: Path, config: cfg.PipelineCo
     out.print(table)
     for s in steps:
         if config is not None and s.action == "run" and hasattr(s.module, "describe"):
-            if described := s.module.describe(config.stages[s.name], config):
+            if described := s.module.describe(s.config, config):
                 out.print(f"{s.name}: {escape(described)}", highlight=False, soft_wrap=True)
 
 
