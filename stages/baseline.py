@@ -93,7 +93,11 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     settings = dataclasses.replace(config.evaluate, mlm=False, keep="none")
     settings = fitting_tasks(settings, lambda: heldout_gap(inputs["tokenize"]), ctx.log)
     checkpoint = _starting_checkpoint(config, inputs["tokenize"], out_dir, ctx)
-    return {"model_config": MODEL_CONFIG, **score(settings, inputs, out_dir, ctx, checkpoint, NAME)}
+    outputs = score(settings, inputs, out_dir, ctx, checkpoint, NAME)
+    # Its figures are evaluate's to show, beside the continued model's (`{task}_start`): a figure of the
+    # same name here would make evaluate's ambiguous in `cram compare`.
+    kept = ("results", "precision", "precision_reason")
+    return {"model_config": MODEL_CONFIG, **{k: v for k, v in outputs.items() if k in kept}}
 
 
 def _starting_checkpoint(config: Config, tokenize: Upstream, out_dir: Path, ctx: Context) -> Checkpoint:
