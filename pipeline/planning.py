@@ -92,10 +92,22 @@ def plan(
         steps.append(
             Step(module.NAME, module, key, config_hash, inputs_hash, upstream, action, reason, outside, stage_config)
         )
+    _check_present(steps, modules, (only, *force))
     steps = _link_only_what_is_needed(steps, selected)
     _check_upstream_done(steps)
     _validate(config, steps)
     return steps
+
+
+def _check_present(steps: list[Step], modules: list[ModuleType], given: tuple[str | None, ...]) -> None:
+    """Refuse --only or --force of a stage that this config leaves out (`config_of`: nothing to do),
+    saying what setting runs it (its `RUNS_WITH`)."""
+    present = {s.name for s in steps}
+    for module in modules:
+        if module.NAME in given and module.NAME not in present:
+            raise PlanError(
+                f"stage '{module.NAME}' has nothing to do with this config; it runs with {module.RUNS_WITH}"
+            )
 
 
 def _key(module: ModuleType, keyed: dict[str, Any], seed: int, upstream: dict[str, str], inputs: str | None) -> str:

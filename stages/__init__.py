@@ -12,7 +12,8 @@ A stage is a module in this package that exposes:
 A stage without a TOML section of its own defines `config_of(pipeline) -> Config | None` instead: its
 config, made from other stages' sections (the baseline stage's, from evaluate's and pretrain's); None
 where it has nothing to do, and the planner then leaves it out of the run (an upstream left out is no
-part of its downstream's key).
+part of its downstream's key), and `RUNS_WITH`, the setting that gives it something to do (for the
+error that refuses `--only` of it).
 
 `run` writes everything into `out_dir` (a temporary folder that the runner renames into place once
 `run` returns) and returns a small JSON-serialisable dict: paths relative to `out_dir` and figures.

@@ -46,6 +46,7 @@ NOT_IN_KEY = (
     "evaluate.mlm_batch_size",
     "evaluate.mlm_lengths",
 )
+RUNS_WITH = 'evaluate.baseline = "init" (the default, "auto", with pretrain.init on a budget that is not zero)'
 MODEL_CONFIG = "model.json"  # the starting checkpoint's ModelConfig, as the fine-tunes read it
 
 

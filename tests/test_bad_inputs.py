@@ -281,6 +281,7 @@ CASES = [
         'evaluate.baseline: "init" fine-tunes pretrain.init\'s checkpoint beside the continued model, and '
         "pretrain.init is not set",
     ),
+    ("only baseline", nothing, [*RUN, "--only", "baseline"], "stage 'baseline' has nothing to do with this config"),
     ("baseline value", nothing, [*RUN, *sets(**{"evaluate.baseline": '"start"'})], "evaluate.baseline: 'start' is not"),
     ("mlm mask rate", nothing, [*RUN, *sets(**{"evaluate.mlm_mask_rate": "1.5"})], "mlm_mask_rate: 1.5 must be in"),
     ("val fraction", nothing, [*RUN, *sets(**{"pack.val_fraction": "inf"})], "pack.val_fraction: inf"),
