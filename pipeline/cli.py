@@ -163,7 +163,7 @@ def inspect(
     conf = rundir.saved_config(run_dir, required=False)
     events = run_dir / rundir.EVENTS
     for name in [stage] if stage else list(stages):
-        print_stage(name, stages[name], conf, events, logs.tail(events, name, lines))
+        print_stage(name, stages[name], conf, events, logs.tail(events, name, lines), run_dir)
 
 
 @app.command()

@@ -37,7 +37,7 @@ def print_plan(steps: list[planning.Step], run_dir: Path, config: cfg.PipelineCo
     out.print(table)
     for s in steps:
         if config is not None and s.action == "run" and hasattr(s.module, "describe"):
-            if described := s.module.describe(config.stages[s.name], config):
+            if described := s.module.describe(s.config, config):
                 out.print(f"{s.name}: {escape(described)}", highlight=False, soft_wrap=True)
 
 
@@ -52,10 +52,31 @@ def print_status(run_dir: Path, stages: list[reading.Stage]) -> None:
         detail = " ".join(x for x in (detail, s.note) if x)
         table.add_row(s.name, _styled(s.state), (r.get("key") or "")[:12], duration, escape(detail))
     out.print(table)
+    for s in stages:
+        if s.name == "evaluate" and s.state == "done":
+            print_versus(reading.versus(run_dir, s.record))
 
 
-def print_stage(name: str, record: dict[str, Any], config: dict[str, Any], events: Path, tail: list[str]) -> None:
-    """What `cram inspect` shows of a stage: its record, its config section, outputs and log tail."""
+def print_versus(rows: list[reading.Versus]) -> None:
+    """What continuing bought, per task (`[evaluate] baseline = "init"`): the continued model's median
+    score, the starting checkpoint's, the difference, and each one's spread over the seeds; nothing
+    for a run without a baseline."""
+    if not rows:
+        return
+    table = Table(title="continued against the starting checkpoint (medians over the seeds)", title_justify="left")
+    for column in ("task", "metric", "continued", "starting", "difference", "spread", "starting spread"):
+        table.add_column(column, justify="left" if column in ("task", "metric") else "right")
+    for v in rows:
+        shown = [f"{v.continued:.4f}", f"{v.start:.4f}", f"{v.gain:+.4f}", f"{v.spread:.4f}", f"{v.start_spread:.4f}"]
+        table.add_row(escape(v.task), escape(v.metric), *shown)
+    out.print(table)
+
+
+def print_stage(
+    name: str, record: dict[str, Any], config: dict[str, Any], events: Path, tail: list[str], run_dir: Path
+) -> None:
+    """What `cram inspect` shows of a stage: its record, its config section, outputs (evaluate's beside
+    the starting checkpoint's, where it was scored too) and log tail."""
     out.rule(f"{name}: {record.get('status')}")
     out.print(
         f"key {record.get('key')}  started {record.get('started')}  ended {record.get('ended')}  "
@@ -69,6 +90,8 @@ def print_stage(name: str, record: dict[str, Any], config: dict[str, Any], event
     out.print_json(json.dumps(record.get("outputs") or {}))
     if reason := (record.get("outputs") or {}).get("precision_reason"):
         out.print(f"[bold]precision[/]: {record['outputs'].get('precision')} ({escape(reason)})", highlight=False)
+    if name == "evaluate":
+        print_versus(reading.versus(run_dir, record))
     if replay := _replay_budget(name, record.get("outputs") or {}):
         out.print(f"[bold]same token budget elsewhere[/]: {replay}", highlight=False)
     out.print(f"[bold]log tail[/] ({events})")

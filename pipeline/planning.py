@@ -6,7 +6,9 @@ stage whose manifest record is done under that key, with its files intact (`stor
 the hash of any file written to since), is skipped; one whose key has an entry in the stage store (made
 by any run under the same root) is reused; the others run, with the reason ("new", "config changed",
 "files damaged", ...). Each stage's own `validate` runs here, so bad config fails before the first
-stage runs.
+stage runs. A stage whose `config_of` says it has nothing to do with this config (the baseline stage
+without `evaluate.baseline = "init"`) has no step, and is no upstream of any: the stages after it keep
+the keys they had before it existed.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Step:
     action: str  # "run", "reuse" (link the store's entry) or "skip"
     reason: str
     inputs: list[list[Any]] | None = None  # the fingerprint `inputs_hash` digests
+    config: Any = None  # the stage's config (`stage_config`)
 
 
 def plan(
@@ -59,24 +62,17 @@ def plan(
     steps: list[Step] = []
     selected: dict[str, bool] = {}
     for i, module in enumerate(modules):
-        stage_config = config.stages[module.NAME]
+        stage_config = stage_config_of(module, config)
+        if stage_config is None:
+            continue
         keyed = keyed_config(module, stage_config)
-        upstream = {u: keys[u] for u in module.UPSTREAM}
+        upstream = {u: keys[u] for u in module.UPSTREAM if u in keys}
         config_hash = cfg.digest({"version": module.VERSION, "config": keyed, "seed": config.run.seed})
         # A stage that reads files outside the run (a corpus, a checkpoint) says what of them its output
         # depends on; None: none with this config.
         outside = fingerprint(module, stage_config, stored)
         inputs_hash = None if outside is None else cfg.digest(outside)
-        key = cfg.digest(
-            {
-                "stage": module.NAME,
-                "version": module.VERSION,
-                "config": keyed,
-                "seed": config.run.seed,
-                "upstream": upstream,
-                "inputs": inputs_hash,
-            }
-        )
+        key = _key(module, keyed, config.run.seed, upstream, inputs_hash)
         keys[module.NAME] = key
         record = manifest.stage(module.NAME)
         done, broken = _is_done(record, key, run_dir / module.NAME)
@@ -93,11 +89,46 @@ def plan(
             action, reason = "run", _why_not_done(record, key, config_hash, upstream, broken)
         else:
             action, reason = "skip", "not selected"
-        steps.append(Step(module.NAME, module, key, config_hash, inputs_hash, upstream, action, reason, outside))
+        steps.append(
+            Step(module.NAME, module, key, config_hash, inputs_hash, upstream, action, reason, outside, stage_config)
+        )
+    _check_present(steps, modules, (only, *force))
     steps = _link_only_what_is_needed(steps, selected)
     _check_upstream_done(steps)
     _validate(config, steps)
     return steps
+
+
+def _check_present(steps: list[Step], modules: list[ModuleType], given: tuple[str | None, ...]) -> None:
+    """Refuse --only or --force of a stage that this config leaves out (`config_of`: nothing to do),
+    saying what setting runs it (its `RUNS_WITH`)."""
+    present = {s.name for s in steps}
+    for module in modules:
+        if module.NAME in given and module.NAME not in present:
+            raise PlanError(
+                f"stage '{module.NAME}' has nothing to do with this config; it runs with {module.RUNS_WITH}"
+            )
+
+
+def _key(module: ModuleType, keyed: dict[str, Any], seed: int, upstream: dict[str, str], inputs: str | None) -> str:
+    return cfg.digest(
+        {
+            "stage": module.NAME,
+            "version": module.VERSION,
+            "config": keyed,
+            "seed": seed,
+            "upstream": upstream,
+            "inputs": inputs,
+        }
+    )
+
+
+def stage_config_of(module: ModuleType, config: cfg.PipelineConfig) -> Any:
+    """The stage's config: its section, or what its `config_of(config)` makes of the others' (None:
+    nothing to do with this config)."""
+    if hasattr(module, "config_of"):
+        return module.config_of(config)
+    return config.stages[module.NAME]
 
 
 def _check_run(config: cfg.PipelineConfig, run_dir: Path) -> None:
@@ -139,7 +170,7 @@ def _validate(config: cfg.PipelineConfig, steps: list[Step]) -> None:
             checks.append(getattr(step.module, "validate_runtime", None))
         try:
             for check in filter(None, checks):
-                check(config.stages[step.name], config)
+                check(step.config, config)
         except stages.StageError as e:
             raise PlanError(str(e)) from None
 
@@ -186,7 +217,7 @@ def _link_only_what_is_needed(steps: list[Step], selected: dict[str, bool]) -> l
         if step.action == "reuse" and not selected[step.name] and step.name not in needed:
             steps[i] = replace(step, action="skip", reason="not selected")
         elif step.action != "skip":
-            needed.update(step.module.UPSTREAM)
+            needed.update(step.upstream_keys)
     return steps
 
 
@@ -225,7 +256,7 @@ def _check_upstream_done(steps: list[Step]) -> None:
     for step in steps:
         if step.action == "skip":
             continue
-        for name in step.module.UPSTREAM:
+        for name in step.upstream_keys:
             up = by_name[name]
             if up.action == "skip" and up.reason != "done":
                 raise PlanError(

@@ -6,6 +6,7 @@ as `cram status` shows it, the newest stage of each run under a root, a run's sa
 
 from __future__ import annotations
 
+import json
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,48 @@ class Newest:
     state: str = ""
     started: str = ""
     unreadable: str | None = None
+
+
+@dataclass(frozen=True)
+class Versus:
+    """A task's main score from the continued model beside the one from the checkpoint it started from
+    (`[evaluate] baseline = "init"`), medians over the same seeds, and each one's spread over them."""
+
+    task: str  # the task, and its test set where it has more than one
+    metric: str
+    continued: float
+    start: float
+    gain: float  # continued less start
+    spread: float  # max - min of the continued model's per-seed scores
+    start_spread: float
+
+
+def versus(run_dir: Path, record: dict[str, Any]) -> list[Versus]:
+    """Each task's continued and starting scores, from a done evaluate's results (stages/finetuning/versus.py);
+    none for a run without a baseline, or whose results cannot be read (its status says why)."""
+    name = (record.get("outputs") or {}).get("results")
+    if record.get("status") != "done" or not isinstance(name, str):
+        return []
+    try:
+        tasks = json.loads((run_dir / "evaluate" / name).read_text(encoding="utf-8")).get("tasks", {})
+        return [_versus(task, r, test) for task, r in tasks.items() if "start" in r for test in r["median"]]
+    except (OSError, ValueError, AttributeError, KeyError, TypeError, IndexError):
+        return []
+
+
+def _versus(task: str, r: dict[str, Any], test: str) -> Versus:
+    metric = r["metrics"][0]
+    label = task if len(r["median"]) == 1 else f"{task}/{test}"
+    start = r["start"]
+    return Versus(
+        label,
+        metric,
+        r["median"][test][metric],
+        start["median"][test][metric],
+        r["gain"][test][metric],
+        r["spread"][test][metric],
+        start["spread"][test][metric],
+    )
 
 
 def folder(path: Path) -> Path:

@@ -55,7 +55,8 @@ def default_stages() -> list[ModuleType]:
 
 
 def config_classes(modules: list[ModuleType]) -> dict[str, type]:
-    return {m.NAME: m.Config for m in modules}
+    """The TOML sections: one per stage, less those whose config is made from the others' (`config_of`)."""
+    return {m.NAME: m.Config for m in modules if not hasattr(m, "config_of")}
 
 
 def load_saved(run_dir: Path, modules: list[ModuleType]) -> cfg.PipelineConfig:
@@ -158,7 +159,7 @@ def _damaged_upstream(step: Step, run_dir: Path) -> tuple[str, int] | None:
     """Rank 0: the error that stops the step before it starts when an upstream output it reads no longer
     hashes as written (a change that kept its size and time, unseen by the plan). The entry is noted as
     damaged, so the next `cram run` computes it again."""
-    for name in step.module.UPSTREAM:
+    for name in step.upstream_keys:
         trouble = store.verify(run_dir / name, step.upstream_keys[name])
         if trouble is not None:
             return f"{trouble}; stage '{step.name}' did not start: cram run computes {name} again", 2
@@ -241,9 +242,7 @@ def _compute(
         ranks.barrier(world_size)
         # Other ranks read the manifest rank 0 has written, which holds the upstream outputs.
         records = manifest if main else rundir.Manifest.load(run_dir)
-        inputs = {
-            name: stages.Upstream(run_dir / name, records.stage(name)["outputs"]) for name in step.module.UPSTREAM
-        }
+        inputs = {name: stages.Upstream(run_dir / name, records.stage(name)["outputs"]) for name in step.upstream_keys}
         ctx = _context(config, step, run_dir, rank, world_size, log)
         outputs: dict[str, Any] = {}
         error: tuple[str, int] | None = None
@@ -333,7 +332,7 @@ def _changed_inputs(config: cfg.PipelineConfig, step: Step, stored: store.Store)
     not match, so the error names it and nothing is kept. (A large file costs a `stat`: the hash cache.)"""
     if step.inputs is None:
         return None
-    now = fingerprint(step.module, config.stages[step.name], stored) or []
+    now = fingerprint(step.module, step.config, stored) or []
     if cfg.digest(now) == step.inputs_hash:
         return None
     before = {json.dumps(entry) for entry in step.inputs}
@@ -355,7 +354,7 @@ def _call(
     """The stage's outputs, or the error it raised with its exit code (2 bad input or config, 1 a crash)."""
     finished = False
     try:
-        outputs = step.module.run(config.stages[step.name], inputs, partial, ctx)
+        outputs = step.module.run(step.config, inputs, partial, ctx)
         json.dumps(outputs)  # outputs must be JSON: fail here, not when the manifest is saved
         finished = True
         return outputs, None

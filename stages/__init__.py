@@ -9,6 +9,12 @@ A stage is a module in this package that exposes:
     Config                    # a frozen dataclass: the stage's TOML section
     def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict
 
+A stage without a TOML section of its own defines `config_of(pipeline) -> Config | None` instead: its
+config, made from other stages' sections (the baseline stage's, from evaluate's and pretrain's); None
+where it has nothing to do, and the planner then leaves it out of the run (an upstream left out is no
+part of its downstream's key), and `RUNS_WITH`, the setting that gives it something to do (for the
+error that refuses `--only` of it).
+
 `run` writes everything into `out_dir` (a temporary folder that the runner renames into place once
 `run` returns) and returns a small JSON-serialisable dict: paths relative to `out_dir` and figures.
 Stages import heavy libraries (torch, datasets) inside `run`: a fully cached `cram run` must not pay
@@ -25,7 +31,7 @@ from typing import Any
 
 from cram.stages.shared import loggers
 
-ORDER: tuple[str, ...] = ("tokenize", "pack", "pretrain", "evaluate")
+ORDER: tuple[str, ...] = ("tokenize", "pack", "pretrain", "baseline", "evaluate")
 
 
 class StageError(Exception):

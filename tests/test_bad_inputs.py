@@ -287,6 +287,15 @@ CASES = [
     ("budget", nothing, [*RUN, *sets(**{"pretrain.budget.steps": "-5"})], "steps: -5 must be > 0"),
     ("hours nan", nothing, [*RUN, *sets(**{"pretrain.budget.hours": "nan"})], "pretrain.budget.hours: nan"),
     ("evaluate lr", nothing, [*RUN, *sets(**{"evaluate.lr": "nan"})], "evaluate.lr: nan"),
+    (
+        "baseline without init",
+        nothing,
+        [*RUN, *sets(**{"evaluate.baseline": '"init"'})],
+        'evaluate.baseline: "init" fine-tunes pretrain.init\'s checkpoint beside the continued model, and '
+        "pretrain.init is not set",
+    ),
+    ("only baseline", nothing, [*RUN, "--only", "baseline"], "stage 'baseline' has nothing to do with this config"),
+    ("baseline value", nothing, [*RUN, *sets(**{"evaluate.baseline": '"start"'})], "evaluate.baseline: 'start' is not"),
     ("mlm mask rate", nothing, [*RUN, *sets(**{"evaluate.mlm_mask_rate": "1.5"})], "mlm_mask_rate: 1.5 must be in"),
     ("val fraction", nothing, [*RUN, *sets(**{"pack.val_fraction": "inf"})], "pack.val_fraction: inf"),
     ("vocab", nothing, [*RUN, *sets(**{"tokenize.vocab_size": "5"})], "vocab_size: 5 must be between"),

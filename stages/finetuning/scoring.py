@@ -1,0 +1,340 @@
+"""Fine-tuning an encoder on the evaluate tasks, every (task, seed) pair from the same params with a
+fresh head, and the results it writes: what the evaluate stage does with pretrain's model, and the
+baseline stage with the checkpoint that pretraining started from (`[evaluate] baseline`), alike.
+
+    checkpoint = load_checkpoint(inputs["pretrain"], inputs["tokenize"])
+    outputs = score(config, inputs, out_dir, ctx, checkpoint, "evaluate", steps)  # writes results.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from cram.stages import Context, StageError, Upstream
+from cram.stages.finetuning.checks import check_lengths, check_pooler
+from cram.stages.finetuning.finetune import load_task
+from cram.stages.finetuning.heldout import HeldOut, evaluate_mlm
+from cram.stages.finetuning.versus import beside_start, start_figures
+from cram.stages.shared import device as devices
+from cram.stages.shared import precision as precisions
+from cram.stages.shared.files import files_under, write_atomic
+from cram.stages.shared.files import fingerprint as fingerprint_files
+
+RESULTS = "results.json"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The encoder fine-tuned from: its ModelConfig, fp32 params and tokenizer, and the file its ModelConfig
+    is in (named in errors, copied beside a kept classifier)."""
+
+    cfg: Any
+    params: dict
+    tokenizer: Any
+    model_config: Path
+
+
+def fitting_tasks(config: Any, gap: Callable[[], str | None], log: Any = None) -> Any:
+    """`config` without its default topic task when `gap()` says why the corpus gives it nothing to
+    classify (noted in `log`): only the masked-LM numbers then. A topic task the config names itself
+    is kept, to be refused; `gap` is asked only about the default task (the config class's own)."""
+    if config.tasks != type(config)().tasks:
+        return config
+    reason = gap()
+    if reason is None:
+        return config
+    if log is not None:
+        log.info("no topic task", reason=f"the default task, kind 'heldout-topic', {reason}")
+    return dataclasses.replace(config, tasks=[])
+
+
+def score(
+    config: Any,
+    inputs: dict[str, Upstream],
+    out_dir: Path,
+    ctx: Context,
+    checkpoint: Checkpoint,
+    stage: str,
+    steps: int = 0,
+    start: dict | None = None,
+) -> dict[str, Any]:
+    """Fine-tune `checkpoint` on `config`'s tasks (`stage` names the stage in the precision's log lines);
+    rank 0 writes results.json, with each task beside its score from the `start` checkpoint's results
+    where given (versus.py), and logs the headline figures at pretraining's `steps`. Returns the stage's
+    outputs."""
+    from cram.model.hf import family_head
+    from cram.stages.finetuning.kept import Keeper, best_jobs
+
+    cfg = checkpoint.cfg
+    if config.head == "auto":
+        config = dataclasses.replace(config, head=family_head(cfg) or "cramming")
+    check_lengths(config, cfg.max_seq_len)
+    if config.pooling == "pooler":
+        check_pooler(config, cfg, str(checkpoint.model_config))
+    seeds = [[ctx.seed + k for k in range(config.setting(tc, "seeds"))] for tc in config.tasks]
+    jobs = [(i, seed) for i, task_seeds in enumerate(seeds) for seed in task_seeds]
+    keeper = Keeper(config.keep, out_dir, checkpoint.model_config, {})
+    work = functools.partial(
+        _work, config, inputs, ctx, cfg, checkpoint.params, checkpoint.tokenizer, jobs, keeper, stage
+    )
+    mlm, runs, prepared = work() if ctx.world_size == 1 else _on_every_rank(work, ctx)
+    kept = keeper.finish(jobs, best_jobs(jobs, runs, prepared.tasks))  # every rank: the one holding a best writes it
+    if not ctx.is_main:
+        return {"results": RESULTS}  # rank 0 writes them
+    results = _results(config, ctx, mlm, prepared.tasks, prepared.encoded, seeds, jobs, runs)
+    if start is not None:
+        results = beside_start(results, start)
+    results["precision"] = {"name": prepared.choice.precision.name, "reason": prepared.choice.reason}
+    write_json(out_dir / RESULTS, results)
+    ctx.metrics.log(steps, headline(results))  # at the end of pretraining
+    precision = {"precision": prepared.choice.precision.name, "precision_reason": prepared.choice.reason}
+    classifiers = {"classifiers": kept} if kept else {}
+    return {"results": RESULTS, **headline(results), **precision, **classifiers}
+
+
+def task_files(tasks: list) -> list[list[Any]]:
+    """Path, size and modification time of every file the tasks read from disk (a custom task's folder,
+    a local GLUE folder): part of a scoring stage's key. A folder that is missing now is left to
+    evaluate's `validate`."""
+    files = []
+    for task in tasks:
+        root = Path(task.path).expanduser()
+        if task.kind != "heldout-topic" and task.path and root.is_dir():
+            files += fingerprint_files(files_under(root))
+    return files
+
+
+def read_results(upstream: Upstream) -> dict:
+    """A finished scoring stage's results.json."""
+    return json.loads(upstream.path("results").read_text(encoding="utf-8"))
+
+
+def heldout_gap(tokenize: Upstream) -> str | None:
+    """Why tokenize's outputs give a held-out-topic task no articles to classify; None when they do not."""
+    from cram.stages.finetuning.tasks import has_topics
+
+    heldout = tokenize.outputs.get("heldout")
+    if heldout is None:
+        return "classifies the articles tokenize holds out, and it held out none"
+    if not has_topics(tokenize.dir / heldout):
+        return "needs labelled documents, and the held-out articles have no labels"
+    return None
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """What every rank makes alike before fine-tuning: the tasks, their encoded examples, the precision."""
+
+    tasks: list  # (task config, task)
+    encoded: list  # each task's Encoded
+    choice: precisions.Choice
+
+
+def _work(
+    config: Any,
+    inputs: dict[str, Upstream],
+    ctx: Context,
+    cfg: Any,
+    params: dict,
+    tokenizer: Any,
+    jobs: list,
+    keeper: Any,
+    stage: str,
+) -> tuple[dict | None, dict[int, dict], _Prepared]:
+    """This rank's share: the masked-LM numbers (rank 0) and its (task, seed) fine-tunes, each offered
+    to `keeper` (kept.Keeper)."""
+    import torch
+
+    from cram.stages.finetuning.finetune import encode, finetune_seed, share_out
+    from cram.stages.finetuning.kept import describe
+
+    tokenize, special = inputs["tokenize"], inputs["tokenize"].outputs["special_ids"]
+    # Load and tokenize every task before training any: a bad task fails the stage at once.
+    tasks = [(tc, load_task(tc, i, tokenize)) for i, tc in enumerate(config.tasks)]
+    encoded = [encode(task, tokenizer, special, config.setting(tc, "max_length")) for tc, task in tasks]
+    keeper.meta.update({i: describe(config, tc, task, tokenize) for i, (tc, task) in enumerate(tasks)})
+    costs = [len(encoded[i].train[0]) * config.setting(config.tasks[i], "epochs") for i, _ in jobs]
+    owner = share_out(costs, ctx.world_size)
+    device = devices.resolve(ctx.device)
+    on_device = {k: v.to(device) for k, v in params.items()}
+    mlm, runs = None, {}
+    # Tasks share the compiled steps, so tasks with the same head shape share graphs; each head shape
+    # may add one per bucket. Past dynamo's default limit of 8 graphs it would fall back to eager
+    # silently: the limit is raised to what the tasks can need, and hitting it is an error.
+    limit = max(8, len(config.buckets) * len(tasks))
+    with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
+        choice, tuner = _tuner(config, cfg, on_device, special, device, tasks, encoded, ctx, stage)
+        if config.mlm and ctx.is_main and not _untrained_head(inputs["pretrain"], ctx):
+            held_out = HeldOut.of(config, inputs)
+            mlm = evaluate_mlm(config, cfg, on_device, held_out, device, choice.precision, ctx)
+        for j, (i, seed) in enumerate(jobs):
+            if owner[j] == ctx.rank:
+                keep = functools.partial(keeper.offer, i, seed, tasks[i][1])
+                runs[j] = finetune_seed(tuner, tasks[i][0], tasks[i][1], encoded[i], seed, ctx, keep)
+    return mlm, runs, _Prepared(tasks, encoded, choice)
+
+
+def _untrained_head(pretrain: Upstream, ctx: Context) -> bool:
+    """Whether pretrain made a masked-LM head for a checkpoint without one and trained it not a step (a
+    zero budget): its masked-LM figures would measure a random head, so there are none."""
+    made = pretrain.outputs.get("head_initialised")
+    if made and not pretrain.outputs.get("steps"):
+        ctx.log.info("no mlm figures", reason="pretrain.init's checkpoint has no masked-LM head, and none was trained")
+        return True
+    return False
+
+
+def _tuner(
+    config: Any,
+    cfg: Any,
+    params: dict,
+    special: dict,
+    device: Any,
+    tasks: list,
+    encoded: list,
+    ctx: Context,
+    stage: str,
+):
+    """(the precision chosen, the fine-tuner in it). Compiled, each candidate precision's fine-tune step
+    and prediction are checked against eager on the first task's first batch (`Tuner.canary`), and the
+    first that agrees is kept (`precision.choose`)."""
+    from cram.stages.finetuning.finetune import Tuner
+
+    def make(candidate: precisions.Precision, compile: bool = config.compile):
+        settings = dataclasses.replace(config, compile=compile)
+        return Tuner.make(settings, cfg, params, special, device, candidate, ctx.attention)
+
+    if not config.compile or not config.canary_steps or not tasks:
+        why = "eager steps" if not config.compile else "canary_steps = 0" if not config.canary_steps else "no task"
+        choice = precisions.unchecked(config.precision, device, f"{why}: no compile canary")
+        return choice, make(choice.precision)
+
+    checked: dict[precisions.Precision, Tuner] = {}  # the compiled tuner of each candidate tried
+
+    def check(candidate: precisions.Precision) -> float:
+        checked[candidate] = make(candidate)
+        diff = checked[candidate].canary(
+            make(candidate, compile=False), tasks[0][1].num_outputs, encoded[0].train, config.canary_steps, ctx.seed
+        )
+        ctx.log.info("canary", precision=candidate.label, steps=config.canary_steps, max_relative_diff=diff)
+        return diff
+
+    choice = precisions.choose(config.precision, device, config.backend, check, config.canary_tolerance, ctx.log, stage)
+    return choice, checked[choice.precision]
+
+
+def _on_every_rank(work: Callable, ctx: Context) -> tuple[dict | None, dict[int, dict], _Prepared]:
+    """`work` on every torchrun rank, each fine-tuning its share of the (task, seed) pairs; the one
+    collective is the gather at the end, which waits only for the slowest rank's last job. A rank's
+    failure is gathered too, so no rank is left waiting for one that gave up."""
+    from cram.stages.shared.collectives import all_gather
+
+    failure, mlm, runs, local = None, None, {}, None
+    try:
+        mlm, runs, local = work()
+    except StageError as e:
+        failure = (str(e), True)
+    except Exception as e:  # reported by every rank below; the traceback stays in this rank's log
+        ctx.log.error("evaluate raised", exc_info=True)
+        failure = (f"rank {ctx.rank}: {type(e).__name__}: {e}", False)
+    shared = all_gather((failure, mlm, runs), ctx.world_size)
+    failures = [f for f, _, _ in shared if f is not None]
+    if failures:
+        message, bad_input = failures[0]
+        raise StageError(message) if bad_input else RuntimeError(message)
+    return shared[0][1], {j: r for _, _, rank_runs in shared for j, r in rank_runs.items()}, local
+
+
+def _results(
+    config: Any, ctx: Context, mlm: dict | None, tasks: list, encoded: list, seeds: list, jobs: list, runs: dict
+) -> dict[str, Any]:
+    """results.json: the masked-LM numbers, each task's scores over its seeds, and the GLUE average."""
+    from cram.stages.finetuning.finetune import task_result
+    from cram.stages.finetuning.tasks import glue_average
+
+    results: dict[str, Any] = {} if mlm is None else {"mlm": mlm}
+    results["tasks"] = {
+        task.name: task_result(
+            config, tc, task, encoded[i], seeds[i], [runs[j] for j, (t, _) in enumerate(jobs) if t == i], ctx
+        )
+        for i, (tc, task) in enumerate(tasks)
+    }
+    glue = {
+        f"{name}/{test}": r["median"][test]
+        for name, r in results["tasks"].items()
+        if r["kind"] == "glue"
+        for test in r["median"]
+    }
+    if glue:
+        results["glue"] = {"average": glue_average(glue), "sets": sorted(glue)}
+    return results
+
+
+# -------------------------------------------------------------------------------------- checkpoint
+
+
+def load_checkpoint(pretrain: Upstream, tokenize: Upstream) -> Checkpoint:
+    """The encoder a finished pretrain stage wrote, and tokenize's tokenizer, checked against each other."""
+    from cram.model.config import ModelConfig, ModelConfigError
+    from cram.stages.shared.tensors import nonfinite, read_tensors
+    from cram.stages.shared.tokenizer import TokenizerError, load
+
+    config_path = pretrain.path("model_config")
+    try:
+        cfg = ModelConfig.from_json(config_path)
+        tokenizer = load(tokenize.path("tokenizer"))
+    except (ModelConfigError, TokenizerError) as e:
+        raise StageError(str(e)) from None
+    # More embedding rows than tokens is fine (ModernBERT pads 50280 tokens to 50368 rows); fewer would
+    # leave ids without a row.
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise StageError(
+            f"{config_path}: vocab_size {cfg.vocab_size} is below the tokenizer's "
+            f"{tokenizer.vocab_size} tokens ({tokenize.path('tokenizer')})"
+        )
+    params = read_tensors(pretrain.path("params"))
+    if (bad := nonfinite(params)) is not None:
+        raise StageError(f"{pretrain.path('params')}: {bad} holds NaN or inf values; no figure of it means anything")
+    embedding = params.get("embed.tokens.weight")
+    if embedding is None or tuple(embedding.shape) != (cfg.vocab_size, cfg.hidden):
+        shape = None if embedding is None else list(embedding.shape)
+        raise StageError(
+            f"{pretrain.path('params')}: embed.tokens.weight has shape {shape}, the model config says "
+            f"[{cfg.vocab_size}, {cfg.hidden}]"
+        )
+    return Checkpoint(cfg, params, tokenizer, config_path)
+
+
+# ------------------------------------------------------------------------------------------ output
+
+
+def headline(results: dict) -> dict[str, float]:
+    """The figures `cram status` shows, in this order: the GLUE average, the masked-LM loss and
+    accuracy, then per task its median scores, its majority-class baseline's main score, beside the
+    starting checkpoint's where it was scored too (`versus.start_figures`), and its time."""
+    figures = {}
+    if "glue" in results:
+        figures["glue_average"] = round(results["glue"]["average"], 4)
+    if "mlm" in results:
+        figures["mlm_loss"] = round(results["mlm"]["loss"], 4)
+        figures["mlm_accuracy"] = round(results["mlm"]["accuracy"], 4)
+        for length, r in results["mlm"].get("by_length", {}).items():
+            figures[f"mlm_loss@{length}"] = round(r["loss"], 4)
+            figures[f"mlm_accuracy@{length}"] = round(r["accuracy"], 4)
+    for name, r in results["tasks"].items():
+        for test, medians in r["median"].items():
+            prefix = name if len(r["median"]) == 1 else f"{name}_{test}"
+            figures.update({f"{prefix}_{m}": round(v, 4) for m, v in medians.items()})
+            figures[f"{prefix}_baseline"] = round(r["baseline"][test][r["metrics"][0]], 4)
+            figures.update(start_figures(r, test, prefix))
+        figures[f"{name}_time_s"] = round(r["time_s"], 1)
+    return figures
+
+
+def write_json(path: Path, obj: Any) -> None:
+    write_atomic(path, json.dumps(obj, indent=1) + "\n")
