@@ -287,15 +287,9 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     setup = dataclasses.replace(setup, warmup=start.warmup_of(config, setup.model))
     state = start.start(config, setup, out_dir, ctx)
     data = PhaseStream(
-        setup.blocks,
-        setup.plan,
-        seed=ctx.seed,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-        depth=config.prefetch,
-        pin=setup.device.type == "cuda",
-        waited_s=state.data_wait_s,
-    )
+        setup.blocks, setup.plan, seed=ctx.seed, rank=ctx.rank, world_size=ctx.world_size, depth=config.prefetch,
+        pin=setup.device.type == "cuda", waited_s=state.data_wait_s,
+    )  # fmt: skip
     # One graph per phase shape, each compiled before the budget clock: a further one is a bug, not a
     # silent fall back to eager.
     recompiles = torch._dynamo.config.patch(recompile_limit=setup.plan.shapes, fail_on_recompile_limit_hit=True)
