@@ -1,12 +1,13 @@
 """A fresh masked-LM head trained alone before the encoder it sits on (`pretrain.head_warmup`).
 
 A checkpoint without its MLM head (a base model, a sentence-transformers folder) gets one made from the
-run's seed (`pretrain._pretrained_params`). Trained together with the encoder from the first step, the random
-head's early gradients move a trained encoder for nothing: continuing lost the task 6.7 points in the issue
-that asked for this, and training the head alone first recovered nearly all of it (LP-FT, Kumar et al. 2022,
-does the same for a classifier's head). So the run starts with the head's params alone (`head.*`; the tied
-decoder is the token embeddings, frozen with the rest) at a constant `head_lr`, then trains the whole model
-with a fresh AdamW over the rest of the budget, its lr schedule run from the start over that rest.
+run's seed (`start.py`). Trained together with the encoder from the first step, the random head's early
+gradients move a trained encoder for nothing: `transformers` measured on a released sentence encoder, the
+task lost 6.7 points that way and nearly none with the head trained alone first (LP-FT, Kumar et al. 2022,
+does the same for a classifier's head); bench/README.md "adapt" found no difference on a tiny encoder.
+So the run starts with the head's params alone (`head.*`; the tied decoder is the token embeddings,
+frozen with the rest) at a constant `head_lr`, then trains the whole model with a fresh AdamW over the
+rest of the budget, its lr schedule run from the start over that rest.
 
 Which mode a step is in is a function of the training state (its tokens or the budget's progress, and
 `TrainState.full_start`, set at the switch), so a resumed run switches where an uninterrupted one does.
@@ -21,8 +22,7 @@ if TYPE_CHECKING:
     from cram.model.config import ModelConfig
     from cram.stages.pretraining.state import TrainState
 
-# `head_warmup = "auto"` for a run whose checkpoint lacks its head: this fraction of the budget
-# (bench/adapt.py, bench/README.md "adapt").
+# `head_warmup = "auto"` for a run whose checkpoint lacks its head: this fraction of the budget.
 AUTO_FRACTION = 0.1
 
 
