@@ -6,6 +6,7 @@ pipeline without `pretrain.init` keeps its keys."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
@@ -45,13 +46,14 @@ def started(run: Path) -> list[str]:
 
 def learnable_task(folder: Path) -> None:
     """The workspace's task, its label said by its words (the workspace's own is drawn at random): seeds
-    that learn it to different degrees give a spread."""
+    that learn it to different degrees give a spread. Test rows are drawn apart from training rows, as
+    evaluate requires of a test set."""
     rng = random.Random(1)
-    for split, n in (("train", 32), ("test", 16)):
-        rows = [
-            (" ".join(rng.choices(["good", "happy", "sun"] if i % 2 else ["bad", "sad", "rain"], k=3)), i % 2)
-            for i in range(n)
-        ]
+    pools = [list(itertools.product(words, repeat=3)) for words in (["bad", "sad", "rain"], ["good", "happy", "sun"])]
+    for pool in pools:
+        rng.shuffle(pool)
+    for split, n, first in (("train", 32, 0), ("test", 16, 16)):
+        rows = [(" ".join(pools[i % 2][first + i // 2]), i % 2) for i in range(n)]
         (folder / f"{split}.csv").write_text("text,label\n" + "".join(f"{text},{label}\n" for text, label in rows))
 
 
