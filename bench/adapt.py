@@ -119,7 +119,7 @@ def write_lines(path: Path, records: list[dict]) -> None:
 
 def cram(*args: str) -> None:
     print("$ cram", " ".join(args), flush=True)
-    subprocess.run([sys.executable, "-m", "cram.pipeline.cli", *args], check=True, cwd=REPO)
+    subprocess.run([sys.executable, "-m", "cram.pipeline.commands.cli", *args], check=True, cwd=REPO)
 
 
 def flags(sets: dict[str, object]) -> list[str]:

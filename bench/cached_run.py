@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-CRAM = [sys.executable, "-c", "from cram.pipeline.cli import main; main()"]
+CRAM = [sys.executable, "-c", "from cram.pipeline.commands.cli import main; main()"]
 
 
 def main() -> None:

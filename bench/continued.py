@@ -61,7 +61,7 @@ def stdlib_corpus(path: Path, min_chars: int = 100) -> int:
 
 def cram(*args: str) -> None:
     print("$ cram", " ".join(args), flush=True)
-    subprocess.run([sys.executable, "-m", "cram.pipeline.cli", *args], check=True, cwd=REPO)
+    subprocess.run([sys.executable, "-m", "cram.pipeline.commands.cli", *args], check=True, cwd=REPO)
 
 
 def config_b(work: Path, tokenizer: Path, corpus: Path) -> Path:

@@ -83,7 +83,7 @@ def main() -> None:
 
 def cram(*args: str, env: dict | None = None) -> None:
     print("$ cram", " ".join(args), flush=True)
-    subprocess.run([sys.executable, "-m", "cram.pipeline.cli", *args], check=True, cwd=REPO, env=env)
+    subprocess.run([sys.executable, "-m", "cram.pipeline.commands.cli", *args], check=True, cwd=REPO, env=env)
 
 
 def checkpoint(work: Path, args: argparse.Namespace) -> Path:

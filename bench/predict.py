@@ -36,7 +36,7 @@ from safetensors.torch import save_file
 
 from cram import model
 from cram.model.classifier import init_head
-from cram.pipeline.export import export
+from cram.pipeline.commands.export import export
 from cram.pipeline.store import write_marker
 from cram.stages import Upstream, evaluate, tokenize
 from cram.stages.finetuning import kept
@@ -104,7 +104,7 @@ def child(arm: str, folder: str, texts: str, out: str, batch: int, max_length: i
                 probabilities = {s["label"]: round(s["score"], 6) for s in scores}
                 f.write(json.dumps({"label": best["label"], "probabilities": probabilities}) + "\n")
     else:
-        from cram.pipeline import predict
+        from cram.pipeline.commands import predict
 
         predict.predict(Path(folder), [Path(texts)], out=Path(out), compile=arm == "cram", batch_size=batch)
     print(json.dumps({"seconds": time.perf_counter() - began}))

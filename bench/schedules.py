@@ -64,7 +64,7 @@ FIGURES = ("mlm_loss@128", "mlm_loss@512", "wall_s", "tokens_per_s")
 
 
 def run(name: str, overrides: list[str]) -> None:
-    args = [sys.executable, "-m", "cram.pipeline.cli", "run", "pipeline.toml", "--name", name]
+    args = [sys.executable, "-m", "cram.pipeline.commands.cli", "run", "pipeline.toml", "--name", name]
     for item in overrides:
         args += ["--set", item]
     print("$", " ".join(args[2:]), flush=True)

@@ -36,7 +36,7 @@ from data import write_corpus
 
 from cram.pipeline.store import MARKER, STORE
 
-CRAM = [sys.executable, "-c", "from cram.pipeline.cli import main; main()"]
+CRAM = [sys.executable, "-c", "from cram.pipeline.commands.cli import main; main()"]
 SHORT = [
     "pretrain.budget.steps=10",
     "pretrain.budget.hours=1.0",

@@ -1,6 +1,6 @@
 """The errors that end a `cram` command where no module's own error (cfg.ConfigError, rundir.RunDirError,
 planning.PlanError, ...) fits, and the exit code of each: 0 ok, 1 a stage failed, 2 bad usage, config
-or input, 130 interrupted. `pipeline/cli.py` turns every one into its line and exit code in one place.
+or input, 130 interrupted. `pipeline/commands/cli.py` turns every one into its line and exit code in one place.
 """
 
 from __future__ import annotations

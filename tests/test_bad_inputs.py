@@ -16,7 +16,8 @@ from typing import Callable
 import pytest
 from typer.testing import CliRunner
 
-from cram.pipeline import cli, store
+from cram.pipeline import store
+from cram.pipeline.commands import cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

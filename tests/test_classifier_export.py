@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 
 from cram.model.classifier import classify, init_head
 from cram.model.hf import classifier_blockers, family_head
-from cram.pipeline import cli, predict
-from cram.pipeline.classifiers import ClassifierError, from_export
-from cram.pipeline.export import export, load_export
+from cram.pipeline.commands import cli, predict
+from cram.pipeline.commands.classifiers import ClassifierError, from_export
+from cram.pipeline.commands.export import export, load_export
 from cram.pipeline.store import write_marker
 from cram.stages import Upstream, evaluate, tokenize
 from cram.stages.finetuning import kept as keeping

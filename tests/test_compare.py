@@ -9,9 +9,9 @@ import pytest
 from test_curves import fake_run
 from typer.testing import CliRunner
 
-from cram.pipeline import cli, curves
-from cram.pipeline.compare import MISSING, compare_table, expand
-from cram.pipeline.curves import CurvesError
+from cram.pipeline.commands import cli, curves
+from cram.pipeline.commands.compare import MISSING, compare_table, expand
+from cram.pipeline.commands.curves import CurvesError
 
 
 def set_outputs(run, stage, **figures):

@@ -9,7 +9,8 @@ import fake_stages
 import pytest
 from typer.testing import CliRunner
 
-from cram.pipeline import cli, config, runner
+from cram.pipeline import config, runner
+from cram.pipeline.commands import cli
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from cram.pipeline import cli, curves
+from cram.pipeline.commands import cli, curves
 
 CONFIG = """[run]
 name = "{name}"

@@ -12,8 +12,8 @@ from cram import model
 from cram.model import ModelConfig
 from cram.model.classifier import init_head, make_finetune_step
 from cram.model.hf import transformers_blockers
-from cram.pipeline import cli
-from cram.pipeline.export import ExportError, export, load_export
+from cram.pipeline.commands import cli
+from cram.pipeline.commands.export import ExportError, export, load_export
 from cram.stages import tokenize
 from cram.stages.shared.special import SPECIAL_IDS
 
@@ -215,7 +215,7 @@ def test_transformers_export_matches_cram_logits_and_tokens(tmp_path, sp_model):
 
 def test_a_bert_layout_and_a_reused_tokenizer_json_export_to_both_formats(tmp_path, sp_model):
     transformers = pytest.importorskip("transformers")
-    from cram.pipeline.export import fast_tokenizer
+    from cram.pipeline.commands.export import fast_tokenizer
 
     tokenizer_json = tmp_path / "tokenizer.json"
     fast_tokenizer(sp_model, SPECIAL_IDS).save(str(tokenizer_json))

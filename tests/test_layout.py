@@ -117,7 +117,7 @@ def test_a_built_wheel_installs_only_cram(tmp_path):
     assert _top_level(names) == {"cram"}
     for module in (
         "cram/model/bert.py",
-        "cram/pipeline/cli.py",
+        "cram/pipeline/commands/cli.py",
         "cram/stages/pretrain.py",
         "cram/stages/pretraining/loop.py",
         "cram/stages/shared/masking.py",

@@ -103,7 +103,8 @@ def test_a_missing_logger_package_fails_before_any_stage_runs(tmp_path, monkeypa
     import fake_stages
     from typer.testing import CliRunner
 
-    from cram.pipeline import cli, runner
+    from cram.pipeline import runner
+    from cram.pipeline.commands import cli
 
     monkeypatch.setattr(runner, "default_stages", fake_stages.modules)
     real = importlib.util.find_spec
@@ -167,7 +168,8 @@ def test_a_stage_that_fails_closes_its_wandb_run_as_failed(tmp_path, monkeypatch
     import fake_stages
     from typer.testing import CliRunner
 
-    from cram.pipeline import cli, runner
+    from cram.pipeline import runner
+    from cram.pipeline.commands import cli
 
     def logging(module):  # the fake stages log nothing: log one record, then run as before
         def run(config, inputs, out_dir, ctx):

@@ -234,7 +234,7 @@ def test_tokenize_then_pack_on_the_default_corpus_through_cram(tmp_path, monkeyp
 
     from typer.testing import CliRunner
 
-    from cram.pipeline import cli
+    from cram.pipeline.commands import cli
 
     monkeypatch.chdir(tmp_path)
     root = f'run.root="{tmp_path / "runs"}"'

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cram.pipeline import cli
+from cram.pipeline.commands import cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -94,7 +94,7 @@ def test_a_killed_pretrain_resumes_from_its_checkpoint(tmp_path):
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cram.pipeline.cli", "run", str(REPO / "pipeline.toml"), *args],
+        [sys.executable, "-m", "cram.pipeline.commands.cli", "run", str(REPO / "pipeline.toml"), *args],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -110,7 +110,7 @@ def test_a_killed_pretrain_resumes_from_its_checkpoint(tmp_path):
     assert manifest(run_dir)["pretrain"]["status"] == "running"
 
     result = subprocess.run(
-        [sys.executable, "-m", "cram.pipeline.cli", "resume", str(run_dir)],
+        [sys.executable, "-m", "cram.pipeline.commands.cli", "resume", str(run_dir)],
         cwd=tmp_path,
         env=env,
         capture_output=True,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from cram.pipeline import cli
+from cram.pipeline.commands import cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,8 +21,8 @@ def readme_commands() -> list[str]:
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         commands += [line.split("  #")[0].strip() for line in block.splitlines() if line.startswith("cram ")]
     commands += re.findall(r"`(cram [^`]+)`", text)
-    # torchrun runs the same CLI: `torchrun ... -m cram.pipeline.cli ARGS` is `cram ARGS`.
-    commands += [f"cram {args}" for args in re.findall(r"`torchrun [^`]*-m cram\.pipeline\.cli ([^`]+)`", text)]
+    # torchrun runs the same CLI: `torchrun ... -m cram.pipeline.commands.cli ARGS` is `cram ARGS`.
+    commands += [f"cram {args}" for args in re.findall(r"`torchrun [^`]*-m cram\.pipeline\.commands\.cli ([^`]+)`", text)]
     return commands
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cram.pipeline import cli
+from cram.pipeline.commands import cli
 from cram.pipeline.config import tomllib
 from cram.stages.data.corpus import documents, units
 from cram.stages.data.source import CorpusConfig

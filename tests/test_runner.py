@@ -18,7 +18,8 @@ import fake_stages
 import pytest
 from typer.testing import CliRunner
 
-from cram.pipeline import cli, rundir, runner, store
+from cram.pipeline import rundir, runner, store
+from cram.pipeline.commands import cli
 
 TESTS = Path(__file__).parent
 REPO = TESTS.parent

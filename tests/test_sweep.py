@@ -7,7 +7,7 @@ import pytest
 import test_runner
 
 from cram.pipeline import config as cfg
-from cram.pipeline import sweep
+from cram.pipeline.commands import sweep
 
 pipe = test_runner.pipe  # the fixture: cram on the fake stages in a temporary folder
 CLASSES = {"alpha": fake_stages.Config, "beta": fake_stages.Config, "gamma": fake_stages.Config}

@@ -218,7 +218,7 @@ def test_a_test_set_that_shares_rows_with_training_or_is_its_file_is_refused(tmp
 def test_the_example_config_parses_and_checks_out_up_to_the_missing_checkpoint(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from cram.pipeline import cli
+    from cram.pipeline.commands import cli
 
     config = Path(__file__).resolve().parents[1] / "configs" / "adapt-classifier.toml"
     monkeypatch.chdir(tmp_path)

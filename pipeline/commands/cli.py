@@ -31,11 +31,12 @@ from typing import Any, Callable, List, Optional
 
 import typer
 
-from cram.pipeline import compare as comparing
 from cram.pipeline import config as cfg
-from cram.pipeline import curves, errors, logs, planning, reading, rundir, runner, store, sweep
-from cram.pipeline import export as exporting
-from cram.pipeline.cli_output import (
+from cram.pipeline import errors, logs, planning, rundir, runner, store
+from cram.pipeline.commands import compare as comparing
+from cram.pipeline.commands import curves, reading, sweep
+from cram.pipeline.commands import export as exporting
+from cram.pipeline.commands.cli_output import (
     error,
     out,
     print_collected,
@@ -219,7 +220,7 @@ def predict_files(
     batch_size: int = typer.Option(128, "--batch-size", min=1, help="Texts per batch."),
 ) -> None:
     """Classify every text of FILES with a kept classifier: one row per text, label and probabilities."""
-    from cram.pipeline import predict
+    from cram.pipeline.commands import predict
 
     written = predict.predict(source, files, task, out_file, compile=compile, batch_size=batch_size)
     if out_file is not None:

@@ -22,7 +22,8 @@ from types import ModuleType
 from typing import Any, Callable
 
 from cram.pipeline import config as cfg
-from cram.pipeline import curves, planning, reading, rundir, runner
+from cram.pipeline import planning, rundir, runner
+from cram.pipeline.commands import curves, reading
 from cram.pipeline.errors import CramError, Interrupted, exit_code
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9.-]+")

@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from cram.pipeline import classifiers, errors, rundir, store
+from cram.pipeline import errors, rundir, store
+from cram.pipeline.commands import classifiers
 from cram.stages import StageError
 
 INPUTS = (".csv", ".tsv", ".jsonl", ".ndjson", ".txt", ".text")
@@ -89,7 +90,7 @@ def check_paths(files: list[Path], out: Path | None) -> None:
 
 def _classifier(source: Path, task: str | None) -> tuple[classifiers.Kept, Path, dict[str, int]]:
     """(the classifier, its tokenizer file, the special ids) of a run directory's task or an export."""
-    from cram.pipeline import export
+    from cram.pipeline.commands import export
     from cram.stages.shared.tokenizer import in_folder
 
     if (source / rundir.MANIFEST).is_file():

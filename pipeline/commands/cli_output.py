@@ -1,6 +1,6 @@
 """What the `cram` commands print: the error line that ends a command, and the tables and lines drawn
 from what the pipeline modules read (a dry run's plan, a run's status, what `inspect` shows of a stage,
-the runs under a root, a sweep's variants, what `gc` removed). `pipeline/cli.py` parses the command
+the runs under a root, a sweep's variants, what `gc` removed). `pipeline/commands/cli.py` parses the command
 line and calls; this module only shows."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from cram.pipeline import config as cfg
-from cram.pipeline import planning, reading, store, sweep
+from cram.pipeline import planning, store
+from cram.pipeline.commands import reading, sweep
 from cram.stages.shared.figures import is_number
 
 out = Console()

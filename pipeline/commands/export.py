@@ -13,7 +13,7 @@ The transformers format holds what `AutoModelForMaskedLM.from_pretrained` and
 `tokenizer_config.json`, and the same card. It exists for the ModernBERT layout and, with `post_norm`,
 BERT's or RoBERTa's (`model/hf.py`, the one mapping, and its `transformers_blockers`); building its
 tokenizer from sentencepiece needs `tokenizers` and `protobuf`.
-With `task`, the classifier the evaluate stage kept for that task (`pipeline/classifiers.py`): cram's
+With `task`, the classifier the evaluate stage kept for that task (`pipeline/commands/classifiers.py`): cram's
 format adds its `classifier.json` (what `cram predict` reads), the transformers format is the family's
 `...ForSequenceClassification` (`hf.classifier_to_transformers`), with `id2label` and `label2id`.
 Both formats hold `.cram-export`, the marker by which `--force` knows a folder it may replace: an
@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from cram.model.config import ModelConfig, ModelConfigError
-from cram.pipeline import classifiers, rundir, store
+from cram.pipeline import rundir, store
+from cram.pipeline.commands import classifiers
 from cram.stages.shared.figures import is_number
 from cram.stages.shared.tokenizer import FILE_NAMES as TOKENIZER_FILE_NAMES
 from cram.stages.shared.tokenizer import in_folder as tokenizer_in
@@ -183,7 +184,8 @@ def model_card(run_dir: Path, fmt: str, task: str | None = None) -> str:
         )
     elif fmt == "cram":
         usage = (
-            "from pathlib import Path\n\nfrom cram import model\nfrom cram.pipeline.export import load_export\n\n"
+            "from pathlib import Path\n\nfrom cram import model\n"
+            "from cram.pipeline.commands.export import load_export\n\n"
             'cfg, params, tokenizer = load_export(Path("DIR"))\nhidden = model.encode(params, cfg, input_ids, mask)'
         )
     else:

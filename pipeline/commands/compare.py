@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from cram.pipeline import curves, rundir
-from cram.pipeline.curves import MISSING, CurvesError
+from cram.pipeline import rundir
+from cram.pipeline.commands import curves
+from cram.pipeline.commands.curves import MISSING, CurvesError
 from cram.stages.shared.figures import is_number
 from cram.stages.shared.files import write_atomic
 
