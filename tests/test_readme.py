@@ -22,7 +22,8 @@ def readme_commands() -> list[str]:
         commands += [line.split("  #")[0].strip() for line in block.splitlines() if line.startswith("cram ")]
     commands += re.findall(r"`(cram [^`]+)`", text)
     # torchrun runs the same CLI: `torchrun ... -m cram.pipeline.commands.cli ARGS` is `cram ARGS`.
-    commands += [f"cram {args}" for args in re.findall(r"`torchrun [^`]*-m cram\.pipeline\.commands\.cli ([^`]+)`", text)]
+    torchrun = r"`torchrun [^`]*-m cram\.pipeline\.commands\.cli ([^`]+)`"
+    commands += [f"cram {args}" for args in re.findall(torchrun, text)]
     return commands
 
 

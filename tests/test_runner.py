@@ -210,7 +210,8 @@ def _start_hanging_in_beta(pipe, tmp_path) -> subprocess.Popen:
     """`cram run` in a subprocess, returned once it is inside stage beta (which then hangs)."""
     script = (
         "import sys; sys.path.insert(0, sys.argv[1]); import fake_stages; "
-        "from cram.pipeline import cli, runner; runner.default_stages = fake_stages.modules; "
+        "from cram.pipeline import runner; from cram.pipeline.commands import cli; "
+        "runner.default_stages = fake_stages.modules; "
         "sys.argv = ['cram', 'run', sys.argv[2]]; cli.main()"
     )
     env = {**os.environ, "FAKE_HANG": "beta"}
@@ -354,7 +355,7 @@ def test_under_torchrun_rank_0_runs_plain_stages_and_every_rank_the_distributed_
     script = tmp_path / "cram_fake.py"
     script.write_text(
         f"import sys; sys.path.insert(0, {str(TESTS)!r}); import fake_stages\n"
-        "from cram.pipeline import cli, runner\n"
+        "from cram.pipeline import runner\nfrom cram.pipeline.commands import cli\n"
         "runner.default_stages = lambda: fake_stages.modules(distributed_beta=True)\n"
         "cli.main()\n"
     )

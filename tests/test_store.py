@@ -78,7 +78,8 @@ def test_changing_a_config_keeps_the_earlier_result_and_returning_to_it_is_insta
 def test_two_processes_on_one_key_compute_it_once(pipe, tmp_path):
     script = (
         "import sys; sys.path.insert(0, sys.argv[1]); import fake_stages; "
-        "from cram.pipeline import cli, runner; runner.default_stages = fake_stages.modules; "
+        "from cram.pipeline import runner; from cram.pipeline.commands import cli; "
+        "runner.default_stages = fake_stages.modules; "
         "sys.argv = ['cram', 'run', sys.argv[2], '--name', sys.argv[3]]; cli.main()"
     )
     env = {**os.environ, "FAKE_SLOW": "beta"}
