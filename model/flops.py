@@ -36,10 +36,15 @@ def num_params(params: dict[str, Tensor]) -> int:
     return sum(p.numel() for p in params.values())
 
 
-def flops_per_token(cfg: ModelConfig, masked_fraction: float) -> float:
+def flops_per_token(cfg: ModelConfig, masked_fraction: float, encoder_trained: bool = True) -> float:
+    """Training FLOPs per token; `encoder_trained=False`: the head alone trains on a frozen encoder (a head
+    warm-up), which runs the encoder forward only and the tied decoder's backward to its input alone."""
     counted = parameters(cfg)
     H, L, S = cfg.hidden, cfg.layers, cfg.max_seq_len
-    return 6 * counted.encoder + 12 * L * H * S + 6 * (H * cfg.vocab_size + counted.head) * masked_fraction
+    decoder = H * cfg.vocab_size
+    if not encoder_trained:
+        return 2 * counted.encoder + 4 * L * H * S + (4 * decoder + 6 * counted.head) * masked_fraction
+    return 6 * counted.encoder + 12 * L * H * S + 6 * (decoder + counted.head) * masked_fraction
 
 
 def peak_flops(device: str | torch.device, dtype: torch.dtype | None = None) -> float:

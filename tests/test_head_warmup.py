@@ -5,6 +5,7 @@ a made head and leaves every other run's key as it was; bad settings are refused
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import shutil
 from pathlib import Path
@@ -123,6 +124,15 @@ def test_the_encoder_stays_the_checkpoints_until_the_switch_then_trains(headless
     # The whole model starts a fresh AdamW: its step count restarts at the switch.
     moments = load_file(tmp_path / "out" / "checkpoints" / "step-8" / "optimizer.safetensors")
     assert moments["step"].item() == 4
+
+
+def test_the_warm_up_counts_the_flops_of_a_frozen_encoder(headless, pack_of, tmp_path, make_ctx):
+    """While the head trains alone, the encoder runs forward only: its steps count fewer FLOPs (MFU follows)."""
+    out = pretrain.run(continued(headless, val_blocks=0), {"pack": pack_of}, tmp_path / "out", make_ctx())
+    cfg = ModelConfig(**{**json.loads((tmp_path / "out" / "model.json").read_text()), "max_seq_len": SEQ})
+    whole, alone = (model.flops_per_token(cfg, 0.25, encoder_trained=trained) for trained in (True, False))
+    assert alone < whole / 2
+    assert out["flops_seen"] == pytest.approx(4 * 4 * SEQ * (alone + whole))
 
 
 @pytest.mark.parametrize("at", [2, 4], ids=["in-the-warm-up", "at-the-switch"])

@@ -127,6 +127,14 @@ def test_flops_per_token_of_a_small_model_by_hand(overrides, expected):
     assert model.flops_per_token(cfg, 0.25) == expected
 
 
+def test_flops_per_token_with_the_encoder_frozen_by_hand():
+    # MODERNBERT's small model with the head alone trained: the encoder forward 2·21,728 = 43,456, attention's
+    # forward 4·3·32·128 = 49,152; the decoder forward and its backward to its input 4·3,200, the head's
+    # transform forward and backward 6·1,056, for the masked quarter: (12,800 + 6,336)·0.25 = 4,784.
+    cfg = ModelConfig(**SMALL, **MODERNBERT)
+    assert model.flops_per_token(cfg, 0.25, encoder_trained=False) == 43_456 + 49_152 + 4_784
+
+
 def test_peak_flops_of_a_cpu_is_the_best_of_its_timed_matmuls(monkeypatch):
     from cram.model import flops
 

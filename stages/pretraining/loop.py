@@ -212,7 +212,8 @@ def train(
         spec = plan.spec_at(span, spent)
         params, opt_state, row = active.step(state.params, state.opt_state, data, n_micro, info.lr, spec)
         metrics.add(row)
-        state.advance(params, opt_state, info.batch, span.seq_len, span.flops_per_token)
+        flops = span.head_flops_per_token if active is steps.head else span.flops_per_token
+        state.advance(params, opt_state, info.batch, span.seq_len, flops)
         _run_due(hooks, info)
     info.final = True
     info.sync()

@@ -56,6 +56,7 @@ class Span:
     batch_size: int  # the global batch the ramp reaches, in sequences
     spec: MaskSpec  # K: the masked rows at the phase's highest masking rate
     flops_per_token: float = 0.0  # filled in by `Plan.with_flops` (the model's count needs torch)
+    head_flops_per_token: float = 0.0  # the same, while the head trains alone (a head warm-up)
 
 
 @dataclass(frozen=True)
@@ -94,10 +95,13 @@ class Plan:
         """The index of the next sequence in the stream of the current phase's length."""
         return self.position(state) // self.spans[state.phase].seq_len
 
-    def with_flops(self, per_token: Callable[[Span], float]) -> Plan:
-        return dataclasses.replace(
-            self, spans=tuple(dataclasses.replace(s, flops_per_token=per_token(s)) for s in self.spans)
+    def with_flops(self, per_token: Callable[[Span, bool], float]) -> Plan:
+        """`per_token(span, encoder_trained)`: the model's FLOPs per token of a span, whole or head alone."""
+        spans = tuple(
+            dataclasses.replace(s, flops_per_token=per_token(s, True), head_flops_per_token=per_token(s, False))
+            for s in self.spans
         )
+        return dataclasses.replace(self, spans=spans)
 
 
 def enter(plan: Plan, state: TrainState, progress: float) -> None:

@@ -127,7 +127,7 @@ def prepare(config: Any, pack: Upstream, ctx: Context) -> Setup:
         )
     plan = plan_phases(config, seq_len, special, vocab_size, ctx.world_size)
     cfg = _model_config(model, config, vocab_size, plan.chunk, special["pad"])
-    plan = plan.with_flops(lambda span: _flops_per_token(model, cfg, span))
+    plan = plan.with_flops(lambda span, encoder_trained: _flops_per_token(model, cfg, span, encoder_trained))
     first = plan.spans[0].seq_len
     spec = mask_spec(config.masking, special, vocab_size, first)  # random replacements are real tokens
     device = devices.resolve(ctx.device)
@@ -136,10 +136,10 @@ def prepare(config: Any, pack: Upstream, ctx: Context) -> Setup:
     return Setup(blocks, blocks_of(val, first), cfg, plan, spec, documents, device, precision, ctx.attention)
 
 
-def _flops_per_token(model, cfg: ModelConfig, span: Span) -> float:
+def _flops_per_token(model, cfg: ModelConfig, span: Span, encoder_trained: bool) -> float:
     """Model FLOPs per token of a phase: attention's share grows with its length."""
     return model.flops_per_token(
-        dataclasses.replace(cfg, max_seq_len=span.seq_len), span.spec.per_sequence / span.seq_len
+        dataclasses.replace(cfg, max_seq_len=span.seq_len), span.spec.per_sequence / span.seq_len, encoder_trained
     )
 
 
