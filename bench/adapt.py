@@ -74,7 +74,7 @@ ROWS: dict[str, tuple[dict[str, object], int | None]] = {
 HEAD_ROWS = ("warmup-0", "warmup-0.25", "warmup-0.25-lr10")  # only where the head is made
 # The same fine-tune in every row of an encoder: the tiny encoders need lr 1e-3 (5e-5 leaves them at chance);
 # the released one is fine-tuned as sentence-transformers' MiniLM usually is.
-# 22.7M parameters step at about 1.6 s a batch of 16 on 2 cores, so it gets one epoch (as in the issue's
+# 22.7M parameters step at about 1.9 s a batch of 16 on 2 cores (fp32), so it gets one epoch (as in the issue's
 # transformers measurement, 5 seeds of 3 epochs being 30 minutes a row).
 FINETUNE = {"max_length": 64, "batch_size": 16, "warmup": 0.1, "dropout": 0.1}
 FINETUNE_OF = {
