@@ -1,7 +1,8 @@
 """Tokenize + pack over gigabytes of text, with cram's sentencepiece path and with a given byte-level BPE
 (~50k tokens, trained here with `tokenizers` on a 50 MB sample): wall time, MB/s, tokens/s, peak memory
 (RssAnon and RSS, summed over the stage's process and its workers, sampled from /proc/PID/status every
-0.2 s) and peak disk use of the working folder (its files' allocated blocks, sampled every second).
+0.2 s), the CPU seconds of those processes (per MB and per token: the figures load disturbs least) and
+peak disk use of the working folder (its files' allocated blocks, sampled every second).
 
     python bench/data_scale.py --gb 2 [--paths bpe sp] [--dir bench-out] [--num-proc 2]
 
@@ -61,27 +62,22 @@ def _measure(args: argparse.Namespace, root: Path, disk: _DiskPeak) -> None:
         t0 = time.perf_counter()
         _train_bpe(sorted((root / "corpus").glob("*.txt"))[0], root / "bpe")
         print(f"byte-level BPE of {_VOCAB} tokens trained on 50 MB in {time.perf_counter() - t0:.0f} s", flush=True)
-    print("| path | stage | wall s | text MB/s (stage) | encode MB/s | M tokens/s | peak RssAnon MB | peak RSS MB |")
-    print("|---|---|---|---|---|---|---|---|", flush=True)
+    print(
+        "| path | stage | wall s | CPU s (user + system) | text MB/s (stage) | text MB per CPU s | encode MB/s "
+        "| M tokens/s | M tokens per CPU s | peak RssAnon MB | peak RSS MB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for path in args.paths:
         spec = {"corpus": str(root / "corpus" / "*.txt"), "num_proc": args.num_proc, "out": str(root / f"tok-{path}")}
         spec["tokenizer"] = str(root / "bpe") if path == "bpe" else ""
         t = in_child({**spec, "stage": "tokenize"}, __file__)
         out = t["outputs"]
-        print(
-            f"| {path} | tokenize | {t['wall_s']:.0f} | {out['text_mb'] / t['wall_s']:.2f} | {out['mb_per_s']:.2f} | "
-            f"{out['total_tokens'] / t['wall_s'] / 1e6:.2f} | {t['anon_mb']:.0f} | {t['rss_mb']:.0f} |",
-            flush=True,
-        )
+        _row(path, "tokenize", t, out["text_mb"], out["total_tokens"], f"{out['mb_per_s']:.2f}")
         p = in_child(
             {"stage": "pack", "out": str(root / f"pack-{path}"), "tokens": spec["out"], "outputs": out}, __file__
         )
         packed = p["outputs"]
-        print(
-            f"| {path} | pack | {p['wall_s']:.0f} | {out['text_mb'] / p['wall_s']:.1f} | | "
-            f"{packed['tokens_per_s'] / 1e6:.1f} | {p['anon_mb']:.0f} | {p['rss_mb']:.0f} |",
-            flush=True,
-        )
+        _row(path, "pack", p, out["text_mb"], out["total_tokens"], "")
         print(
             f"<!-- {path}: {out['text_mb']:.0f} MB, {out['documents']:,} documents, {out['total_tokens']:,} tokens, "
             f"vocab {out['vocab_size']}, read {out['read_seconds']:.0f} s, tokenizer {out['train_seconds']:.0f} s, "
@@ -92,6 +88,17 @@ def _measure(args: argparse.Namespace, root: Path, disk: _DiskPeak) -> None:
         )
         shutil.rmtree(spec["out"])
         shutil.rmtree(root / f"pack-{path}")
+
+
+def _row(path: str, stage: str, measured: dict, text_mb: float, tokens: int, encode: str) -> None:
+    """One table row: a stage's wall time and CPU time (the stage's process and its workers) per text and token."""
+    wall, cpu = measured["wall_s"], measured["user_s"] + measured["system_s"]
+    print(
+        f"| {path} | {stage} | {wall:.1f} | {cpu:.1f} ({measured['user_s']:.1f} + {measured['system_s']:.1f}) | "
+        f"{text_mb / wall:.2f} | {text_mb / cpu:.2f} | {encode} | {tokens / wall / 1e6:.2f} | "
+        f"{tokens / cpu / 1e6:.2f} | {measured['anon_mb']:.0f} | {measured['rss_mb']:.0f} |",
+        flush=True,
+    )
 
 
 def _train_bpe(sample: Path, folder: Path) -> None:
@@ -134,7 +141,8 @@ def _child(spec: dict) -> None:
     wall = time.perf_counter() - started
     sampler.stop()
     peaks = {"anon_mb": sampler.anon / 2**20, "rss_mb": sampler.rss / 2**20}
-    print(json.dumps({"outputs": outputs, "wall_s": wall, **peaks}))
+    cpu = {"user_s": sampler.user, "system_s": sampler.system}
+    print(json.dumps({"outputs": outputs, "wall_s": wall, **peaks, **cpu}))
 
 
 class _DiskPeak:

@@ -6,7 +6,8 @@ training documents; each split is concatenated with boundary tokens and cut into
 one `.npy` array [blocks, seq_len]: pretraining reads a batch as one slice of a memory map.
 
 Out of core, in two streaming passes: the first reads the token shards a batch at a time into one
-flat scratch file of ids, and each document's end offset and hash into two more; the second gathers
+flat scratch file of ids, and each document's end offset and hash into two more (each shard dropped
+from the page cache once read, which pass two's files then have to themselves); the second gathers
 the shuffled documents a chunk of ~4M tokens at a time from that file, memory-mapped (its pages
 dropped from RSS every ~256 MB read), and appends each chunk to the `.npy` file. Every per-document
 array (offsets, hashes, the de-duplicated and the shuffled order) is a memory-mapped file built a
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -162,7 +164,18 @@ def flatten(tokens: Path, folder: Path, dtype: Any, vocab_size: int) -> tuple[An
                 offsets.append(ends)
                 end = int(ends[-1]) if len(ends) else end
                 keys.append(_document_hashes(values, n))
+            _drop_cached(path)
     return offsets.mapped(), keys.mapped()
+
+
+def _drop_cached(path: Path) -> None:
+    """Drop the page cache's copy of a shard pass one has read (it is read once). At 10 GB of text the
+    shards, the ids file and the output outgrow the page cache of a small machine, and the kernel would
+    otherwise reclaim pages while pack writes, in pack's system time; pages not yet written back are
+    only scheduled for writing, not dropped."""
+    if hasattr(os, "posix_fadvise"):
+        with open(path, "rb") as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def _document_hashes(values: Any, lengths: Any) -> Any:
