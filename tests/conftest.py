@@ -38,6 +38,15 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[variable] = str(caches / folder)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    # The CLI's console fixes its width at import when COLUMNS is set (xdist's workers get COLUMNS=80):
+    # the tests that read wide tables then could not widen it per call (`env={"COLUMNS": ...}`).
+    for variable in ("COLUMNS", "LINES"):
+        os.environ.pop(variable, None)
+    # Under pytest-xdist (the README's `-n auto`: a worker per core) each worker gets its share of the
+    # cores: every worker on torch's default of one thread per core would oversubscribe the machine.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
