@@ -6,13 +6,13 @@ training documents; each split is concatenated with boundary tokens and cut into
 one `.npy` array [blocks, seq_len]: pretraining reads a batch as one slice of a memory map.
 
 Out of core, in two streaming passes: the first reads the token shards a batch at a time into one
-flat scratch file of ids, and each document's end offset and hash into two more (each shard dropped
-from the page cache once read, which pass two's files then have to themselves); the second gathers
+flat scratch file of ids, and each document's end offset and hash into two more; the second gathers
 the shuffled documents a chunk of ~4M tokens at a time from that file, memory-mapped (its pages
-dropped from RSS every ~256 MB read), and appends each chunk to the `.npy` file. Every per-document
-array (offsets, hashes, the de-duplicated and the shuffled order) is a memory-mapped file built a
-block at a time (`stages/data/scratch.py`), so anonymous memory grows neither with the number of
-tokens nor with the number of documents.
+dropped from RSS every ~256 MB read), and appends each chunk to the `.npy` file. The shards once read
+and the rows once written are dropped from the page cache, so that at 10 GB the ids file has it to
+itself. Every per-document array (offsets, hashes, the de-duplicated and the shuffled order) is a
+memory-mapped file built a block at a time (`stages/data/scratch.py`), so anonymous memory grows
+neither with the number of tokens nor with the number of documents.
 """
 
 from __future__ import annotations
@@ -164,18 +164,19 @@ def flatten(tokens: Path, folder: Path, dtype: Any, vocab_size: int) -> tuple[An
                 offsets.append(ends)
                 end = int(ends[-1]) if len(ends) else end
                 keys.append(_document_hashes(values, n))
-            _drop_cached(path)
+            with open(path, "rb") as shard:
+                _drop_cached(shard)  # read once
     return offsets.mapped(), keys.mapped()
 
 
-def _drop_cached(path: Path) -> None:
-    """Drop the page cache's copy of a shard pass one has read (it is read once). At 10 GB of text the
-    shards, the ids file and the output outgrow the page cache of a small machine, and the kernel would
-    otherwise reclaim pages while pack writes, in pack's system time; pages not yet written back are
-    only scheduled for writing, not dropped."""
+def _drop_cached(file: Any) -> None:
+    """Drop the page cache's copy of an open file pack is done with: a token shard pass one has read,
+    or the rows pass two has written. At 10 GB of text the shards, the ids file and the output outgrow
+    the page cache of a small machine, and the kernel would otherwise reclaim pages while pack writes,
+    in pack's system time. Pages not yet written back are only scheduled for writing, not dropped."""
     if hasattr(os, "posix_fadvise"):
-        with open(path, "rb") as f:
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        file.flush()
+        os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def _document_hashes(values: Any, lengths: Any) -> Any:
@@ -246,7 +247,7 @@ def write_blocks(
 
     shape = (size // seq_len, seq_len)
     header = {"descr": np.lib.format.dtype_to_descr(np.dtype(ids.dtype)), "fortran_order": False, "shape": shape}
-    remaining, wrap = shape[0] * seq_len, len(prefix) + len(suffix)
+    remaining, wrap, unadvised = shape[0] * seq_len, len(prefix) + len(suffix), 0
     with open(path, "wb") as out:
         np.lib.format.write_array_header_1_0(out, header)
         buffers = _Buffers(ids.dtype)
@@ -265,6 +266,10 @@ def write_blocks(
                 remaining -= len(chunk)
                 first = last
                 ids.touched(len(chunk))
+                unadvised += chunk.nbytes
+                if unadvised >= RESIDENT_BYTES:  # a small output stays cached for pretrain to read
+                    _drop_cached(out)
+                    unadvised = 0
     return shape
 
 
