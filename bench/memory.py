@@ -48,7 +48,7 @@ class MemoryPeak:
 def cpu_seconds(pid: int) -> tuple[float, float] | None:
     """(user, system) CPU seconds of process `pid` itself, from /proc/PID/stat; None once it is gone."""
     try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
     tick = os.sysconf("SC_CLK_TCK")
