@@ -133,7 +133,7 @@ def encoder_cram(work: Path, tokens: int) -> Path:
     sets: dict[str, object] = {"run.root": json.dumps(str(work / "runs")), "pretrain.budget.hours": 0}
     sets["evaluate.mlm_lengths"] = "[128]"  # learned positions: no longer text
     sets["pretrain.budget.tokens"] = tokens
-    sets.update({f"pretrain.model.{k}": json.dumps(v) for k, v in {**BERT_LAYOUT, "first_attn_norm": True}.items()})
+    sets.update({f"pretrain.model.{k}": json.dumps(v) for k, v in BERT_LAYOUT.items()})
     for stage in ("tokenize", "pack", "pretrain"):
         cram("run", "pipeline.toml", "--name", "encoder", *flags(sets), "--only", stage)
     cram("export", str(work / "runs" / "encoder"), "--to", str(export), "--format", "transformers", "--force")

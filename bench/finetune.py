@@ -3,6 +3,7 @@ one checkpoint, the same rows and the same hyper-parameters, interleaved seed by
 
     python bench/finetune.py [--work bench-out/finetune] [--seeds 0,1,2] [--pretrain-tokens 1000000]
         [--rows 2000] [--test-rows 1000] [--epochs 1] [--max-length 64] [--lr 5e-5] [--model KEY=VALUE ...]
+        [--cram-arm NAME:KEY=VALUE[,KEY=VALUE] ...]
 
 1. The checkpoint: the default pipeline pretrained in BERT's layout (post-norm, learned positions,
    biases, two token types; `--model` changes the dims) for `--pretrain-tokens`, then
@@ -43,8 +44,9 @@ from cram.model import hf  # noqa: E402
 # transformers' BERT layout (post-norm, learned positions, biases) with its two token types
 BERT_LAYOUT = {**hf.BERT_LAYOUT, "post_norm": True, "norm_bias": True, "linear_bias": True, "decoder_bias": True}
 BERT_LAYOUT["token_types"] = 2
+BERT_LAYOUT["first_attn_norm"] = True  # the presets' ModernBERT layout turns it off; post-norm needs it
 BATCH, WARMUP = 16, 0.1
-BACKENDS = ("aot_eager", "inductor")
+BACKENDS = ("eager", "aot_eager", "inductor")  # "eager": evaluate.compile = false
 
 
 def main() -> None:
@@ -59,6 +61,13 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--model", action="append", default=[], help="KEY=VALUE: a [pretrain.model] field")
+    parser.add_argument(
+        "--cram-arm",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+        help="one more cram arm, pipeline.toml with these overrides (e.g. eager:evaluate.compile=false)",
+    )
     parser.add_argument("--child", choices=("hf", "cram-steps"), help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -70,15 +79,24 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     export = checkpoint(work, args)
     print(f"task: {write_task(work / 'task', args.rows, args.test_rows)}", flush=True)
-    rows: dict[str, list[dict]] = {"cram": [], "transformers": []}
+    arms = {"cram": [], **dict(_arm(text) for text in args.cram_arm)}
+    rows: dict[str, list[dict]] = {**{arm: [] for arm in arms}, "transformers": []}
     for seed in (int(s) for s in args.seeds.split(",")):
-        rows["cram"].append(cram_seed(work, export, args, seed))
-        print(f"cram seed {seed}: {rows['cram'][-1]}", flush=True)
+        for arm, extra in arms.items():
+            rows[arm].append(cram_seed(work, export, args, seed, arm, extra))
+            print(f"{arm} seed {seed}: {rows[arm][-1]}", flush=True)
         rows["transformers"].append(child(work, "hf", args, seed))
         print(f"transformers seed {seed}: {rows['transformers'][-1]}", flush=True)
     steps = {"cram": child(work, "cram-steps", args, 0), "transformers": rows["transformers"][0]}
     report(rows, steps, args)
     print(f"cram step ms by backend: {steps['cram']}")
+
+
+def _arm(text: str) -> tuple[str, list[str]]:
+    name, _, sets = text.partition(":")
+    if not name or not sets:
+        raise SystemExit(f"--cram-arm {text!r}: expected NAME:KEY=VALUE[,KEY=VALUE]")
+    return name, sets.split(",")
 
 
 def cram(*args: str, env: dict | None = None) -> None:
@@ -143,11 +161,12 @@ def evaluate_sets(work: Path, export: Path, args: argparse.Namespace, seed: int)
     return [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
 
 
-def cram_seed(work: Path, export: Path, args: argparse.Namespace, seed: int) -> dict:
-    """One seed of cram's evaluate stage, with a cold inductor cache: accuracy and the stage's duration."""
-    name = f"ft-{seed}"
+def cram_seed(work: Path, export: Path, args: argparse.Namespace, seed: int, arm: str, extra: list[str]) -> dict:
+    """One seed of cram's evaluate stage, with a cold inductor cache: accuracy and the stage's duration;
+    `extra`: the arm's own overrides."""
+    name = f"ft-{seed}" if arm == "cram" else f"ft-{arm}-{seed}"
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / f"inductor-{seed}-{time.time_ns()}")}
-    sets = evaluate_sets(work, export, args, seed)
+    sets = evaluate_sets(work, export, args, seed) + [x for item in extra for x in ("--set", item)]
     cram("run", "pipeline.toml", "--name", name, *sets, "--force", "evaluate", env=env)
     manifest = json.loads((work / "runs" / name / "manifest.json").read_text())["stages"]["evaluate"]
     results = json.loads((work / "runs" / name / "evaluate" / "results.json").read_text())
@@ -257,14 +276,15 @@ def cram_steps_child(args: argparse.Namespace, work: Path) -> dict:
     device = devices.resolve("cpu")
     precision = candidates("auto", device, "inductor", compiled=True)[0]
     tuners, states, times = {}, {}, {}
-    for backend in BACKENDS:  # pipeline.toml's evaluate backend, and inductor's C++
+    for backend in BACKENDS:
         config = evaluate.Config(
             batch_size=BATCH,
             lr=args.lr,
             dropout=args.dropout,
             head_width=0,
             max_length=args.max_length,
-            backend=backend,
+            compile=backend != "eager",
+            backend="inductor" if backend == "eager" else backend,
         ).linked({})
         tuners[backend] = Tuner.make(config, cfg, params, special, device, precision)
         state = {**params, **tuners[backend].head(len(names), args.seed)}
@@ -283,7 +303,7 @@ def cram_steps_child(args: argparse.Namespace, work: Path) -> dict:
                 times[backend].append(time.perf_counter() - t)
             seen.add(key)
     steps = {f"step_ms_{b}": round(1000 * statistics.median(t), 1) for b, t in times.items()}
-    return {**steps, "step_ms": steps[f"step_ms_{BACKENDS[0]}"], "precision": precision.label}
+    return {**steps, "step_ms": steps[f"step_ms_{BACKENDS[0]}"], "precision": precision.label}  # pipeline.toml's
 
 
 def report(rows: dict[str, list[dict]], steps: dict[str, dict], args: argparse.Namespace) -> None:
@@ -296,7 +316,7 @@ def report(rows: dict[str, list[dict]], steps: dict[str, dict], args: argparse.N
         print(
             f"| {side} | {' / '.join(f'{a:.3f}' for a in acc)} | {statistics.median(acc):.3f} | "
             f"{max(acc) - min(acc):.3f} | {' / '.join(f'{w:.0f}' for w in wall)} | {statistics.median(wall):.0f} | "
-            f"{steps[side]['step_ms']} |"
+            f"{steps[side]['step_ms'] if side in steps else ''} |"
         )
 
 

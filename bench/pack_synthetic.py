@@ -2,15 +2,16 @@
 RssAnon and RSS (sampled from /proc/self/status every 0.1 s), and the sha256 of `train.npy` / `val.npy`
 (equal across code versions: pack's bytes must not move).
 
-    python bench/pack_synthetic.py [--tokens 200000000] [--documents N] [--repeat 2] [--against SRC] [--dir D]
+    python bench/pack_synthetic.py [--tokens 200000000] [--documents N] [--repeat 2] [--against SRC] [--dir D] [--cold]
 
 The tokens are documents of 20-500 random ids below 8,192 (with `--documents`, lengths drawn uniformly
 around tokens / documents, so that the count of documents is N too) in `datasets` shards of 20,000
 documents, tokenize's format, in a temporary folder (under `--dir`) removed after. Each pack runs in a
-fresh process, after its imports (the stage's own figure). `--against SRC`: a folder holding another
+fresh process, after its imports (the stage's own figure). `--against SRC` (repeatable): a folder holding another
 checkout's packages as `SRC/cram/{model,pipeline,stages}` (e.g. made with `git archive`), run
 interleaved with this tree (this, SRC, this, SRC, ...): CPU time, which other load disturbs far less
-than wall time on a shared machine, is the figure to compare.
+than wall time on a shared machine, is the figure to compare. `--cold`: the shards are dropped from the
+page cache before each pack, so that it reads them from disk, as after tokenizing 10 GB on a small machine.
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=200_000_000)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--documents", type=int, help="documents in all (default: lengths of 20-500)")
-    parser.add_argument("--against", type=Path)
+    parser.add_argument("--against", type=Path, action="append", default=[], help="repeatable")
     parser.add_argument("--dir", type=Path, help="where the temporary folder goes")
+    parser.add_argument(
+        "--cold", action="store_true", help="drop the token shards from the page cache before each pack"
+    )
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -48,9 +52,11 @@ def main() -> None:
         )
         print("|---|---|---|---|---|---|---|---|---|", flush=True)
         for _ in range(args.repeat):
-            for name, source in [("this tree", None), *([("against", args.against)] if args.against else [])]:
+            for name, source in [("this tree", None), *((str(other), other) for other in args.against)]:
                 env = {**os.environ, **({"PYTHONPATH": str(source)} if source else {})}
                 out = Path(tmp) / "pack"
+                if args.cold:
+                    _drop_from_cache(Path(tmp) / "tokenize" / "tokens")
                 done = subprocess.run(
                     [sys.executable, __file__, "--child", str(Path(tmp) / "tokenize"), str(out)],
                     capture_output=True,
@@ -67,6 +73,18 @@ def main() -> None:
                     f"{r['sha'][:12]}, {r['sha_val'][:12]} | {_load()} |",
                     flush=True,
                 )
+
+
+def _drop_from_cache(folder: Path) -> None:
+    """As at 10 GB of text, where tokenize's shards were written long before pack and the page cache of
+    a small machine no longer holds them: pack reads them from disk."""
+    for path in folder.glob("*.arrow"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _load() -> str:

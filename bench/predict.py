@@ -132,7 +132,12 @@ def main() -> None:
     if args.child:
         arm, folder, texts, out, batch, max_length = args.child
         return child(arm, folder, texts, out, int(batch), int(max_length))
-    root = Path(tempfile.mkdtemp(prefix="cram-predict-bench-"))
+    with tempfile.TemporaryDirectory(prefix="cram-predict-bench-") as tmp:
+        compare(Path(tmp), args)
+
+
+def compare(root: Path, args: argparse.Namespace) -> None:
+    """Build the exports under `root`, time the arms interleaved, print the figures."""
     texts = wiki_texts(args.rows)
     file = root / "texts.jsonl"
     file.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")

@@ -51,6 +51,13 @@ VARIANTS: dict[str, list[str]] = {
     "decay40": ["pretrain.schedule_args={warmup=0.1, decay=0.4}"],  # with wsd: its decay over the last 40%
     "lr5": ["pretrain.optimizer.lr=5e-3"],
     "lr2": ["pretrain.optimizer.lr=2e-3"],
+    "lr7": ["pretrain.optimizer.lr=7e-3"],
+    "lr10": ["pretrain.optimizer.lr=1e-2"],
+    # Past the 2025 recipe, toward issue 29's 4.75: a longer triangle decay, more and smaller steps, more masking.
+    "tri50": ["pretrain.schedule_args={start=0.25, decay=0.5}"],  # budget-triangle decaying over the last half
+    "b16": ["pretrain.batch_size=16", "pretrain.microbatch=16"],
+    "m50": ["pretrain.masking.rate=0.5"],
+    "b95": ["pretrain.optimizer.betas=[0.9, 0.95]"],
 }
 BASES = {"old": BASE, "default": []}
 # The held-out loss at one masking rate and one corruption (80/10/10), whatever each variant trained with.

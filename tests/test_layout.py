@@ -50,6 +50,10 @@ SINCE = {
         "pretrain.document_attention=false",
         "evaluate.mlm_mask_rate=0",
         "evaluate.mlm_lengths=[]",
+        "pretrain.batch_size=32",
+        "pretrain.microbatch=32",
+        "evaluate.compile=true",
+        'evaluate.backend="aot_eager"',
     ],
     "configs/crammed-bert.toml": [],
 }
