@@ -52,7 +52,6 @@ VARIANTS: dict[str, list[str]] = {
     "lr5": ["pretrain.optimizer.lr=5e-3"],
     "lr2": ["pretrain.optimizer.lr=2e-3"],
     "lr7": ["pretrain.optimizer.lr=7e-3"],
-    "lr10": ["pretrain.optimizer.lr=1e-2"],
     # Past the 2025 recipe, toward issue 29's 4.75: a longer triangle decay, more and smaller steps, more masking.
     "tri50": ["pretrain.schedule_args={start=0.25, decay=0.5}"],  # budget-triangle decaying over the last half
     "b16": ["pretrain.batch_size=16", "pretrain.microbatch=16"],
