@@ -120,13 +120,14 @@ def encode(
     attention: Attention = "auto",
     token_type_ids: Tensor | None = None,
     dropout: float | Tensor | None = None,
+    first_only: bool = False,
 ) -> Tensor:
     """Hidden states [B, S, H] after the last norm. attention_mask: [B, S] bool, True = real token;
     document_ids: [B, S] integers, a query reads only keys of its own document (packed blocks);
     attention: how attention is computed (`attends_with`), never what it computes; token_type_ids:
     [B, S] rows of the token-type table (a pair's second text: 1), read only when the model has one
     (None: row 0 for every token); dropout: the rate (None: `cfg.dropout`), a 0-dim tensor for one
-    graph at every rate (see `dropout`)."""
+    graph at every rate (see `dropout`); first_only: [B, 1, H], the first token's alone."""
     S = input_ids.shape[1]
     rate = cfg.dropout if dropout is None else dropout
     x = _embed(params, cfg, input_ids, token_type_ids, rate)
@@ -140,12 +141,15 @@ def encode(
     for i in range(cfg.layers):
         p = f"layers.{i}."
         kind = (local_mask, local_rope, attention, rate) if cfg.is_local(i) else (mask, rope, attention, rate)
+        # A [CLS]-pooled head reads one token: the last layer needs every token's keys and values but
+        # only that token's query, attention output and feed-forward (as sparse prediction in the MLM).
+        queries = 1 if first_only and i == cfg.layers - 1 else None
         if cfg.post_norm:
-            x = _norm(x + _attention(params, p, cfg, x, *kind), params, p + "attn_norm", cfg)
+            x = _norm(x[:, :queries] + _attention(params, p, cfg, x, *kind, queries), params, p + "attn_norm", cfg)
             x = _norm(x + _feed_forward(params, p, cfg, x, rate), params, p + "ffn_norm", cfg)
             continue
         h = _norm(x, params, p + "attn_norm", cfg) if i > 0 or cfg.first_attn_norm else x
-        x = x + _attention(params, p, cfg, h, *kind)
+        x = x[:, :queries] + _attention(params, p, cfg, h, *kind, queries)
         x = x + _feed_forward(params, p, cfg, _norm(x, params, p + "ffn_norm", cfg), rate)
     return x if cfg.post_norm else _norm(x, params, "final_norm", cfg)
 
@@ -237,14 +241,29 @@ def _attention(
     rope: tuple[Tensor, Tensor] | None,
     attention: Attention,
     rate: float | Tensor,
+    queries: int | None = None,
 ) -> Tensor:
+    """Self-attention's output [B, S, H]; with `queries`, [B, queries, H] for the first `queries` tokens
+    alone (reading every key)."""
     B, S, H = x.shape
-    qkv = _linear(x, params, p + "attn.qkv", cfg).view(B, S, 3, cfg.heads, cfg.head_dim)
-    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, S, head_dim]
+    if queries is None:
+        qkv = _linear(x, params, p + "attn.qkv", cfg).view(B, S, 3, cfg.heads, cfg.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, S, head_dim]
+    else:
+        weight = params[p + "attn.qkv.weight"]
+        bias = params[p + "attn.qkv.bias"] if cfg.linear_bias else None
+        q = F.linear(x[:, :queries], weight[:H], None if bias is None else bias[:H])
+        q = q.view(B, queries, cfg.heads, cfg.head_dim).transpose(1, 2)
+        kv = F.linear(x, weight[H:], None if bias is None else bias[H:]).view(B, S, 2, cfg.heads, cfg.head_dim)
+        k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)
+        if mask is not None and mask.shape[-2] == S:  # a mask per query (documents, a local band)
+            mask = mask[..., :queries, :]
     if rope is not None:
-        q, k = _rotate(q, *rope), _rotate(k, *rope)
+        cos, sin = rope
+        q, k = _rotate(q, cos[: q.shape[2]], sin[: q.shape[2]]), _rotate(k, cos, sin)
     out = _attend(q, k, v, mask, rate, attention)
-    return dropout(_linear(out.transpose(1, 2).reshape(B, S, H), params, p + "attn.out", cfg), rate)
+    out = out.transpose(1, 2).reshape(B, q.shape[2], H)
+    return dropout(_linear(out, params, p + "attn.out", cfg), rate)
 
 
 def attends_with(attention: Attention, device: torch.device) -> str:

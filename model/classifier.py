@@ -94,12 +94,21 @@ def classify(
 ) -> Tensor:
     """Logits [B, num_outputs] (fp32) of the head over the encoder; dropout at `rate` (None: `cfg.dropout`)
     applies in the encoder and in the head where its kind has dropout (cramming's fine-tuning).
-    token_type_ids: [B, S], a pair's second text 1 (`encode`); None: every token type 0."""
+    token_type_ids: [B, S], a pair's second text 1 (`encode`); None: every token type 0. A head that
+    pools the first token runs the encoder's last layer for that token alone (`encode`'s `first_only`)."""
     rate = cfg.dropout if rate is None else rate
+    first = pooling in ("first", "pooler")
     hidden = encode(
-        params, cfg, input_ids, attention_mask, attention=attention, token_type_ids=token_type_ids, dropout=rate
+        params,
+        cfg,
+        input_ids,
+        attention_mask,
+        attention=attention,
+        token_type_ids=token_type_ids,
+        dropout=rate,
+        first_only=first,
     )
-    return head_logits(params, cfg, pool(hidden, attention_mask, pooling), head, rate)
+    return head_logits(params, cfg, hidden[:, 0] if first else pool(hidden, attention_mask, pooling), head, rate)
 
 
 def head_logits(

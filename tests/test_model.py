@@ -199,6 +199,28 @@ def test_padding_never_changes_real_tokens(position, overrides):
     assert not torch.allclose(model.encode(params, cfg, ids)[1, :6], model.encode(params, cfg, other)[1, :6])
 
 
+@pytest.mark.parametrize(
+    "overrides, layers",
+    [({}, 2), (MODERNBERT, 2), (LOCAL, 3), (LOCAL, 2), ({**BERT, "position_offset": 2}, 2), (MODERNBERT, 1)],
+)
+def test_first_only_is_the_first_token_of_the_whole_encoding(overrides, layers):
+    # LOCAL at 2 layers ends on a local layer (a mask per query), at 3 on a global one.
+    cfg = ModelConfig(vocab_size=50, hidden=16, layers=layers, heads=2, intermediate=32, max_seq_len=10, **overrides)
+    params = {k: v * 10 if v.ndim == 2 else v for k, v in model.init(cfg, seed=0).items()}
+    ids = torch.randint(1, 50, (3, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, 10, dtype=torch.bool)
+    mask[1, 4:] = False
+    types = (torch.arange(10) >= 5).long().expand(3, 10) if cfg.token_types else None
+    whole = model.encode(params, cfg, ids, mask, token_type_ids=types)
+    first = model.encode(params, cfg, ids, mask, token_type_ids=types, first_only=True)
+    assert first.shape == (3, 1, 16)
+    torch.testing.assert_close(first[:, 0], whole[:, 0], atol=1e-5, rtol=1e-5)
+    # The first token reads the others: a change after it changes its state.
+    other = ids.clone()
+    other[:, 3] = (other[:, 3] + 1) % 50
+    assert not torch.allclose(model.encode(params, cfg, other, mask, token_type_ids=types, first_only=True), first)
+
+
 @pytest.mark.parametrize("overrides", [MODERNBERT, {**LOCAL, "local_attention": 6}])
 def test_document_ids_encode_each_packed_document_as_if_alone(overrides):
     # With rope a token sees only relative positions, so a document packed after another encodes as it
