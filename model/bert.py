@@ -249,21 +249,31 @@ def _attention(
     if queries is None:
         qkv = _linear(x, params, p + "attn.qkv", cfg).view(B, S, 3, cfg.heads, cfg.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, S, head_dim]
+        if rope is not None:
+            q, k = _rotate(q, *rope), _rotate(k, *rope)
     else:
-        weight = params[p + "attn.qkv.weight"]
-        bias = params[p + "attn.qkv.bias"] if cfg.linear_bias else None
-        q = F.linear(x[:, :queries], weight[:H], None if bias is None else bias[:H])
-        q = q.view(B, queries, cfg.heads, cfg.head_dim).transpose(1, 2)
-        kv = F.linear(x, weight[H:], None if bias is None else bias[H:]).view(B, S, 2, cfg.heads, cfg.head_dim)
-        k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = _first_queries(params, p, cfg, x, queries)
+        if rope is not None:
+            cos, sin = rope
+            q, k = _rotate(q, cos[:queries], sin[:queries]), _rotate(k, cos, sin)
         if mask is not None and mask.shape[-2] == S:  # a mask per query (documents, a local band)
             mask = mask[..., :queries, :]
-    if rope is not None:
-        cos, sin = rope
-        q, k = _rotate(q, cos[: q.shape[2]], sin[: q.shape[2]]), _rotate(k, cos, sin)
     out = _attend(q, k, v, mask, rate, attention)
-    out = out.transpose(1, 2).reshape(B, q.shape[2], H)
-    return dropout(_linear(out, params, p + "attn.out", cfg), rate)
+    return dropout(_linear(out.transpose(1, 2).reshape(B, -1, H), params, p + "attn.out", cfg), rate)
+
+
+def _first_queries(
+    params: dict[str, Tensor], p: str, cfg: ModelConfig, x: Tensor, queries: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """q [B, heads, queries, head_dim] of the first `queries` tokens, k and v of every token: the qkv
+    projection's query rows only where they are read."""
+    B, S, H = x.shape
+    weight = params[p + "attn.qkv.weight"]
+    bias = params[p + "attn.qkv.bias"] if cfg.linear_bias else None
+    q = F.linear(x[:, :queries], weight[:H], None if bias is None else bias[:H])
+    kv = F.linear(x, weight[H:], None if bias is None else bias[H:]).view(B, S, 2, cfg.heads, cfg.head_dim)
+    k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)
+    return q.view(B, queries, cfg.heads, cfg.head_dim).transpose(1, 2), k, v
 
 
 def attends_with(attention: Attention, device: torch.device) -> str:

@@ -37,6 +37,7 @@ from cram.model.step import CompileOptions, autocast, compiled, detached_params,
 # "pooler": the first token, through a head whose dense layer starts as the checkpoint's pooler (`pooler_head`).
 Pooling = Literal["first", "mean", "pooler"]
 POOLINGS: tuple[str, ...] = ("first", "mean", "pooler")
+FIRST_TOKEN: tuple[str, ...] = ("first", "pooler")  # the poolings that read the first token alone
 Head = Literal["cramming", "bert", "roberta", "modernbert"]
 HEADS: tuple[str, ...] = ("cramming", "bert", "roberta", "modernbert")
 
@@ -75,7 +76,7 @@ def pooler_head(head: dict[str, Tensor], params: dict[str, Tensor]) -> dict[str,
 
 def pool(hidden: Tensor, attention_mask: Tensor, pooling: Pooling) -> Tensor:
     """[B, S, H] -> [B, H]: the first ([CLS]) token ("first", "pooler"), or the mean over real tokens."""
-    if pooling in ("first", "pooler"):
+    if pooling in FIRST_TOKEN:
         return hidden[:, 0]
     weights = attention_mask.to(hidden.dtype).unsqueeze(-1)
     return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)
@@ -97,7 +98,6 @@ def classify(
     token_type_ids: [B, S], a pair's second text 1 (`encode`); None: every token type 0. A head that
     pools the first token runs the encoder's last layer for that token alone (`encode`'s `first_only`)."""
     rate = cfg.dropout if rate is None else rate
-    first = pooling in ("first", "pooler")
     hidden = encode(
         params,
         cfg,
@@ -106,9 +106,9 @@ def classify(
         attention=attention,
         token_type_ids=token_type_ids,
         dropout=rate,
-        first_only=first,
+        first_only=pooling in FIRST_TOKEN,
     )
-    return head_logits(params, cfg, hidden[:, 0] if first else pool(hidden, attention_mask, pooling), head, rate)
+    return head_logits(params, cfg, pool(hidden, attention_mask, pooling), head, rate)
 
 
 def head_logits(
