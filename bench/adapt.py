@@ -70,8 +70,11 @@ ROWS: dict[str, tuple[dict[str, object], int | None]] = {
     "warmup-0": ({"pretrain.head_warmup": 0}, None),
     "warmup-0.25": ({"pretrain.head_warmup": 0.25}, None),
     "warmup-0.25-lr10": ({"pretrain.head_warmup": 0.25, "head_lr": 10.0}, None),
+    "lr-low-warmup-0": ({"lr": 1 / 3, "pretrain.head_warmup": 0}, None),
+    # No lr given: pipeline.toml's from-scratch 5e-3, capped by `pretrain.init_lr = "auto"` (the defaults).
+    "auto": ({"lr": "auto"}, None),
 }
-HEAD_ROWS = ("warmup-0", "warmup-0.25", "warmup-0.25-lr10")  # only where the head is made
+HEAD_ROWS = ("warmup-0", "warmup-0.25", "warmup-0.25-lr10", "lr-low-warmup-0")  # only where the head is made
 # The same fine-tune in every row of an encoder. The tiny encoders need lr 1e-3 (5e-5 leaves them at chance).
 # MiniLM gets a usual lr for it and one epoch, as in the transformers measurement: at 1.9 s a batch of
 # 16 on 2 cores (fp32), 5 seeds of 3 epochs would take 30 minutes a row.
@@ -191,7 +194,6 @@ def row_sets(work: Path, encoder: str, folder: Path, row: str, tokens_per_pass: 
             'text_field = "text", title_field = "", label_field = "", unlabeled = []}'
         ),
         **CONTINUE,
-        "pretrain.optimizer.lr": LR[encoder] * float(changes.get("lr", 1.0)),
         "pretrain.budget.tokens": (passes if row_passes is None else row_passes) * tokens_per_pass,
         "evaluate.tasks": (
             f'[{{kind = "custom", name = "task", path = {json.dumps(str(work / "task"))}, '
@@ -203,6 +205,8 @@ def row_sets(work: Path, encoder: str, folder: Path, row: str, tokens_per_pass: 
         "evaluate.head_width": 0,
         **{f"evaluate.{k}": v for k, v in {**FINETUNE, **FINETUNE_OF[encoder]}.items()},
     }
+    if changes.get("lr") != "auto":
+        sets["pretrain.optimizer.lr"] = LR[encoder] * float(changes.get("lr", 1.0))
     if "head_lr" in changes:
         sets["pretrain.head_lr"] = sets["pretrain.optimizer.lr"] * float(changes["head_lr"])
     sets.update({k: v for k, v in changes.items() if k.startswith("pretrain.")})

@@ -80,6 +80,7 @@ NEW_OPTIONS = (
     "masking.phase_rates",
     "head_warmup",
     "head_lr",
+    "init_lr",
 )
 
 
@@ -182,9 +183,13 @@ class Config:
     # The masked-LM head alone first, the encoder frozen (stages/pretraining/head_warmup.py), then the whole
     # model with a fresh AdamW and its lr schedule over the rest of the budget: a fraction of the budget (< 1)
     # or tokens (>= 1); 0: off. "auto": head_warmup.AUTO_FRACTION where `init`'s checkpoint lacks its head
-    # (the stage makes one), none where it brought its own. At the constant lr `head_lr` (0: optimizer.lr).
+    # (the stage makes one), none where it brought its own. At the constant lr `head_lr` (0: the peak lr).
     head_warmup: float | Literal["auto"] = "auto"
     head_lr: float = 0.0
+    # The peak lr of a run that continues `init`'s checkpoint (start.peak_lr): a number, or "auto": optimizer.lr
+    # capped at the rate measured for continuing such a checkpoint (1.5e-3 * 128 / hidden for a masked-LM
+    # encoder, 3.3e-5 for a sentence encoder), so that a from-scratch lr, as above, does not undo it.
+    init_lr: float | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         positive = {
@@ -221,7 +226,9 @@ class Config:
                 f"head_warmup: {warmup} must be a fraction of the budget in [0, 1), a whole number of tokens, or 'auto'"
             )
         if self.head_lr < 0:
-            raise ValueError(f"head_lr: {self.head_lr} must be > 0, or 0 for optimizer.lr")
+            raise ValueError(f"head_lr: {self.head_lr} must be > 0, or 0 for the peak lr")
+        if self.init_lr != "auto" and not self.init_lr > 0:
+            raise ValueError(f"init_lr: {self.init_lr} must be > 0, or 'auto'")
 
 
 def fingerprint(config: Config) -> list[list[str]] | None:
@@ -237,10 +244,12 @@ def fingerprint(config: Config) -> list[list[str]] | None:
 
 def key_config(config: Config) -> Config:
     """The config as the key sees it: `head_warmup` as it runs, "auto" (left out of the key) where none
-    runs, so that a run without a warm-up keeps the key it had before the option existed. A checkpoint
-    that cannot be read leaves it as given: `validate` names the problem."""
+    runs, so that a run without a warm-up keeps the key it had before the option existed; `optimizer.lr`
+    the peak it trains at (`start.resolved`). A checkpoint that cannot be read leaves it as given: `validate`
+    names the problem."""
     try:
         runs = start.warmup_setting(config)
+        config = start.resolved(config)
     except StageError:
         return config
     return dataclasses.replace(config, head_warmup=runs or "auto")
@@ -256,6 +265,11 @@ def validate(config: Config, pipeline: Any) -> None:
     if config.init:
         check_not_its_own(config, Path(pipeline.run.root) / pipeline.run.name)
         check_has_tokenizer(config, pipeline.stages.get("tokenize"))
+    elif config.init_lr != "auto":
+        raise StageError(
+            f"pretrain.init_lr: {config.init_lr} is the peak lr of continuing `pretrain.init`'s checkpoint, and the "
+            "run has no init: set pretrain.optimizer.lr instead, or pretrain.init"
+        )
     _, cfg = planned_model(config, pipeline)
     check_schedule(model, config)
     start.check_head_warmup(config, cfg, pipeline.stages.get("pack"))
@@ -278,6 +292,9 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     from cram.stages.pretraining.loop import train
     from cram.stages.pretraining.telemetry import ProgressBar, peak_flops
 
+    given, config = config.optimizer.lr, start.resolved(config)
+    if config.init and ctx.is_main:
+        ctx.log.info("continuing", init=config.init, peak_lr=config.optimizer.lr, optimizer_lr=given)
     setup = prepare(config, inputs["pack"], ctx)
     if ctx.is_main:
         warn_of_data_limits(config, setup, ctx)
@@ -311,6 +328,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         "masking": dataclasses.asdict(config.masking),
         "seq_lens": setup.plan.lengths,
         "document_attention": config.document_attention,
+        "peak_lr": config.optimizer.lr,
         **({"head_initialised": made} if made else {}),
         # The budget's progress at which the whole model began training after the head's warm-up.
         **({"head_warmup_until": state.full_start} if setup.warmup else {}),

@@ -190,14 +190,20 @@ REFUSALS = {
 
 @pytest.mark.parametrize("how", list(REFUSALS))
 def test_bad_warm_ups_are_refused_before_any_stage(tmp_path, monkeypatch, headless, how):
+    refused_before_any_stage(tmp_path, monkeypatch, headless, *REFUSALS[how])
+
+
+def refused_before_any_stage(tmp_path: Path, monkeypatch, checkpoint: Path, overrides: list[str], message: str) -> None:
+    """`cram run` of the test workspace continuing `checkpoint` with `overrides`: one line matching `message`,
+    exit 2, and no stage run."""
     monkeypatch.chdir(tmp_path)
     write_workspace(tmp_path)
-    shutil.copytree(headless, tmp_path / "ckpt")
+    shutil.copytree(checkpoint, tmp_path / "ckpt")
     (tmp_path / "pipeline.toml").write_text(EAGER)
-    overrides, message = REFUSALS[how]
     result = cram("run", "pipeline.toml", *[a for o in overrides for a in ("--set", o)])
     assert result.exit_code == 2, result.output
     assert len(result.output.strip().splitlines()) == 1 and re.search(message, result.output), result.output
+    assert not list(tmp_path.glob("runs/*/manifest.json")), "a stage ran"
     assert not (tmp_path / "runs").exists()
 
 

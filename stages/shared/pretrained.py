@@ -51,6 +51,7 @@ class Pretrained:
     weights: tuple[Path, ...]  # safetensors files
     tokenizer: Path | None  # its tokenizer file, when it has one
     pooling: str | None = None  # a sentence-transformers folder's pooling, "mean" or "first"; None: none said
+    sentence: bool = False  # a sentence-transformers folder: an encoder trained for embeddings, not masked LM
 
 
 def locate(path: Path) -> Pretrained:
@@ -164,7 +165,7 @@ def _sentence_transformers(root: Path) -> Pretrained:
         modes = [mode for key, mode in _POOLINGS.items() if isinstance(settings, dict) and settings.get(key) is True]
         pooling = modes[0] if len(modes) == 1 else None
     tokenizer = found.tokenizer or tokenizer_in(root)
-    return Pretrained(folder, "transformers", found.config_file, found.weights, tokenizer, pooling)
+    return Pretrained(folder, "transformers", found.config_file, found.weights, tokenizer, pooling, sentence=True)
 
 
 def _read_json(path: Path) -> Any:

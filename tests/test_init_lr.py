@@ -1,0 +1,90 @@
+"""`pretrain.init_lr`: a run that continues a checkpoint trains at most at the rate measured for continuing
+one of its kind ("auto"), or at the number given; a run whose lr the cap leaves alone keeps its key, and
+one it lowers trains (and is keyed) at the lower rate; an init_lr without init is refused before any stage."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from test_head_warmup import continued, pack_of, refused_before_any_stage  # noqa: F401  (pack_of: a fixture)
+from test_init_headless import bert_model, sentence_transformers
+from test_pretrain import metrics
+
+from cram.model import ModelConfig, OptimizerConfig
+from cram.pipeline.planning import keyed_config
+from cram.stages import pretrain
+from cram.stages.pretraining import start
+from cram.stages.shared import pretrained
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def headless(tmp_path_factory) -> Path:
+    return bert_model(tmp_path_factory.mktemp("bert") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def sentence(tmp_path_factory) -> Path:
+    return sentence_transformers(tmp_path_factory.mktemp("st") / "minilm")
+
+
+def at(lr: float, init: Path | str = "", **kw) -> pretrain.Config:
+    return pretrain.Config(init=str(init), optimizer=OptimizerConfig(lr=lr), budget=pretrain.Budget(steps=8), **kw)
+
+
+def test_the_continuation_rate_is_by_width_for_a_masked_lm_and_lowest_for_a_sentence_encoder(headless, sentence):
+    masked_lm, st = pretrained.locate(headless), pretrained.locate(sentence)
+    assert not masked_lm.sentence and st.sentence
+    for hidden, rate in ((16, 1.5e-3), (128, 1.5e-3), (256, 7.5e-4), (768, 2.5e-4)):
+        assert start.continuation_lr(masked_lm, ModelConfig(hidden=hidden, heads=2)) == pytest.approx(rate)
+    assert start.continuation_lr(st, ModelConfig(hidden=384, heads=2)) == pytest.approx(1e-4 / 3)
+
+
+def test_auto_caps_a_from_scratch_lr_and_keeps_a_lower_one(headless, sentence):
+    assert start.peak_lr(at(5e-3)) == 5e-3  # no init: as given
+    assert start.peak_lr(at(5e-3, headless)) == 1.5e-3  # the default pipeline's lr, capped
+    assert start.peak_lr(at(1e-4, headless)) == 1e-4  # below the cap: as given
+    assert start.peak_lr(at(5e-3, sentence)) == pytest.approx(1e-4 / 3)
+    assert start.peak_lr(at(5e-3, headless, init_lr=2e-2)) == 2e-2  # a number is the peak, above the cap too
+    zero = dataclasses.replace(at(5e-3, headless), budget=pretrain.Budget(tokens=0))
+    assert start.peak_lr(zero) == 5e-3  # nothing trains
+
+
+def test_the_key_holds_the_lr_the_run_trains_at(headless):
+    def key(config: pretrain.Config) -> dict:
+        return keyed_config(pretrain, config)
+
+    assert "init_lr" not in key(at(1e-4, headless)) and key(at(1e-4, headless))["optimizer"]["lr"] == 1e-4
+    capped = key(at(5e-3, headless))
+    assert capped["optimizer"]["lr"] == 1.5e-3 and "init_lr" not in capped
+    # The same training, whichever way it was asked for, is one key: capped, or given at the cap.
+    assert key(at(1.5e-3, headless)) == capped == key(at(1e-4, headless, init_lr=1.5e-3))
+    assert key(at(5e-3, headless, init_lr=2e-3))["optimizer"]["lr"] == 2e-3
+    assert key(at(5e-3))["optimizer"]["lr"] == 5e-3  # a random init: as given
+
+
+def test_a_continued_run_trains_and_reports_at_the_capped_peak(headless, pack_of, tmp_path, make_ctx):  # noqa: F811
+    config = continued(headless, optimizer=OptimizerConfig(lr=5e-3), head_warmup=0.0)
+    out = pretrain.run(config, {"pack": pack_of}, tmp_path / "out", make_ctx())
+    assert out["peak_lr"] == 1.5e-3
+    lrs = [m["lr"] for m in metrics(tmp_path / "out")]
+    assert max(lrs) <= 1.5e-3 and max(lrs) > 1.5e-3 / 4  # the schedule runs over the capped peak
+
+
+REFUSALS = {
+    "without-init": (
+        ['pretrain.init=""', "pretrain.init_lr=1e-4"],
+        r"^error: pretrain\.init_lr: 0\.0001 is the peak lr of continuing `pretrain\.init`'s checkpoint, and the run "
+        r"has no init",
+    ),
+    "not-positive": (["pretrain.init_lr=0.0"], r"pretrain\] init_lr: 0\.0 must be > 0, or 'auto'"),
+}
+
+
+@pytest.mark.parametrize("how", list(REFUSALS))
+def test_bad_init_lrs_are_refused_before_any_stage(tmp_path, monkeypatch, headless, how):
+    refused_before_any_stage(tmp_path, monkeypatch, headless, *REFUSALS[how])
