@@ -203,7 +203,6 @@ def refused_before_any_stage(tmp_path: Path, monkeypatch, checkpoint: Path, over
     result = cram("run", "pipeline.toml", *[a for o in overrides for a in ("--set", o)])
     assert result.exit_code == 2, result.output
     assert len(result.output.strip().splitlines()) == 1 and re.search(message, result.output), result.output
-    assert not list(tmp_path.glob("runs/*/manifest.json")), "a stage ran"
     assert not (tmp_path / "runs").exists()
 
 

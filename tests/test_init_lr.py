@@ -5,6 +5,7 @@ one it lowers trains (and is keyed) at the lower rate; an init_lr without init i
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,16 @@ def test_the_continuation_rate_is_by_width_for_a_masked_lm_and_lowest_for_a_sent
     for hidden, rate in ((16, 1.5e-3), (128, 1.5e-3), (256, 7.5e-4), (768, 2.5e-4)):
         assert start.continuation_lr(masked_lm, ModelConfig(hidden=hidden, heads=2)) == pytest.approx(rate)
     assert start.continuation_lr(st, ModelConfig(hidden=384, heads=2)) == pytest.approx(1e-4 / 3)
+
+
+def test_a_cram_checkpoints_width_comes_from_its_model_json_alone(tmp_path):
+    """Planning a continued run reads no weights of a cram checkpoint for its lr (a large one would be hashed)."""
+    folder = tmp_path / "export"
+    folder.mkdir()
+    cfg = ModelConfig(vocab_size=64, hidden=256, layers=1, heads=2, intermediate=64, max_seq_len=16)
+    (folder / "model.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    (folder / "params.safetensors").write_bytes(b"not read")
+    assert start.peak_lr(at(5e-3, folder)) == pytest.approx(7.5e-4)
 
 
 def test_auto_caps_a_from_scratch_lr_and_keeps_a_lower_one(headless, sentence):

@@ -19,10 +19,11 @@ if TYPE_CHECKING:
     from cram.stages.pretraining.state import Params, TrainState
 
 # Peak lrs of continuing a checkpoint on its task's text, as measured (bench/README.md, "adapt"). A masked-LM
-# encoder 128 wide gained most at 1.5e-3 (+7.4 and +8.6 points over not continuing; 5e-4 within the seeds'
-# spread); wider ones get that rate times 128 / hidden, as peak lrs shrink with width (2.5e-4 at 768, between
-# TAPT's 1e-4 for RoBERTa-base and BioClinical ModernBERT's 3e-4). A sentence encoder loses accuracy at any
-# rate tried and least at 3.3e-5 (all-MiniLM-L6-v2: -1.2 points, inside the spread; 1e-4: -4.0).
+# encoder 128 wide gained most at 1.5e-3 (+15.0 and +16.2 points over not continuing, own head and headless;
+# 5e-4 within the seeds' spread); wider ones get that rate times 128 / hidden, as peak lrs shrink with width
+# (2.5e-4 at 768, between TAPT's 1e-4 for RoBERTa-base and BioClinical ModernBERT's 3e-4). A sentence
+# encoder gained at no rate tried and lost nothing beyond the spread at 3.3e-5 (all-MiniLM-L6-v2: +0.4;
+# 1e-4: -4.0).
 MASKED_LM_LR = 1.5e-3
 MASKED_LM_LR_WIDTH = 128
 SENTENCE_ENCODER_LR = 1e-4 / 3
@@ -94,7 +95,7 @@ def peak_lr(config: Any) -> float:
         return config.init_lr
     found = locate_init(config)
     try:
-        cfg, _ = pretrained.load(found, shapes_only=True)
+        cfg = pretrained.architecture(found)
     except pretrained.PretrainedError as e:
         raise StageError(f"pretrain.init: {e}") from None
     return min(config.optimizer.lr, continuation_lr(found, cfg))

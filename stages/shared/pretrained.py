@@ -81,6 +81,14 @@ def fingerprint(found: Pretrained) -> list[list[str]]:
     return [[f.name, known_hash(f)] for f in (found.config_file, *found.weights)]
 
 
+def architecture(found: Pretrained) -> ModelConfig:
+    """The checkpoint's ModelConfig: a cram one's from its `model.json` alone (its weights neither read nor
+    hashed), a transformers one's from its config and the weights' headers (`load(shapes_only=True)`)."""
+    if found.kind == "cram":
+        return _cram_config(found)
+    return load(found, shapes_only=True)[0]
+
+
 def load(found: Pretrained, shapes_only: bool = False) -> tuple[ModelConfig, dict[str, Tensor]]:
     """The checkpoint's ModelConfig and fp32 params under cram's names. `shapes_only`: meta tensors
     read from the files' headers alone (of their dtype), to check a checkpoint in a moment whatever its
@@ -91,10 +99,7 @@ def load(found: Pretrained, shapes_only: bool = False) -> tuple[ModelConfig, dic
     _check_stored(found)
     headers = {path: _header(path) for path in found.weights}
     if found.kind == "cram":
-        try:
-            cfg = ModelConfig.from_json(found.config_file)
-        except ModelConfigError as e:
-            raise PretrainedError(str(e)) from None
+        cfg = _cram_config(found)
         params = _read_weights(headers, set() if shapes_only else None)
         _check_cram_params(found, cfg, params)
     else:
@@ -111,6 +116,13 @@ def load(found: Pretrained, shapes_only: bool = False) -> tuple[ModelConfig, dic
     if not shapes_only:
         _check_finite(found, params)
     return cfg, params
+
+
+def _cram_config(found: Pretrained) -> ModelConfig:
+    try:
+        return ModelConfig.from_json(found.config_file)
+    except ModelConfigError as e:
+        raise PretrainedError(str(e)) from None
 
 
 def _check_stored(found: Pretrained) -> None:
