@@ -10,8 +10,10 @@ documents, tokenize's format, in a temporary folder (under `--dir`) removed afte
 fresh process, after its imports (the stage's own figure). `--against SRC` (repeatable): a folder holding another
 checkout's packages as `SRC/cram/{model,pipeline,stages}` (e.g. made with `git archive`), run
 interleaved with this tree (this, SRC, this, SRC, ...): CPU time, which other load disturbs far less
-than wall time on a shared machine, is the figure to compare. `--cold`: the shards are dropped from the
-page cache before each pack, so that it reads them from disk, as after tokenizing 10 GB on a small machine.
+than wall time on a shared machine, is the figure to compare. Each pack starts with the earlier ones'
+writes on disk (a `sync`), so that their write-back does not land in it, and with the shards read into
+the page cache, as right after tokenize. `--cold`: the shards are dropped from the page cache instead,
+so that pack reads them from disk, as after tokenizing 10 GB on a small machine.
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ def main() -> None:
             for name, source in [("this tree", None), *((str(other), other) for other in args.against)]:
                 env = {**os.environ, **({"PYTHONPATH": str(source)} if source else {})}
                 out = Path(tmp) / "pack"
-                if args.cold:
-                    _drop_from_cache(Path(tmp) / "tokenize" / "tokens")
+                os.sync()
+                _cache(Path(tmp) / "tokenize" / "tokens", keep=not args.cold)
                 done = subprocess.run(
                     [sys.executable, __file__, "--child", str(Path(tmp) / "tokenize"), str(out)],
                     capture_output=True,
@@ -75,14 +77,18 @@ def main() -> None:
                 )
 
 
-def _drop_from_cache(folder: Path) -> None:
-    """As at 10 GB of text, where tokenize's shards were written long before pack and the page cache of
-    a small machine no longer holds them: pack reads them from disk."""
+def _cache(folder: Path, keep: bool) -> None:
+    """The shards read into the page cache (`keep`), as right after tokenize, or dropped from it, as at
+    10 GB of text, where tokenize wrote them long before pack and the page cache of a small machine no
+    longer holds them."""
     for path in folder.glob("*.arrow"):
         fd = os.open(path, os.O_RDONLY)
         try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if keep:
+                while os.read(fd, 16 << 20):
+                    pass
+            else:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
 

@@ -5,20 +5,21 @@ training documents; each split is concatenated with boundary tokens and cut into
 `seq_len` tokens, its last partial block dropped, so no batch ever holds padding. Each split is
 one `.npy` array [blocks, seq_len]: pretraining reads a batch as one slice of a memory map.
 
-Out of core, in two streaming passes: the first reads the token shards a batch at a time into one
-flat scratch file of ids, and each document's end offset and hash into two more; the second gathers
-the shuffled documents a chunk of ~4M tokens at a time from that file, memory-mapped (its pages
-dropped from RSS every ~256 MB read), and appends each chunk to the `.npy` file. The shards once read
-and the rows once written are dropped from the page cache, so that at 10 GB the ids file has it to
-itself. Every per-document array (offsets, hashes, the de-duplicated and the shuffled order) is a
-memory-mapped file built a block at a time (`stages/data/scratch.py`), so anonymous memory grows
-neither with the number of tokens nor with the number of documents.
+Out of core, in two streaming passes: the first reads the token shards a batch at a time and writes
+each document's end offset, hash and place in its shard; the second gathers the shuffled documents a
+chunk of ~4M tokens at a time from the shards themselves, memory-mapped (`stages/data/token_map.py`),
+and appends each chunk to the `.npy` file. Where the shards would outgrow the page cache, the first
+pass also writes a compact copy of the ids, which the second reads instead. The rows once written are
+dropped from the page cache, which keeps it for the ids. Every per-document array (offsets, hashes,
+the de-duplicated and the shuffled order) is a memory-mapped file built a block at a time
+(`stages/data/scratch.py`), so anonymous memory grows neither with the number of tokens nor with the
+number of documents.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import mmap
 import os
 import shutil
 import time
@@ -28,7 +29,7 @@ from typing import Any, Literal
 
 from cram.stages import Context, StageError, Upstream
 from cram.stages.data import scratch, shards
-from cram.stages.shared.runs import gather_runs
+from cram.stages.data.token_map import MappedIds, can_read_in_place, positions_in
 
 NAME = "pack"
 VERSION = "1"
@@ -40,8 +41,7 @@ CHUNK_TOKENS = 1 << 22  # tokens gathered and written at a time
 # Documents (with their boundary tokens) at least this long on average are copied a slice each,
 # shorter ones gathered through an index: the cost per token of the two crosses near here.
 LONG_DOCUMENTS = 128
-RESIDENT_BYTES = 256 << 20  # pages of the memory-mapped ids read before they are dropped from RSS
-_FAULT_AROUND = 64 << 10  # what one page fault in a mapped file may map (Linux's fault_around_bytes)
+WRITTEN_BYTES = 256 << 20  # rows written before they are dropped from the page cache
 
 
 @dataclass(frozen=True)
@@ -72,9 +72,9 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     folder = out_dir / "scratch"
     folder.mkdir()
     try:
-        offsets, keys = flatten(upstream.path("tokens"), folder, dtype, vocab_size)
+        offsets, keys, ids, in_place = _first_pass(upstream.path("tokens"), folder, vocab_size, dtype)
         n_documents, n_tokens = len(offsets) - 1, int(offsets[-1])
-        with MappedIds(folder / "ids.scratch", dtype, n_tokens) as ids:
+        with ids:
             # Empty documents would add only boundary tokens.
             nonempty = scratch.nonempty_documents(offsets, folder)
             keep = scratch.unique_documents(ids, offsets, keys, nonempty, folder) if config.dedup else nonempty
@@ -84,14 +84,9 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
             prefix = [special_ids["cls"]] if config.boundary == "cls-sep" else []
             suffix = [special_ids["sep"]]
             n_val, val_len, total = _validation_split(order, offsets, config, len(prefix) + len(suffix))
-            if (total - val_len) // config.seq_len == 0:
-                raise StageError(
-                    f"tokenize.corpus: {n_tokens} tokens in {n_keep} documents are too few for one training "
-                    f"block of pack.seq_len = {config.seq_len} after validation takes its share; use a bigger corpus"
-                )
             splits = (("val", order[:n_val], val_len), ("train", order[n_val:], total - val_len))
             shapes = {
-                split: write_blocks(out_dir / f"{split}.npy", ids, offsets, docs, size, prefix, suffix, config.seq_len)
+                split: write_blocks(out_dir / f"{split}.npy", ids, docs, size, dtype, prefix, suffix, config.seq_len)
                 for split, docs, size in splits
             }
             del order, offsets, splits
@@ -114,31 +109,50 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         "documents": n_documents,
         "duplicates_removed": n_nonempty - n_keep,
         "tokens": n_tokens,
+        "read_in_place": in_place,
         "seconds": round(seconds, 4),
         "tokens_per_s": round(n_tokens / seconds),
     }
     shapes = {"train": list(shapes["train"]), "val": list(shapes["val"])}
     (out_dir / "pack.json").write_text(json.dumps({**outputs, "shapes": shapes}, indent=1))
-    ctx.log.info("packed", **{k: v for k, v in outputs.items() if isinstance(v, (int, float))})
+    ctx.log.info("packed", **{k: v for k, v in outputs.items() if isinstance(v, (bool, int, float))})
     return outputs
 
 
-def flatten(tokens: Path, folder: Path, dtype: Any, vocab_size: int) -> tuple[Any, Any]:
-    """Pass one: every document's ids, in order, appended to the flat file `folder/ids.scratch` as `dtype`;
-    returns, as mapped arrays, each document's end offset in that file (after a leading 0) and a hash
-    of its ids (`unique_documents`' keys)."""
+def _first_pass(tokens: Path, folder: Path, vocab_size: int, dtype: Any) -> tuple[Any, Any, MappedIds, bool]:
+    """`flatten`'s arrays, where pass two reads the ids from (the shards in place, or else the compact
+    copy that pass one writes) and whether that is in place."""
     import numpy as np
+
+    paths = shards.shard_files(tokens)
+    in_place = can_read_in_place(paths)
+    copy = None if in_place else folder / "ids.scratch"
+    offsets, keys, sources = flatten(paths, folder, vocab_size, copy, dtype)
+    files, ids_dtype = (paths, np.int32) if copy is None else ([copy], dtype)
+    return offsets, keys, MappedIds(files, ids_dtype, offsets, sources), in_place
+
+
+def flatten(paths: list[Path], folder: Path, vocab_size: int, copy: Path | None, dtype: Any) -> tuple[Any, Any, Any]:
+    """Pass one: every document of the token shards `paths`, in order; returns, as mapped arrays, each
+    document's end offset in the stream of all ids (after a leading 0), a hash of its ids
+    (`unique_documents`' keys) and where its ids start (`MappedIds`' sources): in the concatenation of
+    the shards, or with `copy`, in that file, where pass one writes every id as `dtype`."""
+    import numpy as np
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     # uint64 values, so that the per-document sums need no cast of every token.
     table = np.random.default_rng(0).integers(0, 2**32, size=vocab_size, dtype=np.uint32).astype(np.uint64)
     offsets, keys = scratch.Appender(folder / "offsets", np.int64), scratch.Appender(folder / "keys", np.uint64)
+    sources = scratch.Appender(folder / "sources", np.int64)
     offsets.append(np.zeros(1, np.int64))
-    end, buffers = 0, _Buffers(dtype)
-    with open(folder / "ids.scratch", "wb") as out:
-        for path in shards.shard_files(tokens):
-            for batch in shards.read_batches(path, ("input_ids",)):
-                column = batch.column(0)
+    end, base, buffers = 0, 0, _Buffers(dtype)
+    with open(copy, "wb") if copy else contextlib.nullcontext() as out:
+        for path in paths:
+            for batch, file_delta in shards.read_batches_located(path):
+                column = batch.column("input_ids")
+                if column.type.value_type != pa.int32():
+                    raise StageError(f"{path}: token ids of type {column.type.value_type}, not int32; re-run tokenize")
                 if column.null_count:  # a null list's offsets may span values that flatten() leaves out
                     n = pc.fill_null(pc.list_value_length(column), 0).to_numpy(zero_copy_only=False)
                 else:
@@ -151,22 +165,47 @@ def flatten(tokens: Path, folder: Path, dtype: Any, vocab_size: int) -> tuple[An
                         f"{path}: token ids outside [0, vocab_size = {vocab_size}): "
                         f"the tokenize output is not from this tokenizer; re-run tokenize"
                     )
-                # Built in the buffers kept from batch to batch: fresh arrays fault their pages in anew.
+                ends = np.cumsum(n) + end
+                if out is None:
+                    sources.append(base + _first_id_at(column, file_delta, path) + column.offsets.to_numpy()[:-1])
+                else:
+                    sources.append(ends - n)
+                    _write_as(ids, dtype, out, buffers)
+                # Built in the buffer kept from batch to batch: fresh arrays fault their pages in anew.
                 values = buffers.values(len(ids))
                 np.take(table, ids, out=values, mode="clip")  # "clip": unbuffered (and checked above)
-                if np.dtype(dtype).itemsize == ids.itemsize:
-                    scratch.write(ids, out)  # int32 ids: the same bytes
-                else:
-                    cast = buffers.take(len(ids))[1]
-                    np.copyto(cast, ids, casting="unsafe")
-                    scratch.write(cast, out)
-                ends = np.cumsum(n) + end
                 offsets.append(ends)
                 end = int(ends[-1]) if len(ends) else end
                 keys.append(_document_hashes(values, n))
-            with open(path, "rb") as shard:
-                _drop_cached(shard)  # read once
-    return offsets.mapped(), keys.mapped()
+            base += positions_in(path, np.int32)
+            if out is not None:
+                with open(path, "rb") as shard:
+                    _drop_cached(shard)  # read once
+    return offsets.mapped(), keys.mapped(), sources.mapped()
+
+
+def _write_as(ids: Any, dtype: Any, out: Any, buffers: _Buffers) -> None:
+    """Append the int32 `ids` (viewed as uint32) to the open file `out` as `dtype`."""
+    import numpy as np
+
+    if np.dtype(dtype).itemsize == ids.itemsize:
+        scratch.write(ids, out)  # int32 ids: the same bytes
+    else:
+        cast = buffers.take(len(ids))[1]
+        np.copyto(cast, ids, casting="unsafe")
+        scratch.write(cast, out)
+
+
+def _first_id_at(column: Any, file_delta: int, path: Path) -> int:
+    """Where the list column's values start in the shard file `path`, in ids (`file_delta`: the shard's
+    offset of a buffer's address, `shards.read_batches_located`)."""
+    values = column.values
+    if len(values) == 0:
+        return 0
+    at = values.buffers()[1].address + file_delta + 4 * values.offset
+    if at % 4:
+        raise StageError(f"{path}: token ids not 4-byte aligned in the file; re-run tokenize")
+    return at // 4
 
 
 def _drop_cached(file: Any) -> None:
@@ -194,126 +233,80 @@ def _document_hashes(values: Any, lengths: Any) -> Any:
         return sums + lengths.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
 
 
-class MappedIds:
-    """The flat scratch file of ids as a read-only array over a memory map. A memory map's pages
-    count in the process's RSS until they are dropped, and a pass over a 10 GB file would "use"
-    10 GB: `touched(n)` drops the pages read so far (the page cache keeps them) once about
-    RESIDENT_BYTES have been read since the last drop. Dropping after every chunk would cost a page
-    fault per document read, a third of pack's time on a small corpus."""
-
-    def __init__(self, path: Path, dtype: Any, count: int):
-        self.path, self.dtype, self.count = path, dtype, count
-        self._read = 0
-
-    def __enter__(self) -> MappedIds:
-        import numpy as np
-
-        self._file = open(self.path, "rb")
-        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if self.count else None
-        self.array = np.frombuffer(self._map, self.dtype, self.count) if self._map else np.zeros(0, self.dtype)
-        return self
-
-    def __getitem__(self, index: Any) -> Any:
-        return self.array[index]
-
-    def touched(self, tokens: int, documents: int = 1) -> None:
-        # Scattered documents touch whole pages, and a page fault maps the cached pages around it too
-        # (the kernel's fault-around, 64 KB): count the larger of twice the bytes and that per document.
-        self._read += max(2 * tokens * self.array.itemsize, documents * _FAULT_AROUND)
-        if self._read >= RESIDENT_BYTES and self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
-            self._map.madvise(mmap.MADV_DONTNEED)
-            self._read = 0
-
-    def __exit__(self, *exc: Any) -> None:
-        del self.array
-        try:
-            if self._map is not None:
-                self._map.close()
-        except BufferError:
-            pass  # a view into the map is still alive (an exception's traceback): it closes with the view
-        self._file.close()
-
-
 def write_blocks(
-    path: Path, ids: MappedIds, offsets: Any, docs: Any, size: int, prefix: list[int], suffix: list[int], seq_len: int
+    path: Path, ids: MappedIds, docs: Any, size: int, dtype: Any, prefix: list[int], suffix: list[int], seq_len: int
 ) -> tuple[int, int]:
     """Pass two, for one split: the documents `docs`, in that order, each wrapped in prefix and
     suffix tokens (`size` tokens in all), cut into rows of seq_len (the remainder that does not fill a
-    row is dropped) and written to the `.npy` file `path` a chunk at a time. Returns the array's shape.
+    row is dropped) and written as `dtype` to the `.npy` file `path` a chunk at a time. Returns the
+    array's shape.
 
     The file is written with plain writes after its header, not through `open_memmap`: the pages
     of a writable memory map stay in the process's RSS until it is closed."""
     import numpy as np
 
     shape = (size // seq_len, seq_len)
-    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(ids.dtype)), "fortran_order": False, "shape": shape}
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": shape}
     remaining, wrap, unadvised = shape[0] * seq_len, len(prefix) + len(suffix), 0
     with open(path, "wb") as out:
         np.lib.format.write_array_header_1_0(out, header)
-        buffers = _Buffers(ids.dtype)
+        buffers = _Buffers(dtype, ids.dtype)
         for block_start, block_stop in scratch.blocks(len(docs)):
             part = docs[block_start:block_stop]
-            starts = offsets[part]
-            lengths = offsets[part + 1] - starts
+            sources = ids.sources[part]
+            lengths = ids.offsets[part + 1] - ids.offsets[part]
             ends = np.cumsum(lengths + wrap)
             first = 0
             while first < len(part) and remaining > 0:
                 # The documents that end within CHUNK_TOKENS of this chunk's start (at least one).
                 start = int(ends[first - 1]) if first else 0
                 last = max(first + 1, int(np.searchsorted(ends, start + CHUNK_TOKENS, side="right")))
-                chunk = wrapped(ids, starts[first:last], lengths[first:last], prefix, suffix, buffers)[:remaining]
+                chunk = wrapped(ids, sources[first:last], lengths[first:last], prefix, suffix, buffers)[:remaining]
                 scratch.write(chunk, out)
                 remaining -= len(chunk)
                 first = last
-                ids.touched(len(chunk))
                 unadvised += chunk.nbytes
-                if unadvised >= RESIDENT_BYTES:  # a small output stays cached for pretrain to read
+                if unadvised >= WRITTEN_BYTES:  # a small output stays cached for pretrain to read
                     _drop_cached(out)
                     unadvised = 0
     return shape
 
 
-def wrapped(ids: MappedIds, starts: Any, lengths: Any, prefix: list[int], suffix: list[int], reuse: Any = None) -> Any:
-    """The documents at `starts` of `lengths` tokens, in that order, each wrapped in prefix and suffix
-    tokens, as one flat array: one gather of each document with as many ids around it as it has
-    boundary tokens (clipped to the file at its ends), then the boundary tokens written over those; no
-    Python work per token, and no mask or second copy of the chunk. `reuse`: a `_Buffers` to build it in."""
+def wrapped(ids: MappedIds, sources: Any, lengths: Any, prefix: list[int], suffix: list[int], reuse: Any = None) -> Any:
+    """The documents at `sources` of `lengths` tokens, in that order, each wrapped in prefix and suffix
+    tokens, as one flat array of `reuse`'s dtype (the ids' without it): the documents gathered in the
+    ids' dtype (in place when it is the output's), cast once, and the boundary tokens written in the
+    slots left between them. `reuse`: a `_Buffers` to build it in."""
     import numpy as np
 
+    buffers = reuse or _Buffers(ids.dtype, ids.dtype)
     wrap = len(prefix) + len(suffix)
-    size = int(lengths.sum()) + wrap * len(starts)
-    index, out = (None, np.empty(size, ids.dtype)) if reuse is None else reuse.take(size)
+    size = int(lengths.sum()) + wrap * len(sources)
+    index, out, gathered = buffers.take(size)
     if size == 0:
         return out
-    at = np.cumsum(lengths + wrap) - (lengths + wrap)  # where each wrapped document starts
-    if size >= LONG_DOCUMENTS * len(starts):
-        # Long documents: a slice copy each (a memcpy) costs less than building and reading an index
-        # for every token (bench/README.md, "Pack"); the boundary slots are written below. Slices of
-        # memoryviews of bytes, which cost ~0.3 us less per document than numpy's slices.
-        item = out.itemsize
-        places = zip(((at + len(prefix)) * item).tolist(), (starts * item).tolist(), (lengths * item).tolist())
-        with memoryview(ids.array) as whole, whole.cast("B") as source, memoryview(out) as part, part.cast("B") as to_:
-            for to, start, length in places:
-                to_[to : to + length] = source[start : start + length]
-    else:
-        np.take(ids.array, gather_runs(starts - len(prefix), lengths + wrap, index), mode="clip", out=out)
+    at = np.cumsum(lengths + wrap) - (lengths + wrap) + len(prefix)  # where each document's ids go
+    ids.gather(sources, lengths, at, gathered, LONG_DOCUMENTS, index)
+    if gathered is not out:
+        np.copyto(out, gathered, casting="unsafe")  # ids below the vocab size, which fits the dtype
     for k, token in enumerate(prefix):
-        out[at + k] = token
+        out[at - len(prefix) + k] = token
     for k, token in enumerate(suffix):
-        out[at + len(prefix) + lengths + k] = token
+        out[at + lengths + k] = token
     return out
 
 
 class _Buffers:
-    """The index and output arrays of `wrapped` (and `flatten`'s cast ids and hash values), kept from
-    chunk to chunk (grown when one needs more): fresh arrays of this size come from the system each
-    time, their pages faulted in anew."""
+    """The arrays of `wrapped` (an index, the output and the ids gathered before their cast) and of
+    `flatten` (hash values, cast ids), kept from chunk to chunk (grown when one needs more): fresh
+    arrays of this size come from the system each time, their pages faulted in anew."""
 
-    def __init__(self, dtype: Any):
+    def __init__(self, dtype: Any, source: Any = None):
         import numpy as np
 
-        self.dtype = dtype
-        self.index, self.out, self.hashed = np.empty(0, np.intp), np.empty(0, dtype), np.empty(0, np.uint64)
+        self.dtype, self.source = np.dtype(dtype), np.dtype(source or dtype)
+        self.index, self.out, self.gathered = np.empty(0, np.intp), np.empty(0, dtype), np.empty(0, self.source)
+        self.hashed = np.empty(0, np.uint64)
 
     def values(self, size: int) -> Any:
         """A uint64 array of `size`, for `flatten`'s hash values."""
@@ -323,12 +316,19 @@ class _Buffers:
             self.hashed = np.empty(size, np.uint64)
         return self.hashed[:size]
 
-    def take(self, size: int) -> tuple[Any, Any]:
+    def take(self, size: int) -> tuple[Any, Any, Any]:
+        """An index, an output array of the dtype and one of the source dtype to gather into (the output
+        itself when the two are one), each of `size`."""
         import numpy as np
 
         if size > len(self.out):
-            self.index, self.out = np.empty(size, np.intp), np.empty(size, self.dtype)
-        return self.index, self.out[:size]
+            # With room to spare: chunks grow a little at a time, and the old arrays live on until the
+            # caller drops the last chunk.
+            self.index = self.out = self.gathered = None
+            room = size + size // 8
+            self.index, self.out = np.empty(room, np.intp), np.empty(room, self.dtype)
+            self.gathered = self.out if self.source == self.dtype else np.empty(room, self.source)
+        return self.index, self.out[:size], self.gathered[:size]
 
 
 def _validation_split(order: Any, offsets: Any, config: Config, wrap: int) -> tuple[int, int, int]:
@@ -344,6 +344,11 @@ def _validation_split(order: Any, offsets: Any, config: Config, wrap: int) -> tu
         sizes = np.cumsum(scratch.wrapped_lengths(order[: config.seq_len], offsets, wrap))
         n_val = int(np.searchsorted(sizes, config.seq_len)) + 1
         val_len = int(sizes[n_val - 1]) if n_val <= len(sizes) else total
+    if n_val < len(order) and (total - val_len) // config.seq_len == 0:
+        raise StageError(
+            f"tokenize.corpus: {int(offsets[-1])} tokens in {len(order)} documents are too few for one training "
+            f"block of pack.seq_len = {config.seq_len} after validation takes its share; use a bigger corpus"
+        )
     if n_val >= len(order):
         if len(order) == 1 and total >= 2 * config.seq_len:  # enough tokens: it is the documents that are few
             raise StageError(

@@ -181,7 +181,7 @@ def test_a_disk_that_fills_during_pack_removes_the_partial_entry_and_keeps_earli
     monkeypatch.setattr(pack, "open", Full, raising=False)
     result = cram("run", "pipeline.toml", "--only", "pack", "--set", "pack.seq_len=32")
     assert result.exit_code == 1, result.output
-    assert "ids.scratch: No space left on device while pack wrote it" in result.output
+    assert ".npy: No space left on device while pack wrote it" in result.output
     assert _store_items(tmp_path) == before  # the new key's partial removed; tokenize and the first pack kept
     assert os.readlink(run / "pack") == first_pack
     assert store.verify(run / "pack", json.loads((run / "manifest.json").read_text())["stages"]["pack"]["key"]) is None

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from cram.stages import StageError, Upstream, pack
-from cram.stages.data import scratch
+from cram.stages.data import scratch, token_map
+from cram.stages.shared.runs import gather_runs
 from cram.stages.shared.special import SPECIAL_IDS
 
 REPO = Path(__file__).parent.parent
@@ -101,15 +102,18 @@ def reference_pack(
     return files
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["shards-in-place", "compact-copy"])
 @pytest.mark.parametrize("long_documents", [1, 1 << 30], ids=["slice-copies", "index-gather"])
 @pytest.mark.parametrize("chunk_tokens", [1, 37, 1 << 22])
 def test_chunked_out_of_core_pack_writes_exactly_what_an_in_memory_pack_does(
-    tmp_path, make_ctx, monkeypatch, chunk_tokens, long_documents
+    tmp_path, make_ctx, monkeypatch, chunk_tokens, long_documents, in_place
 ):
     monkeypatch.setattr(pack, "CHUNK_TOKENS", chunk_tokens)
     monkeypatch.setattr(pack, "LONG_DOCUMENTS", long_documents)  # each chunk copied either way
+    if not in_place:  # as when the shards would outgrow the page cache
+        monkeypatch.setattr(token_map, "memory_available", lambda: 0)
     if chunk_tokens < 100:
-        monkeypatch.setattr(pack, "RESIDENT_BYTES", 64)  # the mapped pages are dropped again and again
+        monkeypatch.setattr(pack, "WRITTEN_BYTES", 64)  # the rows dropped from the page cache again and again
         # The per-document arrays built and read in blocks of 7 documents, de-duplication in 64 buckets.
         monkeypatch.setattr(scratch, "DOCUMENTS", 7)
         monkeypatch.setattr(scratch, "BUCKET_DOCUMENTS", 5)
@@ -124,7 +128,31 @@ def test_chunked_out_of_core_pack_writes_exactly_what_an_in_memory_pack_does(
         for split in ("train", "val"):
             assert (out / f"{split}.npy").read_bytes() == expected[split], (name, split)
         assert outputs["duplicates_removed"] == (22 if dedup else 0)  # 2 copies of [7, 8, 9], 20 repeated docs
+        assert outputs["read_in_place"] is in_place
         assert sorted(p.name for p in out.iterdir()) == ["pack.json", "train.npy", "val.npy"]  # no scratch left
+
+
+def test_shards_past_the_open_file_limit_are_read_from_a_compact_copy(tmp_path, make_ctx, monkeypatch):
+    import resource
+
+    docs = random_documents(80, seed=6)
+    upstream = make_tokens(tmp_path, docs, shards=4)
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (5, 5))  # no room for 4 more open files
+    out, outputs = run(upstream, tmp_path, make_ctx, val_fraction=0.05)
+    expected = reference_pack(docs, 0, 16, 0.05, "cls-sep", True)
+    assert [(out / f"{s}.npy").read_bytes() for s in ("train", "val")] == [expected["train"], expected["val"]]
+    assert outputs["read_in_place"] is False
+
+
+def test_a_soft_open_file_limit_is_raised_to_read_the_shards_in_place(tmp_path, make_ctx, monkeypatch):
+    import resource
+
+    raised = []
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (5, resource.RLIM_INFINITY))
+    monkeypatch.setattr(resource, "setrlimit", lambda kind, limits: raised.append(limits))
+    out, outputs = run(make_tokens(tmp_path, random_documents(80, seed=6), shards=4), tmp_path, make_ctx)
+    assert outputs["read_in_place"] is True
+    assert raised == [(4 + 256, resource.RLIM_INFINITY)]
 
 
 def test_a_null_document_is_an_empty_one(tmp_path, make_ctx):
@@ -134,6 +162,39 @@ def test_a_null_document_is_an_empty_one(tmp_path, make_ctx):
     expected = reference_pack(docs[:30] + [[]] + docs[30:], 0, 16, 0.05, "cls-sep", True)
     assert [(out / f"{s}.npy").read_bytes() for s in ("train", "val")] == [expected["train"], expected["val"]]
     assert outputs["documents"] == 61
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["shards-in-place", "compact-copy"])
+def test_ids_under_a_null_list_are_skipped_where_the_batch_holds_them(tmp_path, make_ctx, monkeypatch, in_place):
+    """Arrow lets a null list's offsets span ids that belong to no document, and keeps those ids in the
+    file: pass two must find each later document where its batch put it, not where a count of ids says."""
+    import pyarrow as pa
+
+    from cram.stages.data import shards
+
+    if not in_place:
+        monkeypatch.setattr(token_map, "memory_available", lambda: 0)
+    docs = random_documents(90, seed=7)
+    folder, names, kept = tmp_path / "tokenize" / "tokens", [], []
+    folder.mkdir(parents=True)
+    for n, part in enumerate((docs[:40], docs[40:])):
+        names.append(f"data-{n:05d}.arrow")
+        with shards.ShardWriter(folder / names[-1], shards.TOKENS) as writer:
+            for first in range(0, len(part), 15):
+                batch = part[first : first + 15]
+                values = [99, 98] + [t for d in batch for t in d]  # a null list's ids, then the documents'
+                ends = np.cumsum([0, 2] + [len(d) for d in batch]).tolist()
+                mask = pa.array([True] + [False] * len(batch))
+                writer.write(
+                    {"input_ids": pa.ListArray.from_arrays(pa.array(ends), pa.array(values, pa.int32()), mask=mask)}
+                )
+                kept += [[]] + batch
+    shards.finish_folder(folder, names, shards.TOKENS)
+    upstream = Upstream(tmp_path / "tokenize", {"tokens": "tokens", "vocab_size": 1000, "special_ids": SPECIAL_IDS})
+    out, outputs = run(upstream, tmp_path, make_ctx, val_fraction=0.05)
+    expected = reference_pack(kept, 0, 16, 0.05, "cls-sep", True)
+    assert [(out / f"{s}.npy").read_bytes() for s in ("train", "val")] == [expected["train"], expected["val"]]
+    assert outputs["read_in_place"] is in_place
 
 
 @pytest.mark.parametrize("bad_id", [1000, -1])
@@ -223,7 +284,7 @@ def test_documents_of_one_length_spread_over_the_dedup_buckets(tmp_path):
 def test_gather_runs_matches_a_loop():
     starts, lengths = np.array([10, 0, 5, 3, 40]), np.array([3, 0, 2, 1, 4])
     expected = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
-    assert pack.gather_runs(starts, lengths).tolist() == expected.tolist()
+    assert gather_runs(starts, lengths).tolist() == expected.tolist()
 
 
 @pytest.mark.slow

@@ -90,7 +90,7 @@ def unique_documents(ids: Any, offsets: Any, keys: Any, docs: Any, folder: Path)
     """The documents `docs` (ascending) without exact duplicates (same ids), each kept at its first
     occurrence, as a mapped array. Documents are partitioned by the top bits of their hash (`keys`)
     into bucket files, then each bucket is sorted and searched for equal hashes on its own; documents
-    with equal hashes are compared id for id (`ids[a:b]`, `ids.touched(n)`), so a hash collision
+    with equal hashes are compared id for id (`ids.document(d)`), so a hash collision
     never removes a distinct document."""
     import numpy as np
 
@@ -110,7 +110,7 @@ def unique_documents(ids: Any, offsets: Any, keys: Any, docs: Any, folder: Path)
             buckets[b].append(records[first:last])
     dropped = mapped(folder / "dropped", np.bool_, len(offsets) - 1, writable=True)
     for bucket in buckets:
-        _drop_duplicates(ids, offsets, bucket.mapped(), dropped)
+        _drop_duplicates(ids, bucket.mapped(), dropped)
         bucket.path.unlink()
     out = Appender(folder / "unique", np.int64)
     for start, stop in blocks(len(docs)):
@@ -132,7 +132,7 @@ def bucket_of(keys: Any, n_buckets: int) -> Any:
     return (mixed >> np.uint64(65 - n_buckets.bit_length())).astype(np.intp)
 
 
-def _drop_duplicates(ids: Any, offsets: Any, records: Any, dropped: Any) -> None:
+def _drop_duplicates(ids: Any, records: Any, dropped: Any) -> None:
     """Marks in `dropped` every document of one bucket that repeats an earlier one id for id."""
     import numpy as np
 
@@ -145,11 +145,10 @@ def _drop_duplicates(ids: Any, offsets: Any, records: Any, dropped: Any) -> None
     for group in np.flatnonzero(sizes > 1):
         kept: list[Any] = []
         for doc in docs[starts[group] : starts[group] + sizes[group]].tolist():
-            tokens = ids[offsets[doc] : offsets[doc + 1]]
+            tokens = ids.document(doc)
             dropped[doc] = any(np.array_equal(tokens, other) for other in kept)
             if not dropped[doc]:
                 kept.append(tokens)
-            ids.touched(len(tokens))
 
 
 def shuffled(docs: Any, seed: int, folder: Path) -> Any:

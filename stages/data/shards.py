@@ -89,6 +89,20 @@ def shard_files(folder: Path) -> list[Path]:
     return [folder / entry["filename"] for entry in state["_data_files"]]
 
 
+def read_batches_located(path: Path) -> Iterator[tuple[Any, int]]:
+    """The record batches of one shard, read into memory one at a time, each with the number to add
+    to one of its buffers' `address` for that buffer's byte offset in the file: a stream file holds
+    each batch's buffers as they are in memory, so the file can be memory-mapped and read in place."""
+    import pyarrow as pa
+
+    with pa.OSFile(str(path)) as source:
+        messages = pa.ipc.MessageReader.open_stream(source)
+        schema = pa.ipc.read_schema(messages.read_next_message())
+        for message in messages:
+            body_at = source.tell() - message.body.size  # a message ends with its body
+            yield pa.ipc.read_record_batch(message, schema), body_at - message.body.address
+
+
 def read_batches(path: Path, columns: tuple[str, ...] | None = None) -> Iterator[Any]:
     """The record batches of one shard (an Arrow stream file), read into memory one at a time."""
     import pyarrow as pa
