@@ -115,7 +115,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     }
     shapes = {"train": list(shapes["train"]), "val": list(shapes["val"])}
     (out_dir / "pack.json").write_text(json.dumps({**outputs, "shapes": shapes}, indent=1))
-    ctx.log.info("packed", **{k: v for k, v in outputs.items() if isinstance(v, (bool, int, float))})
+    ctx.log.info("packed", **{k: v for k, v in outputs.items() if isinstance(v, (int, float))})
     return outputs
 
 
@@ -272,14 +272,13 @@ def write_blocks(
     return shape
 
 
-def wrapped(ids: MappedIds, sources: Any, lengths: Any, prefix: list[int], suffix: list[int], reuse: Any = None) -> Any:
+def wrapped(ids: MappedIds, sources: Any, lengths: Any, prefix: list[int], suffix: list[int], buffers: _Buffers) -> Any:
     """The documents at `sources` of `lengths` tokens, in that order, each wrapped in prefix and suffix
-    tokens, as one flat array of `reuse`'s dtype (the ids' without it): the documents gathered in the
-    ids' dtype (in place when it is the output's), cast once, and the boundary tokens written in the
-    slots left between them. `reuse`: a `_Buffers` to build it in."""
+    tokens, as one flat array of the dtype of `buffers` (which it is built in): the documents gathered
+    in the ids' dtype (in place when it is the output's), cast once, and the boundary tokens written in
+    the slots left between them."""
     import numpy as np
 
-    buffers = reuse or _Buffers(ids.dtype, ids.dtype)
     wrap = len(prefix) + len(suffix)
     size = int(lengths.sum()) + wrap * len(sources)
     index, out, gathered = buffers.take(size)

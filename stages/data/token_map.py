@@ -11,6 +11,7 @@ not in its anonymous memory, and the kernel can reclaim them.
 
 from __future__ import annotations
 
+import bisect
 import mmap
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,7 @@ class MappedIds:
             else:
                 self.arrays.append(np.zeros(0, self.dtype))
         self.bases = np.cumsum([0] + [len(a) for a in self.arrays])
+        self._base_list = self.bases.tolist()  # for one document at a time: bisect costs less than numpy
         self._bytes = [memoryview(a).cast("B") for a in self.arrays]
         return self
 
@@ -84,8 +86,9 @@ class MappedIds:
 
     def document(self, doc: int) -> Any:
         """The ids of document `doc`."""
-        length = int(self.offsets[doc + 1] - self.offsets[doc])
-        (which,), (start,) = self.locate(self.sources[doc : doc + 1])
+        length, source = int(self.offsets[doc + 1] - self.offsets[doc]), int(self.sources[doc])
+        which = bisect.bisect_right(self._base_list, source) - 1
+        start = source - self._base_list[which]
         return self.arrays[which][start : start + length]
 
     def gather(self, sources: Any, lengths: Any, at: Any, out: Any, long_documents: int, index: Any = None) -> None:
