@@ -14,7 +14,9 @@ token counts. Each model trains once per lr of `--lrs`; its best final loss is i
    hits all alike. The peers' sparse steps feed only the masked rows to their MLM head (BERT's
    `cls`, ModernBERT's `head` + `decoder`, as its `sparse_prediction`), as cram does.
 2. Loss vs tokens: each model at each lr for `--tokens`, loss every `--tokens / --evals` (on a CPU
-   the eager steps train: the same arithmetic without a compile per run).
+   the eager steps train: the same arithmetic without a compile per run). `--dtype bf16` on a CPU without
+   bf16 units computes bf16's matrix products in fp32, rounded as bf16 units round (bench/bf16_emulation.py):
+   its losses are bf16's, and it times nothing, so it needs `--no-speed`.
 3. Loss at equal wall time: the time cram's first row needs for the whole budget; every other model
    trains (at its best lr) for the tokens its measured speed gives it in that time.
 
@@ -32,6 +34,7 @@ pack's length, masked at 0.25.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -51,6 +54,9 @@ from cram.stages.pretraining.batches import read_sequences
 from cram.stages.pretraining.state import TrainState
 from cram.stages.shared.blocks import blocks_of, boundary, document_ids
 from cram.stages.shared.masking import Masking, mask_seed, mask_spec, mask_tokens
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bf16_emulation import Bf16Matmuls, needed  # noqa: E402  (bench/bf16_emulation.py, beside this file)
 
 PEERS = ("bert", "modernbert")
 # per-variant training settings; the rest is ModelConfig
@@ -86,6 +92,8 @@ def main() -> None:
         data = Data(args)
         for spec in models:
             data.plan(spec)  # a phase or masking schedule that cannot run fails here, before any training
+            if spec.dtype == "bf16" and needed(data.device) and not args.no_speed:
+                raise ValueError(f"{spec.name}: bf16 on a CPU without bf16 units is emulated; pass --no-speed")
     except (ValueError, StageError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -428,8 +436,6 @@ class Trainer:
 
 
 def _autocast(device, dtype):
-    import contextlib
-
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
@@ -440,11 +446,13 @@ def run(args: argparse.Namespace, specs: list[Spec], data: Data) -> dict:
     step_tokens = args.batch * data.seq_len
     cfg = model.PRESETS[args.config]
     hf = __import__("transformers").__version__ if _has_transformers() else "not installed"
+    emulated = args.dtype == "bf16" and needed(data.device)
+    dtype = args.dtype + (" (emulated: fp32 matrix products rounded to bf16)" if emulated else "")
     print(
         f"# quality per budget: {args.config} (layers {cfg.layers}, hidden {cfg.hidden}, heads {cfg.heads}, "
         f"intermediate {cfg.intermediate}), vocab {data.meta['vocab_size']}, seq {data.seq_len}, batch {args.batch}; "
         f"{data.steps} steps = {data.steps * step_tokens / 1e6:.2f}M tokens "
-        f"of {len(data.train) * data.seq_len / 1e6:.2f}M unique; {args.dtype} on {args.device} "
+        f"of {len(data.train) * data.seq_len / 1e6:.2f}M unique; {dtype} on {args.device} "
         f"({torch.get_num_threads()} threads), torch {torch.__version__}, "
         f"transformers {hf}; held-out: {data.val_batches} fixed masked batches\n",
         flush=True,
@@ -528,8 +536,13 @@ def train(args: argparse.Namespace, spec: Spec, data: Data, lr: float, steps: in
     """Trains a fresh model for `steps`, evaluating `evals` times at even intervals, the last at the end."""
     # Loss at equal tokens does not depend on compiling; on a CPU the eager step spares a compile per run.
     trainer = Trainer(spec, args, data, compiled=data.device.type == "cuda")
-    batches, val = data.train_batches(spec), data.val_batches_()
     curve = {"tokens": [], "loss": [], "lr": lr}
+    with Bf16Matmuls() if spec.dtype == "bf16" and needed(data.device) else contextlib.nullcontext():
+        return _train(args, spec, data, trainer, lr, steps, evals, curve)
+
+
+def _train(args, spec, data, trainer, lr, steps, evals, curve) -> dict:
+    batches, val = data.train_batches(spec), data.val_batches_()
     began = time.perf_counter()
     marks = {round(k * steps / evals) for k in range(1, evals)} - {0, steps}
     for step in range(steps):

@@ -57,6 +57,7 @@ VARIANTS: dict[str, list[str]] = {
     "b16": ["pretrain.batch_size=16", "pretrain.microbatch=16"],
     "m50": ["pretrain.masking.rate=0.5"],
     "b95": ["pretrain.optimizer.betas=[0.9, 0.95]"],
+    "b32": ["pretrain.batch_size=32", "pretrain.microbatch=32", "pretrain.optimizer.lr=3e-3"],  # b16's and lr5's base
 }
 BASES = {"old": BASE, "default": []}
 # The held-out loss at one masking rate and one corruption (80/10/10), whatever each variant trained with.
