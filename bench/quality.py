@@ -92,7 +92,7 @@ def main() -> None:
         data = Data(args)
         for spec in models:
             data.plan(spec)  # a phase or masking schedule that cannot run fails here, before any training
-            if spec.dtype == "bf16" and needed(data.device) and not args.no_speed:
+            if _emulates_bf16(spec.dtype, data.device) and not args.no_speed:
                 raise ValueError(f"{spec.name}: bf16 on a CPU without bf16 units is emulated; pass --no-speed")
     except (ValueError, StageError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -446,8 +446,8 @@ def run(args: argparse.Namespace, specs: list[Spec], data: Data) -> dict:
     step_tokens = args.batch * data.seq_len
     cfg = model.PRESETS[args.config]
     hf = __import__("transformers").__version__ if _has_transformers() else "not installed"
-    emulated = args.dtype == "bf16" and needed(data.device)
-    dtype = args.dtype + (" (emulated: fp32 matrix products rounded to bf16)" if emulated else "")
+    emulated = " (emulated: fp32 matrix products rounded to bf16)" if _emulates_bf16(args.dtype, data.device) else ""
+    dtype = args.dtype + emulated
     print(
         f"# quality per budget: {args.config} (layers {cfg.layers}, hidden {cfg.hidden}, heads {cfg.heads}, "
         f"intermediate {cfg.intermediate}), vocab {data.meta['vocab_size']}, seq {data.seq_len}, batch {args.batch}; "
@@ -536,27 +536,28 @@ def train(args: argparse.Namespace, spec: Spec, data: Data, lr: float, steps: in
     """Trains a fresh model for `steps`, evaluating `evals` times at even intervals, the last at the end."""
     # Loss at equal tokens does not depend on compiling; on a CPU the eager step spares a compile per run.
     trainer = Trainer(spec, args, data, compiled=data.device.type == "cuda")
-    curve = {"tokens": [], "loss": [], "lr": lr}
-    with Bf16Matmuls() if spec.dtype == "bf16" and needed(data.device) else contextlib.nullcontext():
-        return _train(args, spec, data, trainer, lr, steps, evals, curve)
-
-
-def _train(args, spec, data, trainer, lr, steps, evals, curve) -> dict:
     batches, val = data.train_batches(spec), data.val_batches_()
+    curve = {"tokens": [], "loss": [], "lr": lr}
     began = time.perf_counter()
     marks = {round(k * steps / evals) for k in range(1, evals)} - {0, steps}
-    for step in range(steps):
-        if step in marks:
-            curve["tokens"].append(step * args.batch * data.seq_len)
-            curve["loss"].append(trainer.evaluate(val))
-        scale = model.lr_schedule(spec.schedule, step / steps)
-        loss = trainer.step(batches[step], trainer.lr(lr * scale))
-        if step % 50 == 0 and not math.isfinite(loss.item()):
-            break
-    curve["tokens"].append(steps * args.batch * data.seq_len)
-    curve["loss"].append(trainer.evaluate(val))
+    with Bf16Matmuls() if _emulates_bf16(spec.dtype, data.device) else contextlib.nullcontext():
+        for step in range(steps):
+            if step in marks:
+                curve["tokens"].append(step * args.batch * data.seq_len)
+                curve["loss"].append(trainer.evaluate(val))
+            scale = model.lr_schedule(spec.schedule, step / steps)
+            loss = trainer.step(batches[step], trainer.lr(lr * scale))
+            if step % 50 == 0 and not math.isfinite(loss.item()):
+                break
+        curve["tokens"].append(steps * args.batch * data.seq_len)
+        curve["loss"].append(trainer.evaluate(val))
     curve["seconds"] = time.perf_counter() - began
     return curve
+
+
+def _emulates_bf16(dtype: str, device: torch.device) -> bool:
+    """Whether a run in `dtype` ("fp32" or "bf16") on `device` multiplies bf16 through bench/bf16_emulation.py."""
+    return dtype == "bf16" and needed(device)
 
 
 def equal_wall_time(args, specs, data, speed, best, curves) -> dict:
