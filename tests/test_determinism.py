@@ -1,4 +1,4 @@
-"""What is bit-identical and what is within tolerance (README, "Determinism"):
+"""What is bit-identical and what is within tolerance (docs/testing.md, "Determinism"):
 
 - eager (compile = false, or the aot_eager backend): a resumed run ends bit-identical to an
   uninterrupted one, also when its newest checkpoint was corrupt and an older one was used;

@@ -1,4 +1,4 @@
-"""The README's own-corpus examples work: each `[tokenize.corpus]` table, put in place of the default
+"""The own-corpus examples of docs/corpus.md work: each `[tokenize.corpus]` table, put in place of the default
 one in a copy of pipeline.toml, passes `cram run --dry-run` over a small file of its format, and is
 read into the documents the file holds."""
 
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def examples() -> list[str]:
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+    text = (REPO / "docs" / "corpus.md").read_text(encoding="utf-8")
     section = text.split("## Your own corpus\n", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```toml\n(.*?)```", section, re.S)
 
@@ -50,7 +50,7 @@ def write_sample(corpus: dict, folder: Path) -> list[str]:
     return texts
 
 
-def test_the_readme_has_an_example_a_format():
+def test_the_corpus_page_has_an_example_a_format():
     suffixes = {Path(tomllib.loads(e)["tokenize"]["corpus"]["paths"][0]).suffix for e in examples()}
     assert suffixes == {".txt", ".jsonl", ".csv", ".parquet"}
 
@@ -64,7 +64,7 @@ def test_each_own_corpus_example_passes_a_dry_run_and_reads(example, tmp_path, m
     pipeline = re.sub(r"\[tokenize\.corpus\]\n(?:[^\[\n][^\n]*\n|\n)*", example + "\n", pipeline)
     (tmp_path / "own.toml").write_text(pipeline)
     args = ["run", "own.toml", "--dry-run", "--set", 'run.root="runs"']
-    if corpus["paths"][0].endswith(".txt"):  # no labels: the README says to set evaluate.tasks = []
+    if corpus["paths"][0].endswith(".txt"):  # no labels: docs/corpus.md says to set evaluate.tasks = []
         args += ["--set", "evaluate.tasks=[]"]
     result = CliRunner().invoke(cli.app, args)
     assert result.exit_code == 0, result.output
