@@ -34,7 +34,15 @@ from cram.stages.finetuning.checks import (
 from cram.stages.finetuning.config import Config as Config
 from cram.stages.finetuning.config import TaskConfig as TaskConfig
 from cram.stages.finetuning.finetune import load_task
-from cram.stages.finetuning.scoring import fitting_tasks, heldout_gap, load_checkpoint, read_results, score, task_files
+from cram.stages.finetuning.scoring import (
+    Report,
+    fitting_tasks,
+    heldout_gap,
+    load_checkpoint,
+    read_results,
+    score,
+    task_files,
+)
 from cram.stages.shared import device as devices
 
 NAME = "evaluate"
@@ -76,7 +84,7 @@ def validate(config: Config, pipeline: Any) -> None:
     if tokenize is not None:
         config = fitting_tasks(config, lambda: topic_gap(tokenize))
     for i, task in enumerate(config.tasks):
-        check_task(config, task, f"evaluate.tasks[{i}]", i, tokenize, pack)
+        check_task(config, task, i, tokenize, pack)
     if pack is not None:
         check_against_the_model(config, pipeline.stages.get("pretrain"), pack.seq_len)
     if config.pooling == "pooler":
@@ -93,7 +101,8 @@ def describe(config: Config, pipeline: Any) -> str:
         config = fitting_tasks(config, lambda: topic_gap(tokenize))
     parts = []
     for i, task in enumerate(config.tasks):
-        epochs, seeds = config.setting(task, "epochs"), config.setting(task, "seeds")
+        settings = config.task_settings(task)
+        epochs, seeds = settings.epochs, settings.seeds
         if task.kind == "heldout-topic":
             steps = "steps known after tokenize"
         elif not task.path:
@@ -115,4 +124,4 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     checkpoint = load_checkpoint(inputs["pretrain"], inputs["tokenize"])
     start = read_results(inputs["baseline"]) if "baseline" in inputs else None
     steps = inputs["pretrain"].outputs.get("steps", 0)
-    return score(config, inputs, out_dir, ctx, checkpoint, NAME, steps, start)
+    return score(config, inputs, out_dir, ctx, checkpoint, Report(NAME, steps, start))

@@ -14,6 +14,9 @@ from typing import Any, Literal
 from cram.stages.finetuning.metrics import METRICS, REGRESSION_METRICS
 from cram.stages.shared.taskfiles import GLUE
 
+Pooling = Literal["auto", "first", "mean", "pooler"]
+Head = Literal["cramming", "auto", "bert", "roberta", "modernbert"]
+
 
 @dataclass(frozen=True)
 class TaskConfig:
@@ -85,7 +88,7 @@ class Config:
     # first: the [CLS] token; mean: the mean over real tokens; pooler: the first token through a head whose
     # dense layer starts as the checkpoint's pooler (BERT's; head_width = 0). auto: the pooling of
     # pretrain.init's sentence-transformers folder where it names one, else first (resolved at load, `linked`).
-    pooling: Literal["auto", "first", "mean", "pooler"] = "auto"
+    pooling: Pooling = "auto"
     head_width: int = 1024  # the classifier head's dense layer (cramming's); 0: the model's hidden size
     dropout: float = 0.1  # fine-tuning only: embeddings, attention, hidden and the head (cramming's)
     seeds: int = 5
@@ -120,7 +123,7 @@ class Config:
     # The classifier head (model/classifier.py): cramming's (`head_width` wide, the default), or the one
     # of transformers' BERT, RoBERTa or ModernBERT ...ForSequenceClassification (the hidden size wide),
     # which export exactly; "auto": the head of the family the model maps onto (model/hf.py), else cramming's.
-    head: Literal["cramming", "auto", "bert", "roberta", "modernbert"] = "cramming"
+    head: Head = "cramming"
     # "init": pretrain.init's checkpoint is fine-tuned too, with the same tasks, seeds and settings (the
     # baseline stage, stages/baseline.py), and each task's results set the continued score beside it
     # (stages/finetuning/versus.py); "none": the continued model alone. "auto": "init" where pretrain
@@ -181,7 +184,66 @@ class Config:
                 pass
         return dataclasses.replace(config, pooling=pooling or "first")
 
-    def setting(self, task: TaskConfig, key: str) -> Any:
-        """The task's own `key` (epochs, seeds, lr or max_length), or the stage's when it has none."""
-        own = getattr(task, key)
-        return getattr(self, key) if own is None else own
+    def task_settings(self, task: TaskConfig) -> TaskSettings:
+        """The task's own epochs, seeds, lr and max_length, the stage's where it sets none."""
+        own = {key: getattr(task, key) for key in ("epochs", "seeds", "lr", "max_length")}
+        return TaskSettings(**{key: getattr(self, key) if value is None else value for key, value in own.items()})
+
+    def tuning(self) -> Tuning:
+        """What the fine-tuner reads of this config."""
+        return Tuning(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Tuning)})
+
+    def mlm_settings(self) -> MlmSettings:
+        """What the held-out masked LM reads of this config."""
+        return MlmSettings(
+            seed=self.mlm_seed,
+            batch_size=self.mlm_batch_size,
+            mask_rate=self.mlm_mask_rate,
+            corruption=self.mlm_corruption,
+            lengths=self.mlm_lengths,
+            compile=self.compile,
+            backend=self.backend,
+        )
+
+
+@dataclass(frozen=True)
+class TaskSettings:
+    """A task's epochs, seeds, lr and max_length: its own, or the stage's (`Config.task_settings`)."""
+
+    epochs: int
+    seeds: int
+    lr: float
+    max_length: int
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """What the fine-tuner (`finetune.Tuner`) reads of evaluate's Config: the optimizer and its schedule,
+    batching and padding, the head, and compiling (`Config.tuning`)."""
+
+    lr: float  # the stage's, which the canary steps take; each fine-tune is given its task's
+    weight_decay: float
+    warmup: float
+    dropout: float
+    batch_size: int
+    eval_batch_size: int
+    buckets: tuple[int, ...]
+    pooling: Pooling
+    head: Head
+    head_width: int
+    compile: bool
+    backend: str
+
+
+@dataclass(frozen=True)
+class MlmSettings:
+    """What the held-out masked LM reads of evaluate's Config (`Config.mlm_settings`), its `mlm_` prefix
+    dropped."""
+
+    seed: int
+    batch_size: int
+    mask_rate: float  # 0: pretraining's
+    corruption: Literal["pretrain", "bert"]
+    lengths: tuple[int, ...]  # empty: the lengths pretrain trained at
+    compile: bool
+    backend: str
