@@ -81,10 +81,10 @@ def validate(config: Config, pipeline: Any) -> None:
     tokenize, pack = pipeline.stages.get("tokenize"), pipeline.stages.get("pack")
     if not 0 <= config.mlm_seed < 2**63:
         raise StageError(f"evaluate.mlm_seed: {config.mlm_seed} must be in [0, 2**63 - 1]")
-    if tokenize is not None:
-        config = fitting_tasks(config, lambda: topic_gap(tokenize))
+    gap = None if tokenize is None else topic_gap(tokenize)
+    config = fitting_tasks(config, lambda: gap)
     for i, task in enumerate(config.tasks):
-        check_task(config, task, i, tokenize, pack)
+        check_task(config, task, i, gap, None if pack is None else pack.seq_len)
     if pack is not None:
         check_against_the_model(config, pipeline.stages.get("pretrain"), pack.seq_len)
     if config.pooling == "pooler":

@@ -88,21 +88,22 @@ def check_pooler(config: Config, cfg: ModelConfig | None, where: str = "pretrain
 _TOPIC_REMEDY = "drop this task, or give tokenize labelled documents to hold out"
 
 
-def check_task(config: Config, task: TaskConfig, index: int, tokenize: Any, pack: Any) -> None:
-    """Task `index` of `config`: its padded length within pack's, its local files (read in full), and a
-    held-out-topic task's articles."""
+def check_task(config: Config, task: TaskConfig, index: int, gap: str | None, seq_len: int | None) -> None:
+    """Task `index` of `config`: its padded length within pack's `seq_len` (None: no pack stage), its local
+    files (read in full), and, for a held-out-topic task, why tokenize leaves it no articles (`gap`,
+    `topic_gap`'s; None: it does not)."""
     where = f"evaluate.tasks[{index}]"
     max_length = config.task_settings(task).max_length
-    if pack is not None and bucket(max_length, config.buckets) > pack.seq_len:
+    if seq_len is not None and bucket(max_length, config.buckets) > seq_len:
         raise StageError(
             f"{where}: max_length {max_length} pads to {bucket(max_length, config.buckets)}, "
-            f"beyond pack.seq_len = {pack.seq_len}, the model's positions"
+            f"beyond pack.seq_len = {seq_len}, the model's positions"
         )
     if task.kind != "heldout-topic":
         if task.path:  # GLUE from the hub is fetched when the stage runs, not to check a config
             load_task(task, index, None)
-    elif tokenize is not None and topic_gap(tokenize):
-        raise StageError(f"{where}: kind 'heldout-topic' {topic_gap(tokenize)}; {_TOPIC_REMEDY}")
+    elif gap:
+        raise StageError(f"{where}: kind 'heldout-topic' {gap}; {_TOPIC_REMEDY}")
 
 
 def topic_gap(tokenize: Any) -> str | None:

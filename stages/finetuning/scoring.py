@@ -360,5 +360,5 @@ def headline(results: dict) -> dict[str, float]:
     return figures
 
 
-def write_json(path: Path, obj: Any) -> None:
+def write_json(path: Path, obj: dict[str, Any]) -> None:
     write_atomic(path, json.dumps(obj, indent=1) + "\n")
