@@ -13,21 +13,26 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from cram.stages import Context, StageError, Upstream
 from cram.stages.shared.device import to_device
 from cram.stages.shared.progress import Every, track
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    import numpy as np
     import torch
     from structlog.stdlib import BoundLogger
 
     from cram.model.config import ModelConfig
     from cram.stages.finetuning.config import TaskConfig, TaskSettings, Tuning
-    from cram.stages.finetuning.tasks import Task
+    from cram.stages.finetuning.tasks import Examples, Task
     from cram.stages.shared.precision import Precision
     from cram.stages.shared.tokenizer import Tokenizer
+
+    Split: TypeAlias = tuple[list[np.ndarray], np.ndarray, np.ndarray]  # (rows, lengths, labels)
 
 # The stage-wide hyper-parameters of every fine-tune, recorded beside each task's own (epochs, lr,
 # max_length, seeds) so that a score says everything that produced it.
@@ -66,15 +71,15 @@ def load_task(task_cfg: TaskConfig, index: int, tokenize: Upstream | None) -> Ta
 class Encoded:
     """A task's examples as token ids: ragged rows, their lengths, and the labels."""
 
-    train: tuple[list, Any, Any]  # (rows, lengths, labels)
-    tests: dict[str, tuple[list, Any, Any]]
+    train: Split
+    tests: dict[str, Split]
 
 
 def encode(task: Task, tokenizer: Tokenizer, special: dict, max_length: int) -> Encoded:
     """The task's texts as [CLS] a [SEP] (b [SEP]) rows of at most `max_length` ids, with their labels."""
     import numpy as np
 
-    def split(examples) -> tuple[list, Any, Any]:
+    def split(examples: Examples) -> Split:
         if not examples.texts:
             raise StageError(f"task {task.name}: a split has no examples")
         columns = [tokenizer.encode([t[i] for t in examples.texts]) for i in range(len(examples.texts[0]))]
@@ -234,7 +239,7 @@ class Tuner:
     def train(
         self,
         num_outputs: int,
-        train: tuple[list, Any, Any],
+        train: Split,
         epochs: int,
         lr: float,
         seed: int,
@@ -275,7 +280,7 @@ class Tuner:
                     log.info("fine-tuning", step=f"{step}/{total}", loss=round(float(metrics["loss"]), 4))
         return params, float(torch.stack(losses).mean())
 
-    def canary(self, eager: Tuner, num_outputs: int, train: tuple[list, Any, Any], steps: int, seed: int) -> float:
+    def canary(self, eager: Tuner, num_outputs: int, train: Split, steps: int, seed: int) -> float:
         """The largest relative difference between this tuner's (compiled) steps and `eager`'s, the same
         steps run eagerly: `steps` fine-tune steps from the same fresh head on the first batch of `train`,
         dropout off (loss and gradient norm), then both predictions on it (logits, relative to their
