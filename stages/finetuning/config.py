@@ -221,7 +221,7 @@ class Tuning:
     """What the fine-tuner (`finetune.Tuner`) reads of evaluate's Config: the optimizer and its schedule,
     batching and padding, the head, and compiling (`Config.tuning`)."""
 
-    lr: float  # the stage's, which the canary steps take; each fine-tune is given its task's
+    lr: float  # the stage's: the optimizer config's and the canary steps'; each fine-tune steps at its task's
     weight_decay: float
     warmup: float
     dropout: float
