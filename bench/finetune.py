@@ -286,7 +286,7 @@ def cram_steps_child(args: argparse.Namespace, work: Path) -> dict:
             compile=backend != "eager",
             backend="inductor" if backend == "eager" else backend,
         ).linked({})
-        tuners[backend] = Tuner.make(config, cfg, params, special, device, precision)
+        tuners[backend] = Tuner.make(config.tuning(), cfg, params, special, device, precision)
         state = {**params, **tuners[backend].head(len(names), args.seed)}
         states[backend], times[backend] = (state, model.adamw_init(state)), []
     lr = torch.tensor(args.lr)

@@ -71,7 +71,7 @@ def make_exports(root: Path, texts: list[str], preset: str, max_length: int, bat
     task = Task("bench", ("accuracy",), LABELS, empty, {"test": empty})
     upstream = Upstream(run / "tokenize", {"tokenizer": "tokenizer.model", "special_ids": special})
     keeper = kept.Keeper("best", run / "evaluate", run / "pretrain" / "model.json", {0: {}})
-    keeper.meta[0] = kept.describe(config, task_cfg, task, upstream)
+    keeper.meta[0] = kept.describe(config.tuning(), task_cfg, task, max_length, upstream)
     keeper.offer(0, 0, task, {**params, **init_head(cfg, len(LABELS), 0, head="modernbert")}, _run())
     outputs = {"classifiers": keeper.finish([(0, 0)], {0: 0})}
     write_marker(run / "evaluate", "evaluate", KEY, {"outputs": outputs})

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cram.stages import Context, StageError, Upstream
-from cram.stages.finetuning.scoring import Checkpoint, fitting_tasks, heldout_gap, score, task_files
+from cram.stages.finetuning.config import Config as EvaluateConfig
+from cram.stages.finetuning.scoring import Checkpoint, Report, fitting_tasks, heldout_gap, score, task_files
 from cram.stages.shared import device as devices
 from cram.stages.shared import pretrained
 from cram.stages.shared.files import write_atomic
@@ -55,7 +56,7 @@ class Config:
     """What is scored: `init`'s checkpoint (pretrain.init) on `evaluate`'s tasks and settings (evaluate's Config)."""
 
     init: str = ""
-    evaluate: Any = None
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
 
 
 def config_of(pipeline: Any) -> Config | None:
@@ -94,7 +95,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     settings = dataclasses.replace(config.evaluate, mlm=False, keep="none")
     settings = fitting_tasks(settings, lambda: heldout_gap(inputs["tokenize"]), ctx.log)
     checkpoint = _starting_checkpoint(config, inputs["tokenize"], out_dir, ctx)
-    outputs = score(settings, inputs, out_dir, ctx, checkpoint, NAME)
+    outputs = score(settings, inputs, out_dir, ctx, checkpoint, Report(NAME))
     # Its figures are evaluate's to show, beside the continued model's (`{task}_start`): a figure of the
     # same name here would make evaluate's ambiguous in `cram compare`.
     kept = ("results", "precision", "precision_reason")

@@ -51,7 +51,7 @@ def with_classifier(run, cfg, head, pooling="first", width=0, labels=LABELS, kee
     upstream = Upstream(run / "tokenize", {"tokenizer": "tokenizer.model", "special_ids": SPECIAL_IDS})
     folder = run / "evaluate"
     folder.mkdir()
-    meta = {0: keeping.describe(config, task_cfg, task, upstream)}
+    meta = {0: keeping.describe(config.tuning(), task_cfg, task, config.max_length, upstream)}
     keeper = keeping.Keeper(keep, folder, run / "pretrain" / "model.json", meta)
     keeper.offer(0, 0, task, params, {"scores": {"test": {"accuracy": 0.5}}})
     kept = keeper.finish([(0, 0)], {0: 0})
@@ -233,7 +233,7 @@ def test_keep_best_holds_one_candidate_and_the_overall_best_is_written_by_its_ho
     for j, (i, seed) in enumerate(jobs):
         ranks[j % 2].offer(i, seed, task, {"w": torch.full((2,), float(seed))}, runs[j])
     assert [len(r.held) for r in ranks] == [1, 1] and ranks[0].held[0][0] == 12  # its best so far only
-    best = keeping.best_jobs(jobs, runs, [(None, task)])
+    best = keeping.best_jobs(jobs, runs, [task])
     assert best == {0: 2}
     written = [r.finish(jobs, best) for r in ranks]
     assert written == [{"t": "classifiers/t/seed-12"}] * 2

@@ -519,7 +519,7 @@ def test_keep_writes_the_best_every_or_no_seed_classifier(upstream, tmp_path, ma
     # The kept params are the fine-tuned ones: they reproduce the reported test accuracy.
     cfg = model.ModelConfig.from_json(kept / "model.json")
     settings = dataclasses.replace(config.linked({}), head=meta["head"])
-    tuner = finetune.Tuner.make(settings, cfg, params, SPECIAL_IDS, torch.device("cpu"), FP32)
+    tuner = finetune.Tuner.make(settings.tuning(), cfg, params, SPECIAL_IDS, torch.device("cpu"), FP32)
     task = finetune.load_task(config.tasks[0], 0, upstream["inputs"]["tokenize"])
     tokenizer = load_tokenizer(upstream["inputs"]["tokenize"].path("tokenizer"))
     rows, lengths, labels = finetune.encode(task, tokenizer, SPECIAL_IDS, 32).tests["test"]

@@ -295,6 +295,20 @@ def test_stage_config_rejects(kwargs, message):
         Config(**kwargs)
 
 
+def test_the_helpers_values_are_the_configs_own_a_tasks_settings_its_own_where_it_sets_them():
+    config = Config(
+        epochs=4, seeds=2, lr=3e-5, max_length=96, batch_size=8, head_width=0, mlm_seed=7, mlm_lengths=(64,)
+    )
+    task = TaskConfig(epochs=1, max_length=32)
+    settings = config.task_settings(task)
+    assert (settings.epochs, settings.seeds, settings.lr, settings.max_length) == (1, 2, 3e-5, 32)
+    assert config.task_settings(TaskConfig(seeds=9)).seeds == 9
+    tuning = config.tuning()
+    assert (tuning.lr, tuning.batch_size, tuning.head_width, tuning.buckets) == (3e-5, 8, 0, (32, 64, 128))
+    mlm = config.mlm_settings()
+    assert (mlm.seed, mlm.lengths, mlm.batch_size, mlm.corruption) == (7, (64,), 128, "pretrain")
+
+
 @pytest.mark.parametrize(
     "train, metric, message",
     [

@@ -116,4 +116,4 @@ def tiny_tuner():
 
     cfg = model.ModelConfig(vocab_size=16, hidden=16, layers=1, heads=2, intermediate=32, max_seq_len=16)
     ev = evaluate.Config(tasks=[], batch_size=4, buckets=(16,), max_length=16, compile=False, head_width=0).linked({})
-    return Tuner.make(ev, cfg, model.init(cfg, seed=0), SPECIAL_IDS, torch.device("cpu"), FP32)
+    return Tuner.make(ev.tuning(), cfg, model.init(cfg, seed=0), SPECIAL_IDS, torch.device("cpu"), FP32)

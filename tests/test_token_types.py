@@ -38,7 +38,12 @@ def bert(tmp_path_factory):
 def tuner(cfg, params, pooling="first"):
     config = Config(tasks=[], compile=False, pooling=pooling, head_width=0, buckets=(16,), max_length=16, batch_size=3)
     return Tuner.make(
-        config, cfg, params, SPECIAL, torch.device("cpu"), candidates("fp32", torch.device("cpu"), "inductor", False)[0]
+        config.tuning(),
+        cfg,
+        params,
+        SPECIAL,
+        torch.device("cpu"),
+        candidates("fp32", torch.device("cpu"), "inductor", False)[0],
     )
 
 

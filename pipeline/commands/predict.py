@@ -156,7 +156,7 @@ def _outputs(
     rows, lengths, _ = encode(data, tokenizers.load(tokenizer), special, config.max_length).train
     device = devices.resolve("auto")
     params = {k: v.to(device) for k, v in kept.params().items()}
-    tuner = Tuner.make(config, kept.cfg, params, special, device, precisions.FP32)
+    tuner = Tuner.make(config.tuning(), kept.cfg, params, special, device, precisions.FP32)
 
     def report(done: int) -> None:
         print(f"predict: {done:,}/{len(rows):,} texts", file=sys.stderr, flush=True)

@@ -1,19 +1,24 @@
 """What the evaluate stage checks before it fine-tunes, from the configs alone: each task's files and
 lengths, a held-out-topic task that tokenize's settings leave without articles, and the lengths and
-masking rate against the model that pretrain's config makes. `config` is evaluate's Config.
+masking rate against the model that pretrain's config makes. `config` is evaluate's Config; `pretrain`,
+`tokenize` and `pack` are those stages' Configs, None where the pipeline has no such stage.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cram.stages import StageError
+from cram.stages.finetuning.config import Config, TaskConfig
 from cram.stages.finetuning.finetune import bucket, load_task
 from cram.stages.shared.masking import masked_per_sequence
 
+if TYPE_CHECKING:
+    from cram.model.config import ModelConfig
 
-def check_against_the_model(config: Any, pretrain: Any, pack_seq_len: int) -> None:
+
+def check_against_the_model(config: Config, pretrain: Any, pack_seq_len: int) -> None:
     """What `run` checks against the model, from the configs: the fine-tuning lengths and the held-out
     masked LM's (`check_lengths`, `check_position`) within the model's positions, each held-out
     length at a masking rate that masks a token of it. The model is the one pretrain's config makes
@@ -53,7 +58,7 @@ def _positions(pretrain: Any, longest: int) -> tuple[str, int] | None:
     return None if position is None else (position, longest)
 
 
-def init_model(pretrain: Any):
+def init_model(pretrain: Any) -> ModelConfig | None:
     """The ModelConfig of pretrain's `init` checkpoint (`pretrain` is its Config), read from its headers;
     None without one, or for one its own `validate` refuses."""
     if pretrain is None or not pretrain.init:
@@ -66,7 +71,7 @@ def init_model(pretrain: Any):
         return None
 
 
-def check_pooler(config: Any, cfg: Any, where: str = "pretrain.init's checkpoint") -> None:
+def check_pooler(config: Config, cfg: ModelConfig | None, where: str = "pretrain.init's checkpoint") -> None:
     """`pooling = "pooler"` needs a model with a pooler (`cfg`, None: one with none) and a head as wide as it."""
     if cfg is None or not cfg.pooler:
         raise StageError(
@@ -83,18 +88,22 @@ def check_pooler(config: Any, cfg: Any, where: str = "pretrain.init's checkpoint
 _TOPIC_REMEDY = "drop this task, or give tokenize labelled documents to hold out"
 
 
-def check_task(config: Any, task: Any, where: str, index: int, tokenize: Any, pack: Any) -> None:
-    max_length = config.setting(task, "max_length")
-    if pack is not None and bucket(max_length, config.buckets) > pack.seq_len:
+def check_task(config: Config, task: TaskConfig, index: int, gap: str | None, seq_len: int | None) -> None:
+    """Task `index` of `config`: its padded length within pack's `seq_len` (None: no pack stage), its local
+    files (read in full), and, for a held-out-topic task, why tokenize leaves it no articles (`gap`,
+    `topic_gap`'s; None: it does not)."""
+    where = f"evaluate.tasks[{index}]"
+    max_length = config.task_settings(task).max_length
+    if seq_len is not None and bucket(max_length, config.buckets) > seq_len:
         raise StageError(
             f"{where}: max_length {max_length} pads to {bucket(max_length, config.buckets)}, "
-            f"beyond pack.seq_len = {pack.seq_len}, the model's positions"
+            f"beyond pack.seq_len = {seq_len}, the model's positions"
         )
     if task.kind != "heldout-topic":
         if task.path:  # GLUE from the hub is fetched when the stage runs, not to check a config
             load_task(task, index, None)
-    elif tokenize is not None and topic_gap(tokenize):
-        raise StageError(f"{where}: kind 'heldout-topic' {topic_gap(tokenize)}; {_TOPIC_REMEDY}")
+    elif gap:
+        raise StageError(f"{where}: kind 'heldout-topic' {gap}; {_TOPIC_REMEDY}")
 
 
 def topic_gap(tokenize: Any) -> str | None:
@@ -110,10 +119,10 @@ def topic_gap(tokenize: Any) -> str | None:
     return None
 
 
-def check_lengths(config: Any, max_seq_len: int) -> None:
+def check_lengths(config: Config, max_seq_len: int) -> None:
     """Each task's padded length within the model's `max_seq_len` positions."""
     for i, task_cfg in enumerate(config.tasks):
-        max_length = config.setting(task_cfg, "max_length")
+        max_length = config.task_settings(task_cfg).max_length
         if bucket(max_length, config.buckets) > max_seq_len:
             key = "max_length" if task_cfg.max_length is None else f"tasks[{i}].max_length"
             raise StageError(

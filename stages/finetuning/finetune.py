@@ -13,15 +13,26 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from cram.stages import Context, StageError, Upstream
 from cram.stages.shared.device import to_device
 from cram.stages.shared.progress import Every, track
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    import numpy as np
+    import torch
+    from structlog.stdlib import BoundLogger
+
+    from cram.model.config import ModelConfig
+    from cram.stages.finetuning.config import TaskConfig, TaskSettings, Tuning
+    from cram.stages.finetuning.tasks import Examples, Task
     from cram.stages.shared.precision import Precision
     from cram.stages.shared.tokenizer import Tokenizer
+
+    Split: TypeAlias = tuple[list[np.ndarray], np.ndarray, np.ndarray]  # (rows, lengths, labels)
 
 # The stage-wide hyper-parameters of every fine-tune, recorded beside each task's own (epochs, lr,
 # max_length, seeds) so that a score says everything that produced it.
@@ -37,7 +48,7 @@ def model_inputs(batch: dict) -> dict:
     return {k: batch[k] for k in MODEL_INPUTS if k in batch}
 
 
-def load_task(task_cfg: Any, index: int, tokenize: Upstream):
+def load_task(task_cfg: TaskConfig, index: int, tokenize: Upstream | None) -> Task:
     from cram.stages.finetuning import tasks
 
     where = f"evaluate.tasks[{index}]"
@@ -60,15 +71,15 @@ def load_task(task_cfg: Any, index: int, tokenize: Upstream):
 class Encoded:
     """A task's examples as token ids: ragged rows, their lengths, and the labels."""
 
-    train: tuple[list, Any, Any]  # (rows, lengths, labels)
-    tests: dict[str, tuple[list, Any, Any]]
+    train: Split
+    tests: dict[str, Split]
 
 
-def encode(task, tokenizer: Tokenizer, special: dict, max_length: int) -> Encoded:
+def encode(task: Task, tokenizer: Tokenizer, special: dict, max_length: int) -> Encoded:
     """The task's texts as [CLS] a [SEP] (b [SEP]) rows of at most `max_length` ids, with their labels."""
     import numpy as np
 
-    def split(examples) -> tuple[list, Any, Any]:
+    def split(examples: Examples) -> Split:
         if not examples.texts:
             raise StageError(f"task {task.name}: a split has no examples")
         columns = [tokenizer.encode([t[i] for t in examples.texts]) for i in range(len(examples.texts[0]))]
@@ -102,18 +113,25 @@ def _longest_first(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
     return (budget + 1) // 2, budget // 2
 
 
-def finetune_seed(
-    tuner: Tuner, task_cfg: Any, task, data: Encoded, seed: int, ctx: Context, keep: Callable | None = None
-) -> dict:
+@dataclass(frozen=True)
+class Loaded:
+    """A task ready to fine-tune: its config entry, its examples, them encoded, and its own settings."""
+
+    config: TaskConfig
+    task: Task
+    data: Encoded
+    settings: TaskSettings
+
+
+def finetune_seed(tuner: Tuner, loaded: Loaded, seed: int, ctx: Context, keep: Callable | None = None) -> dict:
     """Fine-tune one seed of one task from the pretrained params and score it on each test set; `keep`,
     when given, is called with the fine-tuned params and the run's record (`kept.Keeper.offer`)."""
     from cram.stages.finetuning.metrics import score
 
     began = time.perf_counter()
-    config = tuner.config
-    epochs, lr = config.setting(task_cfg, "epochs"), config.setting(task_cfg, "lr")
+    task, data, settings = loaded.task, loaded.data, loaded.settings
     label, log = f"{task.name} seed {seed}", ctx.log.bind(task=task.name, seed=seed)
-    params, loss = tuner.train(task.num_outputs, data.train, epochs, lr, seed, label, log)
+    params, loss = tuner.train(task.num_outputs, data.train, settings.epochs, settings.lr, seed, label, log)
     scores = {}
     for test, (rows, lengths, labels) in data.tests.items():
         outputs = tuner.outputs(params, rows, lengths)
@@ -131,26 +149,25 @@ def finetune_seed(
     return run
 
 
-def task_result(
-    config: Any, task_cfg: Any, task, data: Encoded, seeds: list[int], runs: list[dict], ctx: Context
-) -> dict:
+def task_result(tuning: Tuning, loaded: Loaded, seeds: list[int], runs: list[dict], ctx: Context) -> dict:
     """A task's results from its seeds' runs (in seed order): per-seed scores, medians, the baseline."""
     import numpy as np
 
     from cram.stages.finetuning.tasks import majority_baseline
 
+    task, data = loaded.task, loaded.data
     scores = {t: {m: [r["scores"][t][m] for r in runs] for m in task.metrics} for t in task.tests}
     result = {
-        "kind": task_cfg.kind,
+        "kind": loaded.config.kind,
         "metrics": list(task.metrics),
         "labels": list(task.label_names),
         "train_examples": len(data.train[0]),
         "test_examples": {t: len(rows) for t, (rows, _, _) in data.tests.items()},
-        "epochs": config.setting(task_cfg, "epochs"),
-        "lr": config.setting(task_cfg, "lr"),
-        "max_length": config.setting(task_cfg, "max_length"),
+        "epochs": loaded.settings.epochs,
+        "lr": loaded.settings.lr,
+        "max_length": loaded.settings.max_length,
         "seeds": seeds,
-        "settings": _json_values({**{key: getattr(config, key) for key in FINETUNE_SETTINGS}, **FINETUNE_OPTIMIZER}),
+        "settings": _json_values({**{key: getattr(tuning, key) for key in FINETUNE_SETTINGS}, **FINETUNE_OPTIMIZER}),
         "train_loss": [r["train_loss"] for r in runs],
         "scores": scores,
         "median": {t: {m: float(np.median(v)) for m, v in ms.items()} for t, ms in scores.items()},
@@ -182,17 +199,24 @@ def share_out(costs: list[float], world_size: int) -> list[int]:
 class Tuner:
     """What every fine-tune of a run shares: pretrained params, the compiled steps, batch making."""
 
-    config: Any  # evaluate.Config
-    cfg: Any  # model.ModelConfig
+    config: Tuning
+    cfg: ModelConfig
     params: dict  # pretrained, on the device
     special: dict
-    device: Any
+    device: torch.device
     step: Callable  # (params, opt_state, batch, lr) -> (params, opt_state, metrics)
     predict: Callable  # (params, batch) -> logits
 
     @classmethod
     def make(
-        cls, config: Any, cfg, params: dict, special: dict, device, precision: Precision, attention: str = "auto"
+        cls,
+        config: Tuning,
+        cfg: ModelConfig,
+        params: dict,
+        special: dict,
+        device: torch.device,
+        precision: Precision,
+        attention: str = "auto",
     ) -> Tuner:
         from cram import model
         from cram.model.classifier import make_classify_eval_step, make_finetune_step
@@ -213,8 +237,15 @@ class Tuner:
         return cls(config, cfg, params, special, device, step, predict)
 
     def train(
-        self, num_outputs: int, train, epochs: int, lr: float, seed: int, label: str = "fine-tune", log: Any = None
-    ):
+        self,
+        num_outputs: int,
+        train: Split,
+        epochs: int,
+        lr: float,
+        seed: int,
+        label: str = "fine-tune",
+        log: BoundLogger | None = None,
+    ) -> tuple[dict, float]:
         """Params fine-tuned from the pretrained ones with a fresh head, and the last epoch's mean loss.
         `log` (bound to the task and seed) gets a progress line at the start and every PROGRESS_EVERY_S."""
         import numpy as np
@@ -249,7 +280,7 @@ class Tuner:
                     log.info("fine-tuning", step=f"{step}/{total}", loss=round(float(metrics["loss"]), 4))
         return params, float(torch.stack(losses).mean())
 
-    def canary(self, eager: Tuner, num_outputs: int, train, steps: int, seed: int) -> float:
+    def canary(self, eager: Tuner, num_outputs: int, train: Split, steps: int, seed: int) -> float:
         """The largest relative difference between this tuner's (compiled) steps and `eager`'s, the same
         steps run eagerly: `steps` fine-tune steps from the same fresh head on the first batch of `train`,
         dropout off (loss and gradient norm), then both predictions on it (logits, relative to their

@@ -21,9 +21,14 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cram.stages.shared.files import write_atomic
+
+if TYPE_CHECKING:
+    from cram.stages import Upstream
+    from cram.stages.finetuning.config import TaskConfig, Tuning
+    from cram.stages.finetuning.tasks import Task
 
 KEEP = ("best", "all", "none")
 FOLDER = "classifiers"
@@ -36,17 +41,17 @@ def folder_of(name: str, index: int) -> str:
     return name if _SAFE.fullmatch(name) else f"task{index}"
 
 
-def main_score(task: Any, run: dict) -> float:
+def main_score(task: Task, run: dict) -> float:
     """A run's main score (the task's first metric on its first test set); -inf where it is NaN."""
     value = run["scores"][next(iter(task.tests))][task.metrics[0]]
     return -math.inf if math.isnan(value) else value
 
 
-def best_jobs(jobs: list[tuple[int, int]], runs: dict[int, dict], tasks: list) -> dict[int, int]:
+def best_jobs(jobs: list[tuple[int, int]], runs: dict[int, dict], tasks: list[Task]) -> dict[int, int]:
     """Task index -> the job (index into `jobs`) of its best seed, from every rank's gathered runs."""
     best: dict[int, int] = {}
     for j, (i, seed) in enumerate(jobs):
-        task = tasks[i][1]
+        task = tasks[i]
         if i not in best or main_score(task, runs[j]) > main_score(task, runs[best[i]]):
             best[i] = j  # jobs are in seed order: a tie keeps the lower seed
     return best
@@ -62,7 +67,7 @@ class Keeper:
     meta: dict[int, dict]  # task index -> the classifier.json fields every seed of it shares
     held: dict[int, tuple[int, float, dict, dict]] = field(default_factory=dict)  # task -> seed, score, params, run
 
-    def offer(self, index: int, seed: int, task: Any, params: dict, run: dict) -> None:
+    def offer(self, index: int, seed: int, task: Task, params: dict, run: dict) -> None:
         """A fine-tuned seed of task `index`: written now ("all"), held if the best so far ("best")."""
         if self.mode == "none":
             return
@@ -104,10 +109,10 @@ def _on_cpu(params: dict) -> dict:
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in params.items() if not k.startswith("head.")}
 
 
-def describe(config: Any, task_cfg: Any, task: Any, tokenize: Any) -> dict:
+def describe(tuning: Tuning, task_cfg: TaskConfig, task: Task, max_length: int, tokenize: Upstream) -> dict:
     """The classifier.json fields a task's kept seeds share: the task, its labels and text fields, how
-    its examples were cut and batched, the head, and the run's tokenizer (the tokenize stage's key and
-    file, and its special ids)."""
+    its examples were cut (at `max_length`, the task's) and batched, the head, and the run's tokenizer
+    (the tokenize stage's key and file, and its special ids)."""
     from cram.stages.finetuning.tasks import GLUE
 
     entry = Path(os.path.realpath(tokenize.dir)).name
@@ -120,11 +125,11 @@ def describe(config: Any, task_cfg: Any, task: Any, tokenize: Any) -> dict:
         "num_outputs": task.num_outputs,
         "metric": task.metrics[0],
         "text_fields": list(fields.get(task_cfg.kind) or ("text",)),
-        "max_length": config.setting(task_cfg, "max_length"),
-        "buckets": list(config.buckets),
-        "pooling": config.pooling,
-        "head": config.head,
-        "head_width": config.head_width,
+        "max_length": max_length,
+        "buckets": list(tuning.buckets),
+        "pooling": tuning.pooling,
+        "head": tuning.head,
+        "head_width": tuning.head_width,
         "tokenizer": {
             "stage": "tokenize",
             "key": entry.removeprefix("tokenize-") if entry.startswith("tokenize-") else None,

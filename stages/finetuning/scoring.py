@@ -3,7 +3,7 @@ fresh head, and the results it writes: what the evaluate stage does with pretrai
 baseline stage with the checkpoint that pretraining started from (`[evaluate] baseline`), alike.
 
     checkpoint = load_checkpoint(inputs["pretrain"], inputs["tokenize"])
-    outputs = score(config, inputs, out_dir, ctx, checkpoint, "evaluate", steps)  # writes results.json
+    outputs = score(config, inputs, out_dir, ctx, checkpoint, Report("evaluate", steps))  # writes results.json
 """
 
 from __future__ import annotations
@@ -13,17 +13,27 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from cram.stages import Context, StageError, Upstream
 from cram.stages.finetuning.checks import check_lengths, check_pooler
-from cram.stages.finetuning.finetune import load_task
+from cram.stages.finetuning.config import Config, TaskConfig, Tuning
+from cram.stages.finetuning.finetune import Loaded, load_task
 from cram.stages.finetuning.heldout import HeldOut, evaluate_mlm
 from cram.stages.finetuning.versus import beside_start, start_figures
 from cram.stages.shared import device as devices
 from cram.stages.shared import precision as precisions
 from cram.stages.shared.files import files_under, write_atomic
 from cram.stages.shared.files import fingerprint as fingerprint_files
+
+if TYPE_CHECKING:
+    import torch
+    from structlog.stdlib import BoundLogger
+
+    from cram.model.config import ModelConfig
+    from cram.stages.finetuning.finetune import Tuner
+    from cram.stages.finetuning.kept import Keeper
+    from cram.stages.shared.tokenizer import Tokenizer
 
 RESULTS = "results.json"
 
@@ -33,13 +43,24 @@ class Checkpoint:
     """The encoder fine-tuned from: its ModelConfig, fp32 params and tokenizer, and the file its ModelConfig
     is in (named in errors, copied beside a kept classifier)."""
 
-    cfg: Any
+    cfg: ModelConfig
     params: dict
-    tokenizer: Any
+    tokenizer: Tokenizer
     model_config: Path
 
 
-def fitting_tasks(config: Any, gap: Callable[[], str | None], log: Any = None) -> Any:
+@dataclass(frozen=True)
+class Report:
+    """Who scores, and what the results are reported beside: `stage` names the stage in the precision's
+    log lines, `steps` is pretraining's step count the headline figures are logged at, and `start` the
+    starting checkpoint's results, which each task is set beside (versus.py)."""
+
+    stage: str
+    steps: int = 0
+    start: dict | None = None
+
+
+def fitting_tasks(config: Config, gap: Callable[[], str | None], log: BoundLogger | None = None) -> Config:
     """`config` without its default topic task when `gap()` says why the corpus gives it nothing to
     classify (noted in `log`): only the masked-LM numbers then. A topic task the config names itself
     is kept, to be refused; `gap` is asked only about the default task (the config class's own)."""
@@ -54,19 +75,10 @@ def fitting_tasks(config: Any, gap: Callable[[], str | None], log: Any = None) -
 
 
 def score(
-    config: Any,
-    inputs: dict[str, Upstream],
-    out_dir: Path,
-    ctx: Context,
-    checkpoint: Checkpoint,
-    stage: str,
-    steps: int = 0,
-    start: dict | None = None,
+    config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context, checkpoint: Checkpoint, report: Report
 ) -> dict[str, Any]:
-    """Fine-tune `checkpoint` on `config`'s tasks (`stage` names the stage in the precision's log lines);
-    rank 0 writes results.json, with each task beside its score from the `start` checkpoint's results
-    where given (versus.py), and logs the headline figures at pretraining's `steps`. Returns the stage's
-    outputs."""
+    """Fine-tune `checkpoint` on `config`'s tasks; rank 0 writes results.json, set beside `report.start`
+    where given, and logs the headline figures at `report.steps`. Returns the stage's outputs."""
     from cram.model.hf import family_head
     from cram.stages.finetuning.kept import Keeper, best_jobs
 
@@ -76,28 +88,27 @@ def score(
     check_lengths(config, cfg.max_seq_len)
     if config.pooling == "pooler":
         check_pooler(config, cfg, str(checkpoint.model_config))
-    seeds = [[ctx.seed + k for k in range(config.setting(tc, "seeds"))] for tc in config.tasks]
-    jobs = [(i, seed) for i, task_seeds in enumerate(seeds) for seed in task_seeds]
+    jobs = [(i, ctx.seed + k) for i, tc in enumerate(config.tasks) for k in range(config.task_settings(tc).seeds)]
     keeper = Keeper(config.keep, out_dir, checkpoint.model_config, {})
-    work = functools.partial(
-        _work, config, inputs, ctx, cfg, checkpoint.params, checkpoint.tokenizer, jobs, keeper, stage
-    )
+    scoring = _Scoring(config, config.tuning(), inputs, ctx, checkpoint, report.stage)
+    work = functools.partial(_work, scoring, jobs, keeper)
     mlm, runs, prepared = work() if ctx.world_size == 1 else _on_every_rank(work, ctx)
-    kept = keeper.finish(jobs, best_jobs(jobs, runs, prepared.tasks))  # every rank: the one holding a best writes it
+    # every rank: the one holding a best writes it
+    kept = keeper.finish(jobs, best_jobs(jobs, runs, [t.task for t in prepared.loaded]))
     if not ctx.is_main:
         return {"results": RESULTS}  # rank 0 writes them
-    results = _results(config, ctx, mlm, prepared.tasks, prepared.encoded, seeds, jobs, runs)
-    if start is not None:
-        results = beside_start(results, start)
+    results = _results(scoring.tuning, ctx, mlm, prepared.loaded, jobs, runs)
+    if report.start is not None:
+        results = beside_start(results, report.start)
     results["precision"] = {"name": prepared.choice.precision.name, "reason": prepared.choice.reason}
     write_json(out_dir / RESULTS, results)
-    ctx.metrics.log(steps, headline(results))  # at the end of pretraining
+    ctx.metrics.log(report.steps, headline(results))  # at the end of pretraining
     precision = {"precision": prepared.choice.precision.name, "precision_reason": prepared.choice.reason}
     classifiers = {"classifiers": kept} if kept else {}
     return {"results": RESULTS, **headline(results), **precision, **classifiers}
 
 
-def task_files(tasks: list) -> list[list[Any]]:
+def task_files(tasks: list[TaskConfig]) -> list[list[Any]]:
     """Path, size and modification time of every file the tasks read from disk (a custom task's folder,
     a local GLUE folder): part of a scoring stage's key. A folder that is missing now is left to
     evaluate's `validate`."""
@@ -127,56 +138,66 @@ def heldout_gap(tokenize: Upstream) -> str | None:
 
 
 @dataclass(frozen=True)
-class _Prepared:
-    """What every rank makes alike before fine-tuning: the tasks, their encoded examples, the precision."""
+class _Scoring:
+    """What every step of a scoring reads, made once: the stage's config (its head resolved) and the
+    fine-tuner's part of it, the upstreams, the run's context, the checkpoint, and the stage's name."""
 
-    tasks: list  # (task config, task)
-    encoded: list  # each task's Encoded
+    config: Config
+    tuning: Tuning
+    inputs: dict[str, Upstream]
+    ctx: Context
+    checkpoint: Checkpoint
+    stage: str
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """What every rank makes alike before fine-tuning: the tasks, loaded and encoded, and the precision."""
+
+    loaded: list[Loaded]
     choice: precisions.Choice
 
 
 def _work(
-    config: Any,
-    inputs: dict[str, Upstream],
-    ctx: Context,
-    cfg: Any,
-    params: dict,
-    tokenizer: Any,
-    jobs: list,
-    keeper: Any,
-    stage: str,
+    scoring: _Scoring, jobs: list[tuple[int, int]], keeper: Keeper
 ) -> tuple[dict | None, dict[int, dict], _Prepared]:
     """This rank's share: the masked-LM numbers (rank 0) and its (task, seed) fine-tunes, each offered
-    to `keeper` (kept.Keeper)."""
+    to `keeper`."""
     import torch
 
     from cram.stages.finetuning.finetune import encode, finetune_seed, share_out
     from cram.stages.finetuning.kept import describe
 
+    config, ctx, inputs = scoring.config, scoring.ctx, scoring.inputs
     tokenize, special = inputs["tokenize"], inputs["tokenize"].outputs["special_ids"]
     # Load and tokenize every task before training any: a bad task fails the stage at once.
-    tasks = [(tc, load_task(tc, i, tokenize)) for i, tc in enumerate(config.tasks)]
-    encoded = [encode(task, tokenizer, special, config.setting(tc, "max_length")) for tc, task in tasks]
-    keeper.meta.update({i: describe(config, tc, task, tokenize) for i, (tc, task) in enumerate(tasks)})
-    costs = [len(encoded[i].train[0]) * config.setting(config.tasks[i], "epochs") for i, _ in jobs]
+    tasks = [(tc, load_task(tc, i, tokenize), config.task_settings(tc)) for i, tc in enumerate(config.tasks)]
+    loaded = [
+        Loaded(tc, task, encode(task, scoring.checkpoint.tokenizer, special, settings.max_length), settings)
+        for tc, task, settings in tasks
+    ]
+    keeper.meta.update(
+        {i: describe(scoring.tuning, t.config, t.task, t.settings.max_length, tokenize) for i, t in enumerate(loaded)}
+    )
+    costs = [len(loaded[i].data.train[0]) * loaded[i].settings.epochs for i, _ in jobs]
     owner = share_out(costs, ctx.world_size)
     device = devices.resolve(ctx.device)
-    on_device = {k: v.to(device) for k, v in params.items()}
+    on_device = {k: v.to(device) for k, v in scoring.checkpoint.params.items()}
     mlm, runs = None, {}
     # Tasks share the compiled steps, so tasks with the same head shape share graphs; each head shape
     # may add one per bucket. Past dynamo's default limit of 8 graphs it would fall back to eager
     # silently: the limit is raised to what the tasks can need, and hitting it is an error.
-    limit = max(8, len(config.buckets) * len(tasks))
+    limit = max(8, len(config.buckets) * len(loaded))
     with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
-        choice, tuner = _tuner(config, cfg, on_device, special, device, tasks, encoded, ctx, stage)
+        choice, tuner = _tuner(scoring, on_device, device, loaded)
         if config.mlm and ctx.is_main and not _untrained_head(inputs["pretrain"], ctx):
-            held_out = HeldOut.of(config, inputs)
-            mlm = evaluate_mlm(config, cfg, on_device, held_out, device, choice.precision, ctx)
+            held_out = HeldOut.of(config.mlm_settings(), inputs)
+            mlm = evaluate_mlm(held_out, scoring.checkpoint.cfg, on_device, device, choice.precision, ctx)
         for j, (i, seed) in enumerate(jobs):
             if owner[j] == ctx.rank:
-                keep = functools.partial(keeper.offer, i, seed, tasks[i][1])
-                runs[j] = finetune_seed(tuner, tasks[i][0], tasks[i][1], encoded[i], seed, ctx, keep)
-    return mlm, runs, _Prepared(tasks, encoded, choice)
+                keep = functools.partial(keeper.offer, i, seed, loaded[i].task)
+                runs[j] = finetune_seed(tuner, loaded[i], seed, ctx, keep)
+    return mlm, runs, _Prepared(loaded, choice)
 
 
 def _untrained_head(pretrain: Upstream, ctx: Context) -> bool:
@@ -190,26 +211,21 @@ def _untrained_head(pretrain: Upstream, ctx: Context) -> bool:
 
 
 def _tuner(
-    config: Any,
-    cfg: Any,
-    params: dict,
-    special: dict,
-    device: Any,
-    tasks: list,
-    encoded: list,
-    ctx: Context,
-    stage: str,
-):
+    scoring: _Scoring, params: dict, device: torch.device, loaded: list[Loaded]
+) -> tuple[precisions.Choice, Tuner]:
     """(the precision chosen, the fine-tuner in it). Compiled, each candidate precision's fine-tune step
     and prediction are checked against eager on the first task's first batch (`Tuner.canary`), and the
     first that agrees is kept (`precision.choose`)."""
     from cram.stages.finetuning.finetune import Tuner
 
-    def make(candidate: precisions.Precision, compile: bool = config.compile):
-        settings = dataclasses.replace(config, compile=compile)
+    config, ctx = scoring.config, scoring.ctx
+    cfg, special = scoring.checkpoint.cfg, scoring.inputs["tokenize"].outputs["special_ids"]
+
+    def make(candidate: precisions.Precision, compile: bool = config.compile) -> Tuner:
+        settings = dataclasses.replace(scoring.tuning, compile=compile)
         return Tuner.make(settings, cfg, params, special, device, candidate, ctx.attention)
 
-    if not config.compile or not config.canary_steps or not tasks:
+    if not config.compile or not config.canary_steps or not loaded:
         why = "eager steps" if not config.compile else "canary_steps = 0" if not config.canary_steps else "no task"
         choice = precisions.unchecked(config.precision, device, f"{why}: no compile canary")
         return choice, make(choice.precision)
@@ -218,13 +234,16 @@ def _tuner(
 
     def check(candidate: precisions.Precision) -> float:
         checked[candidate] = make(candidate)
+        first = loaded[0]
         diff = checked[candidate].canary(
-            make(candidate, compile=False), tasks[0][1].num_outputs, encoded[0].train, config.canary_steps, ctx.seed
+            make(candidate, compile=False), first.task.num_outputs, first.data.train, config.canary_steps, ctx.seed
         )
         ctx.log.info("canary", precision=candidate.label, steps=config.canary_steps, max_relative_diff=diff)
         return diff
 
-    choice = precisions.choose(config.precision, device, config.backend, check, config.canary_tolerance, ctx.log, stage)
+    choice = precisions.choose(
+        config.precision, device, config.backend, check, config.canary_tolerance, ctx.log, scoring.stage
+    )
     return choice, checked[choice.precision]
 
 
@@ -251,7 +270,12 @@ def _on_every_rank(work: Callable, ctx: Context) -> tuple[dict | None, dict[int,
 
 
 def _results(
-    config: Any, ctx: Context, mlm: dict | None, tasks: list, encoded: list, seeds: list, jobs: list, runs: dict
+    tuning: Tuning,
+    ctx: Context,
+    mlm: dict | None,
+    loaded: list[Loaded],
+    jobs: list[tuple[int, int]],
+    runs: dict[int, dict],
 ) -> dict[str, Any]:
     """results.json: the masked-LM numbers, each task's scores over its seeds, and the GLUE average."""
     from cram.stages.finetuning.finetune import task_result
@@ -259,10 +283,10 @@ def _results(
 
     results: dict[str, Any] = {} if mlm is None else {"mlm": mlm}
     results["tasks"] = {
-        task.name: task_result(
-            config, tc, task, encoded[i], seeds[i], [runs[j] for j, (t, _) in enumerate(jobs) if t == i], ctx
+        t.task.name: task_result(
+            tuning, t, [seed for k, seed in jobs if k == i], [runs[j] for j, (k, _) in enumerate(jobs) if k == i], ctx
         )
-        for i, (tc, task) in enumerate(tasks)
+        for i, t in enumerate(loaded)
     }
     glue = {
         f"{name}/{test}": r["median"][test]
@@ -336,5 +360,5 @@ def headline(results: dict) -> dict[str, float]:
     return figures
 
 
-def write_json(path: Path, obj: Any) -> None:
+def write_json(path: Path, obj: dict[str, Any]) -> None:
     write_atomic(path, json.dumps(obj, indent=1) + "\n")

@@ -11,9 +11,12 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from cram.stages import StageError
+
+if TYPE_CHECKING:
+    from datasets import DatasetDict
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ def glue_folder(name: str, path: str, where: str) -> tuple[Literal["saved", "tsv
     )
 
 
-def glue_rows(name: str, data: Any, split_name: str, source: str) -> tuple[list[tuple[str, ...]], list[Any]]:
+def glue_rows(name: str, data: DatasetDict, split_name: str, source: str) -> tuple[list[tuple[str, ...]], list[Any]]:
     """The texts and labels of split `split_name` of GLUE task `name` in the DatasetDict `data` (the
     hub's or one saved to disk at `source`), its columns checked."""
     spec = GLUE[name]

@@ -7,7 +7,14 @@ over its first `val_blocks` blocks and evaluate's over all of them measure the s
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from cram.stages.shared.blocks import Boundary
+    from cram.stages.shared.masking import MaskSpec
 
 MASK_SEED = 0  # pretrain's held-out masks; evaluate's `mlm_seed` defaults to the same
 
@@ -15,20 +22,20 @@ MASK_SEED = 0  # pretrain's held-out masks; evaluate's `mlm_seed` defaults to th
 def val_mlm(
     evaluate: Callable,
     params: dict,
-    blocks,
-    spec: Any,
+    blocks: np.ndarray,
+    spec: MaskSpec,
     *,
     seed: int,
     batch_size: int,
-    device: Any,
+    device: torch.device,
     tail: Callable | None = None,
-    documents: Any = None,
+    documents: Boundary | None = None,
 ) -> dict[str, float]:
     """Mean loss and accuracy over every masked token of `blocks` [n, seq_len].
 
     `evaluate(params, batch) -> {"loss", "accuracy"}` takes full batches of `batch_size`; `tail` (default:
     `evaluate`) the shorter last one, so that a compiled `evaluate` never sees a second shape. Sums stay
-    on the device: one host sync at the end. `documents` (a `documents.Boundary`): the batches carry
+    on the device: one host sync at the end. `documents`: the batches carry
     `document_ids`, for attention within documents.
     """
     import torch
@@ -49,7 +56,9 @@ def val_mlm(
     return {"loss": loss_sum / count, "accuracy": correct / count, "masked_tokens": count}
 
 
-def mask_blocks(rows, first: int, spec: Any, seed: int, documents: Any = None) -> dict:
+def mask_blocks(
+    rows: np.ndarray, first: int, spec: MaskSpec, seed: int, documents: Boundary | None = None
+) -> dict[str, torch.Tensor]:
     """The MLM batch (on the CPU) for `rows` [B, S], row i being held-out block `first + i`."""
     import numpy as np
     import torch

@@ -1,0 +1,249 @@
+"""The evaluate stage's config (`[evaluate]`, `[[evaluate.tasks]]`), in the wing that reads it, and the small
+values its helpers receive: the fine-tuner's settings (`Tuning`), a task's own (`TaskSettings`) and the held-out
+masked LM's (`MlmSettings`), each made once from the Config. `stages/evaluate.py` re-exports `Config` and
+`TaskConfig`, so `evaluate.Config` names the same class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from cram.stages.finetuning.metrics import METRICS, REGRESSION_METRICS
+from cram.stages.shared.taskfiles import GLUE
+
+Pooling = Literal["auto", "first", "mean", "pooler"]
+Head = Literal["cramming", "auto", "bert", "roberta", "modernbert"]
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """One fine-tuning task, an entry of `[[evaluate.tasks]]`."""
+
+    kind: Literal["heldout-topic", "glue", "custom"] = "heldout-topic"
+    name: str = "topic"  # glue: cola, sst2, mrpc, stsb, qqp, mnli, qnli or rte; otherwise the results' label
+    path: str = ""  # glue: a local GLUE directory ("" = the hub); custom: a folder with train and test files
+    text_fields: tuple[str, ...] = ()  # custom: the text field, or the two fields of a pair
+    label_field: str = "label"  # custom
+    # custom: accuracy, f1, macro_f1, matthews, pearson, spearman (these two: regression); the first is the main
+    metrics: tuple[str, ...] = ()
+    test_fraction: float = 0.2  # heldout-topic: share of each topic's articles kept for testing
+    epochs: int | None = None  # None: the stage's; likewise seeds, lr and max_length
+    seeds: int | None = None
+    lr: float | None = None
+    max_length: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("name: must not be empty")
+        if self.kind == "glue" and self.name not in GLUE:
+            raise ValueError(f"name: {self.name!r} is no GLUE task; choose one of {', '.join(GLUE)}")
+        if self.kind == "custom":
+            if not self.path:
+                raise ValueError("path: a custom task needs the folder holding its train and test files")
+            if len(self.text_fields) not in (1, 2):
+                raise ValueError(f"text_fields: {list(self.text_fields)} must name one text field or two (a pair)")
+            if not self.metrics:
+                raise ValueError(f"metrics: a custom task needs at least one of {', '.join(METRICS)}")
+            unknown = [m for m in self.metrics if m not in METRICS]
+            if unknown:
+                raise ValueError(f"metrics: unknown metric {unknown[0]!r}; choose from {', '.join(METRICS)}")
+            if len({m in REGRESSION_METRICS for m in self.metrics}) > 1:
+                raise ValueError(
+                    f"metrics: {list(self.metrics)} mixes regression "
+                    f"({', '.join(REGRESSION_METRICS)}) and classification"
+                )
+        elif self.text_fields or self.metrics:
+            raise ValueError(f"text_fields, metrics: only a custom task takes them; {self.kind} sets its own")
+        if not 0 < self.test_fraction < 1:
+            raise ValueError(f"test_fraction: {self.test_fraction} must be in (0, 1)")
+        for key in ("epochs", "seeds"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ValueError(f"{key}: {getattr(self, key)} must be >= 1")
+        if self.max_length is not None and self.max_length < 3:
+            raise ValueError(f"max_length: {self.max_length} must be >= 3 ([CLS], a token, [SEP])")
+        if self.lr is not None and not self.lr > 0:
+            raise ValueError(f"lr: {self.lr} must be > 0")
+
+
+DEFAULT_TASK = TaskConfig(epochs=2, seeds=3, lr=1e-3, max_length=64)
+
+
+@dataclass(frozen=True)
+class Config:
+    # Fine-tuning follows cramming's GLUE rules: one set of hyper-parameters for every task.
+    # The default: the held-out topics, sized for the default CPU pipeline (about a minute on 2
+    # cores). Minutes of pretraining leave a tiny model that learns nothing at GLUE's 4e-5 in 2 epochs.
+    # Without labelled held-out articles it is left out (`_fitting_tasks`): a default must fit any corpus.
+    tasks: list[TaskConfig] = field(default_factory=lambda: [DEFAULT_TASK])
+    epochs: int = 5
+    batch_size: int = 16
+    lr: float = 4e-5
+    warmup: float = 0.1  # cosine decay after a linear warm-up over this fraction of the steps
+    weight_decay: float = 0.0  # cramming fine-tunes without weight decay
+    max_length: int = 128  # tokens per example, [CLS] and [SEP]s included; longer texts are cut
+    buckets: tuple[int, ...] = (32, 64, 128)  # padded batch lengths: one compiled graph each, at most
+    # first: the [CLS] token; mean: the mean over real tokens; pooler: the first token through a head whose
+    # dense layer starts as the checkpoint's pooler (BERT's; head_width = 0). auto: the pooling of
+    # pretrain.init's sentence-transformers folder where it names one, else first (resolved at load, `linked`).
+    pooling: Pooling = "auto"
+    head_width: int = 1024  # the classifier head's dense layer (cramming's); 0: the model's hidden size
+    dropout: float = 0.1  # fine-tuning only: embeddings, attention, hidden and the head (cramming's)
+    seeds: int = 5
+    eval_batch_size: int = 128
+    mlm: bool = True  # the held-out masked-LM loss and accuracy
+    mlm_seed: int = 0  # masks the held-out blocks: fixed, so re-runs agree; 0 is pretrain's val-loss masking
+    # 0: mask the held-out blocks at pretraining's rate; else at this one, so that runs trained at
+    # different masking rates (a sweep) compare on one held-out loss.
+    mlm_mask_rate: float = 0.0
+    # "pretrain": corrupt the held-out masked tokens as pretraining did (pretrain.masking.mask_token and
+    # random_token); "bert": BERT's 80/10/10 whatever pretraining used, so that runs trained with other
+    # corruptions (all [MASK]) compare on one held-out loss.
+    mlm_corruption: Literal["pretrain", "bert"] = "pretrain"
+    mlm_batch_size: int = 128
+    # The held-out masked-LM at each of these block lengths (`mlm_loss@L` when more than one); empty:
+    # the lengths pretrain trained at. `mlm_loss` stays the first length's.
+    mlm_lengths: tuple[int, ...] = ()
+    compile: bool = True
+    backend: str = "inductor"
+    # auto: bf16 autocast on CUDA and on CPUs with native bf16, where the compiled fine-tune step agrees
+    # with eager (the canary), else fp32 (stages/shared/precision.py)
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # Before the first fine-tune: this many steps of the first task compiled and eagerly from the same
+    # params (dropout off), and their predictions; a relative difference above the tolerance tries the
+    # next precision, or stops the stage. 0: off (and off when compile is false).
+    canary_steps: int = 2
+    canary_tolerance: float = 0.02
+    # Per task, the fine-tuned classifier (encoder and head) of its best seed by the reported score,
+    # of every seed, or of none: outputs `classifiers/` (stages/finetuning/kept.py), which
+    # `cram export RUN --task NAME` and `cram predict RUN --task NAME` read.
+    keep: Literal["best", "all", "none"] = "best"
+    # The classifier head (model/classifier.py): cramming's (`head_width` wide, the default), or the one
+    # of transformers' BERT, RoBERTa or ModernBERT ...ForSequenceClassification (the hidden size wide),
+    # which export exactly; "auto": the head of the family the model maps onto (model/hf.py), else cramming's.
+    head: Head = "cramming"
+    # "init": pretrain.init's checkpoint is fine-tuned too, with the same tasks, seeds and settings (the
+    # baseline stage, stages/baseline.py), and each task's results set the continued score beside it
+    # (stages/finetuning/versus.py); "none": the continued model alone. "auto": "init" where pretrain
+    # continues a checkpoint on a budget that is not zero, else "none" (resolved at load, `linked`).
+    baseline: Literal["auto", "init", "none"] = "auto"
+
+    def __post_init__(self) -> None:
+        positive = ("epochs", "batch_size", "max_length", "seeds", "eval_batch_size", "mlm_batch_size")
+        for key in positive:
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}: {getattr(self, key)} must be >= 1")
+        if not self.lr > 0 or self.weight_decay < 0:
+            raise ValueError(f"lr, weight_decay: {self.lr}, {self.weight_decay} must be > 0 and >= 0")
+        if self.head_width < 0 or not 0 <= self.dropout < 1:
+            raise ValueError(f"head_width, dropout: {self.head_width}, {self.dropout} must be >= 0 and in [0, 1)")
+        if not 0 <= self.warmup < 1:
+            raise ValueError(f"warmup: {self.warmup} must be in [0, 1)")
+        if self.canary_steps < 0 or not self.canary_tolerance > 0:
+            raise ValueError(
+                f"canary_steps, canary_tolerance: {self.canary_steps}, {self.canary_tolerance} must be >= 0 and > 0"
+            )
+        if any(length < 1 for length in self.mlm_lengths):
+            raise ValueError(f"mlm_lengths: {list(self.mlm_lengths)} must be lengths of at least 1")
+        if not 0 <= self.mlm_mask_rate < 1:
+            raise ValueError(f"mlm_mask_rate: {self.mlm_mask_rate} must be in [0, 1); 0 keeps pretraining's rate")
+        if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 3:
+            raise ValueError(f"buckets: {list(self.buckets)} must be increasing lengths of at least 3")
+        lengths = {"max_length": self.max_length}
+        lengths.update({f"tasks[{i}].max_length": t.max_length for i, t in enumerate(self.tasks)})
+        for key, length in lengths.items():
+            if length is not None and not 3 <= length <= self.buckets[-1]:
+                raise ValueError(f"{key}: {length} must be in [3, the largest bucket {self.buckets[-1]}]")
+        names = [t.name for t in self.tasks]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"tasks: the name {repeated[0]!r} is used twice; results are keyed by name")
+
+    def linked(self, sections: dict[str, Any]) -> Config:
+        """`pooling = "auto"` is the pooling that `pretrain.init`'s sentence-transformers folder names ("mean"
+        or "first"), else "first"; `baseline = "auto"` is "init" where pretrain continues `init`'s checkpoint
+        on a budget that is not zero (a zero budget scores the checkpoint itself), else "none". Resolved here,
+        so the config holds what runs."""
+        pretrain = sections.get("pretrain")
+        init = getattr(pretrain, "init", "")
+        config = self
+        if self.baseline == "auto":
+            trains = getattr(getattr(pretrain, "budget", None), "tokens", None) != 0
+            config = dataclasses.replace(config, baseline="init" if init and trains else "none")
+        if self.pooling != "auto":
+            return config
+        from cram.stages.shared import pretrained
+
+        pooling = None
+        if init:
+            try:
+                pooling = pretrained.locate(Path(init)).pooling
+            except pretrained.PretrainedError:  # pretrain's validate names it
+                pass
+        return dataclasses.replace(config, pooling=pooling or "first")
+
+    def task_settings(self, task: TaskConfig) -> TaskSettings:
+        """The task's own epochs, seeds, lr and max_length, the stage's where it sets none."""
+        own = {key: getattr(task, key) for key in ("epochs", "seeds", "lr", "max_length")}
+        return TaskSettings(**{key: getattr(self, key) if value is None else value for key, value in own.items()})
+
+    def tuning(self) -> Tuning:
+        """What the fine-tuner reads of this config."""
+        return Tuning(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Tuning)})
+
+    def mlm_settings(self) -> MlmSettings:
+        """What the held-out masked LM reads of this config."""
+        return MlmSettings(
+            seed=self.mlm_seed,
+            batch_size=self.mlm_batch_size,
+            mask_rate=self.mlm_mask_rate,
+            corruption=self.mlm_corruption,
+            lengths=self.mlm_lengths,
+            compile=self.compile,
+            backend=self.backend,
+        )
+
+
+@dataclass(frozen=True)
+class TaskSettings:
+    """A task's epochs, seeds, lr and max_length: its own, or the stage's (`Config.task_settings`)."""
+
+    epochs: int
+    seeds: int
+    lr: float
+    max_length: int
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """What the fine-tuner (`finetune.Tuner`) reads of evaluate's Config: the optimizer and its schedule,
+    batching and padding, the head, and compiling (`Config.tuning`)."""
+
+    lr: float  # the stage's: the optimizer config's and the canary steps'; each fine-tune steps at its task's
+    weight_decay: float
+    warmup: float
+    dropout: float
+    batch_size: int
+    eval_batch_size: int
+    buckets: tuple[int, ...]
+    pooling: Pooling
+    head: Head
+    head_width: int
+    compile: bool
+    backend: str
+
+
+@dataclass(frozen=True)
+class MlmSettings:
+    """What the held-out masked LM reads of evaluate's Config (`Config.mlm_settings`), its `mlm_` prefix
+    dropped."""
+
+    seed: int
+    batch_size: int
+    mask_rate: float  # 0: pretraining's
+    corruption: Literal["pretrain", "bert"]
+    lengths: tuple[int, ...]  # empty: the lengths pretrain trained at
+    compile: bool
+    backend: str
