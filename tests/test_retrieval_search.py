@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from cram.stages.retrieval.search import Embeddings, normalised, top_k, write_embeddings
+from cram.stages.shared.files import temp_path
 
 
 def unchunked(queries: np.ndarray, corpus: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -65,3 +66,18 @@ def test_a_write_that_does_not_deliver_its_rows_leaves_no_file(tmp_path):
     with pytest.raises(ValueError, match="3 rows written of the 5 announced"):
         write_embeddings(tmp_path / "e.npy", iter([np.ones((3, 2))]), 5)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_writing_holds_one_batch_at_a_time(tmp_path):
+    seen = []
+
+    def batches():
+        for i in range(5):
+            seen.append(i)
+            yield np.full((2, 3), i + 1.0)
+            # The batch yielded has been written before the next one is asked for.
+            assert np.load(temp_path(tmp_path / "e.npy"), mmap_mode="r")[2 * i, 0] > 0
+
+    write_embeddings(tmp_path / "e.npy", batches(), 10)
+    assert seen == [0, 1, 2, 3, 4]
+    assert np.load(tmp_path / "e.npy")[:, 0] == pytest.approx(np.full(10, 3**-0.5), abs=1e-3)

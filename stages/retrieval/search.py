@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -33,12 +34,14 @@ def normalised(rows: np.ndarray) -> np.ndarray:
 def write_embeddings(path: Path, batches: Iterable[np.ndarray], rows: int, dtype: str = "float16") -> None:
     """Write `rows` embeddings, arriving in batches (each normalised here), to `path` as one `.npy`
     file, atomically: a reader never sees half a corpus."""
-    batches = iter(batches)
-    first = normalised(next(batches))
+    normalised_batches = map(normalised, batches)  # one batch in memory at a time
+    first = next(normalised_batches, None)
+    if first is None:
+        raise ValueError(f"{path}: no embeddings to write")
     with atomic(path) as tmp:
         out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.dtype(dtype), shape=(rows, first.shape[1]))
         at = 0
-        for batch in (first, *map(normalised, batches)):
+        for batch in chain([first], normalised_batches):
             if at + len(batch) > rows:
                 raise ValueError(f"{path}: more than the {rows} rows announced")
             out[at : at + len(batch)] = batch
