@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,7 +136,7 @@ def qrels_pairs(beir: BeirSet, split: str = "train") -> tuple[Pair, ...]:
     )
 
 
-def check_no_leak(beir: BeirSet, pairs: tuple[Pair, ...], where: str) -> None:
+def check_no_leak(beir: BeirSet, pairs: Sequence[Pair], where: str) -> None:
     """Refuse training pairs whose query is a test query's text: a model trained on the test queries
     scores what it memorised, not what it retrieves."""
     tests = {beir.queries[q].strip() for q in beir.qrels["test"]}
@@ -143,7 +144,7 @@ def check_no_leak(beir: BeirSet, pairs: tuple[Pair, ...], where: str) -> None:
     if leaked:
         raise StageError(
             f"{where}: {len(leaked)} training quer{'y is' if len(leaked) == 1 else 'ies are'} also "
-            f"test queries of {beir.folder / 'qrels/test.tsv'}, the first {leaked[0]!r}"
+            f"test queries of {beir.folder / 'qrels/test.tsv'}, the first {leaked[0][:80]!r}"
         )
 
 
