@@ -35,7 +35,8 @@ class Scores:
 
 def ranking(scores: dict[str, float]) -> list[str]:
     """The documents in trec_eval's order: score descending, ties by id descending (byte order)."""
-    return sorted(scores, key=lambda doc: (-scores[doc], _descending(doc)))
+    by_id = sorted(scores, key=str.encode, reverse=True)  # strcmp compares UTF-8 bytes
+    return sorted(by_id, key=lambda doc: -scores[doc])  # stable: equal scores keep the id order
 
 
 def score_run(run: Run, qrels: Qrels) -> Scores:
@@ -75,9 +76,3 @@ def reciprocal_rank(ranked: list[int], k: int) -> float:
 
 def _dcg(gains: list[int]) -> float:
     return math.fsum(g / math.log2(rank + 1) for rank, g in enumerate(gains, 1) if g > 0)
-
-
-def _descending(doc: str) -> tuple[int, ...]:
-    """A sort key that orders ids as strcmp does, reversed: the UTF-8 bytes negated, ended by a value
-    above every negated byte, so an id sorts before its own prefix ("ab" before "a")."""
-    return (*(-b for b in doc.encode()), 1)
