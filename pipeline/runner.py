@@ -23,10 +23,10 @@ import socket
 import subprocess
 import time
 import traceback
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import structlog
@@ -36,6 +36,7 @@ from cram.pipeline import config as cfg
 from cram.pipeline import logs, ranks, rundir, store
 from cram.pipeline.errors import CramError, Interrupted
 from cram.pipeline.planning import Step, fingerprint
+from cram.stages.protocols import StageLike, StageSpec, read
 from cram.stages.shared import loggers as stage_loggers
 
 _VERSIONED = ("torch", "numpy", "datasets", "sentencepiece", "tokenizers", "safetensors", "structlog", "typer")
@@ -50,16 +51,16 @@ class StageFailed(CramError):
         self.stage, self.log_path = stage, log_path
 
 
-def default_stages() -> list[ModuleType]:
+def default_stages() -> list[StageSpec]:
     return [stages.load(name) for name in stages.ORDER]
 
 
-def config_classes(modules: list[ModuleType]) -> dict[str, type]:
+def config_classes(modules: Sequence[StageLike]) -> dict[str, type]:
     """The TOML sections: one per stage, less those whose config is made from the others' (`config_of`)."""
-    return {m.NAME: m.Config for m in modules if not hasattr(m, "config_of")}
+    return {s.NAME: s.Config for s in map(read, modules) if s.has_section}
 
 
-def load_saved(run_dir: Path, modules: list[ModuleType]) -> cfg.PipelineConfig:
+def load_saved(run_dir: Path, modules: Sequence[StageLike]) -> cfg.PipelineConfig:
     """The config a run was started with, to continue it."""
     saved = run_dir / rundir.CONFIG
     if not saved.is_file():
@@ -246,7 +247,7 @@ def _compute(
         ctx = _context(config, step, run_dir, rank, world_size, log)
         outputs: dict[str, Any] = {}
         error: tuple[str, int] | None = None
-        if main or getattr(step.module, "DISTRIBUTED", False):
+        if main or step.stage.DISTRIBUTED:
             outputs, error = _call(config, step, inputs, partial, ctx, log)
         if main and error is None:
             error = _changed_inputs(config, step, stored)
@@ -254,7 +255,7 @@ def _compute(
         duration = round(time.perf_counter() - started, 3)
         if error is not None:
             if main:
-                if not getattr(step.module, "RESUMABLE", False):  # nothing to continue from: free its disk now
+                if not step.stage.RESUMABLE:  # nothing to continue from: free its disk now
                     shutil.rmtree(partial, ignore_errors=True)
                 attempt.save(status="failed", error=error[0], **attempt.closing("failed", duration))
                 log.error("failed", error=error[0], **({"kept": "the earlier result"} if attempt.keep else {}))
@@ -285,7 +286,7 @@ def _begin(attempt: _Attempt, step: Step, run_dir: Path, stored: store.Store, pa
     intact = store.problem(run_dir / step.name, previous.get("key", "")) is None
     attempt.keep = previous.get("status") == "done" and intact
     _mention_other_partial(previous, step, stored, log)
-    if partial.exists() and not (getattr(step.module, "RESUMABLE", False) and step.reason != "forced"):
+    if partial.exists() and not (step.stage.RESUMABLE and step.reason != "forced"):
         shutil.rmtree(partial)
     partial.mkdir(parents=True, exist_ok=True)
     attempt.save(
@@ -293,7 +294,7 @@ def _begin(attempt: _Attempt, step: Step, run_dir: Path, stored: store.Store, pa
         config_hash=step.config_hash,
         inputs_hash=step.inputs_hash,
         upstream_keys=step.upstream_keys,
-        version=step.module.VERSION,
+        version=step.stage.VERSION,
         status="running",
         started=rundir.now(),
         ended=None,
@@ -332,7 +333,7 @@ def _changed_inputs(config: cfg.PipelineConfig, step: Step, stored: store.Store)
     not match, so the error names it and nothing is kept. (A large file costs a `stat`: the hash cache.)"""
     if step.inputs is None:
         return None
-    now = fingerprint(step.module, step.config, stored) or []
+    now = fingerprint(step.stage, step.config, stored) or []
     if cfg.digest(now) == step.inputs_hash:
         return None
     before = {json.dumps(entry) for entry in step.inputs}
@@ -354,7 +355,7 @@ def _call(
     """The stage's outputs, or the error it raised with its exit code (2 bad input or config, 1 a crash)."""
     finished = False
     try:
-        outputs = step.module.run(step.config, inputs, partial, ctx)
+        outputs = step.stage.run(step.config, inputs, partial, ctx)
         json.dumps(outputs)  # outputs must be JSON: fail here, not when the manifest is saved
         finished = True
         return outputs, None

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cram.stages import Context, StageError, Upstream
+from cram.stages import Context, Pipeline, StageError, Upstream
 from cram.stages.finetuning.scoring import Checkpoint, fitting_tasks, heldout_gap, score, task_files
 from cram.stages.shared import device as devices
 from cram.stages.shared import pretrained
@@ -58,7 +58,7 @@ class Config:
     evaluate: Any = None
 
 
-def config_of(pipeline: Any) -> Config | None:
+def config_of(pipeline: Pipeline) -> Config | None:
     """The stage's config, from evaluate's and pretrain's sections; None where `evaluate.baseline` is not "init"."""
     evaluate, pretrain = pipeline.stages.get("evaluate"), pipeline.stages.get("pretrain")
     if getattr(evaluate, "baseline", "none") != "init":
@@ -76,7 +76,7 @@ def fingerprint(config: Config) -> list[list[Any]]:
     return found + task_files(config.evaluate.tasks)
 
 
-def validate(config: Config, pipeline: Any) -> None:
+def validate(config: Config, pipeline: Pipeline) -> None:
     """A baseline asked for with no checkpoint to score; evaluate's and pretrain's `validate` check the rest."""
     if not config.init:
         raise StageError(
@@ -85,7 +85,7 @@ def validate(config: Config, pipeline: Any) -> None:
         )
 
 
-def validate_runtime(config: Config, pipeline: Any) -> None:
+def validate_runtime(config: Config, pipeline: Pipeline) -> None:
     devices.check(pipeline.run.device)
     devices.check_backend(config.evaluate.backend, "evaluate.backend")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -441,17 +442,16 @@ def test_verify_of_a_root_says_missing_for_a_deleted_entry_a_run_links_to(pipe):
 
 
 def test_a_new_option_at_its_default_is_left_out_of_the_key_and_in_it_otherwise():
-    from cram.stages import pretrain
+    from cram.stages import load, pretrain
 
-    class Stage:
-        NOT_IN_KEY = pretrain.NOT_IN_KEY
-        NEW_OPTIONS = (*pretrain.NEW_OPTIONS, "masking.rate", "microbatch")
+    stage = load("pretrain")
+    stage = dataclasses.replace(stage, NEW_OPTIONS=(*stage.NEW_OPTIONS, "masking.rate", "microbatch"))
 
     base = planning.keyed_config(pretrain, pretrain.Config())
-    keyed = planning.keyed_config(Stage, pretrain.Config())
+    keyed = planning.keyed_config(stage, pretrain.Config())
     assert "microbatch" not in keyed and "rate" not in keyed["masking"]
     assert {k: v for k, v in base.items() if k not in ("microbatch", "masking")} == {
         k: v for k, v in keyed.items() if k not in ("microbatch", "masking")
     }
-    changed = planning.keyed_config(Stage, pretrain.Config(microbatch=16))
+    changed = planning.keyed_config(stage, pretrain.Config(microbatch=16))
     assert changed["microbatch"] == 16

@@ -27,7 +27,7 @@ def error(message: str) -> None:
 
 
 def print_plan(steps: list[planning.Step], run_dir: Path, config: cfg.PipelineConfig | None = None) -> None:
-    """A dry run's plan; below it, what each stage that would run says of its work (its optional
+    """A dry run's plan; below it, what each stage that would run says of its work (its
     `describe(config, pipeline)`: evaluate's fine-tune steps), given the run's `config`."""
     table = Table(title=f"{run_dir} (dry run)", title_justify="left")
     for column in ("stage", "action", "reason", "key"):
@@ -37,8 +37,8 @@ def print_plan(steps: list[planning.Step], run_dir: Path, config: cfg.PipelineCo
         table.add_row(s.name, f"[{style}]{s.action}[/]", s.reason, s.key[:12])
     out.print(table)
     for s in steps:
-        if config is not None and s.action == "run" and hasattr(s.module, "describe"):
-            if described := s.module.describe(s.config, config):
+        if config is not None and s.action == "run":
+            if described := s.stage.describe(s.config, config):
                 out.print(f"{s.name}: {escape(described)}", highlight=False, soft_wrap=True)
 
 
