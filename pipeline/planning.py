@@ -21,6 +21,7 @@ from typing import Any
 from cram import stages
 from cram.pipeline import config as cfg
 from cram.pipeline import ranks, rundir, store
+from cram.pipeline.schema import StageRecord
 from cram.stages.protocols import StageLike, StageSpec, read
 from cram.stages.shared.files import hashes_from
 
@@ -207,32 +208,32 @@ def _link_only_what_is_needed(steps: list[Step], selected: dict[str, bool]) -> l
     return steps
 
 
-def _is_done(record: dict[str, Any] | None, key: str, view: Path) -> tuple[bool, store.Problem | None]:
+def _is_done(record: StageRecord | None, key: str, view: Path) -> tuple[bool, store.Problem | None]:
     """Whether the stage is done under `key` with its files intact; if recorded done, why they are not."""
-    if not record or record.get("status") != "done" or record.get("key") != key:
+    if record is None or record.status != "done" or record.key != key:
         return False, None
     broken = store.problem(view, key)
     return broken is None, broken
 
 
 def _why_not_done(
-    record: dict[str, Any] | None,
+    record: StageRecord | None,
     key: str,
     config_hash: str,
     upstream: dict[str, str],
     broken: store.Problem | None,
 ) -> str:
-    if not record or "key" not in record:
+    if record is None or record.key is None:
         return "new"
-    if record["key"] == key:
-        if record.get("status") != "done":
+    if record.key == key:
+        if record.status != "done":
             return "incomplete"
         return "files damaged" if broken is not None and broken.damaged else "files missing"
-    if (record.get("attempt") or {}).get("key") == key:
+    if record.attempt is not None and record.attempt.key == key:
         return "incomplete"
-    if record.get("config_hash") != config_hash:
+    if record.config_hash != config_hash:
         return "config changed"
-    if record.get("upstream_keys") != upstream:
+    if record.upstream_keys != upstream:
         return "upstream changed"
     return "inputs changed"
 

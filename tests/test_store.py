@@ -18,6 +18,7 @@ import test_runner
 from test_runner import TESTS, _reasons
 
 from cram.pipeline import planning, rundir, runner, store
+from cram.pipeline.schema import StageRecord
 
 pipe = test_runner.pipe  # the fixture: cram on the fake stages in a temporary folder
 
@@ -241,7 +242,7 @@ def test_gc_keeps_a_key_being_written_and_an_attempt_a_run_may_resume(pipe):
         writer.kill()
         writer.wait()
     manifest = rundir.Manifest.load(pipe.run_dir)
-    manifest.update("beta", attempt={"key": key, "status": "interrupted"})
+    manifest.update("beta", attempt=StageRecord(key=key, status="interrupted"))
     pipe.cram("gc", pipe.run_dir.parent)
     assert (shop / f"beta-{key}.partial").is_dir()  # the run's attempt refers to it: resumable
     manifest.update("beta", attempt=None)
@@ -329,7 +330,7 @@ def test_a_run_made_before_the_store_is_trusted_and_its_folders_move_into_the_st
     stray.unlink()
     stray.mkdir()
     manifest = rundir.Manifest.load(pipe.run_dir)
-    manifest.put("gamma", {"status": "done"})
+    manifest.put("gamma", StageRecord(status="done"))
     out = pipe.run(code=2).output
     assert "cram did not make it: move it away" in out and stray.is_dir()
 
