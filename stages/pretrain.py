@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from cram.model.config import ModelConfig, OptimizerConfig
-from cram.stages import Context, StageError, Upstream
+from cram.stages import Context, Pipeline, StageError, Upstream
 from cram.stages.pretraining import start
 from cram.stages.pretraining.phases import Phase
 from cram.stages.pretraining.setup import (
@@ -255,7 +255,7 @@ def key_config(config: Config) -> Config:
     return dataclasses.replace(config, head_warmup=runs or "auto")
 
 
-def validate(config: Config, pipeline: Any) -> None:
+def validate(config: Config, pipeline: Pipeline) -> None:
     """What `run` would reject before training, checked by the runner before the first stage runs, with
     no torch: the model preset and overrides, or `init`'s checkpoint and what it must agree with (at the
     vocab size that tokenize is set to make and the longest phase's length), the phases, the schedule and
@@ -275,7 +275,7 @@ def validate(config: Config, pipeline: Any) -> None:
     start.check_head_warmup(config, cfg, pipeline.stages.get("pack"))
 
 
-def validate_runtime(config: Config, pipeline: Any) -> None:
+def validate_runtime(config: Config, pipeline: Pipeline) -> None:
     """What `validate` leaves to a stage that runs in this invocation, since it loads torch: the device,
     the compile backend, and a model and microbatch that cannot fit in the device's memory (in any phase)."""
     plan, cfg = planned_model(config, pipeline)

@@ -16,6 +16,7 @@ from cram.model.hf import classifier_blockers, family_head
 from cram.pipeline.commands import cli, predict
 from cram.pipeline.commands.classifiers import ClassifierError, from_export
 from cram.pipeline.commands.export import export, load_export
+from cram.pipeline.schema import StageRecord
 from cram.pipeline.store import write_marker
 from cram.stages import Upstream, evaluate, tokenize
 from cram.stages.finetuning import kept as keeping
@@ -60,7 +61,7 @@ def with_classifier(run, cfg, head, pooling="first", width=0, labels=LABELS, kee
         "key": KEY,
         "outputs": {"results": "results.json", **({"classifiers": kept} if kept else {})},
     }
-    write_marker(folder, "evaluate", KEY, record)
+    write_marker(folder, "evaluate", KEY, StageRecord.from_json(record, "record"))
     manifest = json.loads((run / "manifest.json").read_text())
     manifest["stages"]["evaluate"] = record
     (run / "manifest.json").write_text(json.dumps(manifest))

@@ -42,13 +42,13 @@ class Kept:
 def find(run_dir: Path, task: str) -> Kept:
     """The classifier RUN_DIR's evaluate stage kept for `task` (its best seed's), once its files are the
     ones the store recorded. ClassifierError naming `evaluate.keep`, the tasks kept or the damage otherwise."""
-    record = rundir.records(run_dir).get("evaluate") or {}
-    if record.get("status") != "done":
+    record = rundir.records(run_dir).get("evaluate")
+    if record is None or record.status != "done":
         raise ClassifierError(
-            f"{run_dir}: stage evaluate is not done (status {record.get('status', 'missing')}); "
+            f"{run_dir}: stage evaluate is not done (status {record.status if record else 'missing'}); "
             f"it keeps the fine-tuned classifiers: cram resume {run_dir}"
         )
-    kept = (record.get("outputs") or {}).get("classifiers") or {}
+    kept = record.outputs.get("classifiers") or {}
     if not kept:
         keep = (rundir.saved_config(run_dir, required=False).get("evaluate") or {}).get("keep", "best")
         why = 'evaluate.keep = "none"' if keep == "none" else "its result predates evaluate.keep, or it had no task"
@@ -60,7 +60,7 @@ def find(run_dir: Path, task: str) -> Kept:
         raise ClassifierError(f"--task {task}: {run_dir} kept no classifier of that task; it kept: {', '.join(kept)}")
     folder = run_dir / "evaluate" / kept[task]
     names = [f"{kept[task]}/{name}" for name in (PARAMS, MODEL, META)]
-    damage = store.verify(run_dir / "evaluate", record.get("key", ""), names)
+    damage = store.verify(run_dir / "evaluate", record.key or "", names)
     if damage is not None:
         raise ClassifierError(
             f"{damage}; nothing read: cram run {run_dir / rundir.CONFIG} --force evaluate computes it again"

@@ -208,7 +208,7 @@ def model_card(run_dir: Path, fmt: str, task: str | None = None) -> str:
         "",
     ]
     for stage, record in stages.items():
-        figures = {k: v for k, v in (record.get("outputs") or {}).items() if is_number(v)}
+        figures = {k: v for k, v in record.outputs.items() if is_number(v)}
         if figures:
             lines += [
                 f"**{stage}**: "
@@ -231,13 +231,13 @@ def finished_run(run_dir: Path) -> dict[str, Any]:
         raise ExportError(str(e)) from None
     run = {}
     for stage in ("tokenize", "pretrain"):
-        record = stages.get(stage) or {}
-        if record.get("status") != "done" or not (run_dir / stage).is_dir():
+        record = stages.get(stage)
+        if record is None or record.status != "done" or not (run_dir / stage).is_dir():
             raise ExportError(
-                f"{run_dir}: stage {stage} is not done (status {record.get('status', 'missing')}); "
+                f"{run_dir}: stage {stage} is not done (status {record.status if record else 'missing'}); "
                 f"run it first: cram resume {run_dir}"
             )
-        run[stage], run[f"{stage}_dir"] = record.get("outputs") or {}, run_dir / stage
+        run[stage], run[f"{stage}_dir"] = record.outputs, run_dir / stage
         missing = [k for k in _NEEDED[stage] if k not in run[stage]]
         if missing:
             raise ExportError(
@@ -252,7 +252,7 @@ def finished_run(run_dir: Path) -> dict[str, Any]:
                 f"cram run {run_dir / rundir.CONFIG} --force {stage}"
             )
         # What is copied must be what the stage wrote: a damaged file is refused (and noted in its entry).
-        damage = store.verify(run[f"{stage}_dir"], stages[stage].get("key", ""), [str(run[stage].get(key))])
+        damage = store.verify(run[f"{stage}_dir"], stages[stage].key or "", [str(run[stage].get(key))])
         if damage is not None:
             raise ExportError(f"{damage}; nothing exported: cram resume {run_dir} computes {stage} again")
     return run
