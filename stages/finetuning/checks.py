@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from cram.stages import StageError
-from cram.stages.finetuning.finetune import bucket, load_task
+from cram.stages.finetuning.finetune import load_task
+from cram.stages.kept.batches import bucket
 from cram.stages.shared.masking import masked_per_sequence
 
 
