@@ -36,9 +36,9 @@ class Run:
 _NEEDED = {"tokenize": ("tokenizer", "special_ids"), "pretrain": ("params", "model_config")}  # what is read
 
 
-def finished_run(run_dir: Path) -> Run:
+def finished_run(run_dir: Path, doing: str = "exported") -> Run:
     """RUN_DIR's tokenizer and pretrained encoder, once tokenize and pretrain are done and the files read
-    are the ones the store recorded."""
+    are the ones the store recorded; `doing` says in an error what did not happen."""
     try:
         stages = rundir.records(run_dir)
     except rundir.RunDirError as e:
@@ -67,7 +67,7 @@ def finished_run(run_dir: Path) -> Run:
         # What is read must be what the stage wrote: a damaged file is refused (and noted in its entry).
         damage = store.verify(run_dir / stage, stages[stage].get("key", ""), [str(outputs[stage].get(key))])
         if damage is not None:
-            raise RunError(f"{damage}; nothing read: cram resume {run_dir} computes {stage} again")
+            raise RunError(f"{damage}; nothing {doing}: cram resume {run_dir} computes {stage} again")
     tokenize, pretrain = outputs["tokenize"], outputs["pretrain"]
     return Run(
         run_dir / "tokenize" / tokenize["tokenizer"],

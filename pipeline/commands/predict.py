@@ -81,7 +81,7 @@ def _classifier(source: Path, task: str | None) -> tuple[Classifier, Path, dict[
             raise PredictError(f"{source}: a run directory; name the task to classify with --task")
         classifier = classifiers.find(source, task)
         try:
-            run = classifiers.finished_run(source)
+            run = classifiers.finished_run(source, doing="predicted")
         except classifiers.RunError as e:
             raise PredictError(str(e)) from None
         return classifier, run.tokenizer, run.special_ids
