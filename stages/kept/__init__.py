@@ -10,7 +10,7 @@ predict` and `cram export`; the commands parse, call this room and print.
     card.py            the model card of an export
 
 A classifier is the first kind of kept model; an embedding model is the second, beside it: its own
-description file (`folder.KIND_FILES`), reader and runner, sharing the folder's files, checksums and
+description file, reader and runner, sharing the folder's files, checksums and
 export writing. `predicting` is imported as a module (it reads the fine-tuner's encoding, which reads
 `batches` here).
 """

@@ -5,7 +5,10 @@ is made once per bucket."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def bucket(length: int, buckets: tuple[int, ...]) -> int:
@@ -21,7 +24,9 @@ class Padding:
     buckets: tuple[int, ...]
     token_types: bool
 
-    def inputs(self, rows: list[Any], lengths: Any, index: Any, size: int) -> dict[str, Any]:
+    def inputs(
+        self, rows: list[np.ndarray], lengths: np.ndarray, index: np.ndarray, size: int
+    ) -> dict[str, np.ndarray]:
         """numpy `input_ids`, `attention_mask` (and `token_type_ids`) of `size` rows, padded to the bucket
         of the longest of `rows[index]`; rows past `len(index)` are fillers."""
         import numpy as np

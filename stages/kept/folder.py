@@ -7,7 +7,7 @@ every file checked: the file names, the checksums, and the classifier it holds.
     checksums.json       (an export) each file's sha256; a kept folder in a run is checked by the store
 
 A second kind of kept model (an embedding model) has its own description file beside `model.json`
-and `params.safetensors`, read by its own reader here; `KIND_FILES` names each kind's.
+and `params.safetensors`, read by its own reader here, with the same checksums.
 """
 
 from __future__ import annotations
@@ -15,15 +15,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cram.model.config import ModelConfig, ModelConfigError
 from cram.stages import StageError
 from cram.stages.shared.files import content_hash, write_atomic
 
+if TYPE_CHECKING:
+    import torch
+
 PARAMS, MODEL, META = "params.safetensors", "model.json", "classifier.json"
 CHECKSUMS = "checksums.json"
-KIND_FILES = {"classifier": META}  # a kept model's kind -> the file that describes it
 
 
 class KeptError(StageError):
@@ -46,7 +48,7 @@ class Classifier:
     def task(self) -> str:
         return str(self.meta["task"])
 
-    def params(self) -> dict[str, Any]:
+    def params(self) -> dict[str, torch.Tensor]:
         """The fp32 params; KeptError naming the file where it is not a readable safetensors file."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file

@@ -19,7 +19,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TextIO
 
 from cram.stages.finetuning.finetune import _join
 from cram.stages.kept.batches import Padding
@@ -27,6 +27,12 @@ from cram.stages.kept.folder import Classifier, KeptError
 from cram.stages.shared.files import temp_path
 from cram.stages.shared.progress import Every
 from cram.stages.shared.taskfiles import read_texts
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from cram.stages.shared.tokenizer import Tokenizer
 
 CHUNK = 16_384  # texts read, encoded, predicted and written at a time
 OUTPUTS = (".jsonl", ".csv")
@@ -48,11 +54,11 @@ class Predictor:
     """A classifier ready to predict: its params on the device, its tokenizer, the prediction graph."""
 
     classifier: Classifier
-    tokenizer: Any  # stages.shared.tokenizer.Tokenizer
+    tokenizer: Tokenizer
     padding: Padding
-    params: dict[str, Any]
-    graph: Callable[[dict[str, Any], dict[str, Any]], Any]  # (params, batch) -> outputs
-    device: Any
+    params: dict[str, torch.Tensor]
+    graph: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], torch.Tensor]  # (params, batch) -> outputs
+    device: torch.device
     settings: Settings
 
     @classmethod
@@ -82,7 +88,7 @@ class Predictor:
         padding = Padding(special, tuple(meta["buckets"]), cfg.token_types > 1)
         return cls(classifier, loaded, padding, params, graph, device, settings)
 
-    def outputs(self, texts: list[tuple[str, ...]]) -> Any:
+    def outputs(self, texts: list[tuple[str, ...]]) -> np.ndarray:
         """The model's outputs [N, num_outputs] (logits, or the regression value), in the texts' order."""
         import numpy as np
         import torch
@@ -107,7 +113,7 @@ class Predictor:
         unsorted[order] = np.arange(len(order))
         return torch.cat(outputs).float().cpu().numpy()[unsorted]
 
-    def rows(self, outputs: Any) -> list[dict[str, Any]]:
+    def rows(self, outputs: np.ndarray) -> list[dict[str, Any]]:
         """One row a text: the label and every label's probability, or the regression's value."""
         import numpy as np
 
