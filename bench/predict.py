@@ -107,7 +107,8 @@ def child(arm: str, folder: str, texts: str, out: str, batch: int, max_length: i
     else:
         from cram.pipeline.commands import predict
 
-        predict.predict(Path(folder), [Path(texts)], out=Path(out), compile=arm == "cram", batch_size=batch)
+        settings = predict.Settings(compile=arm == "cram", batch_size=batch)
+        predict.predict(Path(folder), [Path(texts)], out=Path(out), settings=settings)
     print(json.dumps({"seconds": time.perf_counter() - began}))
 
 

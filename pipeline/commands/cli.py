@@ -222,7 +222,8 @@ def predict_files(
     """Classify every text of FILES with a kept classifier: one row per text, label and probabilities."""
     from cram.pipeline.commands import predict
 
-    written = predict.predict(source, files, task, out_file, compile=compile, batch_size=batch_size)
+    settings = predict.Settings(compile=compile, batch_size=batch_size)
+    written = predict.predict(source, files, task, out_file, settings)
     if out_file is not None:
         out.print(f"{written:,} rows: {out_file}")
 
