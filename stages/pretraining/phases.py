@@ -20,29 +20,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cram.stages import StageError
+from cram.stages.pretraining.config import Phase
 from cram.stages.shared.masking import Masking, MaskSpec, mask_spec, masked_per_sequence
 
 if TYPE_CHECKING:
     from cram.stages.pretraining.state import TrainState
-
-
-@dataclass(frozen=True)
-class Phase:
-    """An entry of `[pretrain] phases`: blocks of `seq_len` tokens until `until` of the budget's progress
-    (the last phase has none: it runs to the end). `microbatch` None: pretrain.microbatch scaled so that
-    a microbatch holds as many tokens as at pack's length (`microbatch * pack.seq_len // seq_len`)."""
-
-    seq_len: int
-    until: float | None = None
-    microbatch: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.seq_len < 1:
-            raise ValueError(f"seq_len: {self.seq_len} must be >= 1")
-        if self.until is not None and not 0 < self.until < 1:
-            raise ValueError(f"until: {self.until} must be in (0, 1)")
-        if self.microbatch is not None and self.microbatch < 1:
-            raise ValueError(f"microbatch: {self.microbatch} must be >= 1")
 
 
 @dataclass(frozen=True)
