@@ -231,7 +231,7 @@ def attention_ops(device, documents: bool, attention: str) -> list[str]:
     batch = {k: v.to(device) for k, v in batch.items()}
     autocast = torch.bfloat16 if device.type == "cuda" else None
     step = model.make_train_step(
-        cfg, model.OptimizerConfig(), compile=False, autocast_dtype=autocast, attention=attention
+        cfg, model.OptimizerConfig(), model.Compilation(compile=False, autocast=autocast, attention=attention)
     )
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step(params, model.adamw_init(params), batch, torch.tensor(1e-3, device=device))

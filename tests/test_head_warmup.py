@@ -43,9 +43,9 @@ def test_the_head_step_moves_the_head_alone_as_the_whole_step_moves_it(compile):
     params = model.init(HEADED, 0)
     state = model.adamw_init(params)
     batch, lr = random_batch(HEADED, 4, seed=1), torch.tensor(1e-2)
-    how = dict(compile=compile, backend="aot_eager")
-    head_p, head_s, head_m = model.make_train_step(HEADED, NO_CLIP, trained=names, **how)(params, state, batch, lr)
-    whole_p, whole_s, whole_m = model.make_train_step(HEADED, NO_CLIP, **how)(params, state, batch, lr)
+    how = model.Compilation(compile=compile, backend="aot_eager")
+    head_p, head_s, head_m = model.make_train_step(HEADED, NO_CLIP, how, trained=names)(params, state, batch, lr)
+    whole_p, whole_s, whole_m = model.make_train_step(HEADED, NO_CLIP, how)(params, state, batch, lr)
     assert list(head_p) == list(params) and list(head_s) == list(state)
     for name, p in params.items():
         if name in names:
@@ -56,8 +56,8 @@ def test_the_head_step_moves_the_head_alone_as_the_whole_step_moves_it(compile):
     assert torch.equal(head_m["loss"], whole_m["loss"]) and head_m["grad_norm"] < whole_m["grad_norm"]
 
     # Accumulated over microbatches: the gradients are the head's alone, applied to it alone.
-    accumulate = model.make_accumulate_step(HEADED, trained=names, **how)
-    apply = model.make_apply_step(NO_CLIP, **how)
+    accumulate = model.make_accumulate_step(HEADED, how, trained=names)
+    apply = model.make_apply_step(NO_CLIP, how)
     grads = {name: torch.zeros_like(params[name]) for name in names}
     grads, _ = accumulate(params, grads, batch)
     assert set(grads) == set(names)

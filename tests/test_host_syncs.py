@@ -59,7 +59,7 @@ def test_heldout_masks_do_not_depend_on_the_batch_size():
 def test_heldout_mlm_syncs_with_the_host_once(monkeypatch):
     cfg = model.ModelConfig(vocab_size=64, hidden=16, layers=1, heads=2, intermediate=32, max_seq_len=16)
     params = model.init(cfg, 0)
-    step = model.make_eval_step(cfg, compile=False)
+    step = model.make_eval_step(cfg, model.EAGER)
     blocks = np.random.default_rng(0).integers(5, 64, size=(10, 16))
     expected = val_mlm(step, params, blocks, spec(), seed=0, batch_size=3, device=torch.device("cpu"))
     one_batch = val_mlm(step, params, blocks, spec(), seed=0, batch_size=10, device=torch.device("cpu"))

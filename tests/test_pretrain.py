@@ -461,9 +461,9 @@ def test_compile_canary_passes_a_sound_step_and_stops_a_miscompiled_one(pack, tm
 
     real = model.make_train_step
 
-    def miscompiled(*args, compile=True, **kw):
-        step = real(*args, compile=compile, **kw)
-        if not compile:
+    def miscompiled(cfg, opt_cfg, how, **kw):
+        step = real(cfg, opt_cfg, how, **kw)
+        if not how.compile:
             return step
 
         def wrong(params, opt_state, batch, lr):  # a numerics bug: the loss comes out 5% high

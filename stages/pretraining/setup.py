@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from cram.model.step import Compilation
     from cram.stages.pretraining.head_warmup import HeadWarmup
     from cram.stages.shared.blocks import Boundary
 
@@ -105,6 +106,12 @@ class Setup:
     def autocast(self) -> torch.dtype | None:
         """The forward's autocast dtype; None: fp32."""
         return self.precision.autocast()
+
+    def compilation(self, compile: bool, backend: str = "inductor") -> Compilation:
+        """How the steps run in this precision and attention: compiled by `backend`, or eagerly."""
+        from cram.model.step import Compilation
+
+        return Compilation(compile, backend, self.autocast, self.attention, self.precision.compile_options())
 
 
 def prepare(config: Any, pack: Upstream, ctx: Context) -> Setup:

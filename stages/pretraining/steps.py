@@ -29,19 +29,18 @@ def make_steps(config: Any, setup: Setup, world_size: int, compile: bool) -> Ste
 
     reduce_grads = model.make_grad_all_reduce(world_size) if world_size > 1 else None
     single = all(span.batch_size == world_size * span.microbatch for span in setup.plan.spans)
-    how = dict(compile=compile, backend=config.backend, options=setup.precision.compile_options())
-    forward = dict(autocast_dtype=setup.autocast, attention=setup.attention)
+    how = setup.compilation(compile, config.backend)
     generator = torch.Generator(device=setup.device)
 
     def training(trained: tuple[str, ...] | None) -> Steps:
         whole = accumulate = apply = None
         if single:
             whole = model.make_train_step(
-                setup.model, config.optimizer, reduce_grads=reduce_grads, trained=trained, **how, **forward
+                setup.model, config.optimizer, how, reduce_grads=reduce_grads, trained=trained
             )
         else:
-            accumulate = model.make_accumulate_step(setup.model, trained=trained, **how, **forward)
-            apply = model.make_apply_step(config.optimizer, reduce_grads=reduce_grads, **how)
+            accumulate = model.make_accumulate_step(setup.model, how, trained=trained)
+            apply = model.make_apply_step(config.optimizer, how, reduce_grads=reduce_grads)
         return Steps(whole, accumulate, apply, generator, setup.device, setup.autocast, setup.documents, trained)
 
     steps = training(None)
@@ -56,9 +55,7 @@ def val_loss(config: Any, setup: Setup, params: Params) -> float:
     from cram import model
     from cram.stages.shared.val_mlm import MASK_SEED, val_mlm
 
-    evaluate = model.make_eval_step(
-        setup.model, compile=False, autocast_dtype=setup.autocast, attention=setup.attention
-    )
+    evaluate = model.make_eval_step(setup.model, setup.compilation(compile=False))
     return val_mlm(
         evaluate,
         params,
