@@ -24,15 +24,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cram.stages import Context, StageError, Upstream
-from cram.stages.pretraining import start
+from cram.stages.pretraining import continued, start
 
 # The stage's config, re-exported: `pretrain.Config` is what the pipeline file's `[pretrain]` becomes.
 from cram.stages.pretraining.config import DEFAULT_HOURS, Architecture, Budget, Config, Phase  # noqa: F401
 from cram.stages.pretraining.setup import (
     Setup,
-    check_has_tokenizer,
     check_memory,
-    check_not_its_own,
     check_schedule,
     planned_model,
     planned_passes,
@@ -43,7 +41,6 @@ from cram.stages.pretraining.setup import (
 from cram.stages.pretraining.steps import compiled_steps, val_loss
 from cram.stages.shared import device as devices
 from cram.stages.shared import precision as precisions
-from cram.stages.shared import pretrained
 
 if TYPE_CHECKING:
     from cram.stages.pretraining.loop import Hook, Steps
@@ -83,24 +80,18 @@ NEW_OPTIONS = (
 
 
 def fingerprint(config: Config) -> list[list[str]] | None:
-    """The contents of `init`'s checkpoint, which the stage's output depends on; None without one. One
-    that cannot be found gives its error instead: `validate` reports it."""
-    if not config.init:
-        return None
-    try:
-        return pretrained.fingerprint(pretrained.locate(Path(config.init)))
-    except pretrained.PretrainedError as e:
-        return [["unavailable", f"pretrain.init: {e}"]]
+    """The contents of `init`'s checkpoint, which the stage's output depends on (`continued.fingerprint`)."""
+    return continued.fingerprint(config)
 
 
 def key_config(config: Config) -> Config:
     """The config as the key sees it: `head_warmup` as it runs, "auto" (left out of the key) where none
     runs, so that a run without a warm-up keeps the key it had before the option existed; `optimizer.lr`
-    the peak it trains at (`start.resolved`). A checkpoint that cannot be read leaves it as given: `validate`
+    the peak it trains at (`continued.resolved`). A checkpoint that cannot be read leaves it as given: `validate`
     names the problem."""
     try:
-        runs = start.warmup_setting(config)
-        config = start.resolved(config)
+        runs = continued.warmup_setting(config)
+        config = continued.resolved(config)
     except StageError:
         return config
     return dataclasses.replace(config, head_warmup=runs or "auto")
@@ -114,8 +105,8 @@ def validate(config: Config, pipeline: Any) -> None:
     from cram import model
 
     if config.init:
-        check_not_its_own(config, Path(pipeline.run.root) / pipeline.run.name)
-        check_has_tokenizer(config, pipeline.stages.get("tokenize"))
+        continued.check_not_its_own(config, Path(pipeline.run.root) / pipeline.run.name)
+        continued.check_has_tokenizer(config, pipeline.stages.get("tokenize"))
     elif config.init_lr != "auto":
         raise StageError(
             f"pretrain.init_lr: {config.init_lr} is the peak lr of continuing `pretrain.init`'s checkpoint, and the "
@@ -123,7 +114,7 @@ def validate(config: Config, pipeline: Any) -> None:
         )
     _, cfg = planned_model(config, pipeline)
     check_schedule(model, config)
-    start.check_head_warmup(config, cfg, pipeline.stages.get("pack"))
+    continued.check_head_warmup(config, cfg, pipeline.stages.get("pack"))
 
 
 def validate_runtime(config: Config, pipeline: Any) -> None:
@@ -143,16 +134,16 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     from cram.stages.pretraining.loop import train
     from cram.stages.pretraining.telemetry import ProgressBar, peak_flops
 
-    given, config = config.optimizer.lr, start.resolved(config)
+    given, config = config.optimizer.lr, continued.resolved(config)
     if config.init and ctx.is_main:
         ctx.log.info("continuing", init=config.init, peak_lr=config.optimizer.lr, optimizer_lr=given)
     setup = prepare(config, inputs["pack"], ctx)
     if ctx.is_main:
         warn_of_data_limits(config, setup, ctx)
-    made = start.made_head(config)
+    made = continued.made_head(config)
     # A head made for a zero budget never trains: no held-out loss of it means anything.
     measured = config.val_blocks > 0 and not (made and config.budget.tokens == 0)
-    setup = dataclasses.replace(setup, warmup=start.warmup_of(config, setup.model))
+    setup = dataclasses.replace(setup, warmup=continued.warmup_of(config, setup.model))
     state = start.start(config, setup, out_dir, ctx)
     data = PhaseStream(
         setup.blocks, setup.plan, seed=ctx.seed, rank=ctx.rank, world_size=ctx.world_size, depth=config.prefetch,

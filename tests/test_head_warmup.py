@@ -25,6 +25,7 @@ from cram.model import ModelConfig, OptimizerConfig
 from cram.pipeline.planning import keyed_config
 from cram.stages import StageError, Upstream, pretrain
 from cram.stages.pretraining import head_warmup
+from cram.stages.pretraining.continued import AUTO_FRACTION
 from cram.stages.shared.tokenizer import load as load_tokenizer
 
 pytest.importorskip("transformers")
@@ -162,7 +163,7 @@ def test_auto_warms_a_made_head_alone_and_keeps_every_other_key(headless, tmp_pa
     with_head = tmp_path / "headed"
     bert_model(with_head, cls="BertForMaskedLM")
     made = pretrain.Config(init=str(headless), budget=pretrain.Budget(steps=8))
-    assert keyed_config(pretrain, made)["head_warmup"] == head_warmup.AUTO_FRACTION
+    assert keyed_config(pretrain, made)["head_warmup"] == AUTO_FRACTION
     for config in (
         pretrain.Config(),  # no init
         pretrain.Config(init=str(with_head), budget=pretrain.Budget(steps=8)),  # it brought its head
@@ -210,7 +211,7 @@ def test_a_tied_decoder_without_head_params_has_nothing_to_warm_up(headless, pac
     tied = dict(head_transform=False, decoder_bias=False)
     cfg = ModelConfig(vocab_size=64, hidden=16, layers=1, heads=2, intermediate=32, max_seq_len=16, **tied)
     assert head_warmup.head_names(cfg) == ()
-    from cram.stages.pretraining.start import check_head_warmup
+    from cram.stages.pretraining.continued import check_head_warmup
 
     with pytest.raises(StageError, match=r"head_warmup: 0\.2, but the model has no masked-LM head params of its own"):
         check_head_warmup(continued(headless, head_warmup=0.2), cfg, None)

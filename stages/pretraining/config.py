@@ -133,11 +133,11 @@ class Config:
     init: str = ""
     # The masked-LM head alone first, the encoder frozen (stages/pretraining/head_warmup.py), then the whole
     # model with a fresh AdamW and its lr schedule over the rest of the budget: a fraction of the budget (< 1)
-    # or tokens (>= 1); 0: off. "auto": head_warmup.AUTO_FRACTION where `init`'s checkpoint lacks its head
+    # or tokens (>= 1); 0: off. "auto": continued.AUTO_FRACTION where `init`'s checkpoint lacks its head
     # (the stage makes one), none where it brought its own. At the constant lr `head_lr` (0: the peak lr).
     head_warmup: float | Literal["auto"] = "auto"
     head_lr: float = 0.0
-    # The peak lr of a run that continues `init`'s checkpoint (start.peak_lr): a number, or "auto": optimizer.lr
+    # The peak lr of a run that continues `init`'s checkpoint (continued.peak_lr): a number, or "auto": optimizer.lr
     # capped at the rate measured for continuing such a checkpoint (1.5e-3 * 128 / hidden for a masked-LM
     # encoder, 3.3e-5 for a sentence encoder), so that a from-scratch lr, as above, does not undo it.
     init_lr: float | Literal["auto"] = "auto"

@@ -1,6 +1,6 @@
 """What the pretrain stage reads and checks before it trains: the configured model against the
-tokenizer, the packed data, `init`'s checkpoint and the device's memory (`validate`, `validate_runtime`),
-and the `Setup` that `run` derives from pack's outputs. `config` is pretrain's Config.
+tokenizer (or `init`'s checkpoint: `continued.py`), the packed data and the device's memory (`validate`,
+`validate_runtime`), and the `Setup` that `run` derives from pack's outputs.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from cram.model.config import ModelConfig
 from cram.stages import Context, StageError, Upstream
+from cram.stages.pretraining import continued
 from cram.stages.pretraining.phases import Plan, Span
 from cram.stages.pretraining.phases import plan as plan_phases
 from cram.stages.shared import device as devices
 from cram.stages.shared import precision as precisions
-from cram.stages.shared import pretrained
 from cram.stages.shared.masking import MaskSpec, mask_spec
 
 if TYPE_CHECKING:
@@ -38,36 +38,6 @@ def planned_model(config: Any, pipeline: Any) -> tuple[Plan, ModelConfig]:
     seq_len = pack.seq_len if pack is not None else getattr(preset, "max_seq_len", 0)
     plan = plan_phases(config, seq_len, special, vocab_size)
     return plan, _model_config(model, config, vocab_size, plan.chunk, special["pad"])
-
-
-def check_not_its_own(config: Any, run_dir: Path) -> None:
-    """Refuse an `init` that is the run's own directory, or lies in it or in the entry its pretrain links
-    to: the stage would start from its own result, so its key (which holds init's contents) would change
-    with every result and each identical `cram run` would train again."""
-    import os
-
-    init = Path(config.init).expanduser()
-    stage_dir = run_dir / "pretrain"  # the run's link to the store entry its pretrain finished in
-    inside = [Path(os.path.abspath(run_dir)), Path(os.path.realpath(run_dir)), Path(os.path.realpath(stage_dir))]
-    seen = (Path(os.path.abspath(init)), Path(os.path.realpath(init)))
-    if any(path == folder or folder in path.parents for path in seen for folder in inside):
-        raise StageError(
-            f"pretrain.init: {config.init} is this run's own directory ({run_dir}) or inside it: pretrain would "
-            "start from its own result and train again at every run; give another run directory or an export"
-        )
-
-
-def check_has_tokenizer(config: Any, tokenize: Any) -> None:
-    """A checkpoint that is there, and a tokenizer for it: its own (tokenize's default), or one given."""
-    from cram.stages.shared.tokenizer import FILE_NAMES as tokenizer_files
-
-    locate_init(config)
-    if tokenize is not None and not tokenize.tokenizer:
-        raise StageError(
-            f"pretrain.init: {config.init} holds no tokenizer ({' or '.join(tokenizer_files)}) and "
-            "tokenize.tokenizer is not set; a tokenizer trained anew would not match the checkpoint's "
-            "embeddings: set tokenize.tokenizer to the one the checkpoint was trained with"
-        )
 
 
 def _tokenizer_facts(tokenize: Any, preset: ModelConfig | None) -> tuple[int, dict[str, int]]:
@@ -196,7 +166,7 @@ def warn_of_repeats(passes: float, blocks: int, ctx: Context, verb: str) -> None
 
 def _model_config(model, config: Any, vocab_size: int, seq_len: int, pad_id: int) -> ModelConfig:
     if config.init:
-        return _checkpoint_config(config, vocab_size, seq_len, pad_id)
+        return continued.architecture(config, vocab_size, seq_len, pad_id)
     arch = config.model
     if arch.preset not in model.PRESETS:
         raise StageError(f"pretrain.model.preset: {arch.preset!r} is not one of {', '.join(model.PRESETS)}")
@@ -207,47 +177,6 @@ def _model_config(model, config: Any, vocab_size: int, seq_len: int, pad_id: int
         )
     except (TypeError, ValueError) as e:
         raise StageError(f"pretrain.model: {e}") from None
-
-
-def locate_init(config: Any):
-    try:
-        return pretrained.locate(Path(config.init))
-    except pretrained.PretrainedError as e:
-        raise StageError(f"pretrain.init: {e}") from None
-
-
-def _checkpoint_config(config: Any, vocab_size: int, seq_len: int, pad_id: int) -> ModelConfig:
-    """`init`'s architecture, checked against `[pretrain.model]`, the tokenizer and the block length; its
-    weights are read from the files' headers only."""
-    try:
-        cfg, _ = pretrained.load(locate_init(config), shapes_only=True)
-    except pretrained.PretrainedError as e:
-        raise StageError(f"pretrain.init: {e}") from None
-    if config.model.preset != type(config.model)().preset:
-        raise StageError(
-            f"pretrain.model.preset: {config.model.preset!r}, but the architecture is pretrain.init's "
-            f"checkpoint ({config.init}); leave the preset out"
-        )
-    for key, value in dataclasses.asdict(config.model).items():
-        if key != "preset" and value is not None and value != getattr(cfg, key):
-            raise StageError(
-                f"pretrain.model.{key}: {value!r} contradicts the checkpoint's {getattr(cfg, key)!r} "
-                f"(pretrain.init = {config.init}); leave it out"
-            )
-    if vocab_size > cfg.vocab_size:
-        raise StageError(
-            f"tokenize.tokenizer: {vocab_size:,} tokens, more than the {cfg.vocab_size:,} embedding rows of "
-            f"pretrain.init's checkpoint ({config.init}): it is not the tokenizer the checkpoint was trained with"
-        )
-    if cfg.position == "learned" and seq_len > cfg.max_seq_len:
-        raise StageError(
-            f"pack.seq_len: {seq_len} is beyond the {cfg.max_seq_len} positions of pretrain.init's "
-            f"checkpoint ({config.init})"
-        )
-    try:
-        return dataclasses.replace(cfg, pad_id=pad_id)
-    except ValueError as e:
-        raise StageError(f"pretrain.init: {e}") from None
 
 
 # Refused only past this share of the device's memory: the estimate is rough, and a config that
