@@ -131,7 +131,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     import torch
 
     from cram.stages.pretraining.batches import PhaseStream
-    from cram.stages.pretraining.loop import train
+    from cram.stages.pretraining.loop import Course, train
     from cram.stages.pretraining.telemetry import ProgressBar, peak_flops
 
     given, config = config.optimizer.lr, continued.resolved(config)
@@ -155,12 +155,12 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     with recompiles, data:
         setup, steps, choice, compile_s = compiled_steps(config, setup, ctx, state, data)
         if ctx.is_main and measured and state.val_loss_start is None:
-            state.val_loss_start = val_loss(config, setup, state.params)
+            state.val_loss_start = val_loss(setup, state.params, config.val_blocks)
         if ctx.is_main:  # measured on a CPU, which takes seconds: before the budget clock starts
             peak_flops(setup.device, setup.autocast)
         with ProgressBar(ctx.is_main) as bar:
             hooks = _hooks(config, ctx, steps, out_dir, bar, last_saved=state.step)
-            train(config, ctx, steps, state, data, hooks, setup.warmup)
+            train(Course.of(config, setup.warmup), ctx, steps, state, data, hooks)
 
     outputs = {
         "params": "params.safetensors",
@@ -190,15 +190,16 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
 
 def _hooks(config: Config, ctx: Context, steps: Steps, out_dir: Path, bar: ProgressBar, last_saved: int) -> list[Hook]:
     """The loop's side jobs, in the order they run: the divergence check, the report, checkpoints (rank 0)."""
-    from cram.stages.pretraining.hooks import Checkpointer, DivergenceCheck, Report
+    from cram.stages.pretraining.hooks import Checkpointer, Checkpointing, DivergenceCheck, Report
     from cram.stages.pretraining.telemetry import MetricsLog
 
     hooks: list[Hook] = [
         DivergenceCheck(config.log_every_steps, out_dir / "checkpoints"),
-        Report(config, ctx, steps, MetricsLog(out_dir / "metrics.jsonl"), bar),
+        Report(config.log_every_steps, config.budget, ctx, steps, MetricsLog(out_dir / "metrics.jsonl"), bar),
     ]
     if ctx.is_main:
-        hooks.append(Checkpointer(config, out_dir / "checkpoints", last_saved, ctx.log))
+        every = Checkpointing.of(config)
+        hooks.append(Checkpointer(every, config.budget, out_dir / "checkpoints", last_saved, ctx.log))
     return hooks
 
 
@@ -229,7 +230,7 @@ def _figures(
         "final_loss": state.loss_end,
         "loss_start": state.loss_start,
         "val_loss_start": state.val_loss_start,
-        "val_loss_end": val_loss(config, setup, state.params) if measured else None,
+        "val_loss_end": val_loss(setup, state.params, config.val_blocks) if measured else None,
         "steps": state.step,
         "tokens_seen": state.tokens_seen,
         "flops_seen": state.flops_seen,  # model FLOPs: a budget that carries across hardware

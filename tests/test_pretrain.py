@@ -300,9 +300,9 @@ def test_checkpoint_every_minutes_switches_off_from_toml(tmp_path, pack, make_ct
 
     config = load_pretrain(tmp_path, "[pretrain]\ncheckpoint_every_minutes = 0\n")
     assert config.checkpoint_every_minutes == 0
-    assert not hooks.checkpoint_due(config, step=10**6, last_saved_at=time.perf_counter() - 10**6)
+    assert not hooks.Checkpointing.of(config).due(step=10**6, last_saved_at=time.perf_counter() - 10**6)
     on = load_pretrain(tmp_path, "[pretrain]\ncheckpoint_every_minutes = 0.0001\n")
-    assert hooks.checkpoint_due(on, step=1, last_saved_at=time.perf_counter() - 1)
+    assert hooks.Checkpointing.of(on).due(step=1, last_saved_at=time.perf_counter() - 1)
     with pytest.raises(ConfigError, match="checkpoint_every_minutes: -1.0 must be > 0, or 0 for off"):
         load_pretrain(tmp_path, "[pretrain]\ncheckpoint_every_minutes = -1.0\n")
     with pytest.raises(ConfigError, match="hours: -1.0 must be > 0, or 0 for no hours limit"):

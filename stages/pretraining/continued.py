@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cram.stages import Context, StageError
 from cram.stages.pretraining.config import Config
@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from cram.model.config import ModelConfig
+    from cram.stages import pack as pack_stage
+    from cram.stages import tokenize as tokenize_stage
     from cram.stages.pretraining.state import Params
 
 # Peak lrs of continuing a checkpoint on its task's text, as measured (bench/README.md, "adapt"). A masked-LM
@@ -81,7 +83,7 @@ def check_not_its_own(config: Config, run_dir: Path) -> None:
         )
 
 
-def check_has_tokenizer(config: Config, tokenize: Any) -> None:
+def check_has_tokenizer(config: Config, tokenize: tokenize_stage.Config | None) -> None:
     """A checkpoint that is there, and a tokenizer for it: its own (tokenize's default), or one given
     (`tokenize`: the tokenize stage's config, None where the pipeline has none)."""
     from cram.stages.shared.tokenizer import FILE_NAMES as tokenizer_files
@@ -157,7 +159,7 @@ def warmup_of(config: Config, cfg: ModelConfig) -> HeadWarmup | None:
     return HeadWarmup(names, lr, tokens=int(value))
 
 
-def check_head_warmup(config: Config, cfg: ModelConfig, pack: Any) -> None:
+def check_head_warmup(config: Config, cfg: ModelConfig, pack: pack_stage.Config | None) -> None:
     """A head warm-up needs `init` (a random init has no trained encoder to protect), a head of the model's
     own to train, and a budget longer than itself (a token budget, or a step budget's most tokens at
     `pack`'s block length; `pack`: the pack stage's config, None where the pipeline has none)."""
@@ -175,7 +177,7 @@ def check_head_warmup(config: Config, cfg: ModelConfig, pack: Any) -> None:
             f"pretrain.head_warmup: {given}, but the model has no masked-LM head params of its own (its decoder "
             "is the tied token embeddings, with no transform or bias): set head_warmup = 0"
         )
-    budget, seq_len = config.budget, getattr(pack, "seq_len", 0)
+    budget, seq_len = config.budget, pack.seq_len if pack is not None else 0
     most = [budget.tokens] if budget.tokens is not None else []
     if budget.steps is not None and seq_len:
         most.append(budget.steps * config.batch_size * seq_len)

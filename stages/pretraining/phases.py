@@ -17,10 +17,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cram.stages import StageError
-from cram.stages.pretraining.config import Phase
+from cram.stages.pretraining.config import Config, Phase
 from cram.stages.shared.masking import Masking, MaskSpec, mask_spec, masked_per_sequence
 
 if TYPE_CHECKING:
@@ -96,8 +96,8 @@ def enter(plan: Plan, state: TrainState, progress: float) -> None:
         state.phase += 1
 
 
-def plan(config: Any, pack_seq_len: int, special: dict[str, int], vocab_size: int, world_size: int = 1) -> Plan:
-    """The phases of `config` (a `pretrain.Config`) over pack's blocks of `pack_seq_len`, checked: one line
+def plan(config: Config, pack_seq_len: int, special: dict[str, int], vocab_size: int, world_size: int = 1) -> Plan:
+    """The phases of `config` over pack's blocks of `pack_seq_len`, checked: one line
     naming the key when they cannot run (the order of `until`, a length, a microbatch, a masking rate)."""
     phases = config.phases or (Phase(pack_seq_len),)
     _check_order(phases)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from cram.model.config import ModelConfig
 from cram.stages import Context, StageError, Upstream
 from cram.stages.pretraining import continued
+from cram.stages.pretraining.config import Config
 from cram.stages.pretraining.phases import Plan, Span
 from cram.stages.pretraining.phases import plan as plan_phases
 from cram.stages.shared import device as devices
@@ -24,11 +25,12 @@ if TYPE_CHECKING:
     import torch
 
     from cram.model.step import Compilation
+    from cram.stages import tokenize as tokenize_stage
     from cram.stages.pretraining.head_warmup import HeadWarmup
     from cram.stages.shared.blocks import Boundary
 
 
-def planned_model(config: Any, pipeline: Any) -> tuple[Plan, ModelConfig]:
+def planned_model(config: Config, pipeline: Any) -> tuple[Plan, ModelConfig]:
     """The phases and the model as the stage will make them, from the config of the stages before it."""
     from cram import model
 
@@ -40,7 +42,7 @@ def planned_model(config: Any, pipeline: Any) -> tuple[Plan, ModelConfig]:
     return plan, _model_config(model, config, vocab_size, plan.chunk, special["pad"])
 
 
-def _tokenizer_facts(tokenize: Any, preset: ModelConfig | None) -> tuple[int, dict[str, int]]:
+def _tokenizer_facts(tokenize: tokenize_stage.Config | None, preset: ModelConfig | None) -> tuple[int, dict[str, int]]:
     """(vocab size, special ids) that tokenize is set to make: a given tokenizer's, or those it trains."""
     from cram.stages.shared.special import SPECIAL_IDS
 
@@ -84,7 +86,7 @@ class Setup:
         return Compilation(compile, backend, self.autocast, self.attention, self.precision.compile_options())
 
 
-def prepare(config: Any, pack: Upstream, ctx: Context) -> Setup:
+def prepare(config: Config, pack: Upstream, ctx: Context) -> Setup:
     """The packed data and the model config, checked; what `StageError`s a bad config or input raises."""
     import numpy as np
 
@@ -123,7 +125,7 @@ def _flops_per_token(model, cfg: ModelConfig, span: Span, encoder_trained: bool)
 MAX_PASSES = 4  # more passes over the training blocks than this: a warning that the data is too small
 
 
-def warn_of_data_limits(config: Any, setup: Setup, ctx: Context) -> None:
+def warn_of_data_limits(config: Config, setup: Setup, ctx: Context) -> None:
     """Say when the data holds less than the config asks for: fewer held-out blocks than `val_blocks`,
     or so few training blocks that a step or token budget passes over them many times."""
     if config.val_blocks > len(setup.val):
@@ -136,7 +138,7 @@ def warn_of_data_limits(config: Any, setup: Setup, ctx: Context) -> None:
         warn_of_repeats(passes, len(setup.blocks), ctx, "makes about")
 
 
-def planned_passes(config: Any, setup: Setup, world_size: int) -> float | None:
+def planned_passes(config: Config, setup: Setup, world_size: int) -> float | None:
     """The passes over the training blocks that the step or token budget makes, the batch ramp (and the
     phases) averaged over (at most) 10,000 points; None for a time budget alone, whose steps depend on
     the speed."""
@@ -164,7 +166,7 @@ def warn_of_repeats(passes: float, blocks: int, ctx: Context, verb: str) -> None
         )
 
 
-def _model_config(model, config: Any, vocab_size: int, seq_len: int, pad_id: int) -> ModelConfig:
+def _model_config(model, config: Config, vocab_size: int, seq_len: int, pad_id: int) -> ModelConfig:
     if config.init:
         return continued.architecture(config, vocab_size, seq_len, pad_id)
     arch = config.model
@@ -184,7 +186,7 @@ def _model_config(model, config: Any, vocab_size: int, seq_len: int, pad_id: int
 MEMORY_SHARE = 0.9
 
 
-def check_memory(config: Any, cfg: ModelConfig, span: Span, device_name: str) -> None:
+def check_memory(config: Config, cfg: ModelConfig, span: Span, device_name: str) -> None:
     """StageError when one training step's estimated peak (`model.training_memory`) in the phase `span`
     clearly exceeds the device's memory, naming the estimate, the memory and the settings that lower it."""
     from cram import model
@@ -205,7 +207,7 @@ def check_memory(config: Any, cfg: ModelConfig, span: Span, device_name: str) ->
         )
 
 
-def check_schedule(model, config: Any) -> None:
+def check_schedule(model, config: Config) -> None:
     if config.schedule not in model.SCHEDULES:
         raise StageError(f"pretrain.schedule: {config.schedule!r} is not one of {', '.join(model.SCHEDULES)}")
     try:

@@ -1,14 +1,15 @@
 """The pretrain stage's training steps: made compiled or eager, compiled for every phase's shape before
 the budget clock, and checked against eager steps by the canary in each candidate precision until one
-agrees (`stages/shared/precision.py`); and the eager held-out loss. `config` is pretrain's Config.
+agrees (`stages/shared/precision.py`); and the eager held-out loss.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cram.stages import Context
+from cram.stages.pretraining.config import Config
 from cram.stages.pretraining.setup import Setup
 from cram.stages.shared import precision as precisions
 
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from cram.stages.pretraining.state import Params, TrainState
 
 
-def make_steps(config: Any, setup: Setup, world_size: int, compile: bool) -> Steps:
+def make_steps(config: Config, setup: Setup, world_size: int, compile: bool) -> Steps:
     """The training steps, compiled or eager, and with a head warm-up (`setup.warmup`) the head's own as
     `head`. One microbatch per step (no ramp to grow): the whole step is one graph. Otherwise two graphs,
     accumulate (per microbatch) and apply (per step), since a graph cannot loop over a varying count."""
@@ -49,8 +50,8 @@ def make_steps(config: Any, setup: Setup, world_size: int, compile: bool) -> Ste
     return steps
 
 
-def val_loss(config: Any, setup: Setup, params: Params) -> float:
-    """The held-out MLM loss on the first `val_blocks` blocks, masked as evaluate masks them. Two forward
+def val_loss(setup: Setup, params: Params, blocks: int) -> float:
+    """The held-out MLM loss on the first `blocks` held-out blocks, masked as evaluate masks them. Two forward
     passes over a few hundred blocks are not worth a compile."""
     from cram import model
     from cram.stages.shared.val_mlm import MASK_SEED, val_mlm
@@ -59,7 +60,7 @@ def val_loss(config: Any, setup: Setup, params: Params) -> float:
     return val_mlm(
         evaluate,
         params,
-        setup.val[: config.val_blocks],
+        setup.val[:blocks],
         setup.spec,
         seed=MASK_SEED,
         batch_size=setup.plan.spans[0].microbatch,
@@ -69,7 +70,7 @@ def val_loss(config: Any, setup: Setup, params: Params) -> float:
 
 
 def compiled_steps(
-    config: Any, setup: Setup, ctx: Context, state: TrainState, data: PhaseStream
+    config: Config, setup: Setup, ctx: Context, state: TrainState, data: PhaseStream
 ) -> tuple[Setup, Steps, precisions.Choice, float]:
     """The training steps in the precision they will train in, and the seconds spent compiling them.
 
@@ -121,16 +122,14 @@ def _warm_up(setup: Setup, steps: Steps, state: TrainState) -> float:
     )
 
 
-def _canary(config: Any, ctx: Context, setup: Setup, steps: Steps, state: TrainState, data: PhaseStream) -> float:
+def _canary(config: Config, ctx: Context, setup: Setup, steps: Steps, state: TrainState, data: PhaseStream) -> float:
     """The compiled steps' largest relative difference from eager steps in the same precision (the head's
-    and the whole model's, with a warm-up)."""
-    from cram.stages.pretraining.loop import canary
+    and the whole model's, with a warm-up), over `canary_steps` steps at the peak lr."""
+    from cram.stages.pretraining.loop import Canary, canary
 
     eager = make_steps(config, setup, ctx.world_size, compile=False)
-    return max(
-        canary(config, ctx, compiled, plain, state.params, state.opt_state, data)
-        for compiled, plain in zip(_modes(steps), _modes(eager))
-    )
+    run = Canary(config.canary_steps, config.optimizer.lr)
+    return max(canary(run, ctx, compiled, plain, state, data) for compiled, plain in zip(_modes(steps), _modes(eager)))
 
 
 def _modes(steps: Steps) -> list[Steps]:
