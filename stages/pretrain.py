@@ -38,9 +38,8 @@ from cram.stages.pretraining.setup import (
     warn_of_data_limits,
     warn_of_repeats,
 )
-from cram.stages.pretraining.steps import compiled_steps, val_loss
+from cram.stages.pretraining.steps import Compiled, compiled_steps, val_loss
 from cram.stages.shared import device as devices
-from cram.stages.shared import precision as precisions
 
 if TYPE_CHECKING:
     from cram.stages.pretraining.loop import Hook, Steps
@@ -130,7 +129,7 @@ def validate_runtime(config: Config, pipeline: Any) -> None:
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
     import torch
 
-    from cram.stages.pretraining.batches import PhaseStream
+    from cram.stages.pretraining.batches import Feed, PhaseStream
     from cram.stages.pretraining.loop import Course, train
     from cram.stages.pretraining.telemetry import ProgressBar, peak_flops
 
@@ -145,15 +144,14 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     measured = config.val_blocks > 0 and not (made and config.budget.tokens == 0)
     setup = dataclasses.replace(setup, warmup=continued.warmup_of(config, setup.model))
     state = start.start(config, setup, out_dir, ctx)
-    data = PhaseStream(
-        setup.blocks, setup.plan, seed=ctx.seed, rank=ctx.rank, world_size=ctx.world_size, depth=config.prefetch,
-        pin=setup.device.type == "cuda", waited_s=state.data_wait_s,
-    )  # fmt: skip
+    feed = Feed(ctx.seed, ctx.rank, ctx.world_size, config.prefetch, pin=setup.device.type == "cuda")
+    data = PhaseStream(setup.blocks, setup.plan, feed, waited_s=state.data_wait_s)
     # One graph per phase shape, each compiled before the budget clock: a further one is a bug, not a
     # silent fall back to eager.
     recompiles = torch._dynamo.config.patch(recompile_limit=setup.plan.shapes, fail_on_recompile_limit_hit=True)
     with recompiles, data:
-        setup, steps, choice, compile_s = compiled_steps(config, setup, ctx, state, data)
+        compiled = compiled_steps(config, setup, ctx, state, data)
+        setup, steps = compiled.setup, compiled.steps
         if ctx.is_main and measured and state.val_loss_start is None:
             state.val_loss_start = val_loss(setup, state.params, config.val_blocks)
         if ctx.is_main:  # measured on a CPU, which takes seconds: before the budget clock starts
@@ -182,7 +180,7 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     if planned_passes(config, setup, ctx.world_size) is None:  # a time budget: the passes are known now
         warn_of_repeats(setup.plan.position(state) / setup.blocks.size, len(setup.blocks), ctx, "made")
     _write_model(out_dir / outputs["params"], out_dir / outputs["model_config"], setup, state)
-    figures = _figures(config, setup, ctx, state, compile_s, choice, measured)
+    figures = _figures(compiled, ctx, state, val_blocks=config.val_blocks if measured else 0)
     ctx.log.info("trained", **figures)
     ctx.metrics.log(state.step, figures, prefix="final/")
     return {**outputs, **figures}
@@ -210,37 +208,30 @@ def _write_model(params_path: Path, config_path: Path, setup: Setup, state: Trai
     config_path.write_text(json.dumps(dataclasses.asdict(setup.model), indent=1) + "\n")
 
 
-def _figures(
-    config: Config,
-    setup: Setup,
-    ctx: Context,
-    state: TrainState,
-    compile_s: float,
-    choice: precisions.Choice,
-    measured: bool,
-) -> dict[str, Any]:
-    """The stage's results: losses, throughput, what training cost."""
+def _figures(compiled: Compiled, ctx: Context, state: TrainState, val_blocks: int) -> dict[str, Any]:
+    """The stage's results: losses, throughput, what training cost; the held-out loss on `val_blocks`
+    blocks (0: none)."""
     from cram import model
     from cram.stages.pretraining.telemetry import mfu
 
-    elapsed_s = state.elapsed_s
+    setup, elapsed_s = compiled.setup, state.elapsed_s
     tokens_per_s = state.tokens_seen / elapsed_s if elapsed_s else 0.0
     flops_per_token = state.flops_seen / state.tokens_seen if state.tokens_seen else 0.0
     return {
         "final_loss": state.loss_end,
         "loss_start": state.loss_start,
         "val_loss_start": state.val_loss_start,
-        "val_loss_end": val_loss(setup, state.params, config.val_blocks) if measured else None,
+        "val_loss_end": val_loss(setup, state.params, val_blocks) if val_blocks else None,
         "steps": state.step,
         "tokens_seen": state.tokens_seen,
         "flops_seen": state.flops_seen,  # model FLOPs: a budget that carries across hardware
         "wall_s": round(elapsed_s, 3),
-        "compile_s": round(compile_s, 3),
-        "canary_diff": choice.canary_diff,
+        "compile_s": round(compiled.compile_s, 3),
+        "canary_diff": compiled.choice.canary_diff,
         "tokens_per_s": round(tokens_per_s, 1),
         "mfu": mfu(flops_per_token, tokens_per_s, setup.device, ctx.world_size, setup.autocast),
         "precision": setup.precision.name,
-        "precision_reason": choice.reason,
+        "precision_reason": compiled.choice.reason,
         "data_wait": round(state.data_wait_s / elapsed_s, 4) if elapsed_s else 0.0,
         "num_params": model.num_params(state.params),
     }

@@ -100,7 +100,7 @@ def test_copies_to_cuda_are_pinned_and_non_blocking():
 
 @cuda
 def test_a_prefetched_microbatch_reaches_the_gpu_without_a_host_sync():
-    from cram.stages.pretraining.batches import Prefetcher
+    from cram.stages.pretraining.batches import Feed, Prefetcher
     from cram.stages.pretraining.loop import Steps
     from cram.stages.shared.blocks import Boundary
 
@@ -108,7 +108,7 @@ def test_a_prefetched_microbatch_reaches_the_gpu_without_a_host_sync():
     blocks = np.random.default_rng(0).integers(5, 64, size=(64, 16)).astype(np.uint16)
     steps = Steps(None, None, None, torch.Generator(device=device), device, None, Boundary(token=1, starts=True))
     stream = torch.cuda.current_stream(device)
-    with Prefetcher(blocks, seed=0, start=0, microbatch=8, depth=2, pin=True) as data:
+    with Prefetcher(blocks, Feed(0, depth=2, pin=True), start=0, microbatch=8) as data:
         steps.batch(data.next(), spec()), steps.scalar(1e-3)  # warm-up: pinned blocks, kernels loaded
         torch.cuda._sleep(1)
         torch.cuda.synchronize(device)

@@ -23,7 +23,7 @@ from test_precision import wrong_in_bf16
 from cram.stages import StageError, Upstream, pretrain
 from cram.stages.pretraining import checkpoint, hooks
 from cram.stages.pretraining import loop as training
-from cram.stages.pretraining.batches import Prefetcher, read_sequences
+from cram.stages.pretraining.batches import Feed, Prefetcher, read_sequences
 from cram.stages.pretraining.budget import progress as budget_progress
 from cram.stages.pretraining.state import TrainState
 from cram.stages.shared import device as devices
@@ -91,7 +91,7 @@ def test_stream_is_a_permutation_per_epoch_and_shards_by_rank():
 
     # Two ranks of microbatch 2 read, between them, what one rank of microbatch 2 reads in order.
     def stream(rank, world, n):
-        with Prefetcher(blocks, seed=1, start=4, microbatch=2, rank=rank, world_size=world) as data:
+        with Prefetcher(blocks, Feed(1, rank, world), start=4, microbatch=2) as data:
             return [data.next() for _ in range(n)]
 
     alone = stream(0, 1, 4)

@@ -6,6 +6,7 @@ agrees (`stages/shared/precision.py`); and the eager held-out loss.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cram.stages import Context
@@ -17,6 +18,17 @@ if TYPE_CHECKING:
     from cram.stages.pretraining.batches import PhaseStream
     from cram.stages.pretraining.loop import Steps
     from cram.stages.pretraining.state import Params, TrainState
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """The training steps in the precision they train in: the `setup` of that precision, the `steps`, how
+    the precision was chosen, and the seconds spent compiling before the budget clock."""
+
+    setup: Setup
+    steps: Steps
+    choice: precisions.Choice
+    compile_s: float = 0.0
 
 
 def make_steps(config: Config, setup: Setup, world_size: int, compile: bool) -> Steps:
@@ -69,9 +81,7 @@ def val_loss(setup: Setup, params: Params, blocks: int) -> float:
     )["loss"]
 
 
-def compiled_steps(
-    config: Config, setup: Setup, ctx: Context, state: TrainState, data: PhaseStream
-) -> tuple[Setup, Steps, precisions.Choice, float]:
+def compiled_steps(config: Config, setup: Setup, ctx: Context, state: TrainState, data: PhaseStream) -> Compiled:
     """The training steps in the precision they will train in, and the seconds spent compiling them.
 
     Before the budget clock, unless the steps are eager or the budget is spent: each candidate precision
@@ -83,7 +93,7 @@ def compiled_steps(
         why = "eager steps" if not config.compile else "the budget is spent"
         choice = precisions.unchecked(config.precision, setup.device, f"{why}: no compile canary")
         setup = dataclasses.replace(setup, precision=choice.precision)
-        return setup, make_steps(config, setup, ctx.world_size, compile=config.compile), choice, 0.0
+        return Compiled(setup, make_steps(config, setup, ctx.world_size, compile=config.compile), choice)
     built: dict[precisions.Precision, tuple[Setup, Steps]] = {}
     compile_s = 0.0
 
@@ -106,8 +116,7 @@ def compiled_steps(
     else:
         choice = precisions.unchecked(config.precision, setup.device, "canary_steps = 0: not checked against eager")
         build(choice.precision)
-    setup, steps = built[choice.precision]
-    return setup, steps, choice, compile_s
+    return Compiled(*built[choice.precision], choice, compile_s)
 
 
 def _warm_up(setup: Setup, steps: Steps, state: TrainState) -> float:
