@@ -2,11 +2,12 @@
 
 The budget (hours, steps or tokens, whichever runs out first) defines progress in [0, 1]; the lr
 schedule and the batch-size ramp both follow that progress, as in cramming. This module holds the
-stage's checks and `run`; under `stages/pretraining/`: its config (`config.py`), what it reads and checks before
-training (`setup.py`), its steps, compiled and checked in the precision chosen for them (`steps.py`),
-the loop (`loop.py`) and its hooks (`hooks.py`: logging, checkpoints, the divergence check), the training
-state (`state.py`), checkpoints (`checkpoint.py`), the batch stream (`batches.py`), the budget clock and
-what the ranks agree on (`budget.py`), metrics, progress bar and MFU (`telemetry.py`).
+stage's checks and `run`; under `stages/pretraining/`: its config (`config.py`), what it reads and checks
+before training (`setup.py`), continuing a checkpoint (`continued.py`), its steps, compiled and checked in
+the precision chosen for them (`steps.py`), the loop (`loop.py`) and its hooks (`hooks.py`: logging,
+checkpoints, the divergence check), the training state (`state.py`), checkpoints (`checkpoint.py`), the
+batch stream (`batches.py`), the budget clock and what the ranks agree on (`budget.py`), metrics,
+progress bar and MFU (`telemetry.py`).
 
 Checkpoints in `checkpoints/step-N/` make the stage resumable: a re-run in the same folder continues
 from the newest one, and since batches and masks are functions of (seed, data position) alone, a
@@ -160,7 +161,23 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
             hooks = _hooks(config, ctx, steps, out_dir, bar, last_saved=state.step)
             train(Course.of(config, setup.warmup), ctx, steps, state, data, hooks)
 
-    outputs = {
+    outputs = _outputs(config, setup, state, made)
+    if not ctx.is_main:
+        return outputs
+    if setup.warmup and state.full_start is None:
+        ctx.log.warning("the budget ended within pretrain.head_warmup: only the masked-LM head trained")
+    if planned_passes(config, setup, ctx.world_size) is None:  # a time budget: the passes are known now
+        warn_of_repeats(setup.plan.position(state) / setup.blocks.size, len(setup.blocks), ctx, "made")
+    _write_model(out_dir / outputs["params"], out_dir / outputs["model_config"], setup, state)
+    figures = _figures(compiled, ctx, state, val_blocks=config.val_blocks if measured else 0)
+    ctx.log.info("trained", **figures)
+    ctx.metrics.log(state.step, figures, prefix="final/")
+    return {**outputs, **figures}
+
+
+def _outputs(config: Config, setup: Setup, state: TrainState, made: list[str]) -> dict[str, Any]:
+    """What every rank returns: the files written, and what later stages read of how the model was trained."""
+    return {
         "params": "params.safetensors",
         "model_config": "model.json",
         "metrics": "metrics.jsonl",
@@ -173,17 +190,6 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         # The budget's progress at which the whole model began training after the head's warm-up.
         **({"head_warmup_until": state.full_start} if setup.warmup else {}),
     }
-    if not ctx.is_main:
-        return outputs
-    if setup.warmup and state.full_start is None:
-        ctx.log.warning("the budget ended within pretrain.head_warmup: only the masked-LM head trained")
-    if planned_passes(config, setup, ctx.world_size) is None:  # a time budget: the passes are known now
-        warn_of_repeats(setup.plan.position(state) / setup.blocks.size, len(setup.blocks), ctx, "made")
-    _write_model(out_dir / outputs["params"], out_dir / outputs["model_config"], setup, state)
-    figures = _figures(compiled, ctx, state, val_blocks=config.val_blocks if measured else 0)
-    ctx.log.info("trained", **figures)
-    ctx.metrics.log(state.step, figures, prefix="final/")
-    return {**outputs, **figures}
 
 
 def _hooks(config: Config, ctx: Context, steps: Steps, out_dir: Path, bar: ProgressBar, last_saved: int) -> list[Hook]:
