@@ -227,3 +227,21 @@ def test_the_warning_names_the_warm_up_and_the_results_record_where_it_ended(tmp
     assert result.exit_code == 0, result.output
     assert "they train alone, the encoder frozen, for pretrain.head_warmup" in result.output
     assert stages_of(tmp_path / "runs" / "base")["pretrain"]["outputs"]["head_warmup_until"] == pytest.approx(0.5)
+
+
+def test_the_course_gives_the_head_its_constant_lr_then_starts_the_schedule_at_the_switch():
+    from cram.stages.pretraining.loop import Course
+    from cram.stages.pretraining.state import TrainState
+
+    config = pretrain.Config(optimizer=OptimizerConfig(lr=1e-3), decay_to=0.1)
+    course = Course.of(config, head_warmup.HeadWarmup(("head.bias",), lr=0.5, until=0.2))
+    switched = TrainState(seed=0, full_start=0.2)
+
+    def scheduled(position: float) -> float:
+        return 1e-3 * model.lr_schedule(config.schedule, position, "", 0.1)
+
+    assert course.lr(TrainState(seed=0, full_start=None), 0.1, head_alone=True) == 0.5
+    assert course.lr(switched, 0.2, head_alone=False) == scheduled(0.0)
+    assert course.lr(switched, 0.6, head_alone=False) == pytest.approx(scheduled(0.5))
+    assert scheduled(0.5) != scheduled(0.6)  # the schedule restarts at the switch: it does not read 0.6
+    assert Course.of(config, None).lr(TrainState(seed=0), 0.6, head_alone=False) == scheduled(0.6)

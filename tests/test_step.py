@@ -229,6 +229,19 @@ def test_bf16_autocast_keeps_fp32_master_weights():
     assert bf16["loss"].item() == pytest.approx(fp32["loss"].item(), rel=1e-2)
 
 
+def test_a_compilations_eager_twin_keeps_its_forward_and_gives_the_same_numbers():
+    how = model.Compilation(backend="aot_eager", autocast=torch.bfloat16, attention="written", options={"x": 1})
+    eager = how.eager()
+    assert (eager.compile, eager.options) == (False, None)
+    assert (eager.backend, eager.autocast, eager.attention) == ("aot_eager", torch.bfloat16, "written")
+    params, _ = fresh(TINIEST)
+    batch = random_batch(TINIEST, 2, seed=0)
+    in_bf16 = model.make_eval_step(TINIEST, eager)(params, batch)["loss"]
+    in_fp32 = model.make_eval_step(TINIEST, model.EAGER)(params, batch)["loss"]
+    assert in_bf16.item() != in_fp32.item()  # the twin still autocasts
+    assert in_bf16.item() == pytest.approx(in_fp32.item(), rel=1e-2)
+
+
 def _all_reduce_rank(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     params, state = fresh(TINIEST)
