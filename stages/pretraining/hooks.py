@@ -105,9 +105,9 @@ class Report:
 class Checkpointing:
     """When checkpoints are written, by steps or by minutes (0: off), and how many are kept."""
 
-    every_steps: int = 0
-    every_minutes: float = 0.0
-    keep: int = 2
+    every_steps: int
+    every_minutes: float
+    keep: int
 
     @classmethod
     def of(cls, config: Config) -> Checkpointing:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from cram.stages import Context
@@ -35,10 +35,10 @@ class Schedule:
     with its decay's shape and end (`decay_shape`, `decay_to`) and its arguments."""
 
     peak: float
-    name: str = "budget-triangle"
-    decay_shape: str = ""
-    decay_to: float = 0.0
-    args: Mapping[str, float] = field(default_factory=dict)
+    name: str
+    decay_shape: str
+    decay_to: float
+    args: Mapping[str, float]
 
     @classmethod
     def of(cls, config: Config) -> Schedule:
@@ -58,9 +58,9 @@ class Course:
 
     budget: Budget
     schedule: Schedule
-    ramp: float = 0.0
-    clock_sync_every_steps: int = 10
-    warmup: HeadWarmup | None = None
+    ramp: float
+    clock_sync_every_steps: int
+    warmup: HeadWarmup | None
 
     @classmethod
     def of(cls, config: Config, warmup: HeadWarmup | None) -> Course:
