@@ -468,7 +468,7 @@ def test_auto_precision_falls_back_when_the_compiled_fine_tune_step_is_wrong(ups
     monkeypatch.setattr(
         classifier,
         "make_classify_eval_step",
-        lambda *a, compile=True, options=None, **kw: eager_predict(*a, **kw, compile=False),
+        lambda cfg, how, **kw: eager_predict(cfg, how.eager(), **kw),
     )
     config = Config(
         tasks=[TaskConfig(kind="heldout-topic", name="topic", epochs=1, seeds=1)],

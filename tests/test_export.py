@@ -115,7 +115,7 @@ def test_cram_export_loads_back_and_fine_tunes(tmp_path, sp_model):
     assert cfg == MODERNBERT and tokenizer.read_bytes() == sp_model.read_bytes()
     assert loaded.keys() == params.keys() and all(torch.equal(loaded[k], params[k]) for k in params)
     tuned = {**loaded, **init_head(cfg, num_outputs=2, seed=0)}
-    step = make_finetune_step(cfg, model.OptimizerConfig(), compile=False)
+    step = make_finetune_step(cfg, model.OptimizerConfig(), model.EAGER)
     batch = {
         "input_ids": torch.randint(5, cfg.vocab_size, (4, 16)),
         "attention_mask": torch.ones(4, 16, dtype=torch.bool),

@@ -224,17 +224,11 @@ class Tuner:
 
         fixed = {k: v for k, v in FINETUNE_OPTIMIZER.items() if k != "schedule"}
         opt_cfg = model.OptimizerConfig(lr=config.lr, weight_decay=config.weight_decay, **fixed)
-        kw = dict(
-            pooling=config.pooling,
-            compile=config.compile,
-            backend=config.backend,
-            autocast_dtype=precision.autocast(),
-            options=precision.compile_options() if config.compile else None,
-            attention=attention,
-            head=config.head,
-        )
+        options = precision.compile_options() if config.compile else None
+        how = model.Compilation(config.compile, config.backend, precision.autocast(), attention, options)
+        kw = dict(pooling=config.pooling, head=config.head)
         cfg = dataclasses.replace(cfg, dropout=0.0)  # the fine-tune step's rate comes with each batch
-        step, predict = make_finetune_step(cfg, opt_cfg, **kw), make_classify_eval_step(cfg, **kw)
+        step, predict = make_finetune_step(cfg, opt_cfg, how, **kw), make_classify_eval_step(cfg, how, **kw)
         return cls(config, cfg, params, special, device, step, predict)
 
     def train(
