@@ -203,10 +203,7 @@ class Config:
         for key, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{key}: {value} must be > 0")
-        if self.canary_steps < 0 or not self.canary_tolerance > 0:
-            raise ValueError(
-                f"canary_steps, canary_tolerance: {self.canary_steps}, {self.canary_tolerance} must be >= 0 and > 0"
-            )
+        precisions.check_canary(self.canary_steps, self.canary_tolerance)
         for key in ("checkpoint_every_minutes", "checkpoint_every_steps"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key}: {getattr(self, key)} must be > 0, or 0 for off")
@@ -229,6 +226,7 @@ class Config:
             raise ValueError(f"head_lr: {self.head_lr} must be > 0, or 0 for the peak lr")
         if self.init_lr != "auto" and not self.init_lr > 0:
             raise ValueError(f"init_lr: {self.init_lr} must be > 0, or 'auto'")
+        start.check_init_settings(self)
 
 
 def fingerprint(config: Config) -> list[list[str]] | None:
@@ -265,11 +263,6 @@ def validate(config: Config, pipeline: Any) -> None:
     if config.init:
         check_not_its_own(config, Path(pipeline.run.root) / pipeline.run.name)
         check_has_tokenizer(config, pipeline.stages.get("tokenize"))
-    elif config.init_lr != "auto":
-        raise StageError(
-            f"pretrain.init_lr: {config.init_lr} is the peak lr of continuing `pretrain.init`'s checkpoint, and the "
-            "run has no init: set pretrain.optimizer.lr instead, or pretrain.init"
-        )
     _, cfg = planned_model(config, pipeline)
     check_schedule(model, config)
     start.check_head_warmup(config, cfg, pipeline.stages.get("pack"))

@@ -747,6 +747,38 @@ CASES = [
         "tokenizer.model: damaged",
     ),
     ("verify no run", nothing, ["verify", "tasks"], "tasks: neither a run directory"),
+    # settings checked whatever the store holds
+    (
+        "canary steps past the maximum",
+        nothing,
+        [*RUN, *sets(**{"pretrain.canary_steps": "1000000"})],
+        "[pretrain] canary_steps: 1000000 must be between 0 (off) and 100",
+    ),
+    (
+        "evaluate canary steps past the maximum",
+        nothing,
+        [*RUN, *sets(**{"evaluate.canary_steps": "1000000"})],
+        "[evaluate] canary_steps: 1000000 must be between 0 (off) and 100",
+    ),
+    (
+        "init_lr without init, pretrain done",
+        nothing,
+        [*RUN, *sets(**{"pretrain.init_lr": "1e-4"})],
+        "[pretrain] init_lr: 0.0001 is the peak lr of continuing `pretrain.init`'s checkpoint, and the run has no init",
+    ),
+    (
+        "head_warmup without init, pretrain done",
+        nothing,
+        [*RUN, *sets(**{"pretrain.head_warmup": "0.2"})],
+        "[pretrain] head_warmup: 0.2 warms up the masked-LM head of `pretrain.init`'s checkpoint",
+    ),
+    (
+        "task text only over blank training texts",
+        rewrite("tasks/train.csv", "text,label\n,0\n  ,1\n"),
+        [*RUN, "--dry-run", *sets(**{"tokenize.task_text": '"only"'})],
+        'tokenize.task_text: "only" pretrains on the tasks\' training rows alone, and every text in tasks/train.csv '
+        "is blank",
+    ),
 ]
 
 
@@ -791,6 +823,18 @@ def test_a_text_field_that_holds_no_text_is_refused_when_read(ws, setup, args, m
     assert result.exit_code == 2, result.output
     assert message in result.output.strip().splitlines()[-1], result.output
     assert _statuses(ws / "runs" / "base") == ["done"] * 4
+
+
+def test_a_run_evaluated_without_tasks_is_told_it_fine_tuned_none(ws):
+    result = cram(*RUN, *sets(**{"evaluate.tasks": "[]"}))
+    assert result.exit_code == 0, result.output
+    (ws / "in.csv").write_text("text\na b\n")
+    result = cram("predict", "runs/base", "in.csv", "--task", "sent")
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == (
+        "error: runs/base: evaluate kept no classifier, since it fine-tuned none (evaluate.tasks = []); add the "
+        "task to [[evaluate.tasks]] and run it: cram run runs/base/config.toml"
+    )
 
 
 def test_enough_bad_inputs():

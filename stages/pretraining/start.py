@@ -115,16 +115,27 @@ def continuation_lr(found: pretrained.Pretrained, cfg: ModelConfig) -> float:
     return MASKED_LM_LR * min(1.0, MASKED_LM_LR_WIDTH / cfg.hidden)
 
 
-def check_head_warmup(config: Any, cfg: ModelConfig, pack: Any) -> None:
-    """A head warm-up needs `init` (a random init has no trained encoder to protect), a head of the model's
-    own to train, and a budget longer than itself (a token budget, or a step budget's most tokens)."""
-    given = config.head_warmup
-    if given != "auto" and given and not config.init:
-        raise StageError(
-            f"pretrain.head_warmup: {given} warms up the masked-LM head of `pretrain.init`'s checkpoint, and the "
+def check_init_settings(config: Any) -> None:
+    """The settings of continuing `init`'s checkpoint, refused without one whether or not pretrain runs
+    (a config check, not the store's): ValueError naming the key."""
+    if config.init:
+        return
+    if config.init_lr != "auto":
+        raise ValueError(
+            f"init_lr: {config.init_lr} is the peak lr of continuing `pretrain.init`'s checkpoint, and the run "
+            "has no init: set pretrain.optimizer.lr instead, or pretrain.init"
+        )
+    if config.head_warmup != "auto" and config.head_warmup:
+        raise ValueError(
+            f"head_warmup: {config.head_warmup} warms up the masked-LM head of `pretrain.init`'s checkpoint, and the "
             "run has no init (a random init trains head and encoder together): set pretrain.init, or head_warmup = 0"
         )
-    value = warmup_setting(config)
+
+
+def check_head_warmup(config: Any, cfg: ModelConfig, pack: Any) -> None:
+    """A head warm-up needs a head of the model's own to train, and a budget longer than itself (a token
+    budget, or a step budget's most tokens); without `init`, `check_init_settings` refused it."""
+    given, value = config.head_warmup, warmup_setting(config)
     if not value:
         return
     if not head_warmup.head_names(cfg):

@@ -20,6 +20,19 @@ from cram.stages.shared import device as devices
 TORCH_VECTOR_OPTION = "cpp.simdlen"  # inductor's config key for the CPU vector width, in bits
 
 
+# A canary is a check before the run, a few steps each way: more than this is a typo (1000000), which
+# would run compiled and eager steps until killed, not a stricter check.
+MAX_CANARY_STEPS = 100
+
+
+def check_canary(steps: int, tolerance: float) -> None:
+    """A stage config's `canary_steps` and `canary_tolerance`; ValueError naming the bad one."""
+    if not 0 <= steps <= MAX_CANARY_STEPS:
+        raise ValueError(f"canary_steps: {steps} must be between 0 (off) and {MAX_CANARY_STEPS}")
+    if not tolerance > 0:
+        raise ValueError(f"canary_tolerance: {tolerance} must be > 0")
+
+
 class CanaryError(RuntimeError):
     """The compiled steps disagree with the same steps run eagerly, in every precision allowed."""
 
