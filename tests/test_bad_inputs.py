@@ -870,6 +870,10 @@ def test_a_dry_run_says_each_tasks_fine_tune_steps(ws):
         "evaluate: fine-tunes sent 6 steps (1 epoch x 6 batches of 4) x 1 seed; "
         "topic steps known after tokenize x 1 seed"
     ), result.output
+    result = cram(*RUN, *FORCE_EVAL, "--dry-run", *sets(**{"evaluate.epochs": "2", "evaluate.seeds": "2"}))
+    assert result.exit_code == 0, result.output
+    line = result.output.strip().splitlines()[-1]
+    assert line == "evaluate: fine-tunes sent 12 steps (2 epochs x 6 batches of 4) x 2 seeds", result.output
 
 
 def test_ls_lists_every_run_and_marks_the_unreadable_one(ws):
