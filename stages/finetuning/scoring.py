@@ -224,7 +224,8 @@ def _tuner(
         ctx.log.info("canary", precision=candidate.label, steps=config.canary_steps, max_relative_diff=diff)
         return diff
 
-    choice = precisions.choose(config.precision, device, config.backend, check, config.canary_tolerance, ctx.log, stage)
+    canary = precisions.Canary(check, config.canary_tolerance, "evaluate", ctx.world_size)
+    choice = precisions.choose(config.precision, device, config.backend, canary, ctx.log, stage)
     return choice, checked[choice.precision]
 
 
