@@ -194,6 +194,16 @@ def sizes_only(folder: Path) -> None:
     (folder / store.MARKER).write_text(json.dumps({k: v for k, v in marker.items() if k in kept}))
 
 
+def jsonl_task(train: str) -> Callable[[Path], None]:
+    """A custom task in JSON lines in tasks2/: `train`, and a test file of two rows."""
+
+    def write(ws: Path) -> None:
+        rewrite("tasks2/train.jsonl", train)(ws)
+        rewrite("tasks2/test.jsonl", '{"text": "a dog ran", "label": 0}\n{"text": "the sun", "label": 1}\n')(ws)
+
+    return write
+
+
 def nothing(ws: Path) -> None:
     pass
 
@@ -567,6 +577,24 @@ CASES = [
     ),
     ("task unseen label", rewrite("tasks/test.csv", "text,label\ncat sat,7\n"), RUN, "label '7' of field 'label'"),
     ("task empty", rewrite("tasks/train.csv", "text,label\n"), RUN, "tasks/train.csv: no records"),
+    (
+        "task text a number",
+        jsonl_task('{"text": "a cat", "label": 0}\n{"text": 5, "label": 1}\n'),
+        [*RUN, *tasks(path='"tasks2"')],
+        "tasks2/train.jsonl: line 2: text field 'text' holds int 5, not text",
+    ),
+    (
+        "task text a lone surrogate",
+        jsonl_task('{"text": "a cat", "label": 0}\n{"text": "a \\ud83d", "label": 1}\n'),
+        [*RUN, *tasks(path='"tasks2"')],
+        "tasks2/train.jsonl: line 2: field 'text' holds a lone surrogate \\ud83d at character 2",
+    ),
+    (
+        "predict text an object",
+        rewrite("in.jsonl", '{"text": "fine"}\n{"text": {"a": 1}}\n'),
+        ["predict", "runs/base", "in.jsonl", "--task", "sent"],
+        "in.jsonl: line 2: text field 'text' holds dict {'a': 1}, not text (the classifier reads text)",
+    ),
     ("task test rows in train", shared_test_rows, RUN, "evaluate.tasks[0].path: 2 of the 10 rows of test.csv have"),
     ("task test is train", train_as_test, RUN, "train.csv and test.csv are the same file"),
     # tokenize.task_text: the evaluate tasks' training files, so there must be one
@@ -829,12 +857,36 @@ def test_a_run_evaluated_without_tasks_is_told_it_fine_tuned_none(ws):
     result = cram(*RUN, *sets(**{"evaluate.tasks": "[]"}))
     assert result.exit_code == 0, result.output
     (ws / "in.csv").write_text("text\na b\n")
-    result = cram("predict", "runs/base", "in.csv", "--task", "sent")
+    result = cram("predict", "runs/base", "in.csv", "--task", "sent", "--no-compile")
     assert result.exit_code == 2, result.output
     assert result.output.strip() == (
         "error: runs/base: evaluate kept no classifier, since it fine-tuned none (evaluate.tasks = []); add the "
         "task to [[evaluate.tasks]] and run it: cram run runs/base/config.toml"
     )
+
+
+def test_predict_reads_tsv_without_quoting_and_long_fields_and_names_one_past_the_limit(ws, monkeypatch):
+    import csv
+
+    from cram.stages.shared import taskfiles
+
+    lines = ['"Quoted" at the start', 'a "b', "plain", '"open quote', 'end"']
+    (ws / "in.tsv").write_text("text\n" + "".join(f"{line}\n" for line in lines))
+    result = cram("predict", "runs/base", "in.tsv", "--task", "sent", "--no-compile")
+    assert result.exit_code == 0, result.output
+    assert sum(line.startswith('{"label"') for line in result.output.splitlines()) == 5, result.output
+    monkeypatch.setattr(csv, "field_size_limit", csv.field_size_limit)
+    csv.field_size_limit(131072)  # csv's default, whatever ran before in this process
+    (ws / "in.csv").write_text("text\nshort\n" + "cat " * 50_000 + "\n")
+    result = cram("predict", "runs/base", "in.csv", "--task", "sent", "--no-compile")
+    assert result.exit_code == 0, result.output
+    assert sum(line.startswith('{"label"') for line in result.output.splitlines()) == 2, result.output
+    monkeypatch.setattr(taskfiles, "MAX_FIELD_CHARS", 100_000)
+    result = cram("predict", "runs/base", "in.csv", "--task", "sent", "--no-compile")
+    assert result.exit_code == 2 and result.output.strip() == (
+        "error: in.csv: record 2: field 'text' holds 200,000 characters, over the 100,000 a field may hold "
+        "(the classifier reads text)"
+    ), result.output
 
 
 def test_enough_bad_inputs():
