@@ -10,6 +10,8 @@
 - arrow: one shard of a `datasets` folder (`load_disk` opens the folder).
 - hub: one shard of a dataset streamed from (or cached from) the Hugging Face hub.
 
+What a local file's first bytes say before any stage runs is `sniff.py`.
+
 pyarrow and datasets are imported inside the functions that need them: the CLI stays fast.
 """
 
@@ -123,7 +125,7 @@ def _jsonl_records(
         except json.JSONDecodeError as e:
             problem = f"not valid JSON ({e.msg}: column {e.colno}); a truncated or broken line?"
         if not problem and records.may_escape_surrogates(line):
-            fields, problem = _encodable(_fields(record, config, ""), config)
+            fields, problem = encodable(_fields(record, config, ""), config)
         elif not problem:
             fields = _fields(record, config, "")
         if problem:  # line numbers are counted only when an error needs one
@@ -193,90 +195,6 @@ def cut_text(text: str, limit: int) -> Iterator[str]:
             start += 1
     if start < end:
         yield text[start:]
-
-
-_HEAD_BYTES = 4096  # what `check_start` reads of a file
-_FORMAT_NAMES = {"json": "JSON", "jsonl": "JSON lines", "parquet": "parquet", "csv": "CSV", "tsv": "TSV"}
-
-
-def check_start(path: Path, fmt: str, config: CorpusConfig) -> None:
-    """The first bytes of a local corpus file against its format: on a mismatch, the error names
-    the format to set (checked before any stage runs, so a wrong format costs no tokenize run)."""
-    with open_file(path) as f:
-        head = f.read(_HEAD_BYTES)
-    text = head.decode("utf-8", errors="replace").removeprefix(records.BOM).lstrip()
-    guess = _guess_format(head, text, config)
-    if fmt in ("csv", "tsv") and guess in ("text", fmt):  # a header without the text column is told as such
-        check_text_column(csv_header(path, fmt), config, str(path))
-        return
-    if fmt == guess == "jsonl":
-        _check_head_encodable(path, head, config)
-    if not text or fmt == "text" or guess == fmt or (fmt == "json" and guess == "jsonl"):
-        return
-    preview = "".join(c if c.isprintable() else "?" for c in text.split("\n", 1)[0][:12])
-    raise StageError(f'{path}: not {_FORMAT_NAMES[fmt]} (starts with "{preview}"); set {WHERE}.format = "{guess}"')
-
-
-def _check_head_encodable(path: Path, head: bytes, config: CorpusConfig) -> None:
-    """The whole JSON lines in a file's first bytes, each record's fields as UTF-8 can encode them
-    (under `encoding_errors = "strict"`): a lone surrogate there fails the dry run, not tokenize."""
-    lines = head.decode("utf-8", errors="replace").removeprefix(records.BOM).split("\n")
-    for n, line in enumerate(lines[:-1] if len(head) == _HEAD_BYTES else lines, 1):
-        record = _json_or_none(line) if records.may_escape_surrogates(line) else None
-        if not isinstance(record, dict):
-            continue
-        fields = [record.get(name) for name in (config.text_field, config.title_field, config.label_field)]
-        text, title, label = (value if isinstance(value, str) else "" for value in fields)
-        _, problem = _encodable((text, title, label), config)
-        if problem:
-            raise StageError(f"{path}:{n}: {problem}")
-
-
-def _guess_format(head: bytes, text: str, config: CorpusConfig) -> str:
-    """The format a file's first bytes look like."""
-    if head.startswith(b"PAR1"):
-        return "parquet"
-    if text.startswith("["):
-        return "json"
-    if text.startswith("{"):
-        return "jsonl" if re.search(r"}[ \t\r]*\n[ \t\r]*{", text) else "json"
-    first_line = text.split("\n", 1)[0]
-    for fmt, separator in (("csv", ","), ("tsv", "\t")):
-        if config.text_field in (name.strip().strip('"') for name in first_line.split(separator)):
-            return fmt
-    return "text"
-
-
-def label_problem(path: Path, fmt: str, config: CorpusConfig) -> str | None:
-    """Why a local file's records have no label field, when they plainly have none: a CSV header or a
-    parquet schema without it, or JSON lines none of whose first records (in its first MiB) has it."""
-    label = config.label_field
-    if fmt in ("csv", "tsv"):
-        missing = label not in csv_header(path, fmt)
-    elif fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        missing = label not in pq.read_schema(path).names
-    elif fmt == "jsonl":
-        with open_file(path) as f:
-            lines = f.read(1 << 20).decode("utf-8", errors="replace").removeprefix(records.BOM).split("\n")[:1000]
-        found = [r for r in map(_json_or_none, lines) if isinstance(r, dict)]
-        missing = bool(found) and not any(label in r for r in found)
-    else:
-        return None
-    return (
-        f"{path}: records without the label field '{label}' ({WHERE}.label_field), which the "
-        "held-out-topic task classifies by; set it to the field that holds the topic, or drop the task"
-        if missing
-        else None
-    )
-
-
-def _json_or_none(line: str) -> Any:
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError:
-        return None
 
 
 def json_documents(path: Path, config: CorpusConfig, batch_size: int) -> Iterator[dict[str, list[str]]]:
@@ -431,7 +349,7 @@ def _json_records(path: Path, config: CorpusConfig) -> Iterator[tuple[str, str, 
         text, title, label = _fields(record, config, where)
         fields, problem = (text, title or key, label), None
         if escapes:
-            fields, problem = _encodable(fields, config)
+            fields, problem = encodable(fields, config)
         if problem:
             raise StageError(f"{where}: {problem}")
         yield fields
@@ -471,7 +389,7 @@ def _fields(record: Any, config: CorpusConfig, where: str) -> tuple[str, str, st
     return _as_text(text), _as_text(title), _label(label, config.unlabeled)
 
 
-def _encodable(fields: tuple[str, str, str], config: CorpusConfig) -> tuple[tuple[str, str, str], str | None]:
+def encodable(fields: tuple[str, str, str], config: CorpusConfig) -> tuple[tuple[str, str, str], str | None]:
     """A record's (text, title, label) as UTF-8 can encode them: a character it cannot (a lone surrogate,
     which a JSON escape can make) is replaced by U+FFFD under `encoding_errors = "replace"`, else
     (fields, why they cannot be encoded)."""
