@@ -113,7 +113,7 @@ def choose(precision: str, device: Any, backend: str, canary: Canary, log: Any, 
     candidate fails, `CanaryError` names each failure and the settings to change."""
     failed: list[tuple[Precision, float, str | None]] = []
     for candidate in candidates(precision, device, backend, compiled=True):
-        diff, error = _tried(canary, candidate, log, stage)
+        diff, error = _tried(canary, candidate, log)
         if error is None and diff <= canary.tolerance:
             reason = f"{_setting(precision, device)}; compile canary {diff:.3g}"
             if failed:
@@ -122,7 +122,6 @@ def choose(precision: str, device: Any, backend: str, canary: Canary, log: Any, 
             return Choice(candidate, reason, diff)
         failed.append((candidate, diff, error))
     differ = [(p, diff) for p, diff, error in failed if error is None]
-    raised = [(p, error) for p, _, error in failed if error is not None]
     found = []
     if differ:
         found.append(
@@ -130,13 +129,13 @@ def choose(precision: str, device: Any, backend: str, canary: Canary, log: Any, 
             + ", by ".join(f"{diff:.3g} in {p.label}" for p, diff in differ)
             + f" (relative), above canary_tolerance {canary.tolerance}"
         )
-    found += [f"{p.label} failed to compile or run ({error})" for p, error in raised]
     raise CanaryError(
-        f"{stage}: compile canary: {'; '.join(found)}; nothing was trained. {_remedies(precision, canary.keys)}"
+        f"{stage}: compile canary: {'; '.join(found + _raised(failed))}; nothing was trained. "
+        + _remedies(precision, canary.keys)
     )
 
 
-def _tried(canary: Canary, candidate: Precision, log: Any, stage: str) -> tuple[float, str | None]:
+def _tried(canary: Canary, candidate: Precision, log: Any) -> tuple[float, str | None]:
     """(the candidate's canary difference, the error its compile or canary raised or None), agreed by
     every rank: the worst difference, the first error. Bad input (StageError) is no candidate's failure."""
     from cram.stages.shared.collectives import all_gather
@@ -172,8 +171,11 @@ def _setting(precision: str, device: Any) -> str:
 def _failures(failed: list[tuple[Precision, float, str | None]], tolerance: float) -> str:
     differ = ", ".join(f"{p.label} by {diff:.3g}" for p, diff, error in failed if error is None)
     found = [f"the compiled step differs from eager beyond canary_tolerance {tolerance} in {differ}"] if differ else []
-    found += [f"{p.label} failed to compile or run ({error})" for p, _, error in failed if error is not None]
-    return "; ".join(found)
+    return "; ".join(found + _raised(failed))
+
+
+def _raised(failed: list[tuple[Precision, float, str | None]]) -> list[str]:
+    return [f"{p.label} failed to compile or run ({error})" for p, _, error in failed if error is not None]
 
 
 def _remedies(precision: str, keys: str) -> str:
