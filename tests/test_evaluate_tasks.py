@@ -234,7 +234,7 @@ def test_custom_task_bad_input(tmp_path):
     (tmp_path / "test.jsonl").write_text('{"text": "c", "label": 3}\n')
     with pytest.raises(StageError, match="label '3' of field 'label' never occurs in train.jsonl"):
         tasks.load_custom("c", str(tmp_path), ("text",), "label", ("accuracy",), "t")
-    with pytest.raises(StageError, match="train.jsonl: line 1 has no field 'topic'"):
+    with pytest.raises(StageError, match="train.jsonl:1: record 1 has no field 'topic'"):
         tasks.load_custom("c", str(tmp_path), ("text",), "topic", ("accuracy",), "t")
     with pytest.raises(StageError, match="is not a directory"):
         tasks.load_custom("c", str(tmp_path / "nope"), ("text",), "label", ("accuracy",), "t")
@@ -253,7 +253,7 @@ def test_a_custom_text_that_is_no_text_is_refused_naming_file_and_line(tmp_path,
     with pytest.raises(StageError) as refused:
         tasks.load_custom("c", str(tmp_path), ("text",), "label", ("accuracy",), "t")
     why = f"text field 'text' holds {shown}, not text" if shown else "lone surrogate \\ud83d at character 0"
-    assert str(refused.value).startswith(f"{tmp_path / 'train.jsonl'}: line 2: ") and why in str(refused.value)
+    assert str(refused.value).startswith(f"{tmp_path / 'train.jsonl'}:2: record 2: ") and why in str(refused.value)
 
 
 def test_custom_files_with_a_byte_order_mark_or_an_upper_case_extension_load(tmp_path):

@@ -273,5 +273,5 @@ def test_an_input_text_that_is_no_text_is_refused_naming_file_and_line(tmp_path,
 
     path = tmp_path / "in.jsonl"
     path.write_text(f'{{"text": "fine"}}\n\n{{"text": {value}}}\n')
-    with pytest.raises(StageError, match=rf"^{re.escape(str(path))}: line 3: (text )?field 'text' holds"):
+    with pytest.raises(StageError, match=rf"^{re.escape(str(path))}:3: record 2: (text )?field 'text' holds"):
         read_texts(path, ["text"])

@@ -178,7 +178,7 @@ def iter_texts(path: Path, text_fields: Sequence[str]) -> Iterator[tuple[str, ..
     with _opened(path) as f:
         for n, line in enumerate(f, 1):
             if line.strip():
-                yield (_checked(line.rstrip("\r\n"), text_fields[0], f"{path}: line {n}"),)
+                yield (_checked(line.rstrip("\r\n"), text_fields[0], f"{path}:{n}"),)
 
 
 def read_texts(path: Path, text_fields: Sequence[str]) -> list[tuple[str, ...]]:
@@ -223,23 +223,22 @@ def _checked(value: Any, field: str, where: str) -> str:
 
 def iter_records(path: Path) -> Iterator[tuple[str, dict]]:
     """(where, record) for each record of a CSV, TSV or JSON-lines file, `where` naming the file and the
-    record (CSV, TSV: its number after the header) or line (JSON lines). A UTF-8 byte-order mark is dropped;
+    record (its number; JSON lines: its line too, as `path:line`). A UTF-8 byte-order mark is dropped;
     TSV has no quoting (a quote character is text, as in GLUE's files), CSV has csv's."""
     fmt = file_format(path)
     with _opened(path) as f:
         if fmt in ("csv", "tsv"):
             yield from _table_records(f, path, fmt)
             return
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+        lines = (item for item in enumerate(f, 1) if item[1].strip())
+        for count, (n, line) in enumerate(lines, 1):
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise StageError(f"{path}:{n}: not JSON: {e.msg}") from None
             if not isinstance(record, dict):
                 raise StageError(f"{path}:{n}: not a JSON object (one record per line)")
-            yield f"{path}: line {n}", record
+            yield f"{path}:{n}: record {count}", record
 
 
 def _table_records(f: Any, path: Path, fmt: str) -> Iterator[tuple[str, dict]]:
