@@ -865,9 +865,8 @@ def test_a_run_evaluated_without_tasks_is_told_it_fine_tuned_none(ws):
     )
 
 
+@pytest.mark.usefixtures("default_csv_field_limit")
 def test_predict_reads_tsv_without_quoting_and_long_fields_and_names_one_past_the_limit(ws, monkeypatch):
-    import csv
-
     from cram.stages.shared import taskfiles
 
     lines = ['"Quoted" at the start', 'a "b', "plain", '"open quote', 'end"']
@@ -875,8 +874,6 @@ def test_predict_reads_tsv_without_quoting_and_long_fields_and_names_one_past_th
     result = cram("predict", "runs/base", "in.tsv", "--task", "sent", "--no-compile")
     assert result.exit_code == 0, result.output
     assert sum(line.startswith('{"label"') for line in result.output.splitlines()) == 5, result.output
-    monkeypatch.setattr(csv, "field_size_limit", csv.field_size_limit)
-    csv.field_size_limit(131072)  # csv's default, whatever ran before in this process
     (ws / "in.csv").write_text("text\nshort\n" + "cat " * 50_000 + "\n")
     result = cram("predict", "runs/base", "in.csv", "--task", "sent", "--no-compile")
     assert result.exit_code == 0, result.output

@@ -357,3 +357,12 @@ def test_regression_test_targets_that_are_one_value_are_refused_naming_the_task_
     message = f"{tmp_path / 'test.jsonl'}: field 'y' of task 'c' holds one value only (3); a correlation"
     with pytest.raises(StageError, match=re.escape(message)):
         tasks.load_custom("c", str(tmp_path), ("text",), "y", ("pearson",), "t")
+
+
+@pytest.mark.usefixtures("default_csv_field_limit")
+def test_a_custom_task_field_past_csv_s_default_limit_loads(tmp_path):
+    long = "word " * 40_000
+    (tmp_path / "train.csv").write_text(f"text,label\n{long},a\nshort,b\n")
+    (tmp_path / "test.csv").write_text("text,label\nc,a\n")
+    task = tasks.load_custom("c", str(tmp_path), ("text",), "label", ("accuracy",), "t")
+    assert task.train.texts == [(long,), ("short",)]

@@ -218,17 +218,6 @@ def test_records_without_the_label_field_are_named_when_topics_are_classified(tm
 # ------------------------------------------------------------- the files tasks and `cram predict` read
 
 
-@pytest.fixture
-def default_csv_field_limit():
-    """csv's default field limit (128 KiB) while the test runs: the limit is per process, and a corpus
-    read earlier in it may have raised it already."""
-    import csv
-
-    before = csv.field_size_limit(131072)
-    yield
-    csv.field_size_limit(before)
-
-
 def test_tsv_input_has_no_quoting_a_quote_is_text_and_never_joins_lines(tmp_path):
     from cram.stages.shared.taskfiles import read_texts
 
