@@ -590,6 +590,13 @@ CASES = [
         "tasks2/train.jsonl:2: record 2: field 'text' holds a lone surrogate \\ud83d at character 2",
     ),
     (
+        "corpus lone surrogate in the first bytes",
+        rewrite("s.jsonl", '{"text": "a b", "topic": "x"}\n{"text": "c \\ud83d d", "topic": "y"}\n'),
+        [*RUN, "--dry-run", *sets(**{"tokenize.corpus.paths": '["s.jsonl"]'})],
+        "s.jsonl:2: field 'text' holds a lone surrogate \\ud83d at character 2 (half of a UTF-16 pair, from a JSON "
+        'escape), which UTF-8 cannot encode; fix the file or set tokenize.corpus.encoding_errors = "replace"',
+    ),
+    (
         "predict text an object",
         rewrite("in.jsonl", '{"text": "fine"}\n{"text": {"a": 1}}\n'),
         ["predict", "runs/base", "in.jsonl", "--task", "sent"],
