@@ -873,7 +873,7 @@ def test_a_run_evaluated_without_tasks_is_told_it_fine_tuned_none(ws):
 
 
 @pytest.mark.usefixtures("default_csv_field_limit")
-def test_predict_reads_tsv_without_quoting_and_long_fields_and_names_one_past_the_limit(ws, monkeypatch):
+def test_predict_reads_tsv_unquoted_long_fields_and_upper_case_csv_and_names_a_field_past_the_limit(ws, monkeypatch):
     from cram.stages.shared import taskfiles
 
     lines = ['"Quoted" at the start', 'a "b', "plain", '"open quote', 'end"']
@@ -885,6 +885,9 @@ def test_predict_reads_tsv_without_quoting_and_long_fields_and_names_one_past_th
     result = cram("predict", "runs/base", "in.csv", "--task", "sent", "--no-compile")
     assert result.exit_code == 0, result.output
     assert sum(line.startswith('{"label"') for line in result.output.splitlines()) == 2, result.output
+    result = cram("predict", "runs/base", "in.csv", "--task", "sent", "--no-compile", "--out", "labels.CSV")
+    assert result.exit_code == 0, result.output
+    assert (ws / "labels.CSV").read_text().startswith("label,"), (ws / "labels.CSV").read_text()
     monkeypatch.setattr(taskfiles, "MAX_FIELD_CHARS", 100_000)
     result = cram("predict", "runs/base", "in.csv", "--task", "sent", "--no-compile")
     assert result.exit_code == 2 and result.output.strip() == (

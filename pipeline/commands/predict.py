@@ -52,7 +52,7 @@ def predict(
     texts = _texts(files, kept.meta["text_fields"])
     outputs = _outputs(kept, tokenizer, special, texts, compile, backend, batch_size)
     rows = _rows(kept, outputs)
-    text = _format(rows, kept, "csv" if out is not None and out.suffix == ".csv" else "jsonl")
+    text = _format(rows, kept, "csv" if out is not None and out.suffix.lower() == ".csv" else "jsonl")
     if out is None:
         (stream or sys.stdout).write(text)
     else:
