@@ -109,14 +109,14 @@ def describe(config: Config, pipeline: Pipeline) -> str:
             steps = "steps known once fetched from the hub"
         else:
             batches = math.ceil(len(load_task(task, i, None).train.labels) / config.batch_size)
-            steps = f"{_count(epochs * batches, 'step')} ({_count(epochs, 'epoch')} x {_count(batches, 'batch')}"
-            steps += f" of {config.batch_size})"
+            steps = f"{_count(epochs * batches, 'step')} ({_count(epochs, 'epoch')} x "
+            steps += f"{_count(batches, 'batch', 'batches')} of {config.batch_size})"
         parts.append(f"{task.name} {steps} x {_count(seeds, 'seed')}")
     return "fine-tunes " + "; ".join(parts) if parts else ""
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('ch') else 's'}"
+def _count(n: int, noun: str, plural: str = "") -> str:
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:

@@ -107,11 +107,6 @@ def validate(config: Config, pipeline: Pipeline) -> None:
     if config.init:
         continued.check_not_its_own(config, Path(pipeline.run.root) / pipeline.run.name)
         continued.check_has_tokenizer(config, pipeline.stages.get("tokenize"))
-    elif config.init_lr != "auto":
-        raise StageError(
-            f"pretrain.init_lr: {config.init_lr} is the peak lr of continuing `pretrain.init`'s checkpoint, and the "
-            "run has no init: set pretrain.optimizer.lr instead, or pretrain.init"
-        )
     _, cfg = planned_model(config, pipeline)
     check_schedule(model, config)
     continued.check_head_warmup(config, cfg, pipeline.stages.get("pack"))

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 
 from cram.stages import Context, Pipeline, StageError, Upstream
-from cram.stages.data import corpus, readers, shards, tasktext
+from cram.stages.data import corpus, readers, shards, sniff, tasktext
 from cram.stages.data.source import CorpusConfig
 from cram.stages.shared import pretrained
 from cram.stages.shared.files import atomic, content_hash
@@ -285,9 +285,9 @@ def _validate_corpus(config: Config, pipeline: Pipeline) -> None:
         raise StageError(unavailable)
     local = corpus.local_files(config.corpus)
     for path, fmt in local:
-        readers.check_start(path, fmt, config.corpus)
+        sniff.check_start(path, fmt, config.corpus)
     if local and config.corpus.label_field and config.heldout_fraction > 0 and _classifies_topics(pipeline):
-        problem = readers.label_problem(*local[0], config.corpus)
+        problem = sniff.label_problem(*local[0], config.corpus)
         if problem:
             raise StageError(problem)
 

@@ -121,3 +121,14 @@ def free_port():
             return s.getsockname()[1]
 
     return find
+
+
+@pytest.fixture
+def default_csv_field_limit():
+    """csv's default field limit (128 KiB) while the test runs: the limit is per process, and a file read
+    earlier in it may have raised it already."""
+    import csv
+
+    before = csv.field_size_limit(131072)
+    yield
+    csv.field_size_limit(before)

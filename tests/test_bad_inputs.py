@@ -194,6 +194,16 @@ def sizes_only(folder: Path) -> None:
     (folder / store.MARKER).write_text(json.dumps({k: v for k, v in marker.items() if k in kept}))
 
 
+def jsonl_task(train: str) -> Callable[[Path], None]:
+    """A custom task in JSON lines in tasks2/: `train`, and a test file of two rows."""
+
+    def write(ws: Path) -> None:
+        rewrite("tasks2/train.jsonl", train)(ws)
+        rewrite("tasks2/test.jsonl", '{"text": "a dog ran", "label": 0}\n{"text": "the sun", "label": 1}\n')(ws)
+
+    return write
+
+
 def nothing(ws: Path) -> None:
     pass
 
@@ -567,6 +577,31 @@ CASES = [
     ),
     ("task unseen label", rewrite("tasks/test.csv", "text,label\ncat sat,7\n"), RUN, "label '7' of field 'label'"),
     ("task empty", rewrite("tasks/train.csv", "text,label\n"), RUN, "tasks/train.csv: no records"),
+    (
+        "task text a number",
+        jsonl_task('{"text": "a cat", "label": 0}\n{"text": 5, "label": 1}\n'),
+        [*RUN, *tasks(path='"tasks2"')],
+        "tasks2/train.jsonl:2: record 2: text field 'text' holds int 5, not text",
+    ),
+    (
+        "task text a lone surrogate",
+        jsonl_task('{"text": "a cat", "label": 0}\n{"text": "a \\ud83d", "label": 1}\n'),
+        [*RUN, *tasks(path='"tasks2"')],
+        "tasks2/train.jsonl:2: record 2: field 'text' holds a lone surrogate \\ud83d at character 2",
+    ),
+    (
+        "corpus lone surrogate in the first bytes",
+        rewrite("s.jsonl", '{"text": "a b", "topic": "x"}\n{"text": "c \\ud83d d", "topic": "y"}\n'),
+        [*RUN, "--dry-run", *sets(**{"tokenize.corpus.paths": '["s.jsonl"]'})],
+        "s.jsonl:2: field 'text' holds a lone surrogate \\ud83d at character 2 (half of a UTF-16 pair, from a JSON "
+        'escape), which UTF-8 cannot encode; fix the file or set tokenize.corpus.encoding_errors = "replace"',
+    ),
+    (
+        "predict text an object",
+        rewrite("in.jsonl", '{"text": "fine"}\n{"text": {"a": 1}}\n'),
+        ["predict", "runs/base", "in.jsonl", "--task", "sent"],
+        "in.jsonl:2: record 2: text field 'text' holds dict {'a': 1}, not text (the classifier reads text)",
+    ),
     ("task test rows in train", shared_test_rows, RUN, "evaluate.tasks[0].path: 2 of the 10 rows of test.csv have"),
     ("task test is train", train_as_test, RUN, "train.csv and test.csv are the same file"),
     # tokenize.task_text: the evaluate tasks' training files, so there must be one
@@ -747,6 +782,38 @@ CASES = [
         "tokenizer.model: damaged",
     ),
     ("verify no run", nothing, ["verify", "tasks"], "tasks: neither a run directory"),
+    # settings checked whatever the store holds
+    (
+        "canary steps past the maximum",
+        nothing,
+        [*RUN, *sets(**{"pretrain.canary_steps": "1000000"})],
+        "[pretrain] canary_steps: 1000000 must be between 0 (off) and 100",
+    ),
+    (
+        "evaluate canary steps past the maximum",
+        nothing,
+        [*RUN, *sets(**{"evaluate.canary_steps": "1000000"})],
+        "[evaluate] canary_steps: 1000000 must be between 0 (off) and 100",
+    ),
+    (
+        "init_lr without init, pretrain done",
+        nothing,
+        [*RUN, *sets(**{"pretrain.init_lr": "1e-4"})],
+        "[pretrain] init_lr: 0.0001 is the peak lr of continuing `pretrain.init`'s checkpoint, and the run has no init",
+    ),
+    (
+        "head_warmup without init, pretrain done",
+        nothing,
+        [*RUN, *sets(**{"pretrain.head_warmup": "0.2"})],
+        "[pretrain] head_warmup: 0.2 warms up the masked-LM head of `pretrain.init`'s checkpoint",
+    ),
+    (
+        "task text only over blank training texts",
+        rewrite("tasks/train.csv", "text,label\n,0\n  ,1\n"),
+        [*RUN, "--dry-run", *sets(**{"tokenize.task_text": '"only"'})],
+        'tokenize.task_text: "only" pretrains on the tasks\' training rows alone, and every text in tasks/train.csv '
+        "is blank",
+    ),
 ]
 
 
@@ -793,6 +860,42 @@ def test_a_text_field_that_holds_no_text_is_refused_when_read(ws, setup, args, m
     assert _statuses(ws / "runs" / "base") == ["done"] * 4
 
 
+def test_a_run_evaluated_without_tasks_is_told_it_fine_tuned_none(ws):
+    result = cram(*RUN, *sets(**{"evaluate.tasks": "[]"}))
+    assert result.exit_code == 0, result.output
+    (ws / "in.csv").write_text("text\na b\n")
+    result = cram("predict", "runs/base", "in.csv", "--task", "sent", "--no-compile")
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == (
+        "error: runs/base: evaluate kept no classifier, since it fine-tuned none (evaluate.tasks = []); add the "
+        "task to [[evaluate.tasks]] and run it: cram run runs/base/config.toml"
+    )
+
+
+@pytest.mark.usefixtures("default_csv_field_limit")
+def test_predict_reads_tsv_unquoted_long_fields_and_upper_case_csv_and_names_a_field_past_the_limit(ws, monkeypatch):
+    from cram.stages.shared import taskfiles
+
+    lines = ['"Quoted" at the start', 'a "b', "plain", '"open quote', 'end"']
+    (ws / "in.tsv").write_text("text\n" + "".join(f"{line}\n" for line in lines))
+    result = cram("predict", "runs/base", "in.tsv", "--task", "sent", "--no-compile")
+    assert result.exit_code == 0, result.output
+    assert sum(line.startswith('{"label"') for line in result.output.splitlines()) == 5, result.output
+    (ws / "in.csv").write_text("text\nshort\n" + "cat " * 50_000 + "\n")
+    result = cram("predict", "runs/base", "in.csv", "--task", "sent", "--no-compile")
+    assert result.exit_code == 0, result.output
+    assert sum(line.startswith('{"label"') for line in result.output.splitlines()) == 2, result.output
+    result = cram("predict", "runs/base", "in.csv", "--task", "sent", "--no-compile", "--out", "labels.CSV")
+    assert result.exit_code == 0, result.output
+    assert (ws / "labels.CSV").read_text().startswith("label,"), (ws / "labels.CSV").read_text()
+    monkeypatch.setattr(taskfiles, "MAX_FIELD_CHARS", 100_000)
+    result = cram("predict", "runs/base", "in.csv", "--task", "sent", "--no-compile")
+    assert result.exit_code == 2 and result.output.strip() == (
+        "error: in.csv: record 2: field 'text' holds 200,000 characters, over the 100,000 a field may hold "
+        "(the classifier reads text)"
+    ), result.output
+
+
 def test_enough_bad_inputs():
     assert len(CASES) >= 43
 
@@ -826,6 +929,10 @@ def test_a_dry_run_says_each_tasks_fine_tune_steps(ws):
         "evaluate: fine-tunes sent 6 steps (1 epoch x 6 batches of 4) x 1 seed; "
         "topic steps known after tokenize x 1 seed"
     ), result.output
+    result = cram(*RUN, *FORCE_EVAL, "--dry-run", *sets(**{"evaluate.epochs": "2", "evaluate.seeds": "2"}))
+    assert result.exit_code == 0, result.output
+    line = result.output.strip().splitlines()[-1]
+    assert line == "evaluate: fine-tunes sent 12 steps (2 epochs x 6 batches of 4) x 2 seeds", result.output
 
 
 def test_ls_lists_every_run_and_marks_the_unreadable_one(ws):

@@ -267,3 +267,13 @@ def test_a_file_that_vanishes_or_shrinks_while_read(tmp_path, monkeypatch):
     path.unlink()
     with pytest.raises(StageError, match=r"c.txt: the file vanished while the corpus was read"):
         list(documents(pieces[0], cfg))
+
+
+def test_a_lone_surrogate_in_a_json_corpus_is_named_or_replaced(tmp_path):
+    (tmp_path / "c.json").write_text('{"k1": {"extract": "fine"}, "k2": {"extract": "half \\ud83d"}}')
+    with pytest.raises(StageError, match=r"c.json: key 'k2': field 'extract' holds a lone surrogate \\ud83d"):
+        read(files(tmp_path / "c.json"))
+    docs = read(files(tmp_path / "c.json", encoding_errors="replace"))
+    assert docs["text"] == ["fine", "half \ufffd"] and docs["title"] == ["k1", "k2"]
+    (tmp_path / "c.json").write_text('[{"extract": "a \\ud83d\\ude00 pair is fine"}]')
+    assert read(files(tmp_path / "c.json"))["text"] == ["a \U0001f600 pair is fine"]

@@ -234,13 +234,33 @@ def test_custom_task_bad_input(tmp_path):
     (tmp_path / "test.jsonl").write_text('{"text": "c", "label": 3}\n')
     with pytest.raises(StageError, match="label '3' of field 'label' never occurs in train.jsonl"):
         tasks.load_custom("c", str(tmp_path), ("text",), "label", ("accuracy",), "t")
-    with pytest.raises(StageError, match="record 1 has no field 'topic'"):
+    with pytest.raises(StageError, match="train.jsonl:1: record 1 has no field 'topic'"):
         tasks.load_custom("c", str(tmp_path), ("text",), "topic", ("accuracy",), "t")
     with pytest.raises(StageError, match="is not a directory"):
         tasks.load_custom("c", str(tmp_path / "nope"), ("text",), "label", ("accuracy",), "t")
     # numeric labels order numerically: 2 before 10
     (tmp_path / "test.jsonl").write_text('{"text": "c", "label": 10}\n')
     assert tasks.load_custom("c", str(tmp_path), ("text",), "label", ("accuracy",), "t").label_names == ("2", "10")
+
+
+@pytest.mark.parametrize(
+    "text, shown",
+    [("12345", "int 12345"), ('{"a": 1}', "dict {'a': 1}"), ('["a", "b"]', "list ['a', 'b']"), ('"\\ud83d"', "")],
+)
+def test_a_custom_text_that_is_no_text_is_refused_naming_file_and_line(tmp_path, text, shown):
+    (tmp_path / "train.jsonl").write_text(f'{{"text": "a b", "label": 0}}\n{{"text": {text}, "label": 1}}\n')
+    (tmp_path / "test.jsonl").write_text('{"text": "c", "label": 0}\n')
+    with pytest.raises(StageError) as refused:
+        tasks.load_custom("c", str(tmp_path), ("text",), "label", ("accuracy",), "t")
+    why = f"text field 'text' holds {shown}, not text" if shown else "lone surrogate \\ud83d at character 0"
+    assert str(refused.value).startswith(f"{tmp_path / 'train.jsonl'}:2: record 2: ") and why in str(refused.value)
+
+
+def test_custom_files_with_a_byte_order_mark_or_an_upper_case_extension_load(tmp_path):
+    (tmp_path / "train.JSONL").write_text('\ufeff{"text": "a", "label": "x"}\n{"text": "b", "label": "y"}\n')
+    (tmp_path / "test.CSV").write_text('\ufefftext,label\n"c, d",x\n')
+    task = tasks.load_custom("c", str(tmp_path), ("text",), "label", ("accuracy",), "t")
+    assert task.train.texts == [("a",), ("b",)] and task.tests["test"].texts == [("c, d",)]
 
 
 # -------------------------------------------------------------------------------- held-out topics
@@ -351,3 +371,12 @@ def test_regression_test_targets_that_are_one_value_are_refused_naming_the_task_
     message = f"{tmp_path / 'test.jsonl'}: field 'y' of task 'c' holds one value only (3); a correlation"
     with pytest.raises(StageError, match=re.escape(message)):
         tasks.load_custom("c", str(tmp_path), ("text",), "y", ("pearson",), "t")
+
+
+@pytest.mark.usefixtures("default_csv_field_limit")
+def test_a_custom_task_field_past_csv_s_default_limit_loads(tmp_path):
+    long = "word " * 40_000
+    (tmp_path / "train.csv").write_text(f"text,label\n{long},a\nshort,b\n")
+    (tmp_path / "test.csv").write_text("text,label\nc,a\n")
+    task = tasks.load_custom("c", str(tmp_path), ("text",), "label", ("accuracy",), "t")
+    assert task.train.texts == [(long,), ("short",)]

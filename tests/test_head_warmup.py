@@ -176,7 +176,7 @@ def test_auto_warms_a_made_head_alone_and_keeps_every_other_key(headless, tmp_pa
 REFUSALS = {
     "without-init": (
         ['pretrain.init=""', "pretrain.head_warmup=0.2"],
-        r"^error: pretrain\.head_warmup: 0\.2 warms up the masked-LM head of `pretrain\.init`'s checkpoint",
+        r"pretrain\] head_warmup: 0\.2 warms up the masked-LM head of `pretrain\.init`'s checkpoint",
     ),
     "longer-than-the-budget": (
         ["pretrain.budget.steps=0", "pretrain.budget.tokens=1000", "pretrain.head_warmup=1000"],

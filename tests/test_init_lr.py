@@ -89,7 +89,7 @@ def test_a_continued_run_trains_and_reports_at_the_capped_peak(headless, pack_of
 REFUSALS = {
     "without-init": (
         ['pretrain.init=""', "pretrain.init_lr=1e-4"],
-        r"^error: pretrain\.init_lr: 0\.0001 is the peak lr of continuing `pretrain\.init`'s checkpoint, and the run "
+        r"pretrain\] init_lr: 0\.0001 is the peak lr of continuing `pretrain\.init`'s checkpoint, and the run "
         r"has no init",
     ),
     "not-positive": (["pretrain.init_lr=0.0"], r"pretrain\] init_lr: 0\.0 must be > 0, or 'auto'"),

@@ -46,23 +46,30 @@ def test_the_256_bit_candidate_patches_inductor_for_its_graphs_only():
 
 class Log:
     def __init__(self):
-        self.warnings = []
+        self.warnings, self.infos = [], []
 
     def warning(self, message):
         self.warnings.append(message)
 
+    def info(self, event, **fields):
+        self.infos.append((event, fields))
 
-def choose(setting, diffs, native=True, backend="inductor"):
-    """`precision.choose` with a canary that reads each candidate's difference from `diffs`."""
+
+def choose(setting, diffs, native=True, backend="inductor", stage="pretrain", keys="pretrain", world_size=1):
+    """`precision.choose` with a canary that reads each candidate's difference from `diffs` (an exception
+    there is raised, as a compile that fails raises)."""
     tried, log = [], Log()
 
     def check(candidate):
         tried.append(candidate)
+        if isinstance(diffs[candidate], Exception):
+            raise diffs[candidate]
         return diffs[candidate]
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(devices, "native_cpu_bf16", lambda: native)
-        choice = precision.choose(setting, CPU, backend, check, 0.02, log, "pretrain")
+        canary = precision.Canary(check, 0.02, keys, world_size)
+        choice = precision.choose(setting, CPU, backend, canary, log, stage)
     return choice, tried, log.warnings
 
 
@@ -96,6 +103,59 @@ def test_a_canary_at_the_tolerance_passes_and_nan_fails():
     assert choose("fp32", {FP32: 0.02})[0].precision == FP32
     with pytest.raises(CanaryError, match="by nan in fp32"):
         choose("fp32", {FP32: NAN})
+
+
+def test_under_auto_a_candidate_that_fails_to_compile_is_a_failed_candidate_and_the_reason_says_why():
+    inductor = RuntimeError("C++ compile error\n/tmp/torchinductor/ab.cpp:12: error: ...")
+    choice, tried, warned = choose("auto", {BF16: inductor, BF16_256: 1e-4})
+    assert (choice.precision, tried, choice.canary_diff) == (BF16_256, [BF16, BF16_256], 1e-4)
+    assert choice.reason == (
+        "bf16 failed to compile or run (RuntimeError: C++ compile error); "
+        "bf16 with 256-bit vector code passed it (0.0001)"
+    )
+    assert len(warned) == 1 and warned[0].endswith("computing in bf16 with 256-bit vector code")
+    choice, tried, _ = choose("auto", {BF16: math.inf, BF16_256: inductor, FP32: 0.0})
+    assert choice.precision == FP32 and choice.reason.startswith(
+        "the compiled step differs from eager beyond canary_tolerance 0.02 in bf16 by inf; "
+        "bf16 with 256-bit vector code failed to compile or run (RuntimeError: C++ compile error)"
+    )
+
+
+def test_an_explicit_precision_that_fails_to_compile_stops_with_the_error_and_the_keys_that_exist():
+    inductor = RuntimeError("C++ compile error")
+    with pytest.raises(CanaryError) as e:
+        choose("bf16", {BF16: inductor, BF16_256: 0.5}, stage="baseline", keys="evaluate")
+    assert str(e.value) == (
+        "baseline: compile canary: the compiled step (inductor) differs from eager by 0.5 in bf16 with 256-bit "
+        "vector code (relative), above canary_tolerance 0.02; bf16 failed to compile or run (RuntimeError: C++ "
+        'compile error); nothing was trained. Try evaluate.precision = "auto" (which falls back to fp32) or '
+        '"fp32", another evaluate.backend, evaluate.compile = false, or evaluate.canary_steps = 0 to train anyway'
+    )
+    with pytest.raises(CanaryError, match=r"^pretrain: compile canary: fp32 failed to compile or run \(MemoryError"):
+        choose("fp32", {FP32: MemoryError()})
+
+
+def test_bad_input_in_a_canary_is_no_failed_candidate():
+    from cram.stages import StageError
+
+    with pytest.raises(StageError, match="a bad task file"):
+        choose("auto", {BF16: StageError("a bad task file"), BF16_256: 0.0, FP32: 0.0})
+
+
+def test_the_ranks_agree_on_the_worst_difference_and_the_first_error(monkeypatch):
+    from cram.stages.shared import collectives
+
+    others = {BF16: (0.5, None), BF16_256: (0.0, "RuntimeError: rank 1 failed"), FP32: (0.0, None)}
+    gathered = []
+
+    def all_gather(obj, world_size):
+        gathered.append(obj)
+        return [obj, others[[BF16, BF16_256, FP32][len(gathered) - 1]]]
+
+    monkeypatch.setattr(collectives, "all_gather", all_gather)
+    choice, tried, _ = choose("auto", {BF16: 1e-4, BF16_256: 1e-4, FP32: 1e-5}, world_size=2)
+    assert choice.precision == FP32 and tried == [BF16, BF16_256, FP32] and choice.canary_diff == 1e-5
+    assert "bf16 by 0.5" in choice.reason and "(RuntimeError: rank 1 failed)" in choice.reason
 
 
 def wrong_in_bf16(real, also_at_256: bool):

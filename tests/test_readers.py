@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -212,3 +213,54 @@ def test_records_without_the_label_field_are_named_when_topics_are_classified(tm
     )
     with pytest.raises(StageError, match=r"records without the label field: none of the 2 held-out"):
         tasks.load_topics("topic", tmp_path / "held", 0.2)
+
+
+# ------------------------------------------------------------- the files tasks and `cram predict` read
+
+
+def test_tsv_input_has_no_quoting_a_quote_is_text_and_never_joins_lines(tmp_path):
+    from cram.stages.shared.taskfiles import iter_texts
+
+    lines = ['"Quoted" at the start', 'a "b', "plain", '"open quote', 'end"']
+    path = tmp_path / "in.tsv"
+    path.write_text("text\n" + "".join(f"{line}\n" for line in lines))
+    assert list(iter_texts(path, ["text"])) == [(line,) for line in lines]
+
+
+def test_a_long_field_is_read_and_one_past_the_limit_is_named(tmp_path, default_csv_field_limit, monkeypatch):
+    from cram.stages.shared import taskfiles
+
+    long = "word " * 40_000  # 200,000 characters: past csv's default field limit
+    for name in ("in.csv", "in.tsv"):
+        path = tmp_path / name
+        path.write_text(f"text\nshort\n{long}\n")
+        assert list(taskfiles.iter_texts(path, ["text"])) == [("short",), (long.rstrip("\n"),)]
+    monkeypatch.setattr(taskfiles, "MAX_FIELD_CHARS", 100_000)
+    with pytest.raises(StageError) as refused:
+        list(taskfiles.iter_texts(tmp_path / "in.csv", ["text"]))
+    assert str(refused.value) == (
+        f"{tmp_path / 'in.csv'}: record 2: field 'text' holds 200,000 characters, over the 100,000 a field may hold"
+    )
+
+
+def test_input_extensions_are_told_in_any_case(tmp_path):
+    from cram.stages.shared.taskfiles import iter_texts
+
+    (tmp_path / "x.CSV").write_text('text\n"a, b"\n')
+    (tmp_path / "x.TSV").write_text('text\n"a\n')
+    (tmp_path / "x.TXT").write_text("one\n\ntwo\n")
+    (tmp_path / "x.JSONL").write_bytes(b'\xef\xbb\xbf{"text": "j"}\n')
+    assert list(iter_texts(tmp_path / "x.CSV", ["text"])) == [("a, b",)]
+    assert list(iter_texts(tmp_path / "x.TSV", ["text"])) == [('"a',)]
+    assert list(iter_texts(tmp_path / "x.TXT", ["text"])) == [("one",), ("two",)]
+    assert list(iter_texts(tmp_path / "x.JSONL", ["text"])) == [("j",)]
+
+
+@pytest.mark.parametrize("value", ["3", "2.5", '{"a": 1}', '["x"]', "true", '"\\udc00 x"'])
+def test_an_input_text_that_is_no_text_is_refused_naming_file_and_line(tmp_path, value):
+    from cram.stages.shared.taskfiles import iter_texts
+
+    path = tmp_path / "in.jsonl"
+    path.write_text(f'{{"text": "fine"}}\n\n{{"text": {value}}}\n')
+    with pytest.raises(StageError, match=rf"^{re.escape(str(path))}:3: record 2: (text )?field 'text' holds"):
+        list(iter_texts(path, ["text"]))

@@ -239,3 +239,20 @@ def test_the_example_config_parses_and_checks_out_up_to_the_missing_checkpoint(t
     result = CliRunner().invoke(cli.app, ["run", str(config), "--dry-run"], env={"COLUMNS": "200"})
     assert result.exit_code == 2, result.output
     assert result.output.startswith("error: pretrain.init: ") and "models/ModernBERT-base" in result.output
+
+
+def test_only_over_training_rows_all_blank_is_refused_before_any_stage_naming_the_file(tmp_path):
+    write_task(tmp_path / "task")
+    train = tmp_path / "task" / "train.jsonl"
+    train.write_text("".join(json.dumps({"text": blank, "label": "pos"}) + "\n" for blank in ("", "  ", "\t\n")))
+    tasks = [custom(tmp_path / "task")]
+    sections = {"evaluate": evaluate.Config(tasks=tasks)}
+    with pytest.raises(StageError) as refused:
+        tokenize.validate(linked("only", tasks), SimpleNamespace(stages=sections))
+    assert str(refused.value).startswith('tokenize.task_text: "only" pretrains on the tasks\' training rows alone')
+    assert f"every text in {train} is blank" in str(refused.value)
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus)
+    tokenize.validate(linked("add", tasks, corpus), SimpleNamespace(stages=sections))  # the corpus has text
+    train.write_text(train.read_text() + json.dumps({"text": "a word", "label": "neg"}) + "\n")
+    tokenize.validate(linked("only", tasks), SimpleNamespace(stages=sections))

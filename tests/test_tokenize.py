@@ -3,8 +3,10 @@ split kept out of the tokenizer and the tokens, normalisation options, and bad i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -185,6 +187,34 @@ def test_bad_input_in_any_unit_is_one_stage_error_with_file_and_line(tmp_path, m
     with pytest.raises(StageError, match=r"corpus.jsonl:301: not valid JSON") as error:
         run(config(path, num_proc=num_proc), tmp_path, make_ctx)
     assert "\n" not in str(error.value)
+
+
+def test_a_lone_surrogate_is_refused_naming_file_and_line_or_replaced_as_set(tmp_path, make_ctx, monkeypatch):
+    path = tmp_path / "corpus.jsonl"
+    write_corpus(path)
+    lines = path.read_text().splitlines(keepends=True)
+    lines[250] = json.dumps({"title": "emoji half", "body": "a smile \ud83d here"}) + "\n"  # JSON writes \ud83d
+    path.write_text("".join(lines))
+    monkeypatch.setattr(tokenize.corpus, "UNIT_BYTES", 5000)
+    with pytest.raises(StageError) as refused:
+        run(config(path), tmp_path, make_ctx)
+    assert str(refused.value) == (
+        f"{path}:251: field 'body' holds a lone surrogate \\ud83d at character 8 (half of a UTF-16 pair, from a "
+        'JSON escape), which UTF-8 cannot encode; fix the file or set tokenize.corpus.encoding_errors = "replace"'
+    )
+    tokenize.validate(config(path), SimpleNamespace(stages={}))  # past the first bytes: found when read
+    corpus = dataclasses.replace(config(path).corpus, encoding_errors="replace")
+    out, outputs = run(dataclasses.replace(config(path), corpus=corpus), tmp_path, make_ctx, "replaced")
+    assert outputs["documents"] + outputs["heldout_documents"] == 300
+
+
+def test_a_lone_surrogate_in_the_first_bytes_fails_the_dry_run(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text('{"title": "a", "body": "fine"}\n{"title": "b \\udc00", "body": "x"}\n')
+    with pytest.raises(StageError, match=r"corpus.jsonl:2: field 'title' holds a lone surrogate \\udc00"):
+        tokenize.validate(config(path), SimpleNamespace(stages={}))
+    corpus = dataclasses.replace(config(path).corpus, encoding_errors="replace")
+    tokenize.validate(dataclasses.replace(config(path), corpus=corpus), SimpleNamespace(stages={}))
 
 
 def test_an_empty_corpus_is_a_stage_error(tmp_path, make_ctx):

@@ -88,8 +88,13 @@ def find(run_dir: Path, task: str) -> Classifier:
         )
     kept = record.outputs.get("classifiers") or {}
     if not kept:
-        keep = (rundir.saved_config(run_dir, required=False).get("evaluate") or {}).get("keep", "best")
-        why = 'evaluate.keep = "none"' if keep == "none" else "its result predates evaluate.keep, or it had no task"
+        evaluate = rundir.saved_config(run_dir, required=False).get("evaluate") or {}
+        if evaluate.get("tasks", True) == []:
+            raise ClassifierError(
+                f"{run_dir}: evaluate kept no classifier, since it fine-tuned none (evaluate.tasks = []); add the "
+                f"task to [[evaluate.tasks]] and run it: cram run {run_dir / rundir.CONFIG}"
+            )
+        why = 'evaluate.keep = "none"' if evaluate.get("keep") == "none" else "its result predates evaluate.keep"
         raise ClassifierError(
             f'{run_dir}: evaluate kept no classifier ({why}); set evaluate.keep = "best" and re-run it: '
             f"cram run {run_dir / rundir.CONFIG} --force evaluate"

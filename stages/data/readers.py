@@ -10,6 +10,8 @@
 - arrow: one shard of a `datasets` folder (`load_disk` opens the folder).
 - hub: one shard of a dataset streamed from (or cached from) the Hugging Face hub.
 
+What a local file's first bytes say before any stage runs is `sniff.py`.
+
 pyarrow and datasets are imported inside the functions that need them: the CLI stays fast.
 """
 
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from cram.stages import StageError
 from cram.stages.data import hub
 from cram.stages.data.source import format_of
+from cram.stages.shared import records
 
 if TYPE_CHECKING:
     from cram.stages.data.source import CorpusConfig, Unit
@@ -33,7 +36,6 @@ WHERE = "tokenize.corpus"  # the config section that errors name
 # (records): what one process holds stays bounded, and no tokenizer or model needs one this long.
 MAX_DOCUMENT_CHARS = 16 << 20
 TALLY = ("documents_cut", "records_skipped")  # what the readers count of documents over the limit
-_BOM = "\ufeff"
 PARAGRAPH_BREAK = re.compile(rb"\n[ \t\r\f\v]*\n")
 _PARAGRAPH_BREAK_TEXT = re.compile(PARAGRAPH_BREAK.pattern.decode())
 
@@ -88,7 +90,7 @@ def _read_range(unit: Unit, config: CorpusConfig) -> tuple[str, bool, bool]:
             f"{path}:{_line_number(path, at)}: byte {at:,} is not valid UTF-8; fix the file or set "
             f'{WHERE}.encoding_errors = "replace"'
         ) from None
-    return (content.removeprefix(_BOM) if unit.start == 0 else content), head_cut, tail_cut
+    return (content.removeprefix(records.BOM) if unit.start == 0 else content), head_cut, tail_cut
 
 
 def _text_pieces(content: str, text_unit: str, tally: dict[str, int]) -> Iterator[str]:
@@ -122,18 +124,21 @@ def _jsonl_records(
             problem = _record_problem(record, config)
         except json.JSONDecodeError as e:
             problem = f"not valid JSON ({e.msg}: column {e.colno}); a truncated or broken line?"
+        if not problem and records.may_escape_surrogates(line):
+            fields, problem = encodable(_fields(record, config, ""), config)
+        elif not problem:
+            fields = _fields(record, config, "")
         if problem:  # line numbers are counted only when an error needs one
             raise StageError(f"{path}:{_line_number(path, unit.start) + i}: {problem}")
-        yield _fields(record, config, "")
+        yield fields
 
 
 def csv_reader(lines: Any, fmt: str) -> Any:
     """A strict csv reader of comma- (csv) or tab- (tsv) separated lines, quoted fields allowed to
-    hold line breaks. Its field limit is raised from 128 KiB: a long text is a valid field (the
-    setting is per process, and only raises a limit)."""
+    hold line breaks, its field limit raised (a record over MAX_DOCUMENT_CHARS is skipped)."""
     import csv
 
-    csv.field_size_limit(2**31 - 1)
+    records.raise_csv_field_limit()
     return csv.reader(lines, delimiter="," if fmt == "csv" else "\t", strict=True)
 
 
@@ -142,7 +147,7 @@ def csv_header(path: Path, fmt: str) -> list[str]:
     import csv
 
     with open_file(path) as f:
-        lines = (line.decode("utf-8", errors="replace").removeprefix(_BOM) for line in f)
+        lines = (line.decode("utf-8", errors="replace").removeprefix(records.BOM) for line in f)
         try:
             return next(csv_reader(lines, fmt), [])
         except csv.Error as e:
@@ -190,72 +195,6 @@ def cut_text(text: str, limit: int) -> Iterator[str]:
             start += 1
     if start < end:
         yield text[start:]
-
-
-_FORMAT_NAMES = {"json": "JSON", "jsonl": "JSON lines", "parquet": "parquet", "csv": "CSV", "tsv": "TSV"}
-
-
-def check_start(path: Path, fmt: str, config: CorpusConfig) -> None:
-    """The first bytes of a local corpus file against its format: on a mismatch, the error names
-    the format to set (checked before any stage runs, so a wrong format costs no tokenize run)."""
-    with open_file(path) as f:
-        head = f.read(4096)
-    text = head.decode("utf-8", errors="replace").removeprefix(_BOM).lstrip()
-    guess = _guess_format(head, text, config)
-    if fmt in ("csv", "tsv") and guess in ("text", fmt):  # a header without the text column is told as such
-        check_text_column(csv_header(path, fmt), config, str(path))
-        return
-    if not text or fmt == "text" or guess == fmt or (fmt == "json" and guess == "jsonl"):
-        return
-    preview = "".join(c if c.isprintable() else "?" for c in text.split("\n", 1)[0][:12])
-    raise StageError(f'{path}: not {_FORMAT_NAMES[fmt]} (starts with "{preview}"); set {WHERE}.format = "{guess}"')
-
-
-def _guess_format(head: bytes, text: str, config: CorpusConfig) -> str:
-    """The format a file's first bytes look like."""
-    if head.startswith(b"PAR1"):
-        return "parquet"
-    if text.startswith("["):
-        return "json"
-    if text.startswith("{"):
-        return "jsonl" if re.search(r"}[ \t\r]*\n[ \t\r]*{", text) else "json"
-    first_line = text.split("\n", 1)[0]
-    for fmt, separator in (("csv", ","), ("tsv", "\t")):
-        if config.text_field in (name.strip().strip('"') for name in first_line.split(separator)):
-            return fmt
-    return "text"
-
-
-def label_problem(path: Path, fmt: str, config: CorpusConfig) -> str | None:
-    """Why a local file's records have no label field, when they plainly have none: a CSV header or a
-    parquet schema without it, or JSON lines none of whose first records (in its first MiB) has it."""
-    label = config.label_field
-    if fmt in ("csv", "tsv"):
-        missing = label not in csv_header(path, fmt)
-    elif fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        missing = label not in pq.read_schema(path).names
-    elif fmt == "jsonl":
-        with open_file(path) as f:
-            lines = f.read(1 << 20).decode("utf-8", errors="replace").removeprefix(_BOM).split("\n")[:1000]
-        records = [r for r in map(_json_or_none, lines) if isinstance(r, dict)]
-        missing = bool(records) and not any(label in r for r in records)
-    else:
-        return None
-    return (
-        f"{path}: records without the label field '{label}' ({WHERE}.label_field), which the "
-        "held-out-topic task classifies by; set it to the field that holds the topic, or drop the task"
-        if missing
-        else None
-    )
-
-
-def _json_or_none(line: str) -> Any:
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError:
-        return None
 
 
 def json_documents(path: Path, config: CorpusConfig, batch_size: int) -> Iterator[dict[str, list[str]]]:
@@ -397,17 +336,23 @@ def _json_records(path: Path, config: CorpusConfig) -> Iterator[tuple[str, str, 
             f"{path}:{_line_number(path, e.start)}: byte {e.start:,} is not valid UTF-8; fix the file or set "
             f'{WHERE}.encoding_errors = "replace"'
         ) from None
-    data = _parse_json(content.removeprefix(_BOM), str(path))
+    data = _parse_json(content.removeprefix(records.BOM), str(path))
+    escapes = records.may_escape_surrogates(content)
     del raw, content
     if isinstance(data, dict):
-        for key, record in data.items():
-            text, title, label = _fields(record, config, f"{path}: key {key!r}")
-            yield text, title or str(key), label
+        items = ((f"{path}: key {key!r}", str(key), record) for key, record in data.items())
     elif isinstance(data, list):
-        for i, record in enumerate(data):
-            yield _fields(record, config, f"{path}: item {i}")
+        items = ((f"{path}: item {i}", "", record) for i, record in enumerate(data))
     else:
         raise StageError(f"{path}: a json corpus must be a list of records or an object of records")
+    for where, key, record in items:
+        text, title, label = _fields(record, config, where)
+        fields, problem = (text, title or key, label), None
+        if escapes:
+            fields, problem = encodable(fields, config)
+        if problem:
+            raise StageError(f"{where}: {problem}")
+        yield fields
 
 
 def _batched(rows: Iterator[Any], batch_size: int) -> Iterator[Any]:
@@ -422,8 +367,8 @@ def _batched(rows: Iterator[Any], batch_size: int) -> Iterator[Any]:
         yield _columns(batch) if isinstance(batch[0], tuple) else batch
 
 
-def _columns(records: list[tuple[str, str, str]]) -> dict[str, list[str]]:
-    texts, titles, labels = zip(*records)
+def _columns(rows: list[tuple[str, str, str]]) -> dict[str, list[str]]:
+    texts, titles, labels = zip(*rows)
     return {"text": list(texts), "title": list(titles), "label": list(labels)}
 
 
@@ -444,6 +389,21 @@ def _fields(record: Any, config: CorpusConfig, where: str) -> tuple[str, str, st
     return _as_text(text), _as_text(title), _label(label, config.unlabeled)
 
 
+def encodable(fields: tuple[str, str, str], config: CorpusConfig) -> tuple[tuple[str, str, str], str | None]:
+    """A record's (text, title, label) as UTF-8 can encode them: a character it cannot (a lone surrogate,
+    which a JSON escape can make) is replaced by U+FFFD under `encoding_errors = "replace"`, else
+    (fields, why they cannot be encoded)."""
+    for value, name in zip(fields, (config.text_field, config.title_field, config.label_field)):
+        problem = records.unencodable_problem(value, name or "")
+        if problem is None:
+            continue
+        if config.encoding_errors == "replace":
+            text, title, label = (records.replace_unencodable(v) for v in fields)
+            return (text, title, label), None
+        return fields, f'{problem}; fix the file or set {WHERE}.encoding_errors = "replace"'
+    return fields, None
+
+
 def _record_problem(record: Any, config: CorpusConfig) -> str | None:
     if not isinstance(record, dict):
         return f"expected a record (JSON object), got {type(record).__name__}"
@@ -456,12 +416,9 @@ def _record_problem(record: Any, config: CorpusConfig) -> str | None:
 
 
 def _not_text(value: Any, field: str) -> str | None:
-    """Why `value` of the text field is no text (a number, a list, a record), or None: a corpus is
-    trained on what it says, never on a stringified `12345` or `['a']`."""
-    if value is None or isinstance(value, str):
-        return None
-    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-    return f"text field '{field}' holds {type(value).__name__} {shown}, not text ({WHERE}.text_field)"
+    """Why `value` of the text field is no text, or None: a corpus is trained on what it says."""
+    problem = records.not_text(value, field)
+    return None if problem is None else f"{problem} ({WHERE}.text_field)"
 
 
 def _as_text(value: Any) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Iterable, Iterator, Literal
 
 from cram.stages import StageError
 from cram.stages.shared import files as shared_files
@@ -54,6 +54,17 @@ def check(tasks: tuple[TaskFile, ...], option: str, evaluate: Any) -> None:
         )
     for task in tasks:
         train_files(task)
+    if option == "only" and not any(_has_text(task) for task in tasks):
+        named = ", ".join(str(path) for task in tasks for path in train_files(task))
+        raise StageError(
+            f'tokenize.task_text: "only" pretrains on the tasks\' training rows alone, and every text in {named} '
+            'is blank: nothing to pretrain on; fill them, or set task_text = "add" or "none"'
+        )
+
+
+def _has_text(task: TaskFile) -> bool:
+    """Whether a training row of the task holds a text that is not blank (read up to the first)."""
+    return any(part.strip() for row in _train_texts(task) for part in row)
 
 
 def train_files(task: TaskFile) -> list[Path]:
@@ -98,10 +109,10 @@ def documents(task: TaskFile, batch_size: int, limit: int, tally: dict[str, int]
         yield {"text": batch, "title": [""] * len(batch), "label": [""] * len(batch)}
 
 
-def _train_texts(task: TaskFile) -> list[tuple[str, ...]]:
-    """Each training row's texts, read by the readers evaluate uses."""
+def _train_texts(task: TaskFile) -> Iterable[tuple[str, ...]]:
+    """Each training row's texts, read by the readers evaluate uses (a custom task's as they are read)."""
     if task.kind == "custom":
-        return taskfiles.read_texts(train_files(task)[0], task.text_fields)
+        return taskfiles.iter_texts(train_files(task)[0], task.text_fields)
     spec = taskfiles.GLUE[task.name]
     layout, folder = taskfiles.glue_folder(task.name, task.path, task.where)
     if layout == "tsv":

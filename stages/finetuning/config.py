@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cram.stages.finetuning.metrics import METRICS, REGRESSION_METRICS
+from cram.stages.shared.precision import check_canary
 from cram.stages.shared.taskfiles import GLUE
 
 Pooling = Literal["auto", "first", "mean", "pooler"]
@@ -141,10 +142,7 @@ class Config:
             raise ValueError(f"head_width, dropout: {self.head_width}, {self.dropout} must be >= 0 and in [0, 1)")
         if not 0 <= self.warmup < 1:
             raise ValueError(f"warmup: {self.warmup} must be in [0, 1)")
-        if self.canary_steps < 0 or not self.canary_tolerance > 0:
-            raise ValueError(
-                f"canary_steps, canary_tolerance: {self.canary_steps}, {self.canary_tolerance} must be >= 0 and > 0"
-            )
+        check_canary(self.canary_steps, self.canary_tolerance)
         if any(length < 1 for length in self.mlm_lengths):
             raise ValueError(f"mlm_lengths: {list(self.mlm_lengths)} must be lengths of at least 1")
         if not 0 <= self.mlm_mask_rate < 1:

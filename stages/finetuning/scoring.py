@@ -241,9 +241,8 @@ def _tuner(
         ctx.log.info("canary", precision=candidate.label, steps=config.canary_steps, max_relative_diff=diff)
         return diff
 
-    choice = precisions.choose(
-        config.precision, device, config.backend, check, config.canary_tolerance, ctx.log, scoring.stage
-    )
+    canary = precisions.Canary(check, config.canary_tolerance, "evaluate", ctx.world_size)
+    choice = precisions.choose(config.precision, device, config.backend, canary, ctx.log, scoring.stage)
     return choice, checked[choice.precision]
 
 

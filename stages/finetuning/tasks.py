@@ -21,11 +21,10 @@ from cram.stages.finetuning.metrics import REGRESSION_METRICS, score
 from cram.stages.shared.taskfiles import (
     GLUE,
     GlueSpec,
-    check_fields,
     find_split,
     glue_folder,
     glue_rows,
-    parse_records,
+    read_rows,
     read_tsv,
 )
 
@@ -155,8 +154,8 @@ def load_custom(
         raise StageError(
             f"{where}.path: {train_file.name} and {test_file.name} are the same file; a test set must be unseen"
         )
-    train = (train_file, *_read_records(train_file, text_fields, label_field))
-    test = (test_file, *_read_records(test_file, text_fields, label_field))
+    train = (train_file, *read_rows(train_file, text_fields, label_field))
+    test = (test_file, *read_rows(test_file, text_fields, label_field))
     if all(m in REGRESSION_METRICS for m in metrics):
         task = _regression_task(name, tuple(metrics), train, test, label_field)
     else:
@@ -234,15 +233,6 @@ def _check_class_labels(labels: list, path: Path, label_field: str) -> None:
             f"{path}: label {bad!r} of field {label_field!r} is not a class; class labels are strings or "
             "integers (for a regression, choose the metrics pearson or spearman)"
         )
-
-
-def _read_records(path: Path, text_fields: Sequence[str], label_field: str):
-    try:
-        records = parse_records(path)
-    except UnicodeDecodeError as e:
-        raise StageError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
-    check_fields(records, path, (*text_fields, label_field))
-    return [tuple(str(r[k]) for k in text_fields) for r in records], [r[label_field] for r in records]
 
 
 def _float_labels(texts, labels, path: Path, label_field: str) -> Examples:

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, TextIO
 
+from cram.stages import StageError
 from cram.stages.finetuning.finetune import _join
 from cram.stages.kept.batches import Padding
 from cram.stages.kept.folder import Classifier, KeptError
 from cram.stages.shared.files import temp_path
 from cram.stages.shared.progress import Every
-from cram.stages.shared.taskfiles import read_texts
+from cram.stages.shared.taskfiles import file_format, iter_texts
 
 if TYPE_CHECKING:
     import numpy as np
@@ -67,6 +68,7 @@ class Predictor:
         import dataclasses
 
         from cram.model.classifier import make_classify_eval_step
+        from cram.model.step import Compilation
         from cram.stages.shared import device as devices
         from cram.stages.shared import tokenizer as tokenizers
 
@@ -76,13 +78,8 @@ class Predictor:
             raise KeptError(str(e)) from None
         meta = classifier.meta
         cfg = dataclasses.replace(classifier.cfg, dropout=0.0)
-        graph = make_classify_eval_step(
-            cfg,
-            pooling=meta["pooling"],
-            compile=settings.compile,
-            backend=settings.backend,
-            head=meta["head"],
-        )
+        how = Compilation(compile=settings.compile, backend=settings.backend)
+        graph = make_classify_eval_step(cfg, how, pooling=meta["pooling"], head=meta["head"])
         device = devices.resolve("auto")
         params = {k: v.to(device) for k, v in classifier.params().items()}
         padding = Padding(special, tuple(meta["buckets"]), cfg.token_types > 1)
@@ -129,14 +126,19 @@ class Predictor:
 
 
 def chunks(files: list[Path], fields: list[str], size: int) -> Iterator[list[tuple[str, ...]]]:
-    """The texts of `files`, in order, `size` at a time (read as a custom task's files are)."""
+    """The texts of `files`, in order, `size` at a time (read as a custom task's files are, a record at a
+    time: no file is held whole); StageError for a file that holds none."""
     chunk: list[tuple[str, ...]] = []
     for path in files:
-        for text in read_texts(path, fields):
+        read = 0
+        for text in iter_texts(path, fields):
+            read += 1
             chunk.append(text)
             if len(chunk) == size:
                 yield chunk
                 chunk = []
+        if not read:
+            raise StageError(f"{path}: {'no text' if file_format(path) == 'text' else 'no records'}")
     if chunk:
         yield chunk
 

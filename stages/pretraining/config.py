@@ -14,6 +14,7 @@ from typing import Literal
 
 from cram.model.config import ModelConfig, OptimizerConfig
 from cram.stages.shared.masking import Masking
+from cram.stages.shared.precision import check_canary
 
 
 @dataclass(frozen=True)
@@ -154,10 +155,7 @@ class Config:
         for key, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{key}: {value} must be > 0")
-        if self.canary_steps < 0 or not self.canary_tolerance > 0:
-            raise ValueError(
-                f"canary_steps, canary_tolerance: {self.canary_steps}, {self.canary_tolerance} must be >= 0 and > 0"
-            )
+        check_canary(self.canary_steps, self.canary_tolerance)
         for key in ("checkpoint_every_minutes", "checkpoint_every_steps"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key}: {getattr(self, key)} must be > 0, or 0 for off")
@@ -180,3 +178,21 @@ class Config:
             raise ValueError(f"head_lr: {self.head_lr} must be > 0, or 0 for the peak lr")
         if self.init_lr != "auto" and not self.init_lr > 0:
             raise ValueError(f"init_lr: {self.init_lr} must be > 0, or 'auto'")
+        self._check_init_settings()
+
+    def _check_init_settings(self) -> None:
+        """The settings of continuing `init`'s checkpoint, refused without one whether or not pretrain runs
+        (a config check, so a stored pretrain cannot skip it)."""
+        if self.init:
+            return
+        if self.init_lr != "auto":
+            raise ValueError(
+                f"init_lr: {self.init_lr} is the peak lr of continuing `pretrain.init`'s checkpoint, and the run "
+                "has no init: set pretrain.optimizer.lr instead, or pretrain.init"
+            )
+        if self.head_warmup != "auto" and self.head_warmup:
+            raise ValueError(
+                f"head_warmup: {self.head_warmup} warms up the masked-LM head of `pretrain.init`'s checkpoint, and "
+                "the run has no init (a random init trains head and encoder together): set pretrain.init, or "
+                "head_warmup = 0"
+            )

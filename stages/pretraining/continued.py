@@ -160,16 +160,10 @@ def warmup_of(config: Config, cfg: ModelConfig) -> HeadWarmup | None:
 
 
 def check_head_warmup(config: Config, cfg: ModelConfig, pack: pack_stage.Config | None) -> None:
-    """A head warm-up needs `init` (a random init has no trained encoder to protect), a head of the model's
-    own to train, and a budget longer than itself (a token budget, or a step budget's most tokens at
-    `pack`'s block length; `pack`: the pack stage's config, None where the pipeline has none)."""
-    given = config.head_warmup
-    if given != "auto" and given and not config.init:
-        raise StageError(
-            f"pretrain.head_warmup: {given} warms up the masked-LM head of `pretrain.init`'s checkpoint, and the "
-            "run has no init (a random init trains head and encoder together): set pretrain.init, or head_warmup = 0"
-        )
-    value = warmup_setting(config)
+    """A head warm-up needs a head of the model's own to train, and a budget longer than itself (a token
+    budget, or a step budget's most tokens at `pack`'s block length; `pack`: the pack stage's config, None
+    where the pipeline has none); without `init`, the config refused it."""
+    given, value = config.head_warmup, warmup_setting(config)
     if not value:
         return
     if not head_names(cfg):

@@ -169,12 +169,11 @@ class Canary:
 def canary(run: Canary, ctx: Context, compiled: Steps, eager: Steps, state: TrainState, data: PhaseStream) -> float:
     """Run `run.steps` optimizer steps compiled and eagerly from `state` (left as it was) on the same
     batches (the stream's first, of the first phase, one microbatch a step as the ramp starts); return the
-    largest relative difference of loss, accuracy or gradient norm, the worst over all ranks (inf for a
-    non-finite one), so that every rank decides alike."""
+    largest relative difference of loss, accuracy or gradient norm on this rank (inf for a non-finite
+    one); `precision.choose` takes the worst over all ranks, so that every rank decides alike."""
     import torch
 
     from cram.stages.pretraining.batches import Microbatch, read_sequences
-    from cram.stages.shared.collectives import all_gather
     from cram.stages.shared.masking import mask_seed
 
     span = data.plan.spans[0]
@@ -198,7 +197,7 @@ def canary(run: Canary, ctx: Context, compiled: Steps, eager: Steps, state: Trai
         *state_e, row_e = eager.step(*state_e, data_e, 1, run.lr, span.spec)
         diff = ((row_c.double() - row_e.double()).abs() / row_e.double().abs().clamp(min=1e-6)).max()
         worst = max(worst, float(diff) if torch.isfinite(diff) else float("inf"))
-    return max(all_gather(worst, ctx.world_size))
+    return worst
 
 
 @dataclass

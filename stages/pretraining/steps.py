@@ -110,9 +110,8 @@ def compiled_steps(config: Config, setup: Setup, ctx: Context, state: TrainState
         return diff
 
     if config.canary_steps:
-        choice = precisions.choose(
-            config.precision, setup.device, config.backend, check, config.canary_tolerance, ctx.log, "pretrain"
-        )
+        canary = precisions.Canary(check, config.canary_tolerance, "pretrain", ctx.world_size)
+        choice = precisions.choose(config.precision, setup.device, config.backend, canary, ctx.log, "pretrain")
     else:
         choice = precisions.unchecked(config.precision, setup.device, "canary_steps = 0: not checked against eager")
         build(choice.precision)

@@ -5,19 +5,36 @@
 code generated for 256-bit vectors, then fp32. The middle one exists because inductor's 512-bit CPU
 vector code miscompiles the backward of some bf16 encoder layouts on some CPUs (NaN gradients on an AMX
 Xeon, torch 2.13; bench/README.md, "bf16 on AMX"), while the same graph built for 256-bit vectors is
-right. An explicit "bf16" keeps bf16 (with that code-generation fallback) and fails rather than train in
-fp32; an explicit "fp32" is fp32.
+right. A candidate whose compile or canary raises (an inductor C++ failure) has failed as one that
+differs has, its error kept in the reason; the ranks of a torchrun job decide together. An explicit "bf16"
+keeps bf16 (with that code-generation fallback) and fails rather than train in fp32; an explicit "fp32"
+is fp32.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cram.stages import StageError
 from cram.stages.shared import device as devices
 
 TORCH_VECTOR_OPTION = "cpp.simdlen"  # inductor's config key for the CPU vector width, in bits
+
+
+# A canary is a check before the run, a few steps each way: more than this is a typo (1000000), which
+# would run compiled and eager steps until killed, not a stricter check.
+MAX_CANARY_STEPS = 100
+
+
+def check_canary(steps: int, tolerance: float) -> None:
+    """A stage config's `canary_steps` and `canary_tolerance`; ValueError naming the bad one."""
+    if not 0 <= steps <= MAX_CANARY_STEPS:
+        raise ValueError(f"canary_steps: {steps} must be between 0 (off) and {MAX_CANARY_STEPS}")
+    if not tolerance > 0:
+        raise ValueError(f"canary_tolerance: {tolerance} must be > 0")
 
 
 class CanaryError(RuntimeError):
@@ -76,33 +93,69 @@ def unchecked(precision: str, device: Any, why: str) -> Choice:
     return Choice(first, f"{_setting(precision, device)}; {why}", None)
 
 
-def choose(
-    precision: str,
-    device: Any,
-    backend: str,
-    check: Callable[[Precision], float],
-    tolerance: float,
-    log: Any,
-    stage: str,
-) -> Choice:
-    """The first candidate whose `check` (its compiled steps' largest relative difference from eager)
-    is within `tolerance`. A fallback is one warning naming what failed and what was chosen; when every
-    candidate fails, `CanaryError` names each difference and the settings to change."""
-    failed: list[tuple[Precision, float]] = []
+@dataclass(frozen=True)
+class Canary:
+    """How a stage checks a candidate precision. `check(candidate)`: its compiled steps' largest relative
+    difference from the same steps run eagerly (it compiles them first); `keys`: the config section whose
+    settings the messages name ("evaluate" for the baseline stage too, which runs on evaluate's settings);
+    `world_size`: the torchrun ranks, which decide together."""
+
+    check: Callable[[Precision], float]
+    tolerance: float
+    keys: str
+    world_size: int = 1
+
+
+def choose(precision: str, device: Any, backend: str, canary: Canary, log: Any, stage: str) -> Choice:
+    """The first candidate whose canary difference is within the tolerance on every rank. A candidate
+    whose compile or canary raises (an inductor C++ failure, say) is a failed candidate too, its error
+    kept in the reason. A fallback is one warning naming what failed and what was chosen; when every
+    candidate fails, `CanaryError` names each failure and the settings to change."""
+    failed: list[tuple[Precision, float, str | None]] = []
     for candidate in candidates(precision, device, backend, compiled=True):
-        diff = check(candidate)
-        if diff <= tolerance:
+        diff, error = _tried(canary, candidate, log)
+        if error is None and diff <= canary.tolerance:
             reason = f"{_setting(precision, device)}; compile canary {diff:.3g}"
             if failed:
-                reason = f"{_failures(failed, tolerance)}; {candidate.label} passed it ({diff:.3g})"
+                reason = f"{_failures(failed, canary.tolerance)}; {candidate.label} passed it ({diff:.3g})"
                 log.warning(f"{stage}: {reason}: computing in {candidate.label}")
             return Choice(candidate, reason, diff)
-        failed.append((candidate, diff))
+        failed.append((candidate, diff, error))
+    differ = [(p, diff) for p, diff, error in failed if error is None]
+    found = []
+    if differ:
+        found.append(
+            f"the compiled step ({backend}) differs from eager by "
+            + ", by ".join(f"{diff:.3g} in {p.label}" for p, diff in differ)
+            + f" (relative), above canary_tolerance {canary.tolerance}"
+        )
     raise CanaryError(
-        f"{stage}: compile canary: the compiled step ({backend}) differs from eager by "
-        + ", by ".join(f"{diff:.3g} in {p.label}" for p, diff in failed)
-        + f" (relative), above canary_tolerance {tolerance}; nothing was trained. {_remedies(precision, stage)}"
+        f"{stage}: compile canary: {'; '.join(found + _raised(failed))}; nothing was trained. "
+        + _remedies(precision, canary.keys)
     )
+
+
+def _tried(canary: Canary, candidate: Precision, log: Any) -> tuple[float, str | None]:
+    """(the candidate's canary difference, the error its compile or canary raised or None), agreed by
+    every rank: the worst difference, the first error. Bad input (StageError) is no candidate's failure."""
+    from cram.stages.shared.collectives import all_gather
+
+    try:
+        diff, error = canary.check(candidate), None
+    except StageError:
+        raise
+    except Exception as e:  # a compiler's own error types: any is this candidate's failure
+        log.info("canary failed", precision=candidate.label, exc_info=True)
+        diff, error = math.inf, _one_line(e)
+    shared = all_gather((diff, error), canary.world_size)
+    errors = [error for _, error in shared if error is not None]
+    return max(diff for diff, _ in shared), (errors[0] if errors else None)
+
+
+def _one_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _setting(precision: str, device: Any) -> str:
@@ -115,11 +168,16 @@ def _setting(precision: str, device: Any) -> str:
     return "auto: fp32, since this CPU has no native bf16"
 
 
-def _failures(failed: list[tuple[Precision, float]], tolerance: float) -> str:
-    each = ", ".join(f"{p.label} by {diff:.3g}" for p, diff in failed)
-    return f"the compiled step differs from eager beyond canary_tolerance {tolerance} in {each}"
+def _failures(failed: list[tuple[Precision, float, str | None]], tolerance: float) -> str:
+    differ = ", ".join(f"{p.label} by {diff:.3g}" for p, diff, error in failed if error is None)
+    found = [f"the compiled step differs from eager beyond canary_tolerance {tolerance} in {differ}"] if differ else []
+    return "; ".join(found + _raised(failed))
 
 
-def _remedies(precision: str, stage: str) -> str:
-    choices = f'{stage}.precision = "auto" (which falls back to fp32) or "fp32", ' if precision == "bf16" else ""
-    return f"Try {choices}another {stage}.backend, {stage}.compile = false, or {stage}.canary_steps = 0 to train anyway"
+def _raised(failed: list[tuple[Precision, float, str | None]]) -> list[str]:
+    return [f"{p.label} failed to compile or run ({error})" for p, _, error in failed if error is not None]
+
+
+def _remedies(precision: str, keys: str) -> str:
+    choices = f'{keys}.precision = "auto" (which falls back to fp32) or "fp32", ' if precision == "bf16" else ""
+    return f"Try {choices}another {keys}.backend, {keys}.compile = false, or {keys}.canary_steps = 0 to train anyway"

@@ -1,19 +1,27 @@
 """Where a fine-tuning task's files lie and how their records are read: GLUE's layouts (`GLUE`,
-`glue_folder`, `read_tsv`, `glue_rows`) and a custom task's CSV / JSON-lines files (`find_split`,
-`parse_records`, `read_texts`). Shared by the evaluate stage, which fine-tunes on the tasks, and the
-tokenize stage, which can pretrain on their training text (`tokenize.task_text`).
+`glue_folder`, `read_tsv`, `glue_rows`), a custom task's CSV / JSON-lines files (`find_split`,
+`read_rows`) and the files `cram predict` classifies (`iter_texts`: TSV and plain text too), one
+reader for all: records streamed, each text field checked to be text. Shared by the evaluate stage,
+which fine-tunes on the tasks, the tokenize stage, which can pretrain on their training text
+(`tokenize.task_text`), and `cram predict`.
 """
 
 from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from cram.stages import StageError
+from cram.stages.shared import records
+
+# The longest text a task or input file's field may hold, as long as a corpus document may be
+# (data/readers.py's MAX_DOCUMENT_CHARS): no classifier reads more than its max_length of it.
+MAX_FIELD_CHARS = 16 << 20
 
 if TYPE_CHECKING:
     from datasets import DatasetDict
@@ -135,58 +143,117 @@ def read_tsv(path: Path, text_cols: Sequence[str | int], label_col: str | int):
     return [tuple(row[i] for i in text_idx) for row in good], [row[label_idx] for row in good]
 
 
+def file_format(path: Path) -> Literal["csv", "tsv", "text", "jsonl"]:
+    """A task or input file's format from its extension, in any case: CSV, TSV, plain text (`.txt`,
+    `.text`), else JSON lines."""
+    return {".csv": "csv", ".tsv": "tsv", ".txt": "text", ".text": "text"}.get(path.suffix.lower(), "jsonl")
+
+
 def find_split(folder: Path, stems: Sequence[str], where: str) -> Path:
+    """The file of a custom task's split: the first stem's `.csv` or `.jsonl`, its extension in any case."""
+    try:
+        by_name = {p.name.lower(): p for p in sorted(folder.iterdir(), reverse=True) if p.is_file()}
+    except OSError:
+        by_name = {}
     for stem in stems:
         for suffix in (".csv", ".jsonl"):
-            if (folder / f"{stem}{suffix}").is_file():
-                return folder / f"{stem}{suffix}"
+            name = f"{stem}{suffix}"
+            if (folder / name).is_file():
+                return folder / name
+            if name in by_name:
+                return by_name[name]
     raise StageError(f"{where}.path: {folder} has no {'|'.join(stems)}.csv or .jsonl")
 
 
-def read_texts(path: Path, text_fields: Sequence[str]) -> list[tuple[str, ...]]:
-    """The texts of a file to classify, read as a custom task's files are: CSV or TSV with a header, JSON
-    lines, or (`.txt`, `.text`, one text field only) plain text, one text a line (blank lines skipped)."""
-    try:
-        if path.suffix in (".txt", ".text"):
-            if len(text_fields) != 1:
-                raise StageError(
-                    f"{path}: plain text holds one text a line, and the task reads a pair "
-                    f"({', '.join(text_fields)}); give a CSV, TSV or JSON-lines file with those fields"
-                )
-            with path.open(encoding="utf-8-sig") as f:
-                texts = [(line.rstrip("\r\n"),) for line in f if line.strip()]
-            if not texts:
-                raise StageError(f"{path}: no text")
-            return texts
-        records = parse_records(path)
-    except UnicodeDecodeError as e:
-        raise StageError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
-    check_fields(records, path, tuple(text_fields))
-    return [tuple(str(r[k]) for k in text_fields) for r in records]
-
-
-def check_fields(records: list[dict], path: Path, fields: tuple[str, ...]) -> None:
-    for n, record in enumerate(records, 1):
-        missing = next((k for k in fields if k not in record or record[k] is None), None)
-        if missing is not None:
-            raise StageError(f"{path}: record {n} has no field {missing!r}; it has {', '.join(map(str, record))}")
-    if not records:
-        raise StageError(f"{path}: no records")
-
-
-def parse_records(path: Path) -> list[dict]:
-    if path.suffix in (".csv", ".tsv"):
-        with path.open(encoding="utf-8-sig", newline="") as f:
-            return list(csv.DictReader(f, delimiter="\t" if path.suffix == ".tsv" else ","))
-    records = []
-    with path.open(encoding="utf-8") as f:
+def iter_texts(path: Path, text_fields: Sequence[str]) -> Iterator[tuple[str, ...]]:
+    """The texts of a file to classify, one tuple a record, read as a custom task's files are and as
+    they are read (nothing held): CSV or TSV with a header, JSON lines, or (`.txt`, `.text`, one text
+    field only) plain text, one text a line (blank lines skipped)."""
+    if file_format(path) != "text":
+        for where, record in iter_records(path):
+            yield record_texts(record, tuple(text_fields), where)
+        return
+    if len(text_fields) != 1:
+        raise StageError(
+            f"{path}: plain text holds one text a line, and the task reads a pair "
+            f"({', '.join(text_fields)}); give a CSV, TSV or JSON-lines file with those fields"
+        )
+    with _opened(path) as f:
         for n, line in enumerate(f, 1):
             if line.strip():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise StageError(f"{path}:{n}: not JSON: {e.msg}") from None
-                if not isinstance(record, dict):
-                    raise StageError(f"{path}:{n}: not a JSON object (one record per line)")
-                records.append(record)
-    return records
+                yield (_checked(line.rstrip("\r\n"), text_fields[0], f"{path}:{n}"),)
+
+
+def read_rows(path: Path, text_fields: Sequence[str], label_field: str) -> tuple[list[tuple[str, ...]], list[Any]]:
+    """A custom task file's texts and labels (as the file holds them: a JSON label may be a number)."""
+    texts, labels = [], []
+    for where, record in iter_records(path):
+        texts.append(record_texts(record, tuple(text_fields), where, also=label_field))
+        labels.append(record[label_field])
+    if not texts:
+        raise StageError(f"{path}: no records")
+    return texts, labels
+
+
+def record_texts(record: dict, text_fields: tuple[str, ...], where: str, also: str | None = None) -> tuple[str, ...]:
+    """The values of `text_fields` in `record`, each checked to be text: a missing field (or a missing
+    `also`, the label's), a value that is no text (a number, a list, an object), one longer than
+    MAX_FIELD_CHARS or one UTF-8 cannot encode is refused, naming `where` (the file and record)."""
+    missing = next((k for k in (*text_fields, *filter(None, [also])) if record.get(k) is None), None)
+    if missing is not None:
+        raise StageError(f"{where} has no field {missing!r}; it has {', '.join(map(str, record))}")
+    return tuple(_checked(record[k], k, where) for k in text_fields)
+
+
+def _checked(value: Any, field: str, where: str) -> str:
+    problem = records.not_text(value, field)
+    if problem is None and len(value) > MAX_FIELD_CHARS:
+        problem = f"field '{field}' holds {len(value):,} characters, over the {MAX_FIELD_CHARS:,} a field may hold"
+    if problem is None:
+        problem = records.unencodable_problem(value, field)
+    if problem is not None:
+        raise StageError(f"{where}: {problem}")
+    return value
+
+
+def iter_records(path: Path) -> Iterator[tuple[str, dict]]:
+    """(where, record) for each record of a CSV, TSV or JSON-lines file, `where` naming the file and the
+    record (its number; JSON lines: its line too, as `path:line`). A UTF-8 byte-order mark is dropped;
+    TSV has no quoting (a quote character is text, as in GLUE's files), CSV has csv's."""
+    fmt = file_format(path)
+    with _opened(path) as f:
+        if fmt in ("csv", "tsv"):
+            yield from _table_records(f, path, fmt)
+            return
+        lines = (item for item in enumerate(f, 1) if item[1].strip())
+        for count, (n, line) in enumerate(lines, 1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise StageError(f"{path}:{n}: not JSON: {e.msg}") from None
+            if not isinstance(record, dict):
+                raise StageError(f"{path}:{n}: not a JSON object (one record per line)")
+            yield f"{path}:{n}: record {count}", record
+
+
+def _table_records(f: Any, path: Path, fmt: str) -> Iterator[tuple[str, dict]]:
+    records.raise_csv_field_limit()
+    quoting = csv.QUOTE_NONE if fmt == "tsv" else csv.QUOTE_MINIMAL
+    reader = csv.DictReader(f, delimiter="\t" if fmt == "tsv" else ",", quoting=quoting)
+    n = 0
+    try:
+        for n, record in enumerate(reader, 1):
+            yield f"{path}: record {n}", record
+    except csv.Error as e:
+        raise StageError(f"{path}: record {n + 1} (line {reader.line_num}): {e}") from None
+
+
+@contextmanager
+def _opened(path: Path) -> Iterator[Any]:
+    """`path` open as UTF-8 text (a byte-order mark dropped, line ends kept for csv); a byte that is not
+    UTF-8 is one StageError naming the file."""
+    try:
+        with path.open(encoding="utf-8-sig", newline="") as f:
+            yield f
+    except UnicodeDecodeError as e:
+        raise StageError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
