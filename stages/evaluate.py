@@ -17,6 +17,7 @@ graph and prediction another, each compiled at most once per length bucket.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,13 @@ DISTRIBUTED = True  # under torchrun every rank fine-tunes a share of the (task,
 # What `baseline` adds is keyed as the baseline stage's key among the upstream ones (none for "none").
 NOT_IN_KEY = ("baseline",)
 NEW_OPTIONS = ("mlm_lengths", "canary_steps", "canary_tolerance", "keep", "head", "mlm_corruption")
+
+
+def key_config(config: Config) -> Config:
+    """Cramming's head, what evaluate fine-tuned before `head` existed, keyed as it was then: as the
+    default "auto" (which `NEW_OPTIONS` leaves out), whether "auto" resolved to it (no `pretrain.init`)
+    or it was set."""
+    return dataclasses.replace(config, head="auto") if config.head == "cramming" else config
 
 
 def fingerprint(config: Config) -> list[list[Any]]:
@@ -112,7 +120,36 @@ def describe(config: Config, pipeline: Pipeline) -> str:
             steps = f"{_count(epochs * batches, 'step')} ({_count(epochs, 'epoch')} x {_count(batches, 'batch')}"
             steps += f" of {config.batch_size})"
         parts.append(f"{task.name} {steps} x {_count(seeds, 'seed')}")
-    return "fine-tunes " + "; ".join(parts) if parts else ""
+    head = _head_choice(config, pipeline.stages.get("pretrain"))
+    return "fine-tunes " + "; ".join([*parts, *head]) if parts else ""
+
+
+def _head_choice(config: Config, pretrain: Any) -> list[str]:
+    """The head a run from `pretrain.init` fine-tunes with, and why (nothing from scratch, where it is
+    cramming's unless set): `init`'s family's head, whose classifiers export to transformers, or the one
+    `evaluate.head` sets, with what an export would need instead."""
+    from cram.stages.finetuning.config import init_head
+    from cram.stages.shared import pretrained
+
+    if not getattr(pretrain, "init", ""):
+        return []
+    try:
+        found = pretrained.locate(Path(pretrain.init))
+    except pretrained.PretrainedError:  # pretrain's validate names it
+        return []
+    chosen = f'head "{config.head}"'
+    cfg = init_model(pretrain) if found.kind == "transformers" else None
+    if cfg is None:
+        return [f"{chosen} (pretrain.init is a cram checkpoint: cramming's, unless evaluate.head sets another)"]
+    from cram.model import hf
+
+    if hf.family_head(cfg) is None:
+        return [f"{chosen} (pretrain.init maps onto no transformers family)"]
+    family = hf.layout(cfg)
+    why = "pretrain.init's family's" if config.head == init_head(found) else "evaluate.head's"
+    if blockers := hf.classifier_blockers(cfg, config.head, config.head_width, config.pooling):
+        return [f"{chosen} ({why}; an export to transformers' {family} classifier needs {', '.join(blockers)})"]
+    return [f"{chosen} ({why}, which `cram export --format transformers` writes as {family}'s classifier)"]
 
 
 def _count(n: int, noun: str) -> str:
