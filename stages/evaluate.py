@@ -125,9 +125,8 @@ def describe(config: Config, pipeline: Pipeline) -> str:
 
 
 def _head_choice(config: Config, pretrain: Any) -> list[str]:
-    """The head a run from `pretrain.init` fine-tunes with, and why (nothing from scratch, where it is
-    cramming's unless set): `init`'s family's head, whose classifiers export to transformers, or the one
-    `evaluate.head` sets, with what an export would need instead."""
+    """The head a run from `pretrain.init` fine-tunes with and why (nothing from scratch, where it is
+    cramming's unless set), with what an export to transformers would need instead."""
     from cram.stages.finetuning.config import init_head
     from cram.stages.shared import pretrained
 
@@ -137,19 +136,24 @@ def _head_choice(config: Config, pretrain: Any) -> list[str]:
         found = pretrained.locate(Path(pretrain.init))
     except pretrained.PretrainedError:  # pretrain's validate names it
         return []
-    chosen = f'head "{config.head}"'
-    cfg = init_model(pretrain) if found.kind == "transformers" else None
-    if cfg is None:
-        return [f"{chosen} (pretrain.init is a cram checkpoint: cramming's, unless evaluate.head sets another)"]
+    if config.head != init_head(found):
+        why = "evaluate.head's"
+    elif config.head != "cramming":
+        why = "pretrain.init's family's"
+    elif found.kind == "cram":
+        why = "cramming's, as from scratch: pretrain.init is a cram checkpoint"
+    else:
+        why = "cramming's: pretrain.init's model maps onto no transformers family"
+    chosen = f'head "{config.head}" ({why}'
     from cram.model import hf
 
-    if hf.family_head(cfg) is None:
-        return [f"{chosen} (pretrain.init maps onto no transformers family)"]
+    cfg = init_model(pretrain)
+    if cfg is None or hf.family_head(cfg) is None:
+        return [f"{chosen})"]
     family = hf.layout(cfg)
-    why = "pretrain.init's family's" if config.head == init_head(found) else "evaluate.head's"
     if blockers := hf.classifier_blockers(cfg, config.head, config.head_width, config.pooling):
-        return [f"{chosen} ({why}; an export to transformers' {family} classifier needs {', '.join(blockers)})"]
-    return [f"{chosen} ({why}, which `cram export --format transformers` writes as {family}'s classifier)"]
+        return [f"{chosen}; an export to transformers' {family} classifier needs {', '.join(blockers)})"]
+    return [f"{chosen}, which `cram export --format transformers` writes as {family}'s classifier)"]
 
 
 def _count(n: int, noun: str) -> str:
