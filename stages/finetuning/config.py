@@ -220,9 +220,9 @@ class Config:
 
 
 def init_head(found: Pretrained | None) -> Head:
-    """`head = "auto"` for a run that starts from `found` (None: from scratch):
-    the classifier head of the transformers family its model maps onto, for a transformers or
-    sentence-transformers checkpoint; "cramming" for any other start."""
+    """`head = "auto"` for a run that starts from `found` (None: from scratch): the classifier head of the
+    transformers family its model maps onto, for a transformers or sentence-transformers checkpoint;
+    "cramming" for any other start."""
     from cram.stages.shared import pretrained
 
     if found is None or found.kind != "transformers":
