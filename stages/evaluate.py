@@ -17,6 +17,7 @@ graph and prediction another, each compiled at most once per length bucket.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,13 @@ DISTRIBUTED = True  # under torchrun every rank fine-tunes a share of the (task,
 # What `baseline` adds is keyed as the baseline stage's key among the upstream ones (none for "none").
 NOT_IN_KEY = ("baseline",)
 NEW_OPTIONS = ("mlm_lengths", "canary_steps", "canary_tolerance", "keep", "head", "mlm_corruption")
+
+
+def key_config(config: Config) -> Config:
+    """Cramming's head, what evaluate fine-tuned before `head` existed, keyed as it was then: as the
+    default "auto" (which `NEW_OPTIONS` leaves out), whether "auto" resolved to it (no `pretrain.init`)
+    or it was set."""
+    return dataclasses.replace(config, head="auto") if config.head == "cramming" else config
 
 
 def fingerprint(config: Config) -> list[list[Any]]:
@@ -112,7 +120,40 @@ def describe(config: Config, pipeline: Pipeline) -> str:
             steps = f"{_count(epochs * batches, 'step')} ({_count(epochs, 'epoch')} x "
             steps += f"{_count(batches, 'batch', 'batches')} of {config.batch_size})"
         parts.append(f"{task.name} {steps} x {_count(seeds, 'seed')}")
-    return "fine-tunes " + "; ".join(parts) if parts else ""
+    head = _head_choice(config, pipeline.stages.get("pretrain"))
+    return "fine-tunes " + "; ".join([*parts, *head]) if parts else ""
+
+
+def _head_choice(config: Config, pretrain: Any) -> list[str]:
+    """The head a run from `pretrain.init` fine-tunes with and why (nothing from scratch, where it is
+    cramming's unless set), with what an export to transformers would need instead."""
+    from cram.stages.finetuning.config import init_head
+    from cram.stages.shared import pretrained
+
+    if not getattr(pretrain, "init", ""):
+        return []
+    try:
+        found = pretrained.locate(Path(pretrain.init))
+    except pretrained.PretrainedError:  # pretrain's validate names it
+        return []
+    if config.head != init_head(found):
+        why = "evaluate.head's"
+    elif config.head != "cramming":
+        why = "pretrain.init's family's"
+    elif found.kind == "cram":
+        why = "cramming's, as from scratch: pretrain.init is a cram checkpoint"
+    else:
+        why = "cramming's: pretrain.init's model maps onto no transformers family"
+    chosen = f'head "{config.head}" ({why}'
+    from cram.model import hf
+
+    cfg = init_model(pretrain)
+    if cfg is None or hf.family_head(cfg) is None:
+        return [f"{chosen})"]
+    family = hf.layout(cfg)
+    if blockers := hf.classifier_blockers(cfg, config.head, config.head_width, config.pooling):
+        return [f"{chosen}; an export to transformers' {family} classifier needs {', '.join(blockers)})"]
+    return [f"{chosen}, which `cram export --format transformers` writes as {family}'s classifier)"]
 
 
 def _count(n: int, noun: str, plural: str = "") -> str:

@@ -138,7 +138,9 @@ def test_a_sentence_transformers_folder_loads_from_its_sub_folder_and_sets_the_p
     modules = runner.default_stages()
     classes = runner.config_classes(modules)
     (tmp_path / "p.toml").write_text(f'[pretrain]\ninit = "{root}"\n')
-    assert pipeline_config.load(tmp_path / "p.toml", classes).stages["evaluate"].pooling == "mean"
+    # with cramming's head: the default, BERT's, reads the first token alone (tests/test_init_head.py)
+    cramming = pipeline_config.load(tmp_path / "p.toml", classes, ['evaluate.head="cramming"'])
+    assert cramming.stages["evaluate"].pooling == "mean"
     explicit = pipeline_config.load(tmp_path / "p.toml", classes, ['evaluate.pooling="first"'])
     assert explicit.stages["evaluate"].pooling == "first"
     assert (

@@ -38,8 +38,8 @@ def test_the_kept_classifier_is_shown_survives_a_cached_run_and_predicts(tmp_pat
     refused = cram("export", "runs/base", "--task", "sent", "--to", "hf", "--format", "transformers")
     assert refused.exit_code == 2 and 'set evaluate.head="modernbert"' in refused.output, refused.output
 
-    # head = "auto" re-runs evaluate alone (its key changes), with ModernBERT's head: it exports exactly.
-    assert cram("run", "pipeline.toml", "--set", "evaluate.head=auto").exit_code == 0
+    # head = "modernbert" re-runs evaluate alone (its key changes), with ModernBERT's head: it exports exactly.
+    assert cram("run", "pipeline.toml", "--set", "evaluate.head=modernbert").exit_code == 0
     assert cram("export", "runs/base", "--task", "sent", "--to", "hf", "--format", "transformers").exit_code == 0
     assert cram("export", "runs/base", "--task", "sent", "--to", "mine").exit_code == 0
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf").eval()

@@ -9,11 +9,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from cram.stages.finetuning.metrics import METRICS, REGRESSION_METRICS
 from cram.stages.shared.precision import check_canary
 from cram.stages.shared.taskfiles import GLUE
+
+if TYPE_CHECKING:
+    from cram.stages.shared.pretrained import Pretrained
 
 Pooling = Literal["auto", "first", "mean", "pooler"]
 Head = Literal["cramming", "auto", "bert", "roberta", "modernbert"]
@@ -88,7 +91,8 @@ class Config:
     buckets: tuple[int, ...] = (32, 64, 128)  # padded batch lengths: one compiled graph each, at most
     # first: the [CLS] token; mean: the mean over real tokens; pooler: the first token through a head whose
     # dense layer starts as the checkpoint's pooler (BERT's; head_width = 0). auto: the pooling of
-    # pretrain.init's sentence-transformers folder where it names one, else first (resolved at load, `linked`).
+    # pretrain.init's sentence-transformers folder where it names one that the head's family reads (BERT's
+    # and RoBERTa's classifiers read the first token alone), else first (resolved at load, `linked`).
     pooling: Pooling = "auto"
     head_width: int = 1024  # the classifier head's dense layer (cramming's); 0: the model's hidden size
     dropout: float = 0.1  # fine-tuning only: embeddings, attention, hidden and the head (cramming's)
@@ -121,10 +125,12 @@ class Config:
     # of every seed, or of none: outputs `classifiers/` (stages/finetuning/kept.py), which
     # `cram export RUN --task NAME` and `cram predict RUN --task NAME` read.
     keep: Literal["best", "all", "none"] = "best"
-    # The classifier head (model/classifier.py): cramming's (`head_width` wide, the default), or the one
-    # of transformers' BERT, RoBERTa or ModernBERT ...ForSequenceClassification (the hidden size wide),
-    # which export exactly; "auto": the head of the family the model maps onto (model/hf.py), else cramming's.
-    head: Head = "cramming"
+    # The classifier head (model/classifier.py): cramming's (`head_width` wide), or the one of transformers'
+    # BERT, RoBERTa or ModernBERT ...ForSequenceClassification (the hidden size wide), which export exactly.
+    # auto: the head of the family of pretrain.init's transformers or sentence-transformers checkpoint
+    # (model/hf.py), so that the run's classifiers export to it; else cramming's, which scored better from
+    # scratch (bench/NOTEBOOK.md, "The default head"). Resolved at load (`linked`).
+    head: Head = "auto"
     # "init": pretrain.init's checkpoint is fine-tuned too, with the same tasks, seeds and settings (the
     # baseline stage, stages/baseline.py), and each task's results set the continued score beside it
     # (stages/finetuning/versus.py); "none": the continued model alone. "auto": "init" where pretrain
@@ -160,27 +166,34 @@ class Config:
             raise ValueError(f"tasks: the name {repeated[0]!r} is used twice; results are keyed by name")
 
     def linked(self, sections: dict[str, Any]) -> Config:
-        """`pooling = "auto"` is the pooling that `pretrain.init`'s sentence-transformers folder names ("mean"
-        or "first"), else "first"; `baseline = "auto"` is "init" where pretrain continues `init`'s checkpoint
-        on a budget that is not zero (a zero budget scores the checkpoint itself), else "none". Resolved here,
-        so the config holds what runs."""
+        """`head = "auto"` is the head of the family of `pretrain.init`'s transformers checkpoint where its
+        model maps onto one, else "cramming"; `pooling = "auto"` is the pooling that `init`'s
+        sentence-transformers folder names ("mean" or "first") where the head reads it, else "first";
+        `baseline = "auto"` is "init" where pretrain continues `init`'s checkpoint on a budget that is not
+        zero (a zero budget scores the checkpoint itself), else "none". Resolved here, so the config holds
+        what runs."""
+        from cram.stages.shared import pretrained
+
         pretrain = sections.get("pretrain")
         init = getattr(pretrain, "init", "")
         config = self
         if self.baseline == "auto":
             trains = getattr(getattr(pretrain, "budget", None), "tokens", None) != 0
             config = dataclasses.replace(config, baseline="init" if init and trains else "none")
-        if self.pooling != "auto":
-            return config
-        from cram.stages.shared import pretrained
-
-        pooling = None
-        if init:
+        found = None
+        if init and (self.head == "auto" or self.pooling == "auto"):
             try:
-                pooling = pretrained.locate(Path(init)).pooling
+                found = pretrained.locate(Path(init))
             except pretrained.PretrainedError:  # pretrain's validate names it
                 pass
-        return dataclasses.replace(config, pooling=pooling or "first")
+        if config.head == "auto":
+            config = dataclasses.replace(config, head=init_head(found))
+        if config.pooling == "auto":
+            pooling = None if found is None else found.pooling
+            if pooling == "mean" and config.head in ("bert", "roberta"):  # their classifiers read [CLS] alone
+                pooling = None
+            config = dataclasses.replace(config, pooling=pooling or "first")
+        return config
 
     def task_settings(self, task: TaskConfig) -> TaskSettings:
         """The task's own epochs, seeds, lr and max_length, the stage's where it sets none."""
@@ -202,6 +215,23 @@ class Config:
             compile=self.compile,
             backend=self.backend,
         )
+
+
+def init_head(found: Pretrained | None) -> Head:
+    """`head = "auto"` for a run that starts from `found` (None: from scratch): the classifier head of the
+    transformers family its model maps onto, for a transformers or sentence-transformers checkpoint;
+    "cramming" for any other start."""
+    from cram.stages.shared import pretrained
+
+    if found is None or found.kind != "transformers":
+        return "cramming"
+    try:
+        cfg = pretrained.architecture(found)
+    except pretrained.PretrainedError:  # pretrain's validate names it
+        return "cramming"
+    from cram.model.hf import family_head
+
+    return family_head(cfg) or "cramming"
 
 
 @dataclass(frozen=True)

@@ -79,12 +79,9 @@ def score(
 ) -> dict[str, Any]:
     """Fine-tune `checkpoint` on `config`'s tasks; rank 0 writes results.json, set beside `report.start`
     where given, and logs the headline figures at `report.steps`. Returns the stage's outputs."""
-    from cram.model.hf import family_head
     from cram.stages.finetuning.kept import Keeper, best_jobs
 
     cfg = checkpoint.cfg
-    if config.head == "auto":
-        config = dataclasses.replace(config, head=family_head(cfg) or "cramming")
     check_lengths(config, cfg.max_seq_len)
     if config.pooling == "pooler":
         check_pooler(config, cfg, str(checkpoint.model_config))
@@ -139,8 +136,8 @@ def heldout_gap(tokenize: Upstream) -> str | None:
 
 @dataclass(frozen=True)
 class _Scoring:
-    """What every step of a scoring reads, made once: the stage's config (its head resolved) and the
-    fine-tuner's part of it, the upstreams, the run's context, the checkpoint, and the stage's name."""
+    """What every step of a scoring reads, made once: the stage's config and the fine-tuner's part of it,
+    the upstreams, the run's context, the checkpoint, and the stage's name."""
 
     config: Config
     tuning: Tuning
