@@ -178,11 +178,15 @@ def _write_transformers(source: Source, out: Path) -> None:
     from cram.stages.kept.fast_tokenizer import fast_tokenizer, read_json
 
     cfg, special, classifier = source.config(), source.special_ids, source.classifier
-    if source.tokenizer.suffix == ".json":  # a tokenizers tokenizer: its own, with cram's post-processor
-        tokenizer = read_json(source.tokenizer, special)
-    else:
+    if source.tokenizer.suffix != ".json":
         tokenizer = fast_tokenizer(source.tokenizer, special)
-    tokenizer.save(str(out / "tokenizer.json"))
+        tokenizer.save(str(out / "tokenizer.json"))
+    elif classifier is None:  # an encoder encodes no pairs: the tokenizer it was given, byte for byte
+        tokenizer = read_json(source.tokenizer, special, layout=False)
+        shutil.copyfile(source.tokenizer, out / "tokenizer.json")
+    else:  # a classifier reads pairs as cram fine-tuned on them: its post-processor is cram's
+        tokenizer = read_json(source.tokenizer, special)
+        tokenizer.save(str(out / "tokenizer.json"))
     params = load_file(source.params)
     if classifier is None:
         config, state = hf.to_transformers(cfg, params, special)

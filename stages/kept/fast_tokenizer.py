@@ -79,8 +79,9 @@ def post_processor(special_ids: dict[str, int], names: dict[str, str]) -> Any:
     )
 
 
-def read_json(path: Path, special_ids: dict[str, int]) -> Any:
-    """A tokenizers tokenizer.json, its post-processor set to cram's layout (`post_processor`)."""
+def read_json(path: Path, special_ids: dict[str, int], layout: bool = True) -> Any:
+    """A tokenizers tokenizer.json, its post-processor set to cram's layout (`post_processor`) unless
+    `layout` is False."""
     try:
         from tokenizers import Tokenizer
     except ImportError as e:
@@ -89,6 +90,7 @@ def read_json(path: Path, special_ids: dict[str, int]) -> Any:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises its own untyped Exception for a file it cannot parse
         raise KeptError(f"{path}: not a readable tokenizer.json ({str(e).splitlines()[0]})") from None
-    names = {role: tokenizer.id_to_token(i) for role, i in special_ids.items()}
-    tokenizer.post_processor = post_processor(special_ids, names)
+    if layout:
+        names = {role: tokenizer.id_to_token(i) for role, i in special_ids.items()}
+        tokenizer.post_processor = post_processor(special_ids, names)
     return tokenizer
