@@ -16,9 +16,10 @@ import re
 import sys
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from cram.model.config import Attention
 from cram.stages import protocols
@@ -28,6 +29,8 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+T = TypeVar("T")
 
 
 class ConfigError(Exception):
@@ -112,7 +115,7 @@ def _validate(raw: dict[str, Any], config_classes: dict[str, type], source: str)
     return PipelineConfig(run=run, stages=built)
 
 
-def build(cls: type, data: Any, where: str, source: str) -> Any:
+def build(cls: type[T], data: object, where: str, source: str) -> T:
     """Make the dataclass `cls` from the TOML table `data`, found at `[where]` in `source`."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: [{where}] must be a table, got {data!r}")
@@ -130,7 +133,7 @@ def build(cls: type, data: Any, where: str, source: str) -> Any:
         raise ConfigError(f"{source}: [{where}] {e}") from None
 
 
-def _convert(tp: Any, value: Any, key: str, source: str) -> Any:
+def _convert(tp: object, value: object, key: str, source: str) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is Any:
         return value
@@ -172,7 +175,7 @@ def _convert(tp: Any, value: Any, key: str, source: str) -> Any:
     raise ConfigError(f"{source}: {key}: expected {_type_name(tp)}, got {value!r}")
 
 
-def _type_name(tp: Any) -> str:
+def _type_name(tp: object) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Literal:
         return " or ".join(repr(a) for a in args)
@@ -185,7 +188,7 @@ def _type_name(tp: Any) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
 
 
-def _did_you_mean(name: str, choices: Any) -> str:
+def _did_you_mean(name: str, choices: Iterable[str]) -> str:
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
     return f"; did you mean '{close[0]}'?" if close else ""
 
@@ -214,7 +217,7 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def as_plain(obj: Any) -> Any:
+def as_plain(obj: object) -> Any:
     """Dataclasses, tuples and paths as JSON/TOML-ready dicts, lists and strings."""
     if dataclasses.is_dataclass(obj):
         return {f.name: as_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
@@ -227,11 +230,11 @@ def as_plain(obj: Any) -> Any:
     return obj
 
 
-def canonical_json(obj: Any) -> str:
+def canonical_json(obj: object) -> str:
     return json.dumps(as_plain(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def digest(obj: Any) -> str:
+def digest(obj: object) -> str:
     return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
 
 
@@ -263,7 +266,7 @@ def _emit_table(lines: list[str], path: list[str], table: dict[str, Any], array:
                 _emit_table(lines, path + [key], item, array=True)
 
 
-def _is_table_array(value: Any) -> bool:
+def _is_table_array(value: object) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value)
 
 
@@ -271,7 +274,7 @@ def _toml_key(key: str) -> str:
     return key if key.replace("_", "").replace("-", "").isalnum() else json.dumps(key)
 
 
-def _toml_value(value: Any) -> str:
+def _toml_value(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):

@@ -22,7 +22,7 @@ from cram import stages
 from cram.pipeline import config as cfg
 from cram.pipeline import ranks, rundir, store
 from cram.pipeline.schema import StageRecord
-from cram.stages.protocols import StageLike, StageSpec, read
+from cram.stages.protocols import JSON, StageConfig, StageLike, StageSpec, read
 from cram.stages.shared.files import hashes_from
 
 
@@ -40,8 +40,8 @@ class Step:
     upstream_keys: dict[str, str]
     action: str  # "run", "reuse" (link the store's entry) or "skip"
     reason: str
-    inputs: list[list[Any]] | None = None  # the fingerprint `inputs_hash` digests
-    config: Any = None  # the stage's config (`stage_config`)
+    inputs: list[list[JSON]] | None = None  # the fingerprint `inputs_hash` digests
+    config: StageConfig | None = None  # the stage's config (`stage_config`)
 
 
 def plan(
@@ -133,7 +133,7 @@ def _check_run(config: cfg.PipelineConfig, run_dir: Path) -> None:
         raise PlanError(problem)
 
 
-def fingerprint(stage: StageSpec, stage_config: Any, stored: store.Store) -> list[list[Any]] | None:
+def fingerprint(stage: StageSpec, stage_config: StageConfig, stored: store.Store) -> list[list[JSON]] | None:
     """The stage's `fingerprint(config)`, its large files hashed through the store's cache."""
     with hashes_from(store.hash_cache(stored.root)):
         return stage.fingerprint(stage_config)
@@ -164,7 +164,7 @@ def _validate(config: cfg.PipelineConfig, steps: list[Step]) -> None:
             raise PlanError(str(e)) from None
 
 
-def keyed_config(stage: StageLike, stage_config: Any) -> dict[str, Any]:
+def keyed_config(stage: StageLike, stage_config: StageConfig) -> dict[str, Any]:
     """The stage's config as its cache key sees it: without the fields its `NOT_IN_KEY` names (dotted
     paths such as "log_every_steps"), which change how a stage reports, not what it computes; and without
     the fields its `NEW_OPTIONS` names while they hold their default. Those are options added after the

@@ -11,11 +11,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from cram.pipeline.config import tomllib
 from cram.pipeline.schema import SCHEMA, SchemaError, StageRecord
 from cram.stages.shared.files import temp_path, write_atomic
+
+if TYPE_CHECKING:
+    from cram.stages.protocols import Log
 
 MANIFEST = "manifest.json"
 CONFIG = "config.toml"
@@ -129,7 +132,7 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def acquire(path: Path, log: Any) -> dict[str, Any] | None:
+def acquire(path: Path, log: Log) -> dict[str, Any] | None:
     """Take the lock file `path`: None when taken, else the live holder's pid, host and since.
 
     The file appears with its content in one step (written aside, then hard-linked into place), so a
@@ -183,7 +186,7 @@ def release(path: Path) -> None:
 
 
 @contextmanager
-def locked(run_dir: Path, log: Any) -> Iterator[None]:
+def locked(run_dir: Path, log: Log) -> Iterator[None]:
     """Hold `RUN_DIR/.lock` for the block; a lock left by a dead process is taken over with a warning."""
     path = run_dir / LOCK
     holder = acquire(path, log)

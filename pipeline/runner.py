@@ -37,7 +37,7 @@ from cram.pipeline import logs, ranks, rundir, store
 from cram.pipeline.errors import CramError, Interrupted
 from cram.pipeline.planning import Step, fingerprint
 from cram.pipeline.schema import StageRecord, Try, TryStatus
-from cram.stages.protocols import StageLike, StageSpec, read
+from cram.stages.protocols import Log, StageLike, StageSpec, read
 from cram.stages.shared import loggers as stage_loggers
 
 _VERSIONED = ("torch", "numpy", "datasets", "sentencepiece", "tokenizers", "safetensors", "structlog", "typer")
@@ -148,7 +148,7 @@ def _run_step(
         structlog.contextvars.unbind_contextvars("stage")
 
 
-def _intact(entry: Path, step: Step, log: Any) -> bool:
+def _intact(entry: Path, step: Step, log: Log) -> bool:
     """Whether the store's entry for the step's key can be linked: there, and every file hashes as it was
     written (a run that links it reads it). A damaged one is computed again, as a missing one is."""
     trouble = store.verify(entry, step.key)
@@ -168,7 +168,7 @@ def _damaged_upstream(step: Step, run_dir: Path) -> tuple[str, int] | None:
     return None
 
 
-def _reuse(step: Step, run_dir: Path, entry: Path, manifest: rundir.Manifest, log: Any) -> None:
+def _reuse(step: Step, run_dir: Path, entry: Path, manifest: rundir.Manifest, log: Log) -> None:
     record = store.entry_record(entry)
     store.link(run_dir, step.name, entry)
     manifest.put(step.name, replace(record, key=step.key, status="done", reused=rundir.now(), attempt=None))
@@ -225,7 +225,7 @@ def _compute(
     manifest: rundir.Manifest,
     rank: int,
     world_size: int,
-    log: Any,
+    log: Log,
 ) -> None:
     main = rank == 0
     damaged = ranks.agree(_damaged_upstream(step, run_dir) if main else None, world_size)
@@ -271,7 +271,7 @@ def _compute(
         raise
 
 
-def _begin(attempt: _Attempt, step: Step, run_dir: Path, stored: store.Store, partial: Path, log: Any) -> None:
+def _begin(attempt: _Attempt, step: Step, run_dir: Path, stored: store.Store, partial: Path, log: Log) -> None:
     """Rank 0: make the partial folder (re-entered by a resumable stage) and record the attempt as running."""
     previous = attempt.manifest.stage(step.name)
     attempt.keep = (
@@ -308,7 +308,7 @@ def _outputs(manifest: rundir.Manifest, name: str) -> dict[str, Any]:
 
 
 def _context(
-    config: cfg.PipelineConfig, step: Step, run_dir: Path, rank: int, world_size: int, log: Any
+    config: cfg.PipelineConfig, step: Step, run_dir: Path, rank: int, world_size: int, log: Log
 ) -> stages.Context:
     return stages.Context(
         seed=config.run.seed,
@@ -347,7 +347,7 @@ def _call(
     inputs: dict[str, stages.Upstream],
     partial: Path,
     ctx: stages.Context,
-    log: Any,
+    log: Log,
 ) -> tuple[dict[str, Any], tuple[str, int] | None]:
     """The stage's outputs, or the error it raised with its exit code (2 bad input or config, 1 a crash)."""
     finished = False
@@ -380,7 +380,7 @@ def _attention_hint(error: BaseException, attention: str) -> str:
     return '; it failed in SDPA: set run.attention = "written" (--set run.attention=written) to attend without it'
 
 
-def _mention_other_partial(previous: StageRecord | None, step: Step, stored: store.Store, log: Any) -> None:
+def _mention_other_partial(previous: StageRecord | None, step: Step, stored: store.Store, log: Log) -> None:
     """Say where an unfinished attempt with another key is kept: nothing is dropped without a word."""
     for record in (previous, previous.attempt if previous is not None else None):
         key = record.key if record is not None and record.status != "done" else None

@@ -73,7 +73,7 @@ class StageRecord:
         return _read(cls, data, where)
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> Any:
     if dataclasses.is_dataclass(value):
         fields = dataclasses.fields(value)
         return {
@@ -112,7 +112,7 @@ def _read(cls: type, data: Any, where: str) -> Any:
     return cls(**values)
 
 
-def _value(tp: Any, value: Any, where: str) -> Any:
+def _value(tp: object, value: Any, where: str) -> Any:
     allowed, expected = _ALLOWED[tp]
     if not isinstance(value, allowed) or isinstance(value, bool):
         raise SchemaError(f"{where}: expected {expected}, got {_shown(value)}")
@@ -129,6 +129,6 @@ def _value(tp: Any, value: Any, where: str) -> Any:
     return value
 
 
-def _shown(value: Any) -> str:
+def _shown(value: object) -> str:
     text = json.dumps(value)
     return text if len(text) <= 60 else text[:57] + "..."

@@ -32,11 +32,14 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from cram.pipeline import rundir
 from cram.pipeline.schema import SchemaError, StageRecord
 from cram.stages.shared.files import CONTENT_HASH, DAMAGED, MARKER, content_hash, read_marker, write_atomic
+
+if TYPE_CHECKING:
+    from cram.stages.protocols import Log
 
 STORE = ".store"
 _ITEM = re.compile(r"(?P<stage>[A-Za-z0-9_]+)-(?P<key>[0-9a-f]{64})(?P<kind>|\.partial|\.lock|\.retired-\d+)")
@@ -84,7 +87,7 @@ class Store:
         return self.root / f"{stage}-{key}.lock"
 
     @contextmanager
-    def locked(self, stage: str, key: str, log: Any) -> Iterator[None]:
+    def locked(self, stage: str, key: str, log: Log) -> Iterator[None]:
         """Hold the key's lock for the block, waiting while another process holds it."""
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.lock(stage, key)
@@ -141,7 +144,7 @@ def hash_cache(root: Path) -> Callable[[Path], str]:
     return lookup
 
 
-def take_lock(path: Path, log: Any, wait: bool) -> int | None:
+def take_lock(path: Path, log: Log, wait: bool) -> int | None:
     """An OS lock (flock) on `path`, as an open descriptor; closing it releases the lock. None when
     another process holds it and `wait` is false. The kernel drops the lock of a process that dies, so
     a store lock is never stale and two processes never both hold one; the file says who holds it."""
@@ -360,7 +363,7 @@ class Garbage:
     size: int
 
 
-def collect(root: Path, log: Any, dry_run: bool = False) -> tuple[list[Garbage], list[Path]]:
+def collect(root: Path, log: Log, dry_run: bool = False) -> tuple[list[Garbage], list[Path]]:
     """Remove what under `ROOT/.store` no run directory of ROOT refers to: (removed, skipped in use).
 
     A run refers to the key of each stage record (and of a record's unfinished attempt) and to what
@@ -377,7 +380,7 @@ def collect(root: Path, log: Any, dry_run: bool = False) -> tuple[list[Garbage],
     return removed, busy
 
 
-def _collect(store: Store, root: Path, log: Any, dry_run: bool, removed: list[Garbage]) -> list[Path]:
+def _collect(store: Store, root: Path, log: Log, dry_run: bool, removed: list[Garbage]) -> list[Path]:
     """`collect`'s work: each item removed is added to `removed` as it goes; returns the items in use."""
     if not store.root.is_dir():
         return []

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cram.stages.protocols import Log, StageSpec, read
 from cram.stages.protocols import Pipeline as Pipeline  # what `validate(config, pipeline)` is handed
-from cram.stages.protocols import StageSpec, read
 from cram.stages.shared import loggers
 
 ORDER: tuple[str, ...] = ("tokenize", "pack", "pretrain", "baseline", "evaluate")
@@ -36,7 +36,7 @@ class Upstream:
     """A finished upstream stage as its downstream sees it."""
 
     dir: Path
-    outputs: dict[str, Any]
+    outputs: dict[str, Any]  # its recorded outputs, as read from JSON
 
     def path(self, key: str) -> Path:
         """`dir / outputs[key]`; StageError naming the folder and the key where the outputs name no such
@@ -57,7 +57,7 @@ class Context:
     seed: int
     device: str  # "auto", "cpu", "cuda" or "cuda:N"
     run_dir: Path
-    log: Any = field(repr=False)  # a structlog logger bound to run and stage
+    log: Log = field(repr=False)  # a structlog logger bound to run and stage
     rank: int = 0
     world_size: int = 1
     metrics: loggers.Metrics = field(default=loggers.NONE, repr=False)  # `[run] loggers`: TensorBoard, W&B

@@ -25,11 +25,16 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 
 from cram.stages import Context, StageError, Upstream
 from cram.stages.data import scratch, shards
 from cram.stages.data.token_map import MappedIds, can_read_in_place, positions_in
+
+if TYPE_CHECKING:
+    import numpy as np
+    import pyarrow as pa
+    from numpy.typing import DTypeLike
 
 NAME = "pack"
 VERSION = "1"
@@ -119,7 +124,9 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     return outputs
 
 
-def _first_pass(tokens: Path, folder: Path, vocab_size: int, dtype: Any) -> tuple[Any, Any, MappedIds, bool]:
+def _first_pass(
+    tokens: Path, folder: Path, vocab_size: int, dtype: DTypeLike
+) -> tuple[np.ndarray, np.ndarray, MappedIds, bool]:
     """`flatten`'s arrays, where pass two reads the ids from (the shards in place, or else the compact
     copy that pass one writes) and whether that is in place."""
     import numpy as np
@@ -132,7 +139,9 @@ def _first_pass(tokens: Path, folder: Path, vocab_size: int, dtype: Any) -> tupl
     return offsets, keys, MappedIds(files, ids_dtype, offsets, sources), in_place
 
 
-def flatten(paths: list[Path], folder: Path, vocab_size: int, copy: Path | None, dtype: Any) -> tuple[Any, Any, Any]:
+def flatten(
+    paths: list[Path], folder: Path, vocab_size: int, copy: Path | None, dtype: DTypeLike
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Pass one: every document of the token shards `paths`, in order; returns, as mapped arrays, each
     document's end offset in the stream of all ids (after a leading 0), a hash of its ids
     (`unique_documents`' keys) and where its ids start (`MappedIds`' sources): in the concatenation of
@@ -184,7 +193,7 @@ def flatten(paths: list[Path], folder: Path, vocab_size: int, copy: Path | None,
     return offsets.mapped(), keys.mapped(), sources.mapped()
 
 
-def _write_as(ids: Any, dtype: Any, out: Any, buffers: _Buffers) -> None:
+def _write_as(ids: np.ndarray, dtype: DTypeLike, out: BinaryIO, buffers: _Buffers) -> None:
     """Append the int32 `ids` (viewed as uint32) to the open file `out` as `dtype`."""
     import numpy as np
 
@@ -196,7 +205,7 @@ def _write_as(ids: Any, dtype: Any, out: Any, buffers: _Buffers) -> None:
         scratch.write(cast, out)
 
 
-def _first_id_at(column: Any, file_delta: int, path: Path) -> int:
+def _first_id_at(column: pa.ListArray, file_delta: int, path: Path) -> int:
     """Where the list column's values start in the shard file `path`, in ids (`file_delta`: the shard's
     offset of a buffer's address, `shards.read_batches_located`)."""
     values = column.values
@@ -208,7 +217,7 @@ def _first_id_at(column: Any, file_delta: int, path: Path) -> int:
     return at // 4
 
 
-def _drop_cached(file: Any) -> None:
+def _drop_cached(file: BinaryIO) -> None:
     """Drop the page cache's copy of an open file pack is done with: a token shard pass one has read,
     or the rows pass two has written. At 10 GB of text the shards, the ids file and the output outgrow
     the page cache of a small machine, and the kernel would otherwise reclaim pages while pack writes,
@@ -218,7 +227,7 @@ def _drop_cached(file: Any) -> None:
         os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def _document_hashes(values: Any, lengths: Any) -> Any:
+def _document_hashes(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """A hash of each document's multiset of ids: the sum of a random value per id, and the length.
     Vectorised; collisions (e.g. the same ids in another order) are told apart by comparing ids."""
     import numpy as np
@@ -234,7 +243,14 @@ def _document_hashes(values: Any, lengths: Any) -> Any:
 
 
 def write_blocks(
-    path: Path, ids: MappedIds, docs: Any, size: int, dtype: Any, prefix: list[int], suffix: list[int], seq_len: int
+    path: Path,
+    ids: MappedIds,
+    docs: np.ndarray,
+    size: int,
+    dtype: DTypeLike,
+    prefix: list[int],
+    suffix: list[int],
+    seq_len: int,
 ) -> tuple[int, int]:
     """Pass two, for one split: the documents `docs`, in that order, each wrapped in prefix and
     suffix tokens (`size` tokens in all), cut into rows of seq_len (the remainder that does not fill a
@@ -272,7 +288,9 @@ def write_blocks(
     return shape
 
 
-def wrapped(ids: MappedIds, sources: Any, lengths: Any, prefix: list[int], suffix: list[int], buffers: _Buffers) -> Any:
+def wrapped(
+    ids: MappedIds, sources: np.ndarray, lengths: np.ndarray, prefix: list[int], suffix: list[int], buffers: _Buffers
+) -> np.ndarray:
     """The documents at `sources` of `lengths` tokens, in that order, each wrapped in prefix and suffix
     tokens, as one flat array of the dtype of `buffers` (which it is built in): the documents gathered
     in the ids' dtype (in place when it is the output's), cast once, and the boundary tokens written in
@@ -300,14 +318,14 @@ class _Buffers:
     `flatten` (hash values, cast ids), kept from chunk to chunk (grown when one needs more): fresh
     arrays of this size come from the system each time, their pages faulted in anew."""
 
-    def __init__(self, dtype: Any, source: Any = None):
+    def __init__(self, dtype: DTypeLike, source: DTypeLike = None):
         import numpy as np
 
         self.dtype, self.source = np.dtype(dtype), np.dtype(source or dtype)
         self.index, self.out, self.gathered = np.empty(0, np.intp), np.empty(0, dtype), np.empty(0, self.source)
         self.hashed = np.empty(0, np.uint64)
 
-    def values(self, size: int) -> Any:
+    def values(self, size: int) -> np.ndarray:
         """A uint64 array of `size`, for `flatten`'s hash values."""
         import numpy as np
 
@@ -315,7 +333,7 @@ class _Buffers:
             self.hashed = np.empty(size, np.uint64)
         return self.hashed[:size]
 
-    def take(self, size: int) -> tuple[Any, Any, Any]:
+    def take(self, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """An index, an output array of the dtype and one of the source dtype to gather into (the output
         itself when the two are one), each of `size`."""
         import numpy as np
@@ -330,7 +348,7 @@ class _Buffers:
         return self.index, self.out[:size], self.gathered[:size]
 
 
-def _validation_split(order: Any, offsets: Any, config: Config, wrap: int) -> tuple[int, int, int]:
+def _validation_split(order: np.ndarray, offsets: np.ndarray, config: Config, wrap: int) -> tuple[int, int, int]:
     """How many of the shuffled documents go to validation, their length with boundaries, and the
     length of all: val_fraction of the documents, or more when that is less than one block."""
     import numpy as np
@@ -361,7 +379,7 @@ def _validation_split(order: Any, offsets: Any, config: Config, wrap: int) -> tu
     return n_val, val_len, total
 
 
-def _dtype(choice: str, vocab_size: int) -> Any:
+def _dtype(choice: str, vocab_size: int) -> type[np.integer]:
     import numpy as np
 
     if choice == "uint16" and vocab_size > _UINT16_LIMIT:

@@ -1,5 +1,6 @@
 """The stage contract as types: what a stage module is (`Stage`), what its `validate` is handed (`Pipeline`),
-and `read`, the one place that reads a stage module and fills in what it leaves out (`StageSpec`).
+what its config, its log and its outputs are (`StageConfig`, `Log`, `JSON`), and `read`, the one place that
+reads a stage module and fills in what it leaves out (`StageSpec`).
 
 A stage is a module of `cram.stages` that defines the members of `Stage` without a default (NAME, VERSION,
 UPSTREAM, Config, run) and any of the others it needs. The pipeline never looks a member up on a module
@@ -15,10 +16,29 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeAlias, TypeVar
 
 if TYPE_CHECKING:
     from cram.stages import Context, Upstream
+
+# A value JSON can hold: what a stage's `run` returns and what a manifest record or a checkpoint's meta holds.
+JSON: TypeAlias = dict[str, "JSON"] | list["JSON"] | str | int | float | bool | None
+
+
+class StageConfig(Protocol):
+    """A stage's `Config` made from its TOML section (or `[run]`'s RunConfig): a frozen dataclass instance."""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
+
+class Log(Protocol):
+    """A structlog logger bound to the run (and the stage), as the stages and the pipeline use it: an event
+    and its fields."""
+
+    def info(self, event: str, /, **fields: object) -> object: ...
+    def warning(self, event: str, /, **fields: object) -> object: ...
+    def error(self, event: str, /, **fields: object) -> object: ...
+    def bind(self, **fields: object) -> Log: ...
 
 
 class RunSettings(Protocol):
@@ -41,7 +61,7 @@ class Pipeline(Protocol):
     @property
     def run(self) -> RunSettings: ...
     @property
-    def stages(self) -> Mapping[str, Any]: ...  # section name -> its validated Config
+    def stages(self) -> Mapping[str, StageConfig]: ...  # section name -> its validated Config
 
 
 C = TypeVar("C")
@@ -53,7 +73,7 @@ class Linked(Protocol):
     `pretrain.init`'s checkpoint). `sections` maps each section name, `run` included, to its config. A
     Config without it is taken as it is."""
 
-    def linked(self: C, sections: Mapping[str, Any]) -> C: ...
+    def linked(self: C, sections: Mapping[str, StageConfig]) -> C: ...
 
 
 class Stage(Protocol):
@@ -84,37 +104,37 @@ class Stage(Protocol):
     # Instead of a TOML section: the stage's config made from the other sections (the baseline stage's,
     # from [evaluate] and [pretrain]); None when it has nothing to do with this config: the planner leaves
     # it out, and its downstream's key holds no entry for it. Absent (None here): the stage's own section.
-    config_of: Callable[[Pipeline], Any] | None = None
+    config_of: Callable[[Pipeline], StageConfig | None] | None = None
 
-    def run(self, config: Any, inputs: Mapping[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
+    def run(self, config: StageConfig, inputs: Mapping[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, JSON]:
         """Compute into `out_dir` alone; return paths relative to it and figures (JSON). StageError: bad input
         or config (exit 2); any other exception: the stage failed (exit 1). Heavy imports go inside."""
         ...
 
     @staticmethod
-    def fingerprint(config: Any) -> list[list[Any]] | None:
+    def fingerprint(config: StageConfig) -> list[list[JSON]] | None:
         """What the stage reads from outside the run (paths, sizes, times, hashes of a corpus, task files, a
         checkpoint): its digest is the key's `inputs`. Default: None, nothing."""
         return None
 
     @staticmethod
-    def key_config(config: Any) -> Any:
+    def key_config(config: StageConfig) -> StageConfig:
         """The config as the key sees it, with what the output does not depend on in it set to a fixed value
         (tokenize: the training fields beside a given tokenizer). Default: the config itself."""
         return config
 
     @staticmethod
-    def validate(config: Any, pipeline: Pipeline) -> None:
+    def validate(config: StageConfig, pipeline: Pipeline) -> None:
         """The checks `run` would make that need no upstream output and no torch; StageError. Called by the
         planner for every stage not done, before the first stage runs. Default: none."""
 
     @staticmethod
-    def validate_runtime(config: Any, pipeline: Pipeline) -> None:
+    def validate_runtime(config: StageConfig, pipeline: Pipeline) -> None:
         """The checks that load torch (device, backend, memory); StageError. Called only for the stages that
         run in this invocation. Default: none."""
 
     @staticmethod
-    def describe(config: Any, pipeline: Pipeline) -> str | None:
+    def describe(config: StageConfig, pipeline: Pipeline) -> str | None:
         """A line on the work the stage would do, printed under a dry run's plan. Default: None, no line."""
         return None
 
@@ -127,25 +147,25 @@ class StageSpec:
     VERSION: str
     UPSTREAM: tuple[str, ...]
     Config: type
-    run: Callable[..., dict[str, Any]]
+    run: Callable[..., dict[str, JSON]]
     RESUMABLE: bool
     DISTRIBUTED: bool
     NOT_IN_KEY: tuple[str, ...]
     NEW_OPTIONS: tuple[str, ...]
     RUNS_WITH: str
-    config_of: Callable[[Pipeline], Any] | None
-    fingerprint: Callable[[Any], list[list[Any]] | None]
-    key_config: Callable[[Any], Any]
-    validate: Callable[[Any, Pipeline], None]
-    validate_runtime: Callable[[Any, Pipeline], None]
-    describe: Callable[[Any, Pipeline], str | None]
+    config_of: Callable[[Pipeline], StageConfig | None] | None
+    fingerprint: Callable[[StageConfig], list[list[JSON]] | None]
+    key_config: Callable[[StageConfig], StageConfig]
+    validate: Callable[[StageConfig, Pipeline], None]
+    validate_runtime: Callable[[StageConfig, Pipeline], None]
+    describe: Callable[[StageConfig, Pipeline], str | None]
 
     @property
     def has_section(self) -> bool:
         """Whether the stage has a TOML section of its own (no `config_of`)."""
         return self.config_of is None
 
-    def config_in(self, pipeline: Pipeline) -> Any:
+    def config_in(self, pipeline: Pipeline) -> StageConfig | None:
         """The stage's config in `pipeline`: its section, or what `config_of` makes of the others (None:
         nothing to do with this config)."""
         return pipeline.stages[self.NAME] if self.config_of is None else self.config_of(pipeline)
@@ -167,7 +187,7 @@ def read(stage: StageLike) -> StageSpec:
     return StageSpec(**{**members, "UPSTREAM": tuple(members["UPSTREAM"])})
 
 
-def linked(section: Any, sections: Mapping[str, Any]) -> Any:
+def linked(section: StageConfig, sections: Mapping[str, StageConfig]) -> StageConfig:
     """`section.linked(sections)` where its Config defines `linked` (see `Linked`), else `section`."""
     link = getattr(section, "linked", None)
     return section if link is None else link(sections)

@@ -206,7 +206,7 @@ def _is_run_dir(path: Path) -> bool:
     return (path / rundir.MANIFEST).is_file()
 
 
-def _text(value: Any, short: bool) -> str:
+def _text(value: object, short: bool) -> str:
     if isinstance(value, float) and short:
         return f"{value:.0f}" if abs(value) >= 1e4 else f"{value:.4g}"  # 25000 tokens/s, not 2.5e+04
     if isinstance(value, str):

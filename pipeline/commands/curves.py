@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cram.pipeline import rundir
 from cram.pipeline.schema import StageRecord
 from cram.stages.shared.figures import is_number
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"), ("grad_norm", "grad norm"))
 MISSING = "-"  # a key or figure that a run does not have
@@ -51,7 +54,7 @@ def _row(path: Path, number: int, line: str) -> dict[str, Any]:
     return row
 
 
-def plot_run(run_dir: Path) -> Any:
+def plot_run(run_dir: Path) -> Figure:
     """A 2x2 matplotlib figure: loss, lr, tokens/s and grad norm against tokens seen; eval figures on top."""
     plt = _pyplot()
     rows = read_metrics(run_dir)
@@ -70,7 +73,7 @@ def plot_run(run_dir: Path) -> Any:
     return fig
 
 
-def plot_losses(run_dirs: list[Path]) -> Any:
+def plot_losses(run_dirs: list[Path]) -> Figure:
     """One chart: the pretraining loss of every run against tokens seen."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -85,7 +88,7 @@ def plot_losses(run_dirs: list[Path]) -> Any:
     return fig
 
 
-def save(fig: Any, path: Path) -> None:
+def save(fig: Figure, path: Path) -> None:
     try:
         fig.savefig(path, dpi=100)
     except OSError as e:

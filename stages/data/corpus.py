@@ -18,7 +18,7 @@ import glob
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
 from cram.stages import StageError
 from cram.stages.data import hub, readers
@@ -161,7 +161,7 @@ def _byte_cuts(path: Path, boundary: re.Pattern) -> list[int]:
     return [*cuts, size]
 
 
-def _next_boundary(f: Any, at: int, boundary: re.Pattern, limit: int) -> int:
+def _next_boundary(f: BinaryIO, at: int, boundary: re.Pattern, limit: int) -> int:
     """The offset just after the first document boundary at or after `at` (the file's size if none).
     Where none comes within `limit` bytes, the document is over MAX_DOCUMENT_CHARS anyway: a character
     start about `limit` bytes on, which bounds a unit's size whatever a line's length."""
@@ -181,7 +181,7 @@ def _next_boundary(f: Any, at: int, boundary: re.Pattern, limit: int) -> int:
     return _piece_start(f, start)
 
 
-def _piece_start(f: Any, offset: int) -> int:
+def _piece_start(f: BinaryIO, offset: int) -> int:
     """Where a forced cut goes: just after the first blank in the 4 KiB from `offset` (between words),
     else the first UTF-8 character start there (a cut never splits a character)."""
     f.seek(offset)

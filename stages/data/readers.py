@@ -21,7 +21,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Iterator
 
 from cram.stages import StageError
 from cram.stages.data import hub
@@ -29,7 +29,10 @@ from cram.stages.data.source import format_of
 from cram.stages.shared import records
 
 if TYPE_CHECKING:
+    from datasets import Features
+
     from cram.stages.data.source import CorpusConfig, Unit
+    from cram.stages.protocols import JSON
 
 WHERE = "tokenize.corpus"  # the config section that errors name
 # A longer document (a text paragraph or line, a JSON line, a CSV record) is cut (text) or skipped
@@ -47,7 +50,7 @@ def file_format(path: Path, config: CorpusConfig) -> str:
     return (config.format if config.format != "auto" else format_of(str(path))) or "json"
 
 
-def open_file(path: Path) -> Any:
+def open_file(path: Path) -> BinaryIO:
     try:
         return open(path, "rb")
     except FileNotFoundError:
@@ -133,7 +136,7 @@ def _jsonl_records(
         yield fields
 
 
-def csv_reader(lines: Any, fmt: str) -> Any:
+def csv_reader(lines: Iterable[str], fmt: str) -> Iterator[list[str]]:
     """A strict csv reader of comma- (csv) or tab- (tsv) separated lines, quoted fields allowed to
     hold line breaks, its field limit raised (a record over MAX_DOCUMENT_CHARS is skipped)."""
     import csv
@@ -293,7 +296,7 @@ def check_text_column(names: list[str] | None, config: CorpusConfig, source: str
         )
 
 
-def label_names(features: Any, config: CorpusConfig) -> tuple[str, ...] | None:
+def label_names(features: Features | None, config: CorpusConfig) -> tuple[str, ...] | None:
     """A class-label column holds ints: its names are what a label means downstream."""
     names = getattr((features or {}).get(config.label_field or ""), "names", None)
     return tuple(names) if names is not None else None
@@ -379,7 +382,7 @@ def _parse_json(text: str, where: str) -> Any:
         raise StageError(f"{where}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
 
 
-def _fields(record: Any, config: CorpusConfig, where: str) -> tuple[str, str, str]:
+def _fields(record: JSON, config: CorpusConfig, where: str) -> tuple[str, str, str]:
     problem = _record_problem(record, config)
     if problem:
         raise StageError(f"{where}: {problem}")
@@ -404,7 +407,7 @@ def encodable(fields: tuple[str, str, str], config: CorpusConfig) -> tuple[tuple
     return fields, None
 
 
-def _record_problem(record: Any, config: CorpusConfig) -> str | None:
+def _record_problem(record: JSON, config: CorpusConfig) -> str | None:
     if not isinstance(record, dict):
         return f"expected a record (JSON object), got {type(record).__name__}"
     if config.text_field not in record:
@@ -415,17 +418,17 @@ def _record_problem(record: Any, config: CorpusConfig) -> str | None:
     return _not_text(record[config.text_field], config.text_field)
 
 
-def _not_text(value: Any, field: str) -> str | None:
+def _not_text(value: object, field: str) -> str | None:
     """Why `value` of the text field is no text, or None: a corpus is trained on what it says."""
     problem = records.not_text(value, field)
     return None if problem is None else f"{problem} ({WHERE}.text_field)"
 
 
-def _as_text(value: Any) -> str:
+def _as_text(value: object) -> str:
     return "" if value is None else str(value)
 
 
-def _label(value: Any, unlabeled: tuple[str, ...]) -> str:
+def _label(value: object, unlabeled: tuple[str, ...]) -> str:
     text = _as_text(value)
     return "" if text in unlabeled else text
 

@@ -11,7 +11,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, BinaryIO
+
+if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import DTypeLike
+
+    from cram.stages.data.token_map import MappedIds
 
 DOCUMENTS = 1 << 18  # documents handled at a time by every pass over a per-document array
 BUCKET_DOCUMENTS = 1 << 18  # de-duplication's buckets hold about this many documents each
@@ -30,25 +36,25 @@ class Appender:
     """A flat file of `dtype` values written block by block with plain writes; `mapped()` reads it
     back as an array over a memory map."""
 
-    def __init__(self, path: Path, dtype: Any):
+    def __init__(self, path: Path, dtype: DTypeLike):
         import numpy as np
 
         self.path, self.dtype, self.count = path, np.dtype(dtype), 0
         self._file = open(path, "wb")
 
-    def append(self, array: Any) -> None:
+    def append(self, array: np.ndarray) -> None:
         import numpy as np
 
         array = np.ascontiguousarray(array, dtype=self.dtype)
         write(array, self._file)
         self.count += len(array)
 
-    def mapped(self) -> Any:
+    def mapped(self) -> np.ndarray:
         self._file.close()
         return mapped(self.path, self.dtype, self.count)
 
 
-def write(array: Any, out: Any) -> None:
+def write(array: np.ndarray, out: BinaryIO) -> None:
     """Append a contiguous `array`'s bytes to the open file `out` (no copy); a disk that fills is one
     line naming the file (the runner then removes the whole partial entry)."""
     try:
@@ -57,7 +63,7 @@ def write(array: Any, out: Any) -> None:
         raise OSError(e.errno, f"{out.name}: {e.strerror} while pack wrote it") from None
 
 
-def mapped(path: Path, dtype: Any, count: int, writable: bool = False) -> Any:
+def mapped(path: Path, dtype: DTypeLike, count: int, writable: bool = False) -> np.ndarray:
     """`count` values of `dtype` in the file `path` as a plain ndarray over a shared memory map (a
     writable one is allocated on disk first: a write into a page the disk has no room for would
     kill the process with SIGBUS instead of raising)."""
@@ -75,7 +81,7 @@ def mapped(path: Path, dtype: Any, count: int, writable: bool = False) -> Any:
     return np.memmap(path, dtype=dtype, mode="r+" if writable else "r", shape=(count,)).view(np.ndarray)
 
 
-def nonempty_documents(offsets: Any, folder: Path) -> Any:
+def nonempty_documents(offsets: np.ndarray, folder: Path) -> np.ndarray:
     """Indices of the documents with at least one token, ascending, as a mapped array."""
     import numpy as np
 
@@ -86,7 +92,9 @@ def nonempty_documents(offsets: Any, folder: Path) -> Any:
     return out.mapped()
 
 
-def unique_documents(ids: Any, offsets: Any, keys: Any, docs: Any, folder: Path) -> Any:
+def unique_documents(
+    ids: MappedIds, offsets: np.ndarray, keys: np.ndarray, docs: np.ndarray, folder: Path
+) -> np.ndarray:
     """The documents `docs` (ascending) without exact duplicates (same ids), each kept at its first
     occurrence, as a mapped array. Documents are partitioned by the top bits of their hash (`keys`)
     into bucket files, then each bucket is sorted and searched for equal hashes on its own; documents
@@ -119,7 +127,7 @@ def unique_documents(ids: Any, offsets: Any, keys: Any, docs: Any, folder: Path)
     return out.mapped()
 
 
-def bucket_of(keys: Any, n_buckets: int) -> Any:
+def bucket_of(keys: np.ndarray, n_buckets: int) -> np.ndarray:
     """Which of `n_buckets` (a power of two) buckets each hash goes to: the top bits of the hash times
     an odd constant. The top bits of the hash alone would be those of its length term (the sum of
     a document's values is ~40 bits), putting every document of one length into one bucket."""
@@ -132,7 +140,7 @@ def bucket_of(keys: Any, n_buckets: int) -> Any:
     return (mixed >> np.uint64(65 - n_buckets.bit_length())).astype(np.intp)
 
 
-def _drop_duplicates(ids: Any, records: Any, dropped: Any) -> None:
+def _drop_duplicates(ids: MappedIds, records: np.ndarray, dropped: np.ndarray) -> None:
     """Marks in `dropped` every document of one bucket that repeats an earlier one id for id."""
     import numpy as np
 
@@ -143,7 +151,7 @@ def _drop_duplicates(ids: Any, records: Any, dropped: Any) -> None:
     starts = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]]))
     sizes = np.diff(np.append(starts, len(keys)))
     for group in np.flatnonzero(sizes > 1):
-        kept: list[Any] = []
+        kept: list[np.ndarray] = []
         for doc in docs[starts[group] : starts[group] + sizes[group]].tolist():
             tokens = ids.document(doc)
             dropped[doc] = any(np.array_equal(tokens, other) for other in kept)
@@ -151,7 +159,7 @@ def _drop_duplicates(ids: Any, records: Any, dropped: Any) -> None:
                 kept.append(tokens)
 
 
-def shuffled(docs: Any, seed: int, folder: Path) -> Any:
+def shuffled(docs: np.ndarray, seed: int, folder: Path) -> np.ndarray:
     """`docs` in the order of `np.random.default_rng(seed).permutation(len(docs))`, as a mapped array:
     that permutation is numpy's in-place shuffle of 0..n-1, here run over a memory map (the same
     random draws, so the same order), then each block of it replaced by the documents it picks."""
@@ -166,11 +174,11 @@ def shuffled(docs: Any, seed: int, folder: Path) -> Any:
     return order
 
 
-def wrapped_lengths(order: Any, offsets: Any, wrap: int) -> Any:
+def wrapped_lengths(order: np.ndarray, offsets: np.ndarray, wrap: int) -> np.ndarray:
     """The length of each of the documents `order` with its `wrap` boundary tokens."""
     return offsets[order + 1] - offsets[order] + wrap
 
 
-def wrapped_total(order: Any, offsets: Any, wrap: int) -> int:
+def wrapped_total(order: np.ndarray, offsets: np.ndarray, wrap: int) -> int:
     """The summed length of the documents `order` with their boundary tokens, a block at a time."""
     return sum(int(wrapped_lengths(order[a:b], offsets, wrap).sum()) for a, b in blocks(len(order)))

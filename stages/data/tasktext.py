@@ -12,11 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Literal
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal
 
 from cram.stages import StageError
 from cram.stages.shared import files as shared_files
 from cram.stages.shared import taskfiles
+
+if TYPE_CHECKING:
+    from cram.stages.finetuning.config import Config as EvaluateConfig
+    from cram.stages.finetuning.config import TaskConfig
 
 KINDS = ("custom", "glue")  # the kinds of evaluate task that have a training file
 
@@ -32,7 +36,7 @@ class TaskFile:
     text_fields: tuple[str, ...] = ()  # custom
 
 
-def of_tasks(tasks: Any) -> tuple[TaskFile, ...]:
+def of_tasks(tasks: Iterable[TaskConfig]) -> tuple[TaskFile, ...]:
     """The evaluate tasks (its TaskConfigs) that have a training file, in the config's order."""
     return tuple(
         TaskFile(f"evaluate.tasks[{i}]", t.kind, t.name, t.path, tuple(t.text_fields))
@@ -41,7 +45,7 @@ def of_tasks(tasks: Any) -> tuple[TaskFile, ...]:
     )
 
 
-def check(tasks: tuple[TaskFile, ...], option: str, evaluate: Any) -> None:
+def check(tasks: tuple[TaskFile, ...], option: str, evaluate: EvaluateConfig | None) -> None:
     """What `tokenize.task_text = option` needs: a task with a training file on disk, each found.
     `evaluate`: the pipeline's evaluate Config (None: the pipeline has no evaluate stage)."""
     if not tasks:

@@ -14,12 +14,16 @@ from __future__ import annotations
 import bisect
 import mmap
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cram.stages.shared.runs import gather_runs
 
+if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import DTypeLike
 
-def positions_in(path: Path, dtype: Any) -> int:
+
+def positions_in(path: Path, dtype: DTypeLike) -> int:
     """How many ids of `dtype` the file `path` spans in the concatenation (its size, rounded down)."""
     import numpy as np
 
@@ -54,7 +58,7 @@ class MappedIds:
     in the stream of all ids, after a leading 0) and `sources` (where each document's ids start in the
     concatenation of the files) say where each document is."""
 
-    def __init__(self, paths: list[Path], dtype: Any, offsets: Any, sources: Any):
+    def __init__(self, paths: list[Path], dtype: DTypeLike, offsets: np.ndarray, sources: np.ndarray):
         import numpy as np
 
         self.paths, self.dtype, self.offsets, self.sources = paths, np.dtype(dtype), offsets, sources
@@ -63,7 +67,7 @@ class MappedIds:
         import numpy as np
 
         self._maps: list[mmap.mmap] = []
-        self.arrays: list[Any] = []
+        self.arrays: list[np.ndarray] = []
         for path in self.paths:
             size = positions_in(path, self.dtype)
             if size:
@@ -77,21 +81,29 @@ class MappedIds:
         self._bytes = [memoryview(a).cast("B") for a in self.arrays]
         return self
 
-    def locate(self, sources: Any) -> tuple[Any, Any]:
+    def locate(self, sources: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For positions in the concatenation: which file holds each, and where in that file."""
         import numpy as np
 
         which = np.searchsorted(self.bases, sources, side="right") - 1
         return which, sources - self.bases[which]
 
-    def document(self, doc: int) -> Any:
+    def document(self, doc: int) -> np.ndarray:
         """The ids of document `doc`."""
         length, source = int(self.offsets[doc + 1] - self.offsets[doc]), int(self.sources[doc])
         which = bisect.bisect_right(self._base_list, source) - 1
         start = source - self._base_list[which]
         return self.arrays[which][start : start + length]
 
-    def gather(self, sources: Any, lengths: Any, at: Any, out: Any, long_documents: int, index: Any = None) -> None:
+    def gather(
+        self,
+        sources: np.ndarray,
+        lengths: np.ndarray,
+        at: np.ndarray,
+        out: np.ndarray,
+        long_documents: int,
+        index: np.ndarray | None = None,
+    ) -> None:
         """Copy the documents at `sources` of `lengths` ids into `out` (an array of the dtype) at `at`.
         Documents at least `long_documents` ids long on average are copied a slice each (a memcpy: less
         than building and reading an index for every id); shorter ones gathered through an index, one
@@ -114,7 +126,7 @@ class MappedIds:
             values = np.take(self.arrays[k], gather_runs(start[these], lengths[these], index))
             out[gather_runs(at[these], lengths[these], index)] = values
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for view in self._bytes:
             view.release()
         del self.arrays, self._bytes

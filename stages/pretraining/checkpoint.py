@@ -15,13 +15,16 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cram.stages import StageError
 from cram.stages.shared.files import content_hash
 from cram.stages.shared.tensors import TensorFileError, read_tensors, write_tensors
+
+if TYPE_CHECKING:
+    from cram.stages.protocols import JSON, Log
 
 PARAMS = "params.safetensors"
 OPTIMIZER = "optimizer.safetensors"
@@ -53,7 +56,7 @@ class CheckpointError(StageError):
     """A checkpoint file that is missing, unreadable or not what its checksum says; names the file."""
 
 
-def latest(root: Path, log: Any = None) -> Path | None:
+def latest(root: Path, log: Log | None = None) -> Path | None:
     """The newest complete checkpoint under `root` whose files match their checksums, or None.
 
     With `log`, each newer one that does not match is reported as a warning and moved aside."""
@@ -116,7 +119,7 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(leftover)
 
 
-def _write_json(path: Path, obj: Any) -> None:
+def _write_json(path: Path, obj: JSON) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1)
         f.flush()

@@ -7,13 +7,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cram.stages import Context
 from cram.stages.pretraining import checkpoint
 from cram.stages.pretraining.budget import progress
 from cram.stages.pretraining.config import Budget, Config
 from cram.stages.pretraining.loop import StepInfo, Steps
+
+if TYPE_CHECKING:
+    from cram.stages.protocols import Log
 from cram.stages.pretraining.state import Params
 from cram.stages.pretraining.telemetry import LOGGED, MetricsLog, ProgressBar, mfu, peak_memory_gb, short
 
@@ -125,7 +128,7 @@ class Checkpointer:
     already (`last_saved`: the step of the checkpoint resumed from); each records its progress through
     `budget`."""
 
-    def __init__(self, every: Checkpointing, budget: Budget, root: Path, last_saved: int, log: Any):
+    def __init__(self, every: Checkpointing, budget: Budget, root: Path, last_saved: int, log: Log):
         self.every, self.budget, self.root, self.log = every, budget, root, log
         self.last_saved, self.last_saved_at = last_saved, time.perf_counter()
 

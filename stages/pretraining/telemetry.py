@@ -143,12 +143,12 @@ def duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}"
 
 
-def short(value: Any) -> Any:
+def short(value: object) -> object:
     """Four significant digits: what a person reads in a log line (metrics.jsonl keeps them all)."""
     return float(f"{value:.4g}") if isinstance(value, float) else value
 
 
-def peak_memory_gb(device) -> float:
+def peak_memory_gb(device: torch.device) -> float:
     import torch
 
     if device.type == "cuda":

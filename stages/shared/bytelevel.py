@@ -19,9 +19,13 @@ import json
 import re
 import unicodedata
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from cram.stages.shared.runs import gather_runs
+
+if TYPE_CHECKING:
+    import numpy as np
+    from tokenizers import Tokenizer
 
 # The library's own pattern (tokenizers' pre_tokenizers/byte_level.rs), with \p{L}, \p{N} and \s spelled
 # out as classes built from Python's Unicode tables (`re` has no \p{...}).
@@ -72,7 +76,7 @@ class ByteLevelEncoder:
     """`encode(texts)` -> (offsets, ids) as numpy arrays: text i's ids are ids[offsets[i]:offsets[i + 1]],
     equal to the library's `encode_batch(texts, add_special_tokens=False)`."""
 
-    def __init__(self, library: Any, settings: dict[str, Any]):
+    def __init__(self, library: Tokenizer, settings: dict[str, Any]):
         self._library = library
         self._nfc = settings["nfc"]
         self._prefix_space = settings["add_prefix_space"]
@@ -84,7 +88,7 @@ class ByteLevelEncoder:
         self._unsure = self._probe()
 
     @classmethod
-    def of(cls, file: Path, library: Any) -> ByteLevelEncoder | None:
+    def of(cls, file: Path, library: Tokenizer) -> ByteLevelEncoder | None:
         """The encoder for the tokenizer.json `file` (already loaded as `library`), or None when it is not
         a tokenizer this module reproduces."""
         settings = _settings(json.loads(file.read_text(encoding="utf-8")))
@@ -96,7 +100,7 @@ class ByteLevelEncoder:
         self._words = _Words(lambda word: [t.id for t in self._library.model.tokenize(word)])
         self._tables = (np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64))
 
-    def encode(self, texts: list[str]) -> tuple[Any, Any]:
+    def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         import numpy as np
 
         if len(self._words) > _MAX_WORDS:
@@ -141,7 +145,7 @@ class ByteLevelEncoder:
     def _spaced(self, text: str) -> str:
         return " " + text if self._prefix_space and text and not text.startswith(" ") else text
 
-    def _grown(self) -> tuple[Any, Any, Any]:
+    def _grown(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The word tables as numpy arrays, with the words first seen since the last call appended."""
         import numpy as np
 
@@ -154,7 +158,9 @@ class ByteLevelEncoder:
             self._tables = (ids, starts, lengths)
         return ids, starts, lengths
 
-    def _merge(self, texts: list[str], by_library: list[int], values: Any, per_text: Any) -> tuple[Any, Any]:
+    def _merge(
+        self, texts: list[str], by_library: list[int], values: np.ndarray, per_text: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         """The library's ids for the texts `by_library` put in their places among the others'."""
         import numpy as np
 

@@ -4,7 +4,12 @@ object. Each is a no-op (or the value itself) with one rank, so callers need no 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    import torch
+
+T = TypeVar("T")
 
 
 def agree_on(path: Path | None, world_size: int) -> Path | None:
@@ -18,7 +23,7 @@ def agree_on(path: Path | None, world_size: int) -> Path | None:
     return None if box[0] is None else Path(box[0])
 
 
-def mean_over_ranks(values: list[float], world_size: int, device: Any) -> list[float]:
+def mean_over_ranks(values: list[float], world_size: int, device: torch.device) -> list[float]:
     import torch
     import torch.distributed as dist
 
@@ -27,7 +32,7 @@ def mean_over_ranks(values: list[float], world_size: int, device: Any) -> list[f
     return (t / world_size).tolist()
 
 
-def all_gather(obj: Any, world_size: int) -> list[Any]:
+def all_gather(obj: T, world_size: int) -> list[T]:
     """Every rank's `obj` (picklable), on every rank."""
     if world_size == 1:
         return [obj]

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cram.stages import StageError
 
+if TYPE_CHECKING:
+    import torch
 
-def resolve(name: str) -> Any:
+
+def resolve(name: str) -> torch.device:
     """`run.device` as a `torch.device`: "auto" is CUDA when there is one, else the CPU. Under torchrun,
     "cuda" is this rank's GPU, `cuda:LOCAL_RANK`, read from the environment rather than from the current
     device: planning resolves it before the runner has called `set_device`."""
@@ -56,7 +59,7 @@ def check_backend(backend: str, key: str) -> None:
         raise StageError(f"{key}: {backend!r} is not a torch.compile backend; choose one of {', '.join(known)}")
 
 
-def memory_bytes(device: Any) -> int:
+def memory_bytes(device: torch.device) -> int:
     """The total memory of `device` (a `torch.device`): the GPU's on CUDA, the machine's RAM otherwise."""
     if device.type == "cuda":
         import torch
@@ -65,7 +68,7 @@ def memory_bytes(device: Any) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def autocast_dtype(precision: str, device: Any) -> Any:
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     """bf16 autocast (fp32 master weights) for "bf16", and for "auto" on CUDA and on CPUs with native
     bf16 arithmetic (AVX512-BF16 or AMX); None means fp32.
 
@@ -103,7 +106,7 @@ def native_cpu_bf16() -> bool:
     return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 
 
-def to_device(tensor: Any, device: Any) -> Any:
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A CPU tensor on `device`. On CUDA the copy goes through pinned memory and does not block: a
     pageable copy would wait for the GPU to drain its queue, a host sync on every step."""
     if device.type == "cuda":

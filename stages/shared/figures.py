@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: object) -> bool:
     """An int or a finite float. Not a bool (Python counts True as the int 1, but a flag is no figure),
     and not NaN or infinity, which neither order in a sorted table nor plot."""
     if isinstance(value, bool):

@@ -16,10 +16,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cram.stages import StageError
 from cram.stages.shared import device as devices
+
+if TYPE_CHECKING:
+    import torch
+
+    from cram.stages.protocols import Log
 
 TORCH_VECTOR_OPTION = "cpp.simdlen"  # inductor's config key for the CPU vector width, in bits
 
@@ -52,7 +57,7 @@ class Precision:
     def label(self) -> str:
         return self.name if self.vector_bits is None else f"{self.name} with {self.vector_bits}-bit vector code"
 
-    def autocast(self) -> Any:
+    def autocast(self) -> torch.dtype | None:
         """The autocast dtype (`torch.bfloat16`), or None for fp32."""
         import torch
 
@@ -75,7 +80,7 @@ class Choice:
     canary_diff: float | None  # the chosen precision's canary difference; None: no canary ran
 
 
-def candidates(precision: str, device: Any, backend: str, compiled: bool) -> list[Precision]:
+def candidates(precision: str, device: torch.device, backend: str, compiled: bool) -> list[Precision]:
     """The precisions to try, fastest first, for the `precision` setting on `device`."""
     if devices.autocast_dtype(precision, device) is None:
         return [FP32]
@@ -87,7 +92,7 @@ def candidates(precision: str, device: Any, backend: str, compiled: bool) -> lis
     return tried
 
 
-def unchecked(precision: str, device: Any, why: str) -> Choice:
+def unchecked(precision: str, device: torch.device, why: str) -> Choice:
     """The first candidate, taken without a canary (eager steps, the canary off, nothing to train)."""
     first = candidates(precision, device, "", compiled=False)[0]
     return Choice(first, f"{_setting(precision, device)}; {why}", None)
@@ -106,7 +111,7 @@ class Canary:
     world_size: int = 1
 
 
-def choose(precision: str, device: Any, backend: str, canary: Canary, log: Any, stage: str) -> Choice:
+def choose(precision: str, device: torch.device, backend: str, canary: Canary, log: Log, stage: str) -> Choice:
     """The first candidate whose canary difference is within the tolerance on every rank. A candidate
     whose compile or canary raises (an inductor C++ failure, say) is a failed candidate too, its error
     kept in the reason. A fallback is one warning naming what failed and what was chosen; when every
@@ -135,7 +140,7 @@ def choose(precision: str, device: Any, backend: str, canary: Canary, log: Any, 
     )
 
 
-def _tried(canary: Canary, candidate: Precision, log: Any) -> tuple[float, str | None]:
+def _tried(canary: Canary, candidate: Precision, log: Log) -> tuple[float, str | None]:
     """(the candidate's canary difference, the error its compile or canary raised or None), agreed by
     every rank: the worst difference, the first error. Bad input (StageError) is no candidate's failure."""
     from cram.stages.shared.collectives import all_gather
@@ -158,7 +163,7 @@ def _one_line(error: Exception) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def _setting(precision: str, device: Any) -> str:
+def _setting(precision: str, device: torch.device) -> str:
     if precision != "auto":
         return f"{precision}, as set"
     if device.type == "cuda":

@@ -4,12 +4,15 @@ clock of progress lines, which a log and a console that is not a terminal get in
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, TypeVar
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 T = TypeVar("T")
 
 
-def track(items: Iterable[T], label: str, total: int, done: int = 0, console: Any = None) -> Iterator[T]:
+def track(items: Iterable[T], label: str, total: int, done: int = 0, console: Console | None = None) -> Iterator[T]:
     """Yield `items`, drawing a bar "label [====    ] 40%" of `done` + items so far out of `total`.
 
     A loop that runs in parts (epochs) passes the part's start as `done`, so the bar shows the

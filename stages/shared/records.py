@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import re
-from typing import Any
 
 BOM = "\ufeff"
 # A JSON string escape can name half of a UTF-16 surrogate pair alone ("\ud83d"): Python's str holds it,
@@ -21,7 +20,7 @@ def raise_csv_field_limit() -> None:
     csv.field_size_limit(2**31 - 1)
 
 
-def not_text(value: Any, field: str) -> str | None:
+def not_text(value: object, field: str) -> str | None:
     """Why `value` of a text field is no text (a number, a list, a record), or None: a text is read as
     what it says, never as a stringified `12345` or `['a']`."""
     if value is None or isinstance(value, str):

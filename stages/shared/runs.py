@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
-def gather_runs(starts: Any, lengths: Any, out: Any = None) -> Any:
+def gather_runs(starts: np.ndarray, lengths: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Indices starts[0], starts[0] + 1, ..., starts[0] + lengths[0] - 1, starts[1], ...: one
     cumulative sum of steps that are 1 inside a run and jump at each run's first element. `out`: an
     intp array of at least that many elements to build them in (a view of it is returned), so that a

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TextIO
 
 from cram.stages import StageError
 from cram.stages.shared import records
@@ -25,6 +25,8 @@ MAX_FIELD_CHARS = 16 << 20
 
 if TYPE_CHECKING:
     from datasets import DatasetDict
+
+    from cram.stages.protocols import JSON
 
 
 @dataclass(frozen=True)
@@ -205,7 +207,7 @@ def record_texts(record: dict, text_fields: tuple[str, ...], where: str, also: s
     return tuple(_checked(record[k], k, where) for k in text_fields)
 
 
-def _checked(value: Any, field: str, where: str) -> str:
+def _checked(value: JSON, field: str, where: str) -> str:
     problem = records.not_text(value, field)
     if problem is None and len(value) > MAX_FIELD_CHARS:
         problem = f"field '{field}' holds {len(value):,} characters, over the {MAX_FIELD_CHARS:,} a field may hold"
@@ -236,7 +238,7 @@ def iter_records(path: Path) -> Iterator[tuple[str, dict]]:
             yield f"{path}:{n}: record {count}", record
 
 
-def _table_records(f: Any, path: Path, fmt: str) -> Iterator[tuple[str, dict]]:
+def _table_records(f: TextIO, path: Path, fmt: str) -> Iterator[tuple[str, dict]]:
     records.raise_csv_field_limit()
     quoting = csv.QUOTE_NONE if fmt == "tsv" else csv.QUOTE_MINIMAL
     reader = csv.DictReader(f, delimiter="\t" if fmt == "tsv" else ",", quoting=quoting)
@@ -249,7 +251,7 @@ def _table_records(f: Any, path: Path, fmt: str) -> Iterator[tuple[str, dict]]:
 
 
 @contextmanager
-def _opened(path: Path) -> Iterator[Any]:
+def _opened(path: Path) -> Iterator[TextIO]:
     """`path` open as UTF-8 text (a byte-order mark dropped, line ends kept for csv); a byte that is not
     UTF-8 is one StageError naming the file."""
     try:
