@@ -4,7 +4,7 @@ input the files themselves can show refused in one line that names the file and 
 The BEIR layout is what every retrieval benchmark and NanoBEIR ship: `corpus.jsonl` (`_id`, `title`,
 `text`), `queries.jsonl` (`_id`, `text`), `qrels/test.tsv` and optionally `qrels/dev.tsv` and
 `qrels/train.tsv` (tab-separated `query-id  corpus-id  score` under a header line). A pairs file is JSON
-lines `{"query", "positive"[, "negative"]}`. Records are read by `taskfiles.parse_records`, the one
+lines `{"query", "positive"[, "negative"]}`. Records are read by `taskfiles.iter_records`, the one
 reader of a task's JSON-lines files.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cram.stages import StageError
-from cram.stages.shared.taskfiles import parse_records
+from cram.stages.shared.taskfiles import iter_records
 
 SPLITS = ("test", "dev", "train")  # the qrels a folder may hold; test is required
 Qrels = dict[str, dict[str, int]]  # query id -> corpus id -> graded relevance (> 0: relevant)
@@ -168,10 +168,7 @@ def _read_queries(path: Path) -> dict[str, str]:
 
 
 def _parse(path: Path) -> list[dict]:
-    try:
-        return parse_records(path)
-    except UnicodeDecodeError as e:
-        raise StageError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
+    return [record for _, record in iter_records(path)]
 
 
 def _records(path: Path) -> list[tuple[str, dict]]:
