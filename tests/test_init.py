@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_bad_inputs import PIPELINE, cram, write_workspace
+from test_bad_inputs import PIPELINE, WORDS, cram, write_workspace
 from test_pretrain import kill_when_hanging, same_tensors, start_worker
 from test_tokenizer import BERT, bert_style, word_level
+from tokenizers import Tokenizer
 
 from cram import model
 from cram.stages import Upstream, pretrain
@@ -59,7 +60,14 @@ def modernbert(folder: Path) -> Path:
         eos_token_id=ids["sep"],
     )
     torch.manual_seed(0)
-    transformers.ModernBertForMaskedLM(config).save_pretrained(folder)
+    mlm = transformers.ModernBertForMaskedLM(config)
+    # A head that predicts the workspace's words, as a trained one would (its bias favours their tokens):
+    # a head no better than uniform is made anew (continued.untrained), and its own loss would not show.
+    used = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(" ".join(WORDS), add_special_tokens=False).ids
+    with torch.no_grad():
+        mlm.decoder.bias.fill_(-3.0)
+        mlm.decoder.bias[sorted(set(used))] = 3.0
+    mlm.save_pretrained(folder)
     return folder
 
 
