@@ -88,7 +88,8 @@ def key_config(config: Config) -> Config:
     """The config as the key sees it: `head_warmup` as it runs, "auto" (left out of the key) where none
     runs, so that a run without a warm-up keeps the key it had before the option existed; `optimizer.lr`
     the peak it trains at (`continued.resolved`). A checkpoint that cannot be read leaves it as given: `validate`
-    names the problem."""
+    names the problem. Both as `init`'s files give them: a head that measures untrained at the start changes
+    them as a function of what the key holds (continued.py's docstring)."""
     try:
         runs = continued.warmup_setting(config)
         config = continued.resolved(config)
@@ -129,17 +130,16 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     from cram.stages.pretraining.loop import Course, train
     from cram.stages.pretraining.telemetry import ProgressBar, peak_flops
 
-    given, config = config.optimizer.lr, continued.resolved(config)
-    if config.init and ctx.is_main:
-        ctx.log.info("continuing", init=config.init, peak_lr=config.optimizer.lr, optimizer_lr=given)
+    given = config.optimizer.lr
     setup = prepare(config, inputs["pack"], ctx)
     if ctx.is_main:
         warn_of_data_limits(config, setup, ctx)
-    made = continued.made_head(config)
+    config, setup, state = start.start(config, setup, out_dir, ctx)
+    if config.init and ctx.is_main:
+        ctx.log.info("continuing", init=config.init, peak_lr=config.optimizer.lr, optimizer_lr=given)
+    made = continued.made_head(config, continued.untrained(state.init_head_loss, setup.model.vocab_size))
     # A head made for a zero budget never trains: no held-out loss of it means anything.
     measured = config.val_blocks > 0 and not (made and config.budget.tokens == 0)
-    setup = dataclasses.replace(setup, warmup=continued.warmup_of(config, setup.model))
-    state = start.start(config, setup, out_dir, ctx)
     feed = Feed(ctx.seed, ctx.rank, ctx.world_size, config.prefetch, pin=setup.device.type == "cuda")
     data = PhaseStream(setup.blocks, setup.plan, feed, waited_s=state.data_wait_s)
     # One graph per phase shape, each compiled before the budget clock: a further one is a bug, not a
@@ -211,11 +211,11 @@ def _write_model(params_path: Path, config_path: Path, setup: Setup, state: Trai
 
 def _figures(compiled: Compiled, ctx: Context, state: TrainState, val_blocks: int) -> dict[str, Any]:
     """The stage's results: losses, throughput, what training cost; the held-out loss on `val_blocks`
-    blocks (0: none)."""
+    blocks (0: none); the verdict on `init`'s own masked-LM head where it was measured (`init_head`)."""
     from cram import model
     from cram.stages.pretraining.telemetry import mfu
 
-    setup, elapsed_s = compiled.setup, state.elapsed_s
+    setup, elapsed_s, head = compiled.setup, state.elapsed_s, state.init_head_loss
     tokens_per_s = state.tokens_seen / elapsed_s if elapsed_s else 0.0
     flops_per_token = state.flops_seen / state.tokens_seen if state.tokens_seen else 0.0
     return {
@@ -231,6 +231,7 @@ def _figures(compiled: Compiled, ctx: Context, state: TrainState, val_blocks: in
         "canary_diff": compiled.choice.canary_diff,
         "tokens_per_s": round(tokens_per_s, 1),
         "mfu": mfu(flops_per_token, tokens_per_s, setup.device, ctx.world_size, setup.autocast),
+        **({"init_head": continued.head_figure(head, setup.model.vocab_size)} if head is not None else {}),
         "precision": setup.precision.name,
         "precision_reason": compiled.choice.reason,
         "data_wait": round(state.data_wait_s / elapsed_s, 4) if elapsed_s else 0.0,

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_bad_inputs import PIPELINE, cram, write_workspace
+from test_bad_inputs import PIPELINE, WORDS, cram, write_workspace
 from test_pretrain import kill_when_hanging, same_tensors, start_worker
 from test_tokenizer import BERT, bert_style, word_level
+from tokenizers import Tokenizer
 
 from cram import model
 from cram.stages import Upstream, pretrain
@@ -59,7 +60,14 @@ def modernbert(folder: Path) -> Path:
         eos_token_id=ids["sep"],
     )
     torch.manual_seed(0)
-    transformers.ModernBertForMaskedLM(config).save_pretrained(folder)
+    mlm = transformers.ModernBertForMaskedLM(config)
+    # A head that predicts the workspace's words, as a trained one would (its bias favours their tokens):
+    # a head no better than uniform is made anew (continued.untrained), and its own loss would not show.
+    used = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(" ".join(WORDS), add_special_tokens=False).ids
+    with torch.no_grad():
+        mlm.decoder.bias.fill_(-3.0)
+        mlm.decoder.bias[sorted(set(used))] = 3.0
+    mlm.save_pretrained(folder)
     return folder
 
 
@@ -332,13 +340,16 @@ def test_continued_pretraining_resumes_after_a_kill_as_if_never_stopped(checkpoi
     )
     straight = pretrain.run(config, inputs, tmp_path / "straight", make_ctx())
     out_dir = tmp_path / "killed"
-    # Killed in step 5 (after the checkpoint of step 4): 1 masking compiles, 4 for the canary, then 1 a step.
+    # Killed in step 5 (after the checkpoint of step 4): 16 maskings measure the checkpoint's own head (one
+    # a held-out block; on these random tokens it predicts worse than uniform, so it is made anew and warmed
+    # up), 1 compiles and 4 are the canary's for each of the two modes, 8 the held-out loss, then 1 a step.
     kill_when_hanging(
         start_worker(
-            tmp_path, {"config": config, "inputs": inputs, "out_dir": str(out_dir), "hang": ("mask_tokens", 10)}
+            tmp_path, {"config": config, "inputs": inputs, "out_dir": str(out_dir), "hang": ("mask_tokens", 39)}
         ),
         out_dir,
     )
+    assert sorted(p.name for p in (out_dir / "checkpoints").glob("step-*")) == ["step-2", "step-4"]
     resumed = pretrain.run(config, inputs, out_dir, make_ctx())
     assert same_tensors(out_dir / "params.safetensors", tmp_path / "straight" / "params.safetensors")
     for key in ("steps", "tokens_seen", "final_loss", "loss_start", "val_loss_start"):

@@ -6,12 +6,26 @@ architecture agrees with `[pretrain.model]`, the tokenizer and the block length;
 part of the key (`fingerprint`). At the start: its params, with a masked-LM head made from the run's seed
 where it has none; the head warm-up that a made head gets (`head_warmup.py`); the peak lr that continuing
 it trains at. The checkpoint itself is read by `stages/shared/pretrained.py`, which the stages share.
+
+A checkpoint's files do not say whether the masked-LM head they hold was ever trained: a sentence encoder
+re-saved by `transformers` as `BertForMaskedLM` carries a head it initialised at random. So before training
+the run measures that head's held-out loss (`start.py`), and one no better than the uniform guess
+(`untrained`) is continued as a checkpoint without a head: the head made anew, warmed up as "auto" warms
+a made head, at a sentence encoder's rate. The decision is made at run time, not when the key is made,
+because it needs pack's held-out blocks, which do not exist before pack runs; the key holds the lr and
+warm-up that the files alone give (`resolved` without a verdict). It still determines the result: the
+verdict is a function of the checkpoint's contents, the held-out data, the seed and the masking, all in
+the key, measured in fp32, eagerly, agreed from rank 0, and kept in checkpoints for a resume. The run
+says it in one warning line and in its `init_head` figure, and `peak_lr` and `head_warmup_until` are
+what trained. A number given as `init_lr` or `head_warmup` is used as given whatever the measurement.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,6 +53,12 @@ MASKED_LM_LR_WIDTH = 128
 SENTENCE_ENCODER_LR = 1e-4 / 3
 # `head_warmup = "auto"` for a run whose checkpoint lacks its head: this fraction of the budget.
 AUTO_FRACTION = 0.1
+# A checkpoint's own masked-LM head within this many nats of the uniform guess over its vocabulary
+# (ln vocab_size), or above it, predicts nothing: continued as a headless checkpoint. A random head lies
+# above uniform (all-MiniLM-L6-v2 re-saved as a masked LM: 10.83 against 10.33), a trained one nats below
+# it on text of its language; the margin keeps a random head that lands a little under uniform by chance
+# from passing as trained.
+UNTRAINED_MARGIN = 0.1
 
 
 def locate(config: Config) -> pretrained.Pretrained:
@@ -128,30 +148,45 @@ def architecture(config: Config, vocab_size: int, seq_len: int, pad_id: int) -> 
         raise StageError(f"pretrain.init: {e}") from None
 
 
-def made_head(config: Config) -> list[str]:
-    """The masked-LM head's parameters that `init`'s checkpoint lacks and the stage makes (from the files'
-    headers); none without a checkpoint."""
+def untrained(loss: float | None, vocab_size: int) -> bool:
+    """Whether a checkpoint's own masked-LM head, of held-out loss `loss` (None: not measured), predicts
+    no better than the uniform guess over `vocab_size` tokens (`UNTRAINED_MARGIN`)."""
+    return loss is not None and loss >= math.log(vocab_size) - UNTRAINED_MARGIN
+
+
+def head_figure(loss: float, vocab_size: int) -> str:
+    """The `init_head` figure: the verdict on the checkpoint's own head, its held-out loss and uniform's."""
+    verdict = "untrained" if untrained(loss, vocab_size) else "trained"
+    return f"{verdict}: loss {loss:.2f}, uniform {math.log(vocab_size):.2f}"
+
+
+def made_head(config: Config, untrained: bool = False) -> list[str]:
+    """The masked-LM head's parameters that the stage makes (from the files' headers): those `init`'s
+    checkpoint lacks, or its whole head where that measured `untrained`; none without a checkpoint."""
     from cram.model.hf import missing_head
 
     if not config.init:
         return []
-    return missing_head(*_read(locate(config), shapes_only=True))
+    cfg, params = _read(locate(config), shapes_only=True)
+    return list(head_names(cfg)) if untrained else missing_head(cfg, params)
 
 
-def warmup_setting(config: Config) -> float:
-    """`head_warmup` as it runs: "auto" warms a head the stage made (`AUTO_FRACTION`), none for a checkpoint
-    that brought its own; nothing without `init` or for a zero budget."""
+def warmup_setting(config: Config, untrained: bool = False) -> float:
+    """`head_warmup` as it runs: "auto" warms a head the stage made (`AUTO_FRACTION`), for a checkpoint
+    without one or whose own measured `untrained`, none for one that brought a head; nothing without `init`
+    or for a zero budget."""
     if not config.init or config.budget.tokens == 0:
         return 0.0
     if config.head_warmup == "auto":
-        return AUTO_FRACTION if made_head(config) else 0.0
+        return AUTO_FRACTION if untrained or made_head(config) else 0.0
     return float(config.head_warmup)
 
 
-def warmup_of(config: Config, cfg: ModelConfig) -> HeadWarmup | None:
+def warmup_of(config: Config, cfg: ModelConfig, untrained: bool = False) -> HeadWarmup | None:
     """The head warm-up this run takes, None for none: below 1 a fraction of the budget, else tokens; its lr
     is `head_lr`, or the optimizer's peak."""
-    value, names, lr = warmup_setting(config), head_names(cfg), config.head_lr or config.optimizer.lr
+    value, names = warmup_setting(config, untrained), head_names(cfg)
+    lr = config.head_lr or config.optimizer.lr
     if not value:
         return None
     if value < 1:
@@ -182,15 +217,19 @@ def check_head_warmup(config: Config, cfg: ModelConfig, pack: pack_stage.Config 
         )
 
 
-def peak_lr(config: Config) -> float:
+def peak_lr(config: Config, untrained: bool = False) -> float:
     """The peak lr the run trains at: `optimizer.lr`, except in a run that continues `init`'s checkpoint.
     There a number given as `init_lr` is the peak, and `init_lr = "auto"` caps optimizer.lr at the
-    checkpoint's continuation rate (`continuation_lr`): a rate for training from scratch, such as the
-    default pipeline's, would overwrite what the checkpoint learned. A zero budget trains nothing: as given."""
+    checkpoint's continuation rate (`continuation_lr`), a sentence encoder's where its own head measured
+    `untrained` (an encoder whose head never learned was trained for something else): a rate for training
+    from scratch, such as the default pipeline's, would overwrite what the checkpoint learned. A zero budget
+    trains nothing: as given."""
     if not config.init or config.budget.tokens == 0:
         return config.optimizer.lr
     if config.init_lr != "auto":
         return config.init_lr
+    if untrained:
+        return min(config.optimizer.lr, SENTENCE_ENCODER_LR)
     found = locate(config)
     try:
         cfg = pretrained.architecture(found)
@@ -206,38 +245,78 @@ def continuation_lr(found: pretrained.Pretrained, cfg: ModelConfig) -> float:
     return MASKED_LM_LR * min(1.0, MASKED_LM_LR_WIDTH / cfg.hidden)
 
 
-def resolved(config: Config) -> Config:
+def resolved(config: Config, untrained: bool = False) -> Config:
     """`config` with `optimizer.lr` the peak lr the run trains at (`peak_lr`) and `init_lr` "auto" (left out
     of the key): a continued run keeps its key where the cap leaves its lr as it was."""
-    optimizer = dataclasses.replace(config.optimizer, lr=peak_lr(config))
+    optimizer = dataclasses.replace(config.optimizer, lr=peak_lr(config, untrained))
     return dataclasses.replace(config, optimizer=optimizer, init_lr="auto")
 
 
-def params(config: Config, ctx: Context) -> Params:
-    """The checkpoint's params, with a masked-LM head made from the run's seed where it has none (a base
-    model, a sequence classifier): the decoder is tied to the token embeddings as transformers ties it,
-    the head's transform, norm and bias start fresh, and one warning names them (none for a zero budget,
-    which trains nothing)."""
-    import time
+@dataclass(frozen=True)
+class Checkpoint:
+    """`init`'s checkpoint as read: where it is, its architecture, its params under cram's names."""
 
-    from cram import model
-    from cram.model.bert import shapes
-    from cram.model.hf import missing_head
+    found: pretrained.Pretrained
+    cfg: ModelConfig
+    params: dict[str, Tensor]
+
+    @property
+    def has_head(self) -> bool:
+        """It holds every param of a masked-LM head of its own (a tied decoder alone is none)."""
+        from cram.model.hf import missing_head
+
+        return bool(head_names(self.cfg)) and not missing_head(self.cfg, self.params)
+
+
+def load(config: Config, ctx: Context) -> Checkpoint:
+    """`init`'s checkpoint, read whole."""
+    import time
 
     started = time.perf_counter()
     found = locate(config)
     cfg, loaded = _read(found, shapes_only=False)
     ctx.log.info("init", checkpoint=str(found.folder), kind=found.kind, seconds=round(time.perf_counter() - started, 2))
-    made = missing_head(cfg, loaded)
+    return Checkpoint(found, cfg, loaded)
+
+
+def params(config: Config, ctx: Context, checkpoint: Checkpoint, head_loss: float | None) -> Params:
+    """The checkpoint's params, with a masked-LM head made from the run's seed where it has none (a base
+    model, a sequence classifier) or where its own, of held-out loss `head_loss`, measured `untrained`: the
+    decoder is tied to the token embeddings as transformers ties it, the head's transform, norm and bias
+    start fresh, and one warning names them (none for a zero budget, which trains nothing)."""
+    from cram import model
+    from cram.model.bert import shapes
+    from cram.model.hf import missing_head
+
+    cfg, loaded = checkpoint.cfg, checkpoint.params
+    remade = untrained(head_loss, cfg.vocab_size)
+    made = list(head_names(cfg)) if remade else missing_head(cfg, loaded)
     if made and config.budget.tokens != 0 and ctx.is_main:
-        how = (
-            "they train alone, the encoder frozen, for pretrain.head_warmup, then with it"
-            if warmup_setting(config)
-            else "they train with the encoder from the first step (pretrain.head_warmup = 0)"
-        )
-        ctx.log.warning(
-            f"pretrain.init: {found.folder} has no masked-LM head; initialised {', '.join(made)} from the run's "
+        ctx.log.warning(_made_head_message(config, checkpoint, made, head_loss if remade else None))
+    made_params = model.init(cfg, ctx.seed, names=made)
+    return {name: made_params[name] if name in made else loaded[name] for name in shapes(cfg)}
+
+
+def _made_head_message(config: Config, checkpoint: Checkpoint, made: list[str], head_loss: float | None) -> str:
+    """The one line that says the stage made a head: for a checkpoint without one, or (`head_loss`) for one
+    whose own predicts no better than uniform, with the warm-up and the rate it then trains at."""
+    remade = head_loss is not None
+    value = warmup_setting(config, remade)
+    how = (
+        f"they train alone, the encoder frozen, for pretrain.head_warmup ({value:g}), then with it"
+        if value
+        else "they train with the encoder from the first step (pretrain.head_warmup = 0)"
+    )
+    folder = checkpoint.found.folder
+    if not remade:
+        return (
+            f"pretrain.init: {folder} has no masked-LM head; initialised {', '.join(made)} from the run's "
             f"seed (the decoder is tied to the token embeddings); {how}"
         )
-    made_params = model.init(cfg, ctx.seed, names=made)
-    return {name: loaded[name] if name in loaded else made_params[name] for name in shapes(cfg)}
+    vocab = checkpoint.cfg.vocab_size
+    return (
+        f"pretrain.init: {folder}'s masked-LM head predicts no better than uniform (held-out loss "
+        f"{head_loss:.2f}, uniform ln {vocab:,} = {math.log(vocab):.2f}): continued as a checkpoint without one; "
+        f"initialised {', '.join(made)} from the run's seed (the decoder is tied to the token embeddings); "
+        f"{how}; peak lr {peak_lr(config, remade):.3g} (pretrain.init_lr)"
+    )

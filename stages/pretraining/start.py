@@ -1,9 +1,11 @@
 """Where pretraining starts: the newest checkpoint of an interrupted run, `init`'s checkpoint (with a
-masked-LM head made where it has none: `continued.py`), or the preset's random init.
+masked-LM head made where it has none, or where its own measures no better than uniform: `continued.py`),
+or the preset's random init; and the peak lr and head warm-up that start trains at.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,14 +15,19 @@ from cram.stages.pretraining.config import Config
 from cram.stages.pretraining.setup import Setup
 
 if TYPE_CHECKING:
-    from cram.stages.pretraining.state import TrainState
+    from cram.stages.pretraining.state import Params, TrainState
+
+# Held-out blocks (at most) on which a checkpoint's own masked-LM head is measured before training: a
+# random head's loss lies half a nat or more from a trained one's, which a few thousand masked tokens show.
+JUDGED_BLOCKS = 64
 
 
-def start(config: Config, setup: Setup, out_dir: Path, ctx: Context) -> TrainState:
+def start(config: Config, setup: Setup, out_dir: Path, ctx: Context) -> tuple[Config, Setup, TrainState]:
     """The state of the newest checkpoint (the one rank 0 sees, on every rank), or a fresh one (the init's,
-    which a checkpoint would only repeat), on the device. Rank 0's metrics.jsonl loses the lines written
-    after that state (a killed run's), all of them on a fresh start."""
-    from cram import model
+    which a checkpoint would only repeat), on the device; with `config` at the peak lr it trains at
+    (`continued.resolved`) and `setup` with its head warm-up, as `init`'s head measured (`TrainState.
+    init_head_loss`). Rank 0's metrics.jsonl loses the lines written after that state (a killed run's),
+    all of them on a fresh start."""
     from cram.stages.pretraining import checkpoint
     from cram.stages.pretraining.state import TrainState
     from cram.stages.pretraining.telemetry import MetricsLog
@@ -28,19 +35,59 @@ def start(config: Config, setup: Setup, out_dir: Path, ctx: Context) -> TrainSta
 
     resume_from = agree_on(checkpoint.latest(out_dir / "checkpoints", ctx.log), ctx.world_size)
     if resume_from is None:
-        params = continued.params(config, ctx) if config.init else model.init(setup.model, ctx.seed)
-        trained, kept = TrainState.split(params)
-        state = TrainState(seed=ctx.seed, params=trained, opt_state=model.adamw_init(trained), kept=kept)
-        state.full_start = None if setup.warmup is not None else 0.0
+        state = _fresh(config, setup, ctx)
     else:
         params, opt_state, counters = checkpoint.load(resume_from)
         state = TrainState.from_json(counters, params, opt_state)
         if state.seed != ctx.seed:
             raise StageError(f"{resume_from}: saved with seed {state.seed}, the run has seed {ctx.seed}")
         ctx.log.info("resume", checkpoint=str(resume_from), step=state.step, elapsed_s=state.elapsed_s)
+    untrained = continued.untrained(state.init_head_loss, setup.model.vocab_size)
+    config = continued.resolved(config, untrained)
+    setup = dataclasses.replace(setup, warmup=continued.warmup_of(config, setup.model, untrained))
+    if resume_from is None:
+        state.full_start = None if setup.warmup is not None else 0.0
     state.params = {k: v.to(setup.device) for k, v in state.params.items()}
     state.opt_state = {k: v.to(setup.device) for k, v in state.opt_state.items()}
     if ctx.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         MetricsLog(out_dir / "metrics.jsonl").truncate(state.step)
-    return state
+    return config, setup, state
+
+
+def _fresh(config: Config, setup: Setup, ctx: Context) -> TrainState:
+    """The state before the first step: `init`'s params (and its head's held-out loss, where measured), or
+    the preset's random init."""
+    from cram import model
+    from cram.stages.pretraining.state import TrainState
+
+    head_loss = None
+    if config.init:
+        found = continued.load(config, ctx)
+        head_loss = _head_loss(config, setup, found, ctx)
+        params = continued.params(config, ctx, found, head_loss)
+    else:
+        params = model.init(setup.model, ctx.seed)
+    trained, kept = TrainState.split(params)
+    opt_state = model.adamw_init(trained)
+    return TrainState(seed=ctx.seed, params=trained, opt_state=opt_state, kept=kept, init_head_loss=head_loss)
+
+
+def _head_loss(config: Config, setup: Setup, found: continued.Checkpoint, ctx: Context) -> float | None:
+    """The held-out MLM loss of the checkpoint's own head on the first `JUDGED_BLOCKS` held-out blocks, in
+    fp32 and eagerly, rank 0's on every rank; None where there is nothing to measure (no head of its own,
+    no held-out block) or no step will use it (a zero budget)."""
+    from cram.model.bert import shapes
+    from cram.stages.pretraining.state import TrainState
+    from cram.stages.pretraining.steps import val_loss
+    from cram.stages.shared.collectives import all_gather
+    from cram.stages.shared.precision import FP32
+
+    if config.budget.tokens == 0 or not found.has_head or not len(setup.val):
+        return None
+    loss = None
+    if ctx.is_main:
+        trained, _ = TrainState.split({name: found.params[name] for name in shapes(found.cfg)})
+        on_device: Params = {k: v.to(setup.device) for k, v in trained.items()}
+        loss = val_loss(dataclasses.replace(setup, precision=FP32), on_device, JUDGED_BLOCKS)
+    return all_gather(loss, ctx.world_size)[0]

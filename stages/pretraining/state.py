@@ -20,7 +20,7 @@ Params = dict[str, "Tensor"]
 _TENSORS = ("params", "opt_state", "kept")
 # Counters added after the format was fixed: left out while at their default, so a checkpoint that
 # lacks them reads and writes back as it was (its run had one phase; its FLOPs count restarts at 0).
-_NEW = {"phase": 0, "phase_start": 0, "flops_seen": 0.0, "full_start": 0.0}
+_NEW = {"phase": 0, "phase_start": 0, "flops_seen": 0.0, "full_start": 0.0, "init_head_loss": None}
 
 
 @dataclass(kw_only=True)
@@ -41,6 +41,9 @@ class TrainState:
     loss_start: float | None = None
     loss_end: float | None = None
     val_loss_start: float | None = None
+    # The held-out loss of `init`'s own masked-LM head before training (continued.untrained); None: not
+    # measured. Kept so that a resume continues with the head, lr and warm-up the start chose.
+    init_head_loss: float | None = None
     unlogged: list[list[float]] = field(default_factory=list)  # [loss, accuracy, grad_norm] of the steps
     # since the last log line, so that a resumed run logs the curve an uninterrupted one would
     params: Params = field(default_factory=dict, repr=False)
