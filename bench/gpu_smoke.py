@@ -89,8 +89,8 @@ def train(args: argparse.Namespace, folder: Path) -> tuple[dict, SyncCount]:
     syncs = SyncCount(enabled=args.device.startswith("cuda"))
     real_train = loop.train
 
-    def train_counting(config, ctx, steps, state, data, hooks, warmup=None):
-        return real_train(config, ctx, steps, state, data, [*hooks, syncs], warmup)
+    def train_counting(course, ctx, steps, state, data, hooks):
+        return real_train(course, ctx, steps, state, data, [*hooks, syncs])
 
     loop.train = train_counting  # the stage imports `train` from the module when it runs
     ctx = Context(seed=0, device=args.device, run_dir=folder / "run", log=PrintLog(), attention=args.attention)
@@ -231,7 +231,7 @@ def attention_ops(device, documents: bool, attention: str) -> list[str]:
     batch = {k: v.to(device) for k, v in batch.items()}
     autocast = torch.bfloat16 if device.type == "cuda" else None
     step = model.make_train_step(
-        cfg, model.OptimizerConfig(), compile=False, autocast_dtype=autocast, attention=attention
+        cfg, model.OptimizerConfig(), model.Compilation(compile=False, autocast=autocast, attention=attention)
     )
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step(params, model.adamw_init(params), batch, torch.tensor(1e-3, device=device))

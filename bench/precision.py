@@ -62,9 +62,9 @@ def main() -> None:
 
     steps, rows = {}, {}
     for candidate in (BF16, BF16_256, FP32):
-        how = dict(autocast_dtype=candidate.autocast())
-        eager = model.make_train_step(cfg, opt, compile=False, **how)(params, state, batch, lr)[2]
-        step = model.make_train_step(cfg, opt, options=candidate.compile_options(), **how)
+        how = model.Compilation(autocast=candidate.autocast(), options=candidate.compile_options())
+        eager = model.make_train_step(cfg, opt, how.eager())(params, state, batch, lr)[2]
+        step = model.make_train_step(cfg, opt, how)
         began = time.perf_counter()
         got = step(params, state, batch, lr)[2]
         compile_s = time.perf_counter() - began

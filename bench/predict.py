@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from cram import model
 from cram.model.classifier import init_head
 from cram.pipeline.commands.export import export
+from cram.pipeline.schema import StageRecord
 from cram.pipeline.store import write_marker
 from cram.stages import Upstream, evaluate, tokenize
 from cram.stages.finetuning import kept
@@ -74,7 +75,7 @@ def make_exports(root: Path, texts: list[str], preset: str, max_length: int, bat
     keeper.meta[0] = kept.describe(config.tuning(), task_cfg, task, max_length, upstream)
     keeper.offer(0, 0, task, {**params, **init_head(cfg, len(LABELS), 0, head="modernbert")}, _run())
     outputs = {"classifiers": keeper.finish([(0, 0)], {0: 0})}
-    write_marker(run / "evaluate", "evaluate", KEY, {"outputs": outputs})
+    write_marker(run / "evaluate", "evaluate", KEY, StageRecord(outputs=outputs))
     stages = {
         "tokenize": {"status": "done", "outputs": {"tokenizer": "tokenizer.model", "special_ids": special}},
         "pretrain": {"status": "done", "outputs": {"params": "params.safetensors", "model_config": "model.json"}},
@@ -106,7 +107,8 @@ def child(arm: str, folder: str, texts: str, out: str, batch: int, max_length: i
     else:
         from cram.pipeline.commands import predict
 
-        predict.predict(Path(folder), [Path(texts)], out=Path(out), compile=arm == "cram", batch_size=batch)
+        settings = predict.Settings(compile=arm == "cram", batch_size=batch)
+        predict.predict(Path(folder), [Path(texts)], out=Path(out), settings=settings)
     print(json.dumps({"seconds": time.perf_counter() - began}))
 
 

@@ -322,9 +322,11 @@ class Trainer:
         params = {k: v.to(self.device) for k, v in model.init(self.cfg, seed=args.seed).items()}
         state = {"params": params, "opt": model.adamw_init(params)}
         train = model.make_train_step(
-            self.cfg, model.OptimizerConfig(), compile=compiled, backend=args.backend, autocast_dtype=self.autocast
+            self.cfg,
+            model.OptimizerConfig(),
+            model.Compilation(compile=compiled, backend=args.backend, autocast=self.autocast),
         )
-        evaluate = model.make_eval_step(self.cfg, compile=False, autocast_dtype=self.autocast)
+        evaluate = model.make_eval_step(self.cfg, model.Compilation(compile=False, autocast=self.autocast))
         keys = ("input_ids", "mlm_positions", "mlm_labels") + (("document_ids",) if self.spec.documents else ())
 
         def step(batch, lr):

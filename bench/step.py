@@ -362,10 +362,7 @@ def cram_row(cfg, device, autocast, backend: str, compiled: bool, attention: str
         train_step = model.make_train_step(
             cfg,
             model.OptimizerConfig(),
-            compile=compiled,
-            backend=backend,
-            autocast_dtype=autocast,
-            attention=attention,
+            model.Compilation(compile=compiled, backend=backend, autocast=autocast, attention=attention),
         )
 
         def step(batch):

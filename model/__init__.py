@@ -33,6 +33,8 @@ _LAZY = {
     "adamw_init": "cram.model.optim",
     "adamw_update": "cram.model.optim",
     "lr_schedule": "cram.model.schedules",
+    "Compilation": "cram.model.step",
+    "EAGER": "cram.model.step",
     "make_accumulate_step": "cram.model.step",
     "make_apply_step": "cram.model.step",
     "make_eval_step": "cram.model.step",
@@ -51,6 +53,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "PRESETS",
+    "Compilation",
+    "EAGER",
     "MemoryEstimate",
     "SCHEDULES",
     "DECAY_SHAPES",

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from cram.model.bert import INIT_STD, dropout, encode
 from cram.model.config import Attention, ModelConfig, OptimizerConfig
-from cram.model.step import CompileOptions, autocast, compiled, detached_params, make_apply_step
+from cram.model.step import EAGER, Compilation, autocast, compiled, detached_params, make_apply_step
 
 # "pooler": the first token, through a head whose dense layer starts as the checkpoint's pooler (`pooler_head`).
 Pooling = Literal["first", "mean", "pooler"]
@@ -140,13 +140,9 @@ def finetune_loss(logits: Tensor, labels: Tensor, weights: Tensor) -> Tensor:
 def make_finetune_step(
     cfg: ModelConfig,
     opt_cfg: OptimizerConfig,
+    how: Compilation = Compilation(),
     *,
     pooling: Pooling = "first",
-    compile: bool = True,
-    backend: str = "inductor",
-    autocast_dtype: torch.dtype | None = None,
-    attention: Attention = "auto",
-    options: CompileOptions = None,
     head: Head = "cramming",
 ) -> Callable[..., tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]]:
     """step(params, opt_state, batch, lr: 0-dim tensor) -> (params, opt_state, {"loss", "grad_norm"}).
@@ -156,13 +152,13 @@ def make_finetune_step(
     """
     _check_pooling(pooling)
     _check_head(head)
-    apply = make_apply_step(opt_cfg, compile=False)
+    apply = make_apply_step(opt_cfg, EAGER)
 
     def loss_fn(params: dict[str, Tensor], batch: dict[str, Tensor]) -> Tensor:
         ids, mask, types = batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids")
-        with autocast(ids, autocast_dtype):
+        with autocast(ids, how.autocast):
             rate = batch["dropout"] if "dropout" in batch else torch.tensor(cfg.dropout, device=ids.device)
-            logits = classify(params, cfg, ids, mask, pooling, attention, types, rate, head)
+            logits = classify(params, cfg, ids, mask, pooling, how.attention, types, rate, head)
         return finetune_loss(logits, batch["labels"], batch["weights"])
 
     def step(params, opt_state, batch, lr):
@@ -171,18 +167,14 @@ def make_finetune_step(
         params, opt_state, metrics = apply(params, opt_state, grads, one, lr)
         return params, opt_state, {**metrics, "loss": loss.detach()}
 
-    return detached_params(compiled(step, compile, backend, options))
+    return detached_params(compiled(step, how))
 
 
 def make_classify_eval_step(
     cfg: ModelConfig,
+    how: Compilation = Compilation(),
     *,
     pooling: Pooling = "first",
-    compile: bool = True,
-    backend: str = "inductor",
-    autocast_dtype: torch.dtype | None = None,
-    attention: Attention = "auto",
-    options: CompileOptions = None,
     head: Head = "cramming",
 ) -> Callable[[dict[str, Tensor], dict[str, Tensor]], Tensor]:
     """predict(params, batch) -> logits [B, num_outputs] fp32, without dropout; `labels`/`weights` are not
@@ -192,11 +184,11 @@ def make_classify_eval_step(
 
     @torch.no_grad()
     def predict(params, batch):
-        with autocast(batch["input_ids"], autocast_dtype):
+        with autocast(batch["input_ids"], how.autocast):
             ids, mask, types = batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids")
-            return classify(params, cfg, ids, mask, pooling, attention, types, 0.0, head)
+            return classify(params, cfg, ids, mask, pooling, how.attention, types, 0.0, head)
 
-    return compiled(predict, compile, backend, options)
+    return compiled(predict, how)
 
 
 def _check_pooling(pooling: str) -> None:

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from cram.model.bert import POOLER, shapes
+from cram.model.classifier import FIRST_TOKEN
 from cram.model.config import ModelConfig
 from cram.model.hf_config import checked_config, fields_of
 from cram.model.hf_families import (
@@ -163,7 +164,7 @@ def classifier_blockers(cfg: ModelConfig, head: str, width: int, pooling: str) -
         blockers.append(f'evaluate.head="{wanted}"')
     elif head == "cramming" and width not in (0, cfg.hidden):
         blockers.append(f"evaluate.head_width=0 (the hidden size {cfg.hidden}, not {width})")
-    if wanted != "modernbert" and pooling != "first":
+    if wanted != "modernbert" and pooling not in FIRST_TOKEN:  # "pooler" is BERT's own dense over the first token
         blockers.append('evaluate.pooling="first"')
     return blockers
 
@@ -200,7 +201,7 @@ def classifier_to_transformers(
         config["id2label"] = {str(i): name for i, name in enumerate(labels)}
         config["label2id"] = {name: i for i, name in enumerate(labels)}
     if family == "modernbert":
-        config.update(classifier_pooling="cls" if pooling == "first" else "mean", classifier_dropout=0.0)
+        config.update(classifier_pooling="cls" if pooling in FIRST_TOKEN else "mean", classifier_dropout=0.0)
     return config, state
 
 

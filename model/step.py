@@ -8,8 +8,10 @@ recompile. bf16 autocast covers the forward only; params and optimizer state sta
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -27,21 +29,36 @@ CompileOptions = dict[str, object] | None  # the backend's options for these gra
 Trained = Collection[str] | None
 
 
+@dataclass(frozen=True)
+class Compilation:
+    """How a step runs: one graph compiled by `backend` (with its `options`), or eagerly; its forward under
+    `autocast` (None: fp32); its attention computed as `attention`. The default: inductor, fp32."""
+
+    compile: bool = True
+    backend: str = "inductor"
+    autocast: torch.dtype | None = None
+    attention: Attention = "auto"
+    options: CompileOptions = None  # the backend's options for these graphs alone (inductor's config keys)
+
+    def eager(self) -> Compilation:
+        """The same step run eagerly: the reference a compiled one is checked against."""
+        return dataclasses.replace(self, compile=False, options=None)
+
+
+EAGER = Compilation(compile=False)
+
+
 def make_train_step(
     cfg: ModelConfig,
     opt_cfg: OptimizerConfig,
+    how: Compilation = Compilation(),
     *,
-    compile: bool = True,
-    backend: str = "inductor",
-    autocast_dtype: torch.dtype | None = None,
     reduce_grads: GradReducer | None = None,
-    attention: Attention = "auto",
-    options: CompileOptions = None,
     trained: Trained = None,
 ) -> Callable[[Params, Params, Params, Tensor], tuple[Params, Params, dict[str, Tensor]]]:
     """step(params, opt_state, batch, lr) -> (params, opt_state, {"loss", "grad_norm", "accuracy"}); only
     the `trained` params (None: all) change."""
-    loss_and_grads = _loss_and_grads(cfg, autocast_dtype, attention, trained)
+    loss_and_grads = _loss_and_grads(cfg, how, trained)
 
     def train_step(params, opt_state, batch, lr):
         grads, (loss, aux) = loss_and_grads(params, batch)
@@ -50,42 +67,31 @@ def make_train_step(
         params, opt_state, grad_norm = _update(opt_cfg, params, opt_state, grads, lr)
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "accuracy": aux["accuracy"]}
 
-    return detached_params(compiled(train_step, compile, backend, options))
+    return detached_params(compiled(train_step, how))
 
 
 def make_accumulate_step(
-    cfg: ModelConfig,
-    *,
-    compile: bool = True,
-    backend: str = "inductor",
-    autocast_dtype: torch.dtype | None = None,
-    attention: Attention = "auto",
-    options: CompileOptions = None,
-    trained: Trained = None,
+    cfg: ModelConfig, how: Compilation = Compilation(), *, trained: Trained = None
 ) -> Callable[[Params, Params, Params], tuple[Params, dict[str, Tensor]]]:
     """accumulate(params, grads, batch) -> (grads + this microbatch's grads, {"loss", "accuracy"}); `grads`
     holds the `trained` params' alone (None: all)."""
-    loss_and_grads = _loss_and_grads(cfg, autocast_dtype, attention, trained)
+    loss_and_grads = _loss_and_grads(cfg, how, trained)
 
     def accumulate_step(params, grads, batch):
         micro, (loss, aux) = loss_and_grads(params, batch)
         return {name: grads[name] + g for name, g in micro.items()}, {"loss": loss, "accuracy": aux["accuracy"]}
 
-    return detached_params(compiled(accumulate_step, compile, backend, options))
+    return detached_params(compiled(accumulate_step, how))
 
 
 def make_apply_step(
-    opt_cfg: OptimizerConfig,
-    *,
-    compile: bool = True,
-    backend: str = "inductor",
-    reduce_grads: GradReducer | None = None,
-    options: CompileOptions = None,
+    opt_cfg: OptimizerConfig, how: Compilation = Compilation(), *, reduce_grads: GradReducer | None = None
 ) -> Callable[[Params, Params, Params, Tensor, Tensor], tuple[Params, Params, dict[str, Tensor]]]:
     """apply(params, opt_state, grads, n_micro, lr) -> (params, opt_state, {"grad_norm"}).
 
     Summed microbatch gradients are divided by `n_micro` (a tensor: a growing batch never
-    recompiles), reduced across ranks, clipped and applied to the params they are of.
+    recompiles), reduced across ranks, clipped and applied to the params they are of. No forward: `how`'s
+    autocast and attention do not apply.
     """
 
     def apply_step(params, opt_state, grads, n_micro, lr):
@@ -95,26 +101,18 @@ def make_apply_step(
         params, opt_state, grad_norm = _update(opt_cfg, params, opt_state, grads, lr)
         return params, opt_state, {"grad_norm": grad_norm}
 
-    return compiled(apply_step, compile, backend, options)
+    return compiled(apply_step, how)
 
 
-def make_eval_step(
-    cfg: ModelConfig,
-    *,
-    compile: bool = True,
-    backend: str = "inductor",
-    autocast_dtype: torch.dtype | None = None,
-    attention: Attention = "auto",
-    options: CompileOptions = None,
-) -> Callable[[Params, Params], dict[str, Tensor]]:
+def make_eval_step(cfg: ModelConfig, how: Compilation = Compilation()) -> Callable[[Params, Params], dict[str, Tensor]]:
     """evaluate(params, batch) -> {"loss", "accuracy"}; compiled apart from the train step."""
 
     def eval_step(params, batch):
-        with autocast(batch["input_ids"], autocast_dtype):
-            loss, aux = mlm_loss(params, cfg, batch, attention)
+        with autocast(batch["input_ids"], how.autocast):
+            loss, aux = mlm_loss(params, cfg, batch, how.attention)
         return {"loss": loss, "accuracy": aux["accuracy"]}
 
-    return compiled(eval_step, compile, backend, options)
+    return compiled(eval_step, how)
 
 
 def make_grad_all_reduce(world_size: int, group=None) -> GradReducer:
@@ -135,12 +133,12 @@ def make_grad_all_reduce(world_size: int, group=None) -> GradReducer:
     return all_reduce_mean
 
 
-def _loss_and_grads(cfg: ModelConfig, autocast_dtype: torch.dtype | None, attention: Attention, trained: Trained):
+def _loss_and_grads(cfg: ModelConfig, how: Compilation, trained: Trained):
     """(params, batch) -> (gradients of the `trained` params (None: all), (loss, aux))."""
 
     def loss(learned, fixed, batch):
-        with autocast(batch["input_ids"], autocast_dtype):
-            return mlm_loss({**fixed, **learned}, cfg, batch, attention)
+        with autocast(batch["input_ids"], how.autocast):
+            return mlm_loss({**fixed, **learned}, cfg, batch, how.attention)
 
     grad = torch.func.grad_and_value(loss, has_aux=True)
 
@@ -186,16 +184,16 @@ def autocast(like: Tensor, dtype: torch.dtype | None):
     return torch.autocast(like.device.type, dtype=dtype)
 
 
-def compiled(fn: Callable, compile: bool, backend: str, options: CompileOptions = None) -> Callable:
-    """`fn` as one static-shape graph (`fullgraph=True`, `dynamic=False`), or `fn` itself when not `compile`.
+def compiled(fn: Callable, how: Compilation) -> Callable:
+    """`fn` as one static-shape graph (`fullgraph=True`, `dynamic=False`), or `fn` itself when not `how.compile`.
 
     Each new batch shape compiles once, so the graph count is bounded by the shapes a caller uses.
-    `options` patch the backend's config while it compiles these graphs (e.g. inductor's
+    `how.options` patch the backend's config while it compiles these graphs (e.g. inductor's
     `cpp.simdlen`), leaving the process's config as it was."""
-    if not compile:
+    if not how.compile:
         return fn
     # Dynamo caches compiled graphs on the function's code object, shared by every closure that
     # make_* returns: a second step (another config, a test) would count as a recompile of the
     # first and, past the recompile limit, fall back to eager. A copied code object gets its own cache.
     fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    return torch.compile(fresh, fullgraph=True, dynamic=False, backend=backend, options=options or None)
+    return torch.compile(fresh, fullgraph=True, dynamic=False, backend=how.backend, options=how.options or None)

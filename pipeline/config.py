@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cram.model.config import Attention
+from cram.stages import protocols
 from cram.stages.shared import loggers as stage_loggers
 
 if sys.version_info >= (3, 11):
@@ -106,7 +107,7 @@ def _validate(raw: dict[str, Any], config_classes: dict[str, type], source: str)
             raise ConfigError(f"{source}: unknown section [{name}]{_did_you_mean(name, sections)}")
     built = {name: build(cls, raw.get(name, {}), name, source) for name, cls in sections.items()}
     # A section may take a default from another's: tokenize's tokenizer from pretrain's checkpoint.
-    built = {name: section.linked(built) if hasattr(section, "linked") else section for name, section in built.items()}
+    built = {name: protocols.linked(section, built) for name, section in built.items()}
     run = built.pop("run")
     return PipelineConfig(run=run, stages=built)
 

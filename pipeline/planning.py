@@ -13,14 +13,16 @@ the keys they had before it existed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from cram import stages
 from cram.pipeline import config as cfg
 from cram.pipeline import ranks, rundir, store
+from cram.pipeline.schema import StageRecord
+from cram.stages.protocols import StageLike, StageSpec, read
 from cram.stages.shared.files import hashes_from
 
 
@@ -31,7 +33,7 @@ class PlanError(Exception):
 @dataclass(frozen=True)
 class Step:
     name: str
-    module: ModuleType
+    stage: StageSpec
     key: str
     config_hash: str
     inputs_hash: str | None
@@ -44,7 +46,7 @@ class Step:
 
 def plan(
     config: cfg.PipelineConfig,
-    modules: list[ModuleType],
+    modules: Sequence[StageLike],
     run_dir: Path,
     only: str | None = None,
     start: str | None = None,
@@ -52,7 +54,8 @@ def plan(
 ) -> list[Step]:
     """Each stage with run/skip and why. `only` runs one stage; `start` forces it and all after it."""
     _check_run(config, run_dir)
-    names = [m.NAME for m in modules]
+    specs = [read(m) for m in modules]
+    names = [s.NAME for s in specs]
     for given in (only, start, *force):
         if given is not None and given not in names:
             raise PlanError(f"unknown stage '{given}'; stages are: {', '.join(names)}")
@@ -61,25 +64,25 @@ def plan(
     keys: dict[str, str] = {}
     steps: list[Step] = []
     selected: dict[str, bool] = {}
-    for i, module in enumerate(modules):
-        stage_config = stage_config_of(module, config)
+    for i, stage in enumerate(specs):
+        stage_config = stage.config_in(config)
         if stage_config is None:
             continue
-        keyed = keyed_config(module, stage_config)
-        upstream = {u: keys[u] for u in module.UPSTREAM if u in keys}
-        config_hash = cfg.digest({"version": module.VERSION, "config": keyed, "seed": config.run.seed})
+        keyed = keyed_config(stage, stage_config)
+        upstream = {u: keys[u] for u in stage.UPSTREAM if u in keys}
+        config_hash = cfg.digest({"version": stage.VERSION, "config": keyed, "seed": config.run.seed})
         # A stage that reads files outside the run (a corpus, a checkpoint) says what of them its output
         # depends on; None: none with this config.
-        outside = fingerprint(module, stage_config, stored)
+        outside = fingerprint(stage, stage_config, stored)
         inputs_hash = None if outside is None else cfg.digest(outside)
-        key = _key(module, keyed, config.run.seed, upstream, inputs_hash)
-        keys[module.NAME] = key
-        record = manifest.stage(module.NAME)
-        done, broken = _is_done(record, key, run_dir / module.NAME)
-        in_store = not done and store.problem(stored.entry(module.NAME, key), key) is None
-        chosen = (only is None or module.NAME == only) and (start is None or i >= names.index(start))
-        selected[module.NAME] = chosen
-        if chosen and (module.NAME in force or start is not None):
+        key = _key(stage, keyed, config.run.seed, upstream, inputs_hash)
+        keys[stage.NAME] = key
+        record = manifest.stage(stage.NAME)
+        done, broken = _is_done(record, key, run_dir / stage.NAME)
+        in_store = not done and store.problem(stored.entry(stage.NAME, key), key) is None
+        chosen = (only is None or stage.NAME == only) and (start is None or i >= names.index(start))
+        selected[stage.NAME] = chosen
+        if chosen and (stage.NAME in force or start is not None):
             action, reason = "run", "forced"
         elif done:
             action, reason = "skip", "done"
@@ -90,45 +93,35 @@ def plan(
         else:
             action, reason = "skip", "not selected"
         steps.append(
-            Step(module.NAME, module, key, config_hash, inputs_hash, upstream, action, reason, outside, stage_config)
+            Step(stage.NAME, stage, key, config_hash, inputs_hash, upstream, action, reason, outside, stage_config)
         )
-    _check_present(steps, modules, (only, *force))
+    _check_present(steps, specs, (only, *force))
     steps = _link_only_what_is_needed(steps, selected)
     _check_upstream_done(steps)
     _validate(config, steps)
     return steps
 
 
-def _check_present(steps: list[Step], modules: list[ModuleType], given: tuple[str | None, ...]) -> None:
+def _check_present(steps: list[Step], specs: list[StageSpec], given: tuple[str | None, ...]) -> None:
     """Refuse --only or --force of a stage that this config leaves out (`config_of`: nothing to do),
     saying what setting runs it (its `RUNS_WITH`)."""
     present = {s.name for s in steps}
-    for module in modules:
-        if module.NAME in given and module.NAME not in present:
-            raise PlanError(
-                f"stage '{module.NAME}' has nothing to do with this config; it runs with {module.RUNS_WITH}"
-            )
+    for stage in specs:
+        if stage.NAME in given and stage.NAME not in present:
+            raise PlanError(f"stage '{stage.NAME}' has nothing to do with this config; it runs with {stage.RUNS_WITH}")
 
 
-def _key(module: ModuleType, keyed: dict[str, Any], seed: int, upstream: dict[str, str], inputs: str | None) -> str:
+def _key(stage: StageSpec, keyed: dict[str, Any], seed: int, upstream: dict[str, str], inputs: str | None) -> str:
     return cfg.digest(
         {
-            "stage": module.NAME,
-            "version": module.VERSION,
+            "stage": stage.NAME,
+            "version": stage.VERSION,
             "config": keyed,
             "seed": seed,
             "upstream": upstream,
             "inputs": inputs,
         }
     )
-
-
-def stage_config_of(module: ModuleType, config: cfg.PipelineConfig) -> Any:
-    """The stage's config: its section, or what its `config_of(config)` makes of the others' (None:
-    nothing to do with this config)."""
-    if hasattr(module, "config_of"):
-        return module.config_of(config)
-    return config.stages[module.NAME]
 
 
 def _check_run(config: cfg.PipelineConfig, run_dir: Path) -> None:
@@ -140,12 +133,10 @@ def _check_run(config: cfg.PipelineConfig, run_dir: Path) -> None:
         raise PlanError(problem)
 
 
-def fingerprint(module: ModuleType, stage_config: Any, stored: store.Store) -> list[list[Any]] | None:
-    """The stage's optional `fingerprint(config)`, its large files hashed through the store's cache."""
-    if not hasattr(module, "fingerprint"):
-        return None
+def fingerprint(stage: StageSpec, stage_config: Any, stored: store.Store) -> list[list[Any]] | None:
+    """The stage's `fingerprint(config)`, its large files hashed through the store's cache."""
     with hashes_from(store.hash_cache(stored.root)):
-        return module.fingerprint(stage_config)
+        return stage.fingerprint(stage_config)
 
 
 def _check_folder(run_dir: Path) -> None:
@@ -159,38 +150,34 @@ def _check_folder(run_dir: Path) -> None:
 
 def _validate(config: cfg.PipelineConfig, steps: list[Step]) -> None:
     """Each stage's own checks, before any stage runs: a bad pretrain or evaluate setting fails now, not
-    after the stages before it. A done stage passed them when it ran. A stage's optional `validate` is
-    torch-free and checks every stage not done; its optional `validate_runtime` (device, backend, memory)
-    loads torch and checks only the stages that run now, so `--only pack` starts in well under a second."""
+    after the stages before it. A done stage passed them when it ran. A stage's `validate` is torch-free
+    and checks every stage not done; its `validate_runtime` (device, backend, memory) loads torch and
+    checks only the stages that run now, so `--only pack` starts in well under a second."""
     for step in steps:
         if step.reason in ("done", "in store"):
             continue
-        checks = [getattr(step.module, "validate", None)]
-        if step.action == "run":
-            checks.append(getattr(step.module, "validate_runtime", None))
         try:
-            for check in filter(None, checks):
-                check(step.config, config)
+            step.stage.validate(step.config, config)
+            if step.action == "run":
+                step.stage.validate_runtime(step.config, config)
         except stages.StageError as e:
             raise PlanError(str(e)) from None
 
 
-def keyed_config(module: ModuleType, stage_config: Any) -> dict[str, Any]:
+def keyed_config(stage: StageLike, stage_config: Any) -> dict[str, Any]:
     """The stage's config as its cache key sees it: without the fields its `NOT_IN_KEY` names (dotted
     paths such as "log_every_steps"), which change how a stage reports, not what it computes; and without
     the fields its `NEW_OPTIONS` names while they hold their default. Those are options added after the
     stage's key was fixed: at their default they compute what the stage computed before them, so a store
-    filled before they existed stays valid. A stage's optional `key_config(config)` first sets what its
-    output does not depend on in that config (tokenize: the training fields, beside a given tokenizer)."""
-    if hasattr(module, "key_config"):
-        stage_config = module.key_config(stage_config)
-    plain = cfg.as_plain(stage_config)
-    for dotted in getattr(module, "NOT_IN_KEY", ()):
+    filled before they existed stays valid. A stage's `key_config(config)` first sets what its output
+    does not depend on in that config (tokenize: the training fields, beside a given tokenizer)."""
+    spec = read(stage)
+    plain = cfg.as_plain(spec.key_config(stage_config))
+    for dotted in spec.NOT_IN_KEY:
         _pop(plain, dotted)
-    new_options = getattr(module, "NEW_OPTIONS", ())
-    if new_options:
+    if spec.NEW_OPTIONS:
         defaults = cfg.as_plain(type(stage_config)())
-        for dotted in new_options:
+        for dotted in spec.NEW_OPTIONS:
             if _get(plain, dotted) == _get(defaults, dotted):
                 _pop(plain, dotted)
     return plain
@@ -221,32 +208,32 @@ def _link_only_what_is_needed(steps: list[Step], selected: dict[str, bool]) -> l
     return steps
 
 
-def _is_done(record: dict[str, Any] | None, key: str, view: Path) -> tuple[bool, store.Problem | None]:
+def _is_done(record: StageRecord | None, key: str, view: Path) -> tuple[bool, store.Problem | None]:
     """Whether the stage is done under `key` with its files intact; if recorded done, why they are not."""
-    if not record or record.get("status") != "done" or record.get("key") != key:
+    if record is None or record.status != "done" or record.key != key:
         return False, None
     broken = store.problem(view, key)
     return broken is None, broken
 
 
 def _why_not_done(
-    record: dict[str, Any] | None,
+    record: StageRecord | None,
     key: str,
     config_hash: str,
     upstream: dict[str, str],
     broken: store.Problem | None,
 ) -> str:
-    if not record or "key" not in record:
+    if record is None or record.key is None:
         return "new"
-    if record["key"] == key:
-        if record.get("status") != "done":
+    if record.key == key:
+        if record.status != "done":
             return "incomplete"
         return "files damaged" if broken is not None and broken.damaged else "files missing"
-    if (record.get("attempt") or {}).get("key") == key:
+    if record.attempt is not None and record.attempt.key == key:
         return "incomplete"
-    if record.get("config_hash") != config_hash:
+    if record.config_hash != config_hash:
         return "config changed"
-    if record.get("upstream_keys") != upstream:
+    if record.upstream_keys != upstream:
         return "upstream changed"
     return "inputs changed"
 

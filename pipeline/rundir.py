@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from cram.pipeline.config import tomllib
+from cram.pipeline.schema import SCHEMA, SchemaError, StageRecord
 from cram.stages.shared.files import temp_path, write_atomic
 
 MANIFEST = "manifest.json"
@@ -42,16 +44,18 @@ def now() -> str:
 
 @dataclass
 class Manifest:
-    """`manifest.json`: one record per stage (see docs/architecture.md)."""
+    """`manifest.json`: the run's name and one record per stage, in the order the stages first ran (see
+    pipeline/schema.py)."""
 
     path: Path
-    data: dict[str, Any]
+    run: str
+    records: dict[str, StageRecord]
 
     @classmethod
     def load(cls, run_dir: Path) -> "Manifest":
         path = run_dir / MANIFEST
         if not path.exists():
-            return cls(path, {"run": run_dir.name, "stages": {}})
+            return cls(path, run_dir.name, {})
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
@@ -64,74 +68,34 @@ class Manifest:
                 f'{path}: not a cram manifest (expected {{"stages": {{name: record}}}}); '
                 "move it away to start the run afresh"
             )
-        wrong = next((w for name, r in stages.items() if (w := _wrong_field(r, f"stages.{name}"))), None)
-        if wrong is not None:
-            raise RunDirError(f"{path}: not a cram manifest ({wrong}); move it away to start the run afresh")
-        return cls(path, data)
+        written = data.get("schema", 1)
+        if not isinstance(written, int) or isinstance(written, bool) or written > SCHEMA:
+            raise RunDirError(f"{path}: manifest schema {written!r}; this cram reads schemas 1 to {SCHEMA}: upgrade it")
+        try:
+            records = {name: StageRecord.from_json(r, f"stages.{name}") for name, r in stages.items()}
+        except SchemaError as e:
+            raise RunDirError(f"{path}: not a cram manifest ({e}); move it away to start the run afresh") from None
+        return cls(path, str(data.get("run", run_dir.name)), records)
 
-    @property
-    def records(self) -> dict[str, dict[str, Any]]:
-        """The stage records by stage name, in the order the stages first ran (`load` checked their shape)."""
-        return self.data["stages"]
-
-    def stage(self, name: str) -> dict[str, Any] | None:
+    def stage(self, name: str) -> StageRecord | None:
         return self.records.get(name)
 
-    def put(self, name: str, record: dict[str, Any]) -> None:
+    def put(self, name: str, record: StageRecord) -> None:
         self.records[name] = record
         self.save()
 
-    def update(self, name: str, **fields: Any) -> dict[str, Any]:
-        record = self.records.setdefault(name, {})
-        record.update(fields)
-        self.save()
+    def update(self, name: str, **changes: Any) -> StageRecord:
+        """The stage's record with `changes` (fields of StageRecord), saved."""
+        record = dataclasses.replace(self.records.get(name) or StageRecord(), **changes)
+        self.put(name, record)
         return record
 
     def save(self) -> None:
-        write_atomic(self.path, json.dumps(self.data, indent=2, sort_keys=False) + "\n")
+        data = {"schema": SCHEMA, "run": self.run, "stages": {n: r.to_json() for n, r in self.records.items()}}
+        write_atomic(self.path, json.dumps(data, indent=2) + "\n")
 
 
-_NULL = type(None)
-_TEXT = ((str, _NULL), "a string or null")
-_TABLE = ((dict, _NULL), "an object or null")
-# The type of each record field that commands read: checked once, where every manifest is read, so that
-# no command meets a hand-edited or damaged value it cannot use. A field left out is allowed.
-_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
-    "status": ((str,), "a string"),
-    **dict.fromkeys(("key", "config_hash", "inputs_hash", "version", "started", "ended"), _TEXT),
-    **dict.fromkeys(("error", "host", "git_commit", "reused"), _TEXT),
-    "duration_s": ((int, float, _NULL), "a number or null"),
-    "pid": ((int, _NULL), "an integer or null"),
-    **dict.fromkeys(("outputs", "upstream_keys", "versions", "attempt"), _TABLE),
-    "attempts": ((list,), "a list"),
-}
-
-
-def _wrong_field(record: dict[str, Any], where: str) -> str | None:
-    """What is wrong with the field types of a stage record (or of an attempt kept in it), naming the
-    field and its value; None when nothing is."""
-    for name, (allowed, expected) in _FIELDS.items():
-        value = record.get(name)
-        if name in record and (not isinstance(value, allowed) or isinstance(value, bool)):
-            return f"{where}.{name}: expected {expected}, got {_shown(value)}"
-    upstream = record.get("upstream_keys") or {}
-    if not all(isinstance(k, str) for k in upstream.values()):
-        return f"{where}.upstream_keys: expected keys (strings) by stage, got {_shown(upstream)}"
-    kept = {"attempt": record.get("attempt")} | {f"attempts[{i}]": a for i, a in enumerate(record.get("attempts", []))}
-    for name, attempt in kept.items():
-        if attempt is not None and not isinstance(attempt, dict):
-            return f"{where}.{name}: expected an object, got {_shown(attempt)}"
-        if attempt and (wrong := _wrong_field(attempt, f"{where}.{name}")):
-            return wrong
-    return None
-
-
-def _shown(value: Any) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def records(run_dir: Path) -> dict[str, dict[str, Any]]:
+def records(run_dir: Path) -> dict[str, StageRecord]:
     """The stage records of an existing run directory, for commands that read a run (status, export,
     compare). RunDirError, naming the file, where there is no manifest or it cannot be read."""
     if not (run_dir / MANIFEST).is_file():

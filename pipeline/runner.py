@@ -23,10 +23,10 @@ import socket
 import subprocess
 import time
 import traceback
+from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import structlog
@@ -36,6 +36,8 @@ from cram.pipeline import config as cfg
 from cram.pipeline import logs, ranks, rundir, store
 from cram.pipeline.errors import CramError, Interrupted
 from cram.pipeline.planning import Step, fingerprint
+from cram.pipeline.schema import StageRecord, Try, TryStatus
+from cram.stages.protocols import StageLike, StageSpec, read
 from cram.stages.shared import loggers as stage_loggers
 
 _VERSIONED = ("torch", "numpy", "datasets", "sentencepiece", "tokenizers", "safetensors", "structlog", "typer")
@@ -50,16 +52,16 @@ class StageFailed(CramError):
         self.stage, self.log_path = stage, log_path
 
 
-def default_stages() -> list[ModuleType]:
+def default_stages() -> list[StageSpec]:
     return [stages.load(name) for name in stages.ORDER]
 
 
-def config_classes(modules: list[ModuleType]) -> dict[str, type]:
+def config_classes(modules: Sequence[StageLike]) -> dict[str, type]:
     """The TOML sections: one per stage, less those whose config is made from the others' (`config_of`)."""
-    return {m.NAME: m.Config for m in modules if not hasattr(m, "config_of")}
+    return {s.NAME: s.Config for s in map(read, modules) if s.has_section}
 
 
-def load_saved(run_dir: Path, modules: list[ModuleType]) -> cfg.PipelineConfig:
+def load_saved(run_dir: Path, modules: Sequence[StageLike]) -> cfg.PipelineConfig:
     """The config a run was started with, to continue it."""
     saved = run_dir / rundir.CONFIG
     if not saved.is_file():
@@ -167,9 +169,9 @@ def _damaged_upstream(step: Step, run_dir: Path) -> tuple[str, int] | None:
 
 
 def _reuse(step: Step, run_dir: Path, entry: Path, manifest: rundir.Manifest, log: Any) -> None:
-    record = (store.read_marker(entry) or {}).get("record") or {}
+    record = store.entry_record(entry)
     store.link(run_dir, step.name, entry)
-    manifest.put(step.name, {**record, "status": "done", "reused": rundir.now()})
+    manifest.put(step.name, replace(record, key=step.key, status="done", reused=rundir.now(), attempt=None))
     log.info("reused from the store", key=step.key[:12], entry=str(entry))
 
 
@@ -181,42 +183,38 @@ class _Attempt:
     manifest: rundir.Manifest
     stage: str
     keep: bool = False
-    record: dict[str, Any] = field(default_factory=dict)
+    record: StageRecord | None = None  # None until `_begin` records the try as running
 
-    def save(self, **changes: Any) -> None:
-        self.record.update(changes)
+    def save(self, record: StageRecord) -> None:
+        """Record `record` as this try, beside a kept result or in its place."""
+        self.record = record
         if self.keep:
-            self.manifest.update(self.stage, attempt=self.record)
+            self.manifest.update(self.stage, attempt=record)
         else:
-            self.manifest.put(self.stage, dict(self.record))
+            self.manifest.put(self.stage, record)
 
-    def closing(self, status: str, duration_s: float) -> dict[str, Any]:
-        """The fields that end this try: its end, every try at this key with this one last (`attempts`:
-        started, ended, duration_s, status), and `duration_s`, their durations added up: a stage
-        interrupted and resumed took all of its tries' time, not the last one's."""
+    def closed(self, status: TryStatus, duration_s: float, **changes: Any) -> StageRecord:
+        """This try's record once it ended with `status` (and `changes`, fields of StageRecord): its end,
+        every try at this key with this one last (`attempts`), and `duration_s`, their durations added up:
+        a stage interrupted and resumed took all of its tries' time, not the last one's."""
+        if self.record is None:
+            raise RuntimeError(f"{self.stage}: a try closed before it began")
         ended = rundir.now()
-        this = {"started": self.record.get("started"), "ended": ended, "duration_s": duration_s, "status": status}
-        tries = [*self.record.get("attempts", []), this]
-        total = sum(t["duration_s"] for t in tries if isinstance(t.get("duration_s"), (int, float)))
-        return {"ended": ended, "attempts": tries, "duration_s": round(total, 3)}
+        tries = (*self.record.attempts, Try(self.record.started, ended, duration_s, status))
+        total = round(sum(t.duration_s for t in tries if t.duration_s is not None), 3)
+        return replace(self.record, status=status, ended=ended, attempts=tries, duration_s=total, **changes)
 
 
-def _earlier_tries(previous: dict[str, Any], key: str) -> list[dict[str, Any]]:
+def _earlier_tries(previous: StageRecord | None, key: str) -> tuple[Try, ...]:
     """The unfinished tries at `key` before this one, from the record it follows (or the attempt kept
     beside a done result): their `attempts`, and the try a killed process could not close (its
     duration unknown)."""
-    for record in (previous.get("attempt") or {}, previous):
-        if record.get("key") == key and record.get("status") != "done":
-            tries = list(record.get("attempts", []))
-            if record.get("status") == "running" or "attempts" not in record:  # killed, or written before attempts
-                fields = ("started", "ended", "duration_s")
-                tries.append({**{f: record.get(f) for f in fields}, "status": _closed_as(record)})
-            return tries
-    return []
-
-
-def _closed_as(record: dict[str, Any]) -> str:
-    return "killed" if record.get("status") == "running" else str(record.get("status"))
+    for record in (previous.attempt, previous) if previous is not None else ():
+        if record is not None and record.key == key and record.status != "done":
+            if record.status == "running":  # its process was killed: it could not close its try
+                return (*record.attempts, Try(record.started, record.ended, record.duration_s, "killed"))
+            return record.attempts
+    return ()
 
 
 def _compute(
@@ -242,11 +240,11 @@ def _compute(
         ranks.barrier(world_size)
         # Other ranks read the manifest rank 0 has written, which holds the upstream outputs.
         records = manifest if main else rundir.Manifest.load(run_dir)
-        inputs = {name: stages.Upstream(run_dir / name, records.stage(name)["outputs"]) for name in step.upstream_keys}
+        inputs = {name: stages.Upstream(run_dir / name, _outputs(records, name)) for name in step.upstream_keys}
         ctx = _context(config, step, run_dir, rank, world_size, log)
         outputs: dict[str, Any] = {}
         error: tuple[str, int] | None = None
-        if main or getattr(step.module, "DISTRIBUTED", False):
+        if main or step.stage.DISTRIBUTED:
             outputs, error = _call(config, step, inputs, partial, ctx, log)
         if main and error is None:
             error = _changed_inputs(config, step, stored)
@@ -254,59 +252,59 @@ def _compute(
         duration = round(time.perf_counter() - started, 3)
         if error is not None:
             if main:
-                if not getattr(step.module, "RESUMABLE", False):  # nothing to continue from: free its disk now
+                if not step.stage.RESUMABLE:  # nothing to continue from: free its disk now
                     shutil.rmtree(partial, ignore_errors=True)
-                attempt.save(status="failed", error=error[0], **attempt.closing("failed", duration))
+                attempt.save(attempt.closed("failed", duration, error=error[0]))
                 log.error("failed", error=error[0], **({"kept": "the earlier result"} if attempt.keep else {}))
             raise StageFailed(step.name, error[0], error[1], run_dir / rundir.EVENTS)
         if main:
-            record = {
-                **attempt.record,
-                "status": "done",
-                **attempt.closing("done", duration),
-                "outputs": outputs,
-                "pid": None,
-            }
+            record = attempt.closed("done", duration, outputs=outputs, pid=None)
             store.link(run_dir, step.name, stored.finish(partial, step.name, step.key, record))
             manifest.put(step.name, record)
-            log.info("done", duration_s=record["duration_s"])
+            log.info("done", duration_s=record.duration_s)
         ranks.barrier(world_size)
     except KeyboardInterrupt:
-        if main and attempt.record.get("status") == "running":
+        if main and attempt.record is not None and attempt.record.status == "running":
             duration = round(time.perf_counter() - started, 3)
-            attempt.save(status="interrupted", error="interrupted (Ctrl-C)", **attempt.closing("interrupted", duration))
+            attempt.save(attempt.closed("interrupted", duration, error="interrupted (Ctrl-C)"))
             log.warning("interrupted")
         raise
 
 
 def _begin(attempt: _Attempt, step: Step, run_dir: Path, stored: store.Store, partial: Path, log: Any) -> None:
     """Rank 0: make the partial folder (re-entered by a resumable stage) and record the attempt as running."""
-    previous = attempt.manifest.stage(step.name) or {}
-    intact = store.problem(run_dir / step.name, previous.get("key", "")) is None
-    attempt.keep = previous.get("status") == "done" and intact
+    previous = attempt.manifest.stage(step.name)
+    attempt.keep = (
+        previous is not None
+        and previous.status == "done"
+        and store.problem(run_dir / step.name, previous.key or "") is None
+    )
     _mention_other_partial(previous, step, stored, log)
-    if partial.exists() and not (getattr(step.module, "RESUMABLE", False) and step.reason != "forced"):
+    if partial.exists() and not (step.stage.RESUMABLE and step.reason != "forced"):
         shutil.rmtree(partial)
     partial.mkdir(parents=True, exist_ok=True)
     attempt.save(
-        key=step.key,
-        config_hash=step.config_hash,
-        inputs_hash=step.inputs_hash,
-        upstream_keys=step.upstream_keys,
-        version=step.module.VERSION,
-        status="running",
-        started=rundir.now(),
-        ended=None,
-        duration_s=None,
-        attempts=_earlier_tries(previous, step.key),
-        outputs={},
-        error=None,
-        pid=os.getpid(),
-        host=socket.gethostname(),
-        git_commit=_git_commit(),
-        versions=_versions(),
+        StageRecord(
+            key=step.key,
+            config_hash=step.config_hash,
+            inputs_hash=step.inputs_hash,
+            upstream_keys=step.upstream_keys,
+            version=step.stage.VERSION,
+            status="running",
+            started=rundir.now(),
+            attempts=_earlier_tries(previous, step.key),
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            git_commit=_git_commit(),
+            versions=_versions(),
+        )
     )
     log.info("start", reason=step.reason, key=step.key[:12], dir=str(partial))
+
+
+def _outputs(manifest: rundir.Manifest, name: str) -> dict[str, Any]:
+    record = manifest.stage(name)
+    return record.outputs if record is not None else {}
 
 
 def _context(
@@ -332,7 +330,7 @@ def _changed_inputs(config: cfg.PipelineConfig, step: Step, stored: store.Store)
     not match, so the error names it and nothing is kept. (A large file costs a `stat`: the hash cache.)"""
     if step.inputs is None:
         return None
-    now = fingerprint(step.module, step.config, stored) or []
+    now = fingerprint(step.stage, step.config, stored) or []
     if cfg.digest(now) == step.inputs_hash:
         return None
     before = {json.dumps(entry) for entry in step.inputs}
@@ -354,7 +352,7 @@ def _call(
     """The stage's outputs, or the error it raised with its exit code (2 bad input or config, 1 a crash)."""
     finished = False
     try:
-        outputs = step.module.run(step.config, inputs, partial, ctx)
+        outputs = step.stage.run(step.config, inputs, partial, ctx)
         json.dumps(outputs)  # outputs must be JSON: fail here, not when the manifest is saved
         finished = True
         return outputs, None
@@ -382,11 +380,11 @@ def _attention_hint(error: BaseException, attention: str) -> str:
     return '; it failed in SDPA: set run.attention = "written" (--set run.attention=written) to attend without it'
 
 
-def _mention_other_partial(previous: dict[str, Any], step: Step, stored: store.Store, log: Any) -> None:
+def _mention_other_partial(previous: StageRecord | None, step: Step, stored: store.Store, log: Any) -> None:
     """Say where an unfinished attempt with another key is kept: nothing is dropped without a word."""
-    for record in (previous, previous.get("attempt") or {}):
-        key = record.get("key")
-        if record.get("status") != "done" and key and key != step.key and stored.partial(step.name, key).is_dir():
+    for record in (previous, previous.attempt if previous is not None else None):
+        key = record.key if record is not None and record.status != "done" else None
+        if key and key != step.key and stored.partial(step.name, key).is_dir():
             log.warning(
                 "an unfinished attempt with another config is kept; return to that config to continue it, "
                 "or remove it with cram gc",

@@ -30,11 +30,12 @@ import re
 import shutil
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from cram.pipeline import rundir
+from cram.pipeline.schema import SchemaError, StageRecord
 from cram.stages.shared.files import CONTENT_HASH, DAMAGED, MARKER, content_hash, read_marker, write_atomic
 
 STORE = ".store"
@@ -94,7 +95,7 @@ class Store:
             path.unlink(missing_ok=True)  # while holding it: see take_lock
             os.close(fd)
 
-    def finish(self, partial: Path, stage: str, key: str, record: dict[str, Any]) -> Path:
+    def finish(self, partial: Path, stage: str, key: str, record: StageRecord) -> Path:
         """Mark `partial` complete and rename it into place as the key's entry (under the key's lock).
 
         An entry already there (a forced re-run, or one found broken) is renamed aside first and left
@@ -173,7 +174,7 @@ def take_lock(path: Path, log: Any, wait: bool) -> int | None:
         os.close(fd)
 
 
-def write_marker(folder: Path, stage: str, key: str, record: dict[str, Any]) -> None:
+def write_marker(folder: Path, stage: str, key: str, record: StageRecord) -> None:
     """`record` is the manifest record of the run that made the entry: a run that reuses the entry copies
     it (outputs, versions, git commit), so its manifest says how the files were made."""
     paths = {str(p.relative_to(folder)): p for p in sorted(_files(folder)) if p.name not in (MARKER, DAMAGED)}
@@ -181,7 +182,7 @@ def write_marker(folder: Path, stage: str, key: str, record: dict[str, Any]) -> 
     marker = {
         "stage": stage,
         "key": key,
-        "record": record,
+        "record": record.to_json(),
         "files": {name: stat.st_size for name, stat in stats.items()},
         "mtime_ns": {name: stat.st_mtime_ns for name, stat in stats.items()},
         CONTENT_HASH: {name: content_hash(p) for name, p in paths.items()},
@@ -189,10 +190,20 @@ def write_marker(folder: Path, stage: str, key: str, record: dict[str, Any]) -> 
     write_atomic(folder / MARKER, json.dumps(marker, indent=1) + "\n")
 
 
+def entry_record(entry: Path) -> StageRecord:
+    """The record of the run that made the store entry at `entry`, as its marker holds it (a record that
+    cannot be read: an empty one; the entry's files were checked, the record only describes them)."""
+    try:
+        return StageRecord.from_json((read_marker(entry) or {}).get("record") or {}, str(entry / MARKER))
+    except SchemaError:
+        return StageRecord()
+
+
 def problem(folder: Path, key: str) -> Problem | None:
     """Why the stage output at `folder` (a run's `<stage>` link or a store entry) cannot be trusted for
     `key`, or None when it can: the cheap check of every plan (see the module's docstring). A real folder
-    without a marker was made before the store existed: it is trusted as it was then."""
+    without a marker was made before the store existed (or by hand, as tests and benchmarks make runs): it
+    is trusted as it was then."""
     if folder.is_symlink() and not folder.exists():
         return Problem(f"{folder} points to {os.readlink(folder)}, which does not exist")
     if not folder.is_dir():
@@ -292,16 +303,16 @@ def link(run_dir: Path, stage: str, entry: Path) -> None:
 
 
 def _adopt(run_dir: Path, stage: str, folder: Path) -> None:
-    record = rundir.Manifest.load(run_dir).stage(stage) or {}
-    key = (read_marker(folder) or {}).get("key") or record.get("key")
+    record = rundir.Manifest.load(run_dir).stage(stage) or StageRecord()
+    key = (read_marker(folder) or {}).get("key") or record.key
     store = Store.of(run_dir)
     store.root.mkdir(parents=True, exist_ok=True)
     if not isinstance(key, str) or not re.fullmatch(r"[0-9a-f]{64}", key):
         raise rundir.RunDirError(
             f"{folder}: a folder that neither the manifest nor a marker gives a key; cram did not make it: move it away"
         )
-    if read_marker(folder) is None and record.get("status") == "done" and record.get("key") == key:
-        write_marker(folder, stage, key, {k: v for k, v in record.items() if k != "attempt"})
+    if read_marker(folder) is None and record.status == "done" and record.key == key:
+        write_marker(folder, stage, key, replace(record, attempt=None))
     entry = store.entry(stage, key)
     os.replace(folder, entry if not entry.exists() else entry.with_name(f"{entry.name}.retired-{time.time_ns()}"))
 
@@ -340,7 +351,7 @@ def check_all(path: Path) -> list[Checked]:
 def _done_views(run_dir: Path) -> list[tuple[Path, str]]:
     """(RUN_DIR/<stage>, key) of each stage the run's manifest records as done."""
     records = rundir.Manifest.load(run_dir).records
-    return [(run_dir / s, r.get("key", "")) for s, r in records.items() if (r or {}).get("status") == "done"]
+    return [(run_dir / s, r.key or "") for s, r in records.items() if r.status == "done"]
 
 
 @dataclass(frozen=True)
@@ -410,12 +421,11 @@ def references(root: Path) -> set[tuple[str, str]]:
         except rundir.RunDirError as e:
             raise StoreError(f"{e}; nothing was removed, as what that run uses is unknown") from None
         for stage, record in records.items():
-            for r in (record, (record or {}).get("attempt")):
-                if isinstance(r, dict) and isinstance(r.get("key"), str):
-                    found.add((stage, r["key"]))
+            for r in (record, record.attempt):
+                if r is not None and r.key is not None:
+                    found.add((stage, r.key))
                     # What a result was made from stays as long as the result (evaluate's params).
-                    upstream = r.get("upstream_keys")
-                    found.update((u, k) for u, k in (upstream.items() if isinstance(upstream, dict) else ()))
+                    found.update(r.upstream_keys.items())
         for view in run_dir.iterdir():
             if view.is_symlink() and (m := _ITEM.fullmatch(Path(os.readlink(view)).name)):
                 found.add((m["stage"], m["key"]))

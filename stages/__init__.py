@@ -1,24 +1,16 @@
-"""The pipeline's stages and the contract each one keeps.
+"""The pipeline's stages: ORDER, `load`, and what every stage shares (StageError, Upstream, Context).
 
-A stage is a module in this package that exposes:
+A stage is a module in this package; its contract, every member with its default and meaning, is the
+`Stage` protocol in `protocols.py`. Required: NAME, VERSION, UPSTREAM, Config (a frozen dataclass: the
+stage's TOML section) and
 
-    NAME: str                 # the TOML section and the output folder name
-    VERSION: str              # bump when the stage's output changes meaning
-    UPSTREAM: tuple[str, ...] # stages whose outputs it reads
-    RESUMABLE: bool           # True: an interrupted run re-enters the same partial dir
-    Config                    # a frozen dataclass: the stage's TOML section
     def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict
-
-A stage without a TOML section of its own defines `config_of(pipeline) -> Config | None` instead: its
-config, made from other stages' sections (the baseline stage's, from evaluate's and pretrain's); None
-where it has nothing to do, and the planner then leaves it out of the run (an upstream left out is no
-part of its downstream's key), and `RUNS_WITH`, the setting that gives it something to do (for the
-error that refuses `--only` of it).
 
 `run` writes everything into `out_dir` (a temporary folder that the runner renames into place once
 `run` returns) and returns a small JSON-serialisable dict: paths relative to `out_dir` and figures.
 Stages import heavy libraries (torch, datasets) inside `run`: a fully cached `cram run` must not pay
-for them.
+for them. `load(name)` reads a stage module once (`protocols.read`): the pipeline calls the members of
+the `StageSpec` it returns, never looking one up on a module.
 """
 
 from __future__ import annotations
@@ -26,9 +18,10 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+from cram.stages.protocols import Pipeline as Pipeline  # what `validate(config, pipeline)` is handed
+from cram.stages.protocols import StageSpec, read
 from cram.stages.shared import loggers
 
 ORDER: tuple[str, ...] = ("tokenize", "pack", "pretrain", "baseline", "evaluate")
@@ -75,7 +68,8 @@ class Context:
         return self.rank == 0
 
 
-def load(name: str) -> ModuleType:
+def load(name: str) -> StageSpec:
+    """The stage `name` of ORDER, read once: every member of its contract present."""
     if name not in ORDER:
         raise KeyError(name)
-    return importlib.import_module(f"cram.stages.{name}")
+    return read(importlib.import_module(f"cram.stages.{name}"))

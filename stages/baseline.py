@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cram.stages import Context, StageError, Upstream
+from cram.stages import Context, Pipeline, StageError, Upstream
 from cram.stages.finetuning.config import Config as EvaluateConfig
 from cram.stages.finetuning.scoring import Checkpoint, Report, fitting_tasks, heldout_gap, score, task_files
 from cram.stages.shared import device as devices
@@ -59,7 +59,7 @@ class Config:
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
 
 
-def config_of(pipeline: Any) -> Config | None:
+def config_of(pipeline: Pipeline) -> Config | None:
     """The stage's config, from evaluate's and pretrain's sections; None where `evaluate.baseline` is not "init"."""
     evaluate, pretrain = pipeline.stages.get("evaluate"), pipeline.stages.get("pretrain")
     if getattr(evaluate, "baseline", "none") != "init":
@@ -77,7 +77,7 @@ def fingerprint(config: Config) -> list[list[Any]]:
     return found + task_files(config.evaluate.tasks)
 
 
-def validate(config: Config, pipeline: Any) -> None:
+def validate(config: Config, pipeline: Pipeline) -> None:
     """A baseline asked for with no checkpoint to score; evaluate's and pretrain's `validate` check the rest."""
     if not config.init:
         raise StageError(
@@ -86,7 +86,7 @@ def validate(config: Config, pipeline: Any) -> None:
         )
 
 
-def validate_runtime(config: Config, pipeline: Any) -> None:
+def validate_runtime(config: Config, pipeline: Pipeline) -> None:
     devices.check(pipeline.run.device)
     devices.check_backend(config.evaluate.backend, "evaluate.backend")
 

@@ -21,7 +21,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from cram.stages import Context, StageError, Upstream
+from cram.stages import Context, Pipeline, StageError, Upstream
 from cram.stages.finetuning.checks import (
     check_against_the_model,
     check_pooler,
@@ -65,14 +65,14 @@ def fingerprint(config: Config) -> list[list[Any]]:
     return task_files(config.tasks)
 
 
-def validate_runtime(config: Config, pipeline: Any) -> None:
+def validate_runtime(config: Config, pipeline: Pipeline) -> None:
     """What `validate` leaves to a stage that runs in this invocation, since it loads torch: the device
     and the compile backend."""
     devices.check(pipeline.run.device)
     devices.check_backend(config.backend, "evaluate.backend")
 
 
-def validate(config: Config, pipeline: Any) -> None:
+def validate(config: Config, pipeline: Pipeline) -> None:
     """What `run` would reject before it fine-tunes anything, checked by the runner before the first
     stage runs, with no torch: the held-out masking seed, each local task's files (read in full:
     fields, labels, encoding), a held-out-topic task that the tokenize stage's settings leave without
@@ -93,7 +93,7 @@ def validate(config: Config, pipeline: Any) -> None:
         check_pooler(config, init_model(pretrain), started)
 
 
-def describe(config: Config, pipeline: Any) -> str:
+def describe(config: Config, pipeline: Pipeline) -> str:
     """For a dry run: each task's fine-tune steps per seed (epochs x ceil(train examples / batch_size)),
     where its local files tell them; a held-out-topic task's examples are known only after tokenize,
     a GLUE task's from the hub once fetched."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 
-from cram.stages import Context, StageError, Upstream
+from cram.stages import Context, Pipeline, StageError, Upstream
 from cram.stages.data import corpus, readers, shards, tasktext
 from cram.stages.data.source import CorpusConfig
 from cram.stages.shared import pretrained
@@ -266,7 +266,7 @@ def _read_corpus(config: Config, out_dir: Path, scratch: Path, num_proc: int) ->
     return {**totals, "units": len(units)}, [path for part in parts for path in part["text"]], bool(heldout_shards)
 
 
-def validate(config: Config, pipeline: Any) -> None:
+def validate(config: Config, pipeline: Pipeline) -> None:
     """Checked by the runner before any stage runs: the local corpus can be found, each local file's
     first bytes fit its format and, for a held-out-topic evaluation, its records have the label field;
     with `task_text`, an evaluate task has a training file and each is found; a given tokenizer can be
@@ -279,7 +279,7 @@ def validate(config: Config, pipeline: Any) -> None:
         _given_tokenizer(config)
 
 
-def _validate_corpus(config: Config, pipeline: Any) -> None:
+def _validate_corpus(config: Config, pipeline: Pipeline) -> None:
     unavailable = next((entry[1] for entry in corpus.fingerprint(config.corpus) if entry[0] == "unavailable"), None)
     if unavailable is not None:
         raise StageError(unavailable)
@@ -292,7 +292,7 @@ def _validate_corpus(config: Config, pipeline: Any) -> None:
             raise StageError(problem)
 
 
-def _classifies_topics(pipeline: Any) -> bool:
+def _classifies_topics(pipeline: Pipeline) -> bool:
     """Whether the pipeline evaluates on the held-out documents' labels (a "heldout-topic" task)."""
     evaluate = pipeline.stages.get("evaluate")
     return any(task.kind == "heldout-topic" for task in getattr(evaluate, "tasks", ()))

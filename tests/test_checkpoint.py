@@ -65,13 +65,11 @@ def test_every_checkpoint_corrupt_means_a_fresh_start(tmp_path):
     assert checkpoint.latest(tmp_path) is None
 
 
-def test_a_checkpoint_without_checksums_is_checked_by_reading_it(tmp_path):
+def test_a_checkpoint_without_checksums_is_not_resumed_from(tmp_path):
     _save_three(tmp_path)
     (tmp_path / "step-3" / checkpoint.CHECKSUMS).unlink()
-    (tmp_path / "step-2" / checkpoint.CHECKSUMS).unlink()
-    _truncate(tmp_path / "step-3" / checkpoint.PARAMS)
-    with pytest.raises(checkpoint.CheckpointError, match="step-3/params.safetensors: unreadable"):
-        checkpoint.load(tmp_path / "step-3")
+    with pytest.raises(checkpoint.CheckpointError, match="step-3/checksums.json: unreadable"):
+        checkpoint.verify(tmp_path / "step-3")
     assert checkpoint.latest(tmp_path) == tmp_path / "step-2"
 
 

@@ -81,9 +81,9 @@ def test_loss_ignores_weightless_rows_and_regresses_floats():
 
 def test_compiled_steps_are_one_graph_each_and_match_eager():
     params = params_with_head()
-    eager = make_finetune_step(CFG, OPT, compile=False)
-    compiled = make_finetune_step(CFG, OPT, backend="aot_eager")
-    predict = make_classify_eval_step(CFG, backend="aot_eager")
+    eager = make_finetune_step(CFG, OPT, model.EAGER)
+    compiled = make_finetune_step(CFG, OPT, model.Compilation(backend="aot_eager"))
+    predict = make_classify_eval_step(CFG, model.Compilation(backend="aot_eager"))
     before = counters["stats"]["unique_graphs"]
     expected = got = (params, model.adamw_init(params))
     # New params, batches and learning rates are inputs, not constants: none of them recompiles.
@@ -103,8 +103,8 @@ def test_the_dropout_rate_is_an_input_of_one_graph():
     """The canary's rate 0 and the fine-tune's 0.1 share one compiled graph; at 0 it computes what eager
     does, at 0.1 it draws fresh masks every step."""
     params = params_with_head()
-    eager = make_finetune_step(CFG, OPT, compile=False)
-    compiled = make_finetune_step(CFG, OPT, backend="aot_eager")
+    eager = make_finetune_step(CFG, OPT, model.EAGER)
+    compiled = make_finetune_step(CFG, OPT, model.Compilation(backend="aot_eager"))
     state, lr = (params, model.adamw_init(params)), torch.tensor(1e-3)
     before = counters["stats"]["unique_graphs"]
     at_zero = {**toy_batch(), "dropout": torch.tensor(0.0)}
@@ -118,7 +118,7 @@ def test_the_dropout_rate_is_an_input_of_one_graph():
 def test_finetune_step_learns_a_toy_task():
     params, batch = params_with_head(), toy_batch(rows=32)
     opt_state = model.adamw_init(params)
-    step = make_finetune_step(CFG, OPT, compile=False)
+    step = make_finetune_step(CFG, OPT, model.EAGER)
     first = None
     for _ in range(60):
         params, opt_state, metrics = step(params, opt_state, batch, torch.tensor(2e-3))
@@ -128,15 +128,15 @@ def test_finetune_step_learns_a_toy_task():
 
 def test_unknown_pooling_is_rejected():
     with pytest.raises(ValueError, match="pooling"):
-        make_finetune_step(CFG, OPT, pooling="max", compile=False)
+        make_finetune_step(CFG, OPT, model.EAGER, pooling="max")
 
 
 def test_finetune_dropout_is_random_inside_one_graph_and_prediction_has_none():
     dropped = dataclasses.replace(CFG, dropout=0.1)
     params = {**model.init(CFG, 0), **init_head(CFG, 3, 1, width=48)}
     assert params["classifier.dense.weight"].shape == (48, CFG.hidden)  # cramming's head is wider (1024)
-    step = make_finetune_step(dropped, OPT, backend="aot_eager")
-    predict = make_classify_eval_step(CFG, backend="aot_eager")
+    step = make_finetune_step(dropped, OPT, model.Compilation(backend="aot_eager"))
+    predict = make_classify_eval_step(CFG, model.Compilation(backend="aot_eager"))
     state, batch, lr = (params, model.adamw_init(params)), toy_batch(), torch.tensor(0.0)
     before = counters["stats"]["unique_graphs"]
     torch.manual_seed(0)
@@ -148,7 +148,7 @@ def test_finetune_dropout_is_random_inside_one_graph_and_prediction_has_none():
     assert len({float(x) for x in losses}) == 3  # fresh dropout masks every step, same graph
     assert float(again) == float(losses[0])  # ... drawn from torch's seeded generator
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
-    no_dropout = make_finetune_step(CFG, OPT, compile=False)
+    no_dropout = make_finetune_step(CFG, OPT, model.EAGER)
     assert float(no_dropout(*state, batch, lr)[2]["loss"]) == float(no_dropout(*state, batch, lr)[2]["loss"])
 
 

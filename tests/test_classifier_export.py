@@ -14,12 +14,15 @@ from typer.testing import CliRunner
 from cram.model.classifier import classify, init_head
 from cram.model.hf import classifier_blockers, family_head
 from cram.pipeline.commands import cli, predict
-from cram.pipeline.commands.classifiers import ClassifierError, from_export
-from cram.pipeline.commands.export import export, load_export
+from cram.pipeline.commands.classifiers import ClassifierError
+from cram.pipeline.commands.export import export
+from cram.pipeline.schema import StageRecord
 from cram.pipeline.store import write_marker
 from cram.stages import Upstream, evaluate, tokenize
 from cram.stages.finetuning import kept as keeping
 from cram.stages.finetuning.tasks import Examples, Task
+from cram.stages.kept import KeptError, load_export, open_export, read_classifier
+from cram.stages.kept.predicting import Settings
 from cram.stages.shared.special import SPECIAL_IDS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -38,14 +41,16 @@ def sp_model(tmp_path_factory):
     return path
 
 
-def with_classifier(run, cfg, head, pooling="first", width=0, labels=LABELS, keep="best"):
+def with_classifier(run, cfg, head, pooling="first", width=0, labels=LABELS, keep="best", **task):
     """RUN with a done evaluate stage that kept a classifier of task `t` (seed 0), checksummed as the
-    store does; returns its params."""
+    store does; returns its params. `task`: text_fields, max_length, buckets other than ("text",), 24, (8, 24)."""
     params = load_file(run / "pretrain" / "params.safetensors")
     fresh = init_head(cfg, len(labels) or 1, seed=0, width=width, head=head)
     params.update({k: v * 20 if v.ndim == 2 else v + 0.1 * torch.randn_like(v) for k, v in fresh.items()})
-    config = evaluate.Config(tasks=[], head=head, head_width=width, pooling=pooling, max_length=24, buckets=(8, 24))
-    task_cfg = evaluate.TaskConfig(kind="custom", name="t", path="x", text_fields=("text",), metrics=("accuracy",))
+    length, buckets = task.get("max_length", 24), task.get("buckets", (8, 24))
+    config = evaluate.Config(tasks=[], head=head, head_width=width, pooling=pooling, max_length=length, buckets=buckets)
+    fields = task.get("text_fields", ("text",))
+    task_cfg = evaluate.TaskConfig(kind="custom", name="t", path="x", text_fields=fields, metrics=("accuracy",))
     empty = Examples([], np.zeros(0, np.int64))
     task = Task("t", ("accuracy",), tuple(labels), empty, {"test": empty})
     upstream = Upstream(run / "tokenize", {"tokenizer": "tokenizer.model", "special_ids": SPECIAL_IDS})
@@ -60,7 +65,7 @@ def with_classifier(run, cfg, head, pooling="first", width=0, labels=LABELS, kee
         "key": KEY,
         "outputs": {"results": "results.json", **({"classifiers": kept} if kept else {})},
     }
-    write_marker(folder, "evaluate", KEY, record)
+    write_marker(folder, "evaluate", KEY, StageRecord.from_json(record, "record"))
     manifest = json.loads((run / "manifest.json").read_text())
     manifest["stages"]["evaluate"] = record
     (run / "manifest.json").write_text(json.dumps(manifest))
@@ -105,7 +110,7 @@ def test_transformers_classifier_logits_equal_cram_and_predict_agrees(tmp_path, 
     texts = tmp_path / "texts.jsonl"
     texts.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(TEXTS)))
     rows = tmp_path / "labels.jsonl"
-    assert predict.predict(folder, [texts], out=rows, compile=False, batch_size=2) == len(TEXTS)
+    assert predict.predict(folder, [texts], out=rows, settings=Settings(compile=False, batch_size=2)) == len(TEXTS)
     got = [json.loads(line) for line in rows.read_text().splitlines()]
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     with torch.no_grad():
@@ -127,7 +132,7 @@ def test_a_regression_exports_with_its_problem_type_and_predicts_values(tmp_path
     texts = tmp_path / "texts.txt"
     texts.write_text("\n".join(TEXTS) + "\n\n")
     csv_out = tmp_path / "values.csv"
-    predict.predict(export(run, tmp_path / "cram", task="t"), [texts], out=csv_out, compile=False)
+    predict.predict(export(run, tmp_path / "cram", task="t"), [texts], out=csv_out, settings=Settings(compile=False))
     lines = csv_out.read_text().splitlines()
     assert lines[0] == "value" and len(lines) == 1 + len(TEXTS)
     ids = torch.tensor([[SPECIAL_IDS["cls"], 7, 8, SPECIAL_IDS["sep"]]])
@@ -203,11 +208,13 @@ def test_bad_inputs_are_one_line_exit_2_and_write_nothing(tmp_path, sp_model, mo
     folder = export(run, tmp_path / "cram", task="t")
     meta = json.loads((folder / "classifier.json").read_text())
     (folder / "classifier.json").write_text(json.dumps({**meta, "labels": ["a", "a", "b"]}))
-    with pytest.raises(ClassifierError, match=r'labels \["a", "a", "b"\] do not round-trip'):
-        from_export(folder)
+    with pytest.raises(KeptError, match="classifier.json: damaged .*; export it again"):
+        open_export(folder)  # the export's checksums see the edit
+    with pytest.raises(KeptError, match=r'labels \["a", "a", "b"\] do not round-trip'):
+        read_classifier(folder)
     hf = export(run, tmp_path / "hf", fmt="transformers", task="t")
-    with pytest.raises(ClassifierError, match="a transformers export: export with --format cram"):
-        predict.predict(hf, [good], compile=False)
+    with pytest.raises(predict.PredictError, match="a transformers export: export with --format cram"):
+        predict.predict(hf, [good], settings=Settings(compile=False))
 
 
 def test_a_run_that_kept_nothing_names_evaluate_keep(tmp_path, sp_model):
@@ -236,36 +243,37 @@ def test_keep_best_holds_one_candidate_and_the_overall_best_is_written_by_its_ho
     best = keeping.best_jobs(jobs, runs, [task])
     assert best == {0: 2}
     written = [r.finish(jobs, best) for r in ranks]
-    assert written == [{"t": "classifiers/t/seed-12"}] * 2
-    folders = sorted(p.name for p in (tmp_path / "out" / "classifiers" / "t").iterdir())
+    assert written == [{"t": "classifiers/0-t/seed-12"}] * 2
+    folders = sorted(p.name for p in (tmp_path / "out" / "classifiers" / "0-t").iterdir())
     assert folders == ["seed-12"]
-    assert load_file(tmp_path / "out" / "classifiers/t/seed-12/params.safetensors")["w"].tolist() == [12.0, 12.0]
+    assert load_file(tmp_path / "out" / "classifiers/0-t/seed-12/params.safetensors")["w"].tolist() == [12.0, 12.0]
 
     every = keeping.Keeper("all", tmp_path / "all", model_json, meta)
     for j, (i, seed) in enumerate(jobs):
         every.offer(i, seed, task, {"w": torch.zeros(1)}, runs[j])
-    assert every.finish(jobs, best) == {"t": "classifiers/t/seed-12"} and not every.held
-    assert sorted(p.name for p in (tmp_path / "all" / "classifiers" / "t").iterdir()) == [
+    assert every.finish(jobs, best) == {"t": "classifiers/0-t/seed-12"} and not every.held
+    assert sorted(p.name for p in (tmp_path / "all" / "classifiers" / "0-t").iterdir()) == [
         f"seed-{s}" for s in range(10, 14)
     ]
-    assert keeping.folder_of("a/b", 3) == "task3" and keeping.folder_of("sst2", 0) == "sst2"
+    assert keeping.folder_of("sst2", 0) == "0-sst2" and keeping.folder_of("a/b", 3).startswith("3-a_b-")
 
 
 def test_predict_compiles_once_per_bucket_and_reports_progress_off_a_terminal(tmp_path, sp_model, monkeypatch, capsys):
     from torch._dynamo.utils import counters
 
-    from cram.stages.finetuning import finetune
+    from cram.stages.kept import predicting
 
     run, _ = fake_run(tmp_path, sp_model)
     with_classifier(run, MODERNBERT, "modernbert")  # buckets (8, 24)
     folder = export(run, tmp_path / "cram", task="t")
     texts = tmp_path / "texts.txt"
     texts.write_text("\n".join(["a b"] * 5 + ["the quick brown fox jumps over the lazy dog " * 2] * 5) + "\n")
-    monkeypatch.setattr(finetune, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(predicting, "PROGRESS_EVERY_S", 0.0)
     torch._dynamo.reset()  # graphs other tests compiled for the same prediction code would count against the limit
     before = counters["stats"]["unique_graphs"]
-    # batches of 2: 5 batches, short and long, every one through one of two graphs, none recompiled
-    predict.predict(folder, [texts], out=tmp_path / "o.jsonl", backend="aot_eager", batch_size=2)
+    # batches of 2 in chunks of 4: short and long, every one through one of two graphs, none recompiled
+    settings = Settings(backend="aot_eager", batch_size=2, chunk=4)
+    predict.predict(folder, [texts], out=tmp_path / "o.jsonl", settings=settings)
     assert counters["stats"]["unique_graphs"] - before == 2
     assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 10
-    assert "predict: 8/10 texts" in capsys.readouterr().err
+    assert "predict: 8 texts" in capsys.readouterr().err

@@ -468,7 +468,7 @@ def test_auto_precision_falls_back_when_the_compiled_fine_tune_step_is_wrong(ups
     monkeypatch.setattr(
         classifier,
         "make_classify_eval_step",
-        lambda *a, compile=True, options=None, **kw: eager_predict(*a, **kw, compile=False),
+        lambda cfg, how, **kw: eager_predict(cfg, how.eager(), **kw),
     )
     config = Config(
         tasks=[TaskConfig(kind="heldout-topic", name="topic", epochs=1, seeds=1)],
@@ -500,13 +500,13 @@ def test_keep_writes_the_best_every_or_no_seed_classifier(upstream, tmp_path, ma
     )
     config = dataclasses.replace(config, mlm=False, head="auto")
     figures, results = run_stage(config, upstream["inputs"], tmp_path, make_ctx)
-    folder = tmp_path / "out" / "classifiers" / "topic"
+    folder = tmp_path / "out" / "classifiers" / "0-topic"
     if keep == "none":
         assert "classifiers" not in figures and not folder.exists()
         return
     scores = results["tasks"]["topic"]["scores"]["test"]["accuracy"]
     best = results["tasks"]["topic"]["seeds"][scores.index(max(scores))]
-    assert figures["classifiers"] == {"topic": f"classifiers/topic/seed-{best}"}
+    assert figures["classifiers"] == {"topic": f"classifiers/0-topic/seed-{best}"}
     seeds = results["tasks"]["topic"]["seeds"] if keep == "all" else [best]
     assert sorted(p.name for p in folder.iterdir()) == sorted(f"seed-{s}" for s in seeds)
     kept = tmp_path / "out" / figures["classifiers"]["topic"]

@@ -13,8 +13,9 @@ from cram.model import ModelConfig
 from cram.model.classifier import init_head, make_finetune_step
 from cram.model.hf import transformers_blockers
 from cram.pipeline.commands import cli
-from cram.pipeline.commands.export import ExportError, export, load_export
+from cram.pipeline.commands.export import ExportError, export
 from cram.stages import tokenize
+from cram.stages.kept import KeptError, load_export
 from cram.stages.shared.special import SPECIAL_IDS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -100,6 +101,7 @@ def test_cram_export_loads_back_and_fine_tunes(tmp_path, sp_model):
     assert sorted(p.name for p in out.iterdir()) == [
         ".cram-export",
         "README.md",
+        "checksums.json",
         "model.json",
         "params.safetensors",
         "special_ids.json",
@@ -113,7 +115,7 @@ def test_cram_export_loads_back_and_fine_tunes(tmp_path, sp_model):
     assert cfg == MODERNBERT and tokenizer.read_bytes() == sp_model.read_bytes()
     assert loaded.keys() == params.keys() and all(torch.equal(loaded[k], params[k]) for k in params)
     tuned = {**loaded, **init_head(cfg, num_outputs=2, seed=0)}
-    step = make_finetune_step(cfg, model.OptimizerConfig(), compile=False)
+    step = make_finetune_step(cfg, model.OptimizerConfig(), model.EAGER)
     batch = {
         "input_ids": torch.randint(5, cfg.vocab_size, (4, 16)),
         "attention_mask": torch.ones(4, 16, dtype=torch.bool),
@@ -142,7 +144,7 @@ def test_export_refuses_bad_input_and_replaces_only_with_force(tmp_path, sp_mode
     assert not (tmp_path / "again" / "stale.txt").exists() and (tmp_path / "again" / "params.safetensors").is_file()
     with pytest.raises(ExportError, match="--format onnx: allowed cram, transformers"):
         export(run, tmp_path / "other", fmt="onnx")
-    with pytest.raises(ExportError, match="no model.json; is it a cram-format export"):
+    with pytest.raises(KeptError, match="no model.json; is it a cram-format export"):
         load_export(tmp_path)
 
     model_json = run / "pretrain" / "model.json"
@@ -215,7 +217,7 @@ def test_transformers_export_matches_cram_logits_and_tokens(tmp_path, sp_model):
 
 def test_a_bert_layout_and_a_reused_tokenizer_json_export_to_both_formats(tmp_path, sp_model):
     transformers = pytest.importorskip("transformers")
-    from cram.pipeline.commands.export import fast_tokenizer
+    from cram.stages.kept.fast_tokenizer import fast_tokenizer
 
     tokenizer_json = tmp_path / "tokenizer.json"
     fast_tokenizer(sp_model, SPECIAL_IDS).save(str(tokenizer_json))
@@ -225,7 +227,10 @@ def test_a_bert_layout_and_a_reused_tokenizer_json_export_to_both_formats(tmp_pa
     assert not (tmp_path / "cram" / "tokenizer.model").exists()
 
     out = export(run, tmp_path / "hf", fmt="transformers")
-    assert (out / "tokenizer.json").read_bytes() == tokenizer_json.read_bytes()  # copied, not rebuilt
+    reused, written = (
+        transformers.PreTrainedTokenizerFast(tokenizer_file=str(f)) for f in (tokenizer_json, out / "tokenizer.json")
+    )
+    assert written(SENTENCES, SENTENCES[::-1])["input_ids"] == reused(SENTENCES, SENTENCES[::-1])["input_ids"]
     hf = transformers.AutoModelForMaskedLM.from_pretrained(out).eval()
     assert type(hf).__name__ == "BertForMaskedLM"
     ids = torch.randint(5, BERT.vocab_size, (2, BERT.max_seq_len))

@@ -13,6 +13,7 @@ import pytest
 
 from cram.model.config import ModelConfig, ModelConfigError
 from cram.pipeline import rundir, store
+from cram.pipeline.schema import StageRecord
 from cram.stages.shared.figures import is_number
 from cram.stages.shared.files import atomic, files_under, fingerprint, stored_damage, temp_path, write_atomic
 from cram.stages.shared.masking import Masking
@@ -71,7 +72,7 @@ def test_records_are_the_stages_of_a_manifest_and_name_the_file_when_missing_or_
     with pytest.raises(rundir.RunDirError, match=f"^{tmp_path}: no manifest.json; not a run directory$"):
         rundir.records(tmp_path)
     (tmp_path / rundir.MANIFEST).write_text(json.dumps({"stages": {"tokenize": {"status": "done"}}}))
-    assert rundir.records(tmp_path) == {"tokenize": {"status": "done"}}
+    assert rundir.records(tmp_path) == {"tokenize": StageRecord(status="done")}
     (tmp_path / rundir.MANIFEST).write_text("{")
     with pytest.raises(rundir.RunDirError, match="manifest.json: not valid JSON"):
         rundir.records(tmp_path)
@@ -126,7 +127,7 @@ def test_a_store_entrys_file_is_checked_against_the_hash_its_marker_recorded(tmp
     entry.mkdir()
     (entry / "params.safetensors").write_bytes(b"weights")
     (entry / "model.json").write_text("{}")
-    store.write_marker(entry, "pretrain", "k" * 64, {})
+    store.write_marker(entry, "pretrain", "k" * 64, StageRecord())
     assert stored_damage(entry / "params.safetensors") is None
     stat = (entry / "params.safetensors").stat()
     (entry / "params.safetensors").write_bytes(b"weighTs")  # same size, time set back: only the hash tells

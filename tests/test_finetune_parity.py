@@ -28,7 +28,7 @@ def test_fine_tune_steps_match_transformers_bert_classifier(tmp_path):
     ours, state = {**params, **head}, None
     state = model.adamw_init(ours)
     opt_cfg = model.OptimizerConfig(lr=1e-2, eps=1e-6, weight_decay=0.0, clip_norm=0.0)
-    step = make_finetune_step(cfg, opt_cfg, pooling="pooler", compile=False)
+    step = make_finetune_step(cfg, opt_cfg, model.EAGER, pooling="pooler")
     optimizer = torch.optim.AdamW(theirs.parameters(), lr=1e-2, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.0)
     theirs.train()
     gen = torch.Generator().manual_seed(1)

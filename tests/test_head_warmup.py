@@ -25,6 +25,7 @@ from cram.model import ModelConfig, OptimizerConfig
 from cram.pipeline.planning import keyed_config
 from cram.stages import StageError, Upstream, pretrain
 from cram.stages.pretraining import head_warmup
+from cram.stages.pretraining.continued import AUTO_FRACTION
 from cram.stages.shared.tokenizer import load as load_tokenizer
 
 pytest.importorskip("transformers")
@@ -43,9 +44,9 @@ def test_the_head_step_moves_the_head_alone_as_the_whole_step_moves_it(compile):
     params = model.init(HEADED, 0)
     state = model.adamw_init(params)
     batch, lr = random_batch(HEADED, 4, seed=1), torch.tensor(1e-2)
-    how = dict(compile=compile, backend="aot_eager")
-    head_p, head_s, head_m = model.make_train_step(HEADED, NO_CLIP, trained=names, **how)(params, state, batch, lr)
-    whole_p, whole_s, whole_m = model.make_train_step(HEADED, NO_CLIP, **how)(params, state, batch, lr)
+    how = model.Compilation(compile=compile, backend="aot_eager")
+    head_p, head_s, head_m = model.make_train_step(HEADED, NO_CLIP, how, trained=names)(params, state, batch, lr)
+    whole_p, whole_s, whole_m = model.make_train_step(HEADED, NO_CLIP, how)(params, state, batch, lr)
     assert list(head_p) == list(params) and list(head_s) == list(state)
     for name, p in params.items():
         if name in names:
@@ -56,8 +57,8 @@ def test_the_head_step_moves_the_head_alone_as_the_whole_step_moves_it(compile):
     assert torch.equal(head_m["loss"], whole_m["loss"]) and head_m["grad_norm"] < whole_m["grad_norm"]
 
     # Accumulated over microbatches: the gradients are the head's alone, applied to it alone.
-    accumulate = model.make_accumulate_step(HEADED, trained=names, **how)
-    apply = model.make_apply_step(NO_CLIP, **how)
+    accumulate = model.make_accumulate_step(HEADED, how, trained=names)
+    apply = model.make_apply_step(NO_CLIP, how)
     grads = {name: torch.zeros_like(params[name]) for name in names}
     grads, _ = accumulate(params, grads, batch)
     assert set(grads) == set(names)
@@ -162,7 +163,7 @@ def test_auto_warms_a_made_head_alone_and_keeps_every_other_key(headless, tmp_pa
     with_head = tmp_path / "headed"
     bert_model(with_head, cls="BertForMaskedLM")
     made = pretrain.Config(init=str(headless), budget=pretrain.Budget(steps=8))
-    assert keyed_config(pretrain, made)["head_warmup"] == head_warmup.AUTO_FRACTION
+    assert keyed_config(pretrain, made)["head_warmup"] == AUTO_FRACTION
     for config in (
         pretrain.Config(),  # no init
         pretrain.Config(init=str(with_head), budget=pretrain.Budget(steps=8)),  # it brought its head
@@ -210,7 +211,7 @@ def test_a_tied_decoder_without_head_params_has_nothing_to_warm_up(headless, pac
     tied = dict(head_transform=False, decoder_bias=False)
     cfg = ModelConfig(vocab_size=64, hidden=16, layers=1, heads=2, intermediate=32, max_seq_len=16, **tied)
     assert head_warmup.head_names(cfg) == ()
-    from cram.stages.pretraining.start import check_head_warmup
+    from cram.stages.pretraining.continued import check_head_warmup
 
     with pytest.raises(StageError, match=r"head_warmup: 0\.2, but the model has no masked-LM head params of its own"):
         check_head_warmup(continued(headless, head_warmup=0.2), cfg, None)
@@ -226,3 +227,21 @@ def test_the_warning_names_the_warm_up_and_the_results_record_where_it_ended(tmp
     assert result.exit_code == 0, result.output
     assert "they train alone, the encoder frozen, for pretrain.head_warmup" in result.output
     assert stages_of(tmp_path / "runs" / "base")["pretrain"]["outputs"]["head_warmup_until"] == pytest.approx(0.5)
+
+
+def test_the_course_gives_the_head_its_constant_lr_then_starts_the_schedule_at_the_switch():
+    from cram.stages.pretraining.loop import Course
+    from cram.stages.pretraining.state import TrainState
+
+    config = pretrain.Config(optimizer=OptimizerConfig(lr=1e-3), decay_to=0.1)
+    course = Course.of(config, head_warmup.HeadWarmup(("head.bias",), lr=0.5, until=0.2))
+    switched = TrainState(seed=0, full_start=0.2)
+
+    def scheduled(position: float) -> float:
+        return 1e-3 * model.lr_schedule(config.schedule, position, "", 0.1)
+
+    assert course.lr(TrainState(seed=0, full_start=None), 0.1, head_alone=True) == 0.5
+    assert course.lr(switched, 0.2, head_alone=False) == scheduled(0.0)
+    assert course.lr(switched, 0.6, head_alone=False) == pytest.approx(scheduled(0.5))
+    assert scheduled(0.5) != scheduled(0.6)  # the schedule restarts at the switch: it does not read 0.6
+    assert Course.of(config, None).lr(TrainState(seed=0), 0.6, head_alone=False) == scheduled(0.6)

@@ -59,7 +59,7 @@ def test_heldout_masks_do_not_depend_on_the_batch_size():
 def test_heldout_mlm_syncs_with_the_host_once(monkeypatch):
     cfg = model.ModelConfig(vocab_size=64, hidden=16, layers=1, heads=2, intermediate=32, max_seq_len=16)
     params = model.init(cfg, 0)
-    step = model.make_eval_step(cfg, compile=False)
+    step = model.make_eval_step(cfg, model.EAGER)
     blocks = np.random.default_rng(0).integers(5, 64, size=(10, 16))
     expected = val_mlm(step, params, blocks, spec(), seed=0, batch_size=3, device=torch.device("cpu"))
     one_batch = val_mlm(step, params, blocks, spec(), seed=0, batch_size=10, device=torch.device("cpu"))
@@ -100,7 +100,7 @@ def test_copies_to_cuda_are_pinned_and_non_blocking():
 
 @cuda
 def test_a_prefetched_microbatch_reaches_the_gpu_without_a_host_sync():
-    from cram.stages.pretraining.batches import Prefetcher
+    from cram.stages.pretraining.batches import Feed, Prefetcher
     from cram.stages.pretraining.loop import Steps
     from cram.stages.shared.blocks import Boundary
 
@@ -108,7 +108,7 @@ def test_a_prefetched_microbatch_reaches_the_gpu_without_a_host_sync():
     blocks = np.random.default_rng(0).integers(5, 64, size=(64, 16)).astype(np.uint16)
     steps = Steps(None, None, None, torch.Generator(device=device), device, None, Boundary(token=1, starts=True))
     stream = torch.cuda.current_stream(device)
-    with Prefetcher(blocks, seed=0, start=0, microbatch=8, depth=2, pin=True) as data:
+    with Prefetcher(blocks, Feed(0, depth=2, pin=True), start=0, microbatch=8) as data:
         steps.batch(data.next(), spec()), steps.scalar(1e-3)  # warm-up: pinned blocks, kernels loaded
         torch.cuda._sleep(1)
         torch.cuda.synchronize(device)

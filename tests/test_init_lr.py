@@ -16,7 +16,7 @@ from test_pretrain import metrics
 from cram.model import ModelConfig, OptimizerConfig
 from cram.pipeline.planning import keyed_config
 from cram.stages import pretrain
-from cram.stages.pretraining import start
+from cram.stages.pretraining.continued import continuation_lr, peak_lr
 from cram.stages.shared import pretrained
 
 pytest.importorskip("transformers")
@@ -41,8 +41,8 @@ def test_the_continuation_rate_is_by_width_for_a_masked_lm_and_lowest_for_a_sent
     masked_lm, st = pretrained.locate(headless), pretrained.locate(sentence)
     assert not masked_lm.sentence and st.sentence
     for hidden, rate in ((16, 1.5e-3), (128, 1.5e-3), (256, 7.5e-4), (768, 2.5e-4)):
-        assert start.continuation_lr(masked_lm, ModelConfig(hidden=hidden, heads=2)) == pytest.approx(rate)
-    assert start.continuation_lr(st, ModelConfig(hidden=384, heads=2)) == pytest.approx(1e-4 / 3)
+        assert continuation_lr(masked_lm, ModelConfig(hidden=hidden, heads=2)) == pytest.approx(rate)
+    assert continuation_lr(st, ModelConfig(hidden=384, heads=2)) == pytest.approx(1e-4 / 3)
 
 
 def test_a_cram_checkpoints_width_comes_from_its_model_json_alone(tmp_path):
@@ -52,17 +52,17 @@ def test_a_cram_checkpoints_width_comes_from_its_model_json_alone(tmp_path):
     cfg = ModelConfig(vocab_size=64, hidden=256, layers=1, heads=2, intermediate=64, max_seq_len=16)
     (folder / "model.json").write_text(json.dumps(dataclasses.asdict(cfg)))
     (folder / "params.safetensors").write_bytes(b"not read")
-    assert start.peak_lr(at(5e-3, folder)) == pytest.approx(7.5e-4)
+    assert peak_lr(at(5e-3, folder)) == pytest.approx(7.5e-4)
 
 
 def test_auto_caps_a_from_scratch_lr_and_keeps_a_lower_one(headless, sentence):
-    assert start.peak_lr(at(5e-3)) == 5e-3  # no init: as given
-    assert start.peak_lr(at(5e-3, headless)) == 1.5e-3  # the default pipeline's lr, capped
-    assert start.peak_lr(at(1e-4, headless)) == 1e-4  # below the cap: as given
-    assert start.peak_lr(at(5e-3, sentence)) == pytest.approx(1e-4 / 3)
-    assert start.peak_lr(at(5e-3, headless, init_lr=2e-2)) == 2e-2  # a number is the peak, above the cap too
+    assert peak_lr(at(5e-3)) == 5e-3  # no init: as given
+    assert peak_lr(at(5e-3, headless)) == 1.5e-3  # the default pipeline's lr, capped
+    assert peak_lr(at(1e-4, headless)) == 1e-4  # below the cap: as given
+    assert peak_lr(at(5e-3, sentence)) == pytest.approx(1e-4 / 3)
+    assert peak_lr(at(5e-3, headless, init_lr=2e-2)) == 2e-2  # a number is the peak, above the cap too
     zero = dataclasses.replace(at(5e-3, headless), budget=pretrain.Budget(tokens=0))
-    assert start.peak_lr(zero) == 5e-3  # nothing trains
+    assert peak_lr(zero) == 5e-3  # nothing trains
 
 
 def test_the_key_holds_the_lr_the_run_trains_at(headless):

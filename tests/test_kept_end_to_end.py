@@ -20,8 +20,8 @@ def test_the_kept_classifier_is_shown_survives_a_cached_run_and_predicts(tmp_pat
     assert cram("run", "pipeline.toml").exit_code == 0
     run = tmp_path / "runs" / "base"
     inspect = cram("inspect", "runs/base", "evaluate", "--lines", "0")
-    assert '"classifiers"' in inspect.output and '"sent": "classifiers/sent/seed-0"' in inspect.output, inspect.output
-    kept = run / "evaluate" / "classifiers" / "sent" / "seed-0"
+    assert '"classifiers"' in inspect.output and '"sent": "classifiers/0-sent/seed-0"' in inspect.output, inspect.output
+    kept = run / "evaluate" / "classifiers" / "0-sent" / "seed-0"
     before = {p.name: p.read_bytes() for p in kept.iterdir()}
 
     again = cram("run", "pipeline.toml")  # everything cached: the classifier is the store's, unchanged

@@ -49,7 +49,7 @@ class PeakBytes(TorchDispatchMode):
 
 def measured_step_peak(cfg: ModelConfig, microbatch: int, per_sequence: int, autocast: torch.dtype | None) -> int:
     """Peak bytes of making the params and AdamW state and taking one eager training step."""
-    step = model.make_train_step(cfg, OptimizerConfig(), compile=False, autocast_dtype=autocast)
+    step = model.make_train_step(cfg, OptimizerConfig(), model.Compilation(compile=False, autocast=autocast))
     gen = torch.Generator().manual_seed(0)
     S = cfg.max_seq_len
     with PeakBytes() as peak:

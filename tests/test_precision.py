@@ -102,9 +102,10 @@ def wrong_in_bf16(real, also_at_256: bool):
     """A step factory like `real` whose compiled bf16 steps return a NaN gradient norm (the miscompile
     measured on an AMX Xeon), also with 256-bit vector code when `also_at_256`; nothing compiles."""
 
-    def make(*args, compile=True, options=None, **kw):
-        step = real(*args, compile=False, **kw)
-        if not (compile and kw.get("autocast_dtype") == torch.bfloat16 and (options is None or also_at_256)):
+    def make(*args, **kw):
+        *args, how = args
+        step = real(*args, how.eager(), **kw)
+        if not (how.compile and how.autocast == torch.bfloat16 and (how.options is None or also_at_256)):
             return step
 
         def wrong(*inputs):
@@ -137,11 +138,13 @@ def test_inductor_bf16_train_step_equals_eager_in_the_precision_auto_chooses(lay
     params = model.init(cfg, 0)
     start = (params, model.adamw_init(params))
     opt, lr = model.OptimizerConfig(), torch.tensor(1e-3)
-    eager = model.make_train_step(cfg, opt, compile=False, autocast_dtype=torch.bfloat16)
+    eager = model.make_train_step(cfg, opt, model.Compilation(compile=False, autocast=torch.bfloat16))
     expected = eager(*start, batch, lr)[2]
 
     def diff(candidate):
-        step = model.make_train_step(cfg, opt, autocast_dtype=torch.bfloat16, options=candidate.compile_options())
+        step = model.make_train_step(
+            cfg, opt, model.Compilation(autocast=torch.bfloat16, options=candidate.compile_options())
+        )
         got = step(*start, batch, lr)[2]
         worst = max(float((got[k] - expected[k]).abs() / expected[k].abs()) for k in ("loss", "grad_norm"))
         return worst if math.isfinite(worst) else math.inf

@@ -23,7 +23,7 @@ from test_precision import wrong_in_bf16
 from cram.stages import StageError, Upstream, pretrain
 from cram.stages.pretraining import checkpoint, hooks
 from cram.stages.pretraining import loop as training
-from cram.stages.pretraining.batches import Prefetcher, read_sequences
+from cram.stages.pretraining.batches import Feed, Prefetcher, read_sequences
 from cram.stages.pretraining.budget import progress as budget_progress
 from cram.stages.pretraining.state import TrainState
 from cram.stages.shared import device as devices
@@ -91,7 +91,7 @@ def test_stream_is_a_permutation_per_epoch_and_shards_by_rank():
 
     # Two ranks of microbatch 2 read, between them, what one rank of microbatch 2 reads in order.
     def stream(rank, world, n):
-        with Prefetcher(blocks, seed=1, start=4, microbatch=2, rank=rank, world_size=world) as data:
+        with Prefetcher(blocks, Feed(1, rank, world), start=4, microbatch=2) as data:
             return [data.next() for _ in range(n)]
 
     alone = stream(0, 1, 4)
@@ -300,9 +300,9 @@ def test_checkpoint_every_minutes_switches_off_from_toml(tmp_path, pack, make_ct
 
     config = load_pretrain(tmp_path, "[pretrain]\ncheckpoint_every_minutes = 0\n")
     assert config.checkpoint_every_minutes == 0
-    assert not hooks.checkpoint_due(config, step=10**6, last_saved_at=time.perf_counter() - 10**6)
+    assert not hooks.Checkpointing.of(config).due(step=10**6, last_saved_at=time.perf_counter() - 10**6)
     on = load_pretrain(tmp_path, "[pretrain]\ncheckpoint_every_minutes = 0.0001\n")
-    assert hooks.checkpoint_due(on, step=1, last_saved_at=time.perf_counter() - 1)
+    assert hooks.Checkpointing.of(on).due(step=1, last_saved_at=time.perf_counter() - 1)
     with pytest.raises(ConfigError, match="checkpoint_every_minutes: -1.0 must be > 0, or 0 for off"):
         load_pretrain(tmp_path, "[pretrain]\ncheckpoint_every_minutes = -1.0\n")
     with pytest.raises(ConfigError, match="hours: -1.0 must be > 0, or 0 for no hours limit"):
@@ -461,9 +461,9 @@ def test_compile_canary_passes_a_sound_step_and_stops_a_miscompiled_one(pack, tm
 
     real = model.make_train_step
 
-    def miscompiled(*args, compile=True, **kw):
-        step = real(*args, compile=compile, **kw)
-        if not compile:
+    def miscompiled(cfg, opt_cfg, how, **kw):
+        step = real(cfg, opt_cfg, how, **kw)
+        if not how.compile:
             return step
 
         def wrong(params, opt_state, batch, lr):  # a numerics bug: the loss comes out 5% high

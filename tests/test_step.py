@@ -55,16 +55,16 @@ def test_each_step_is_one_graph_without_breaks(which):
     params, state = fresh(TINIEST)
     batch, lr = random_batch(TINIEST, 2, seed=0), torch.tensor(1e-3)
     fn, args = {
-        "train": (model.make_train_step(TINIEST, OPT, compile=False), (params, state, batch, lr)),
-        "train-stable": (model.make_train_step(TINIEST, STABLE, compile=False), (params, state, batch, lr)),
-        "apply-stable": (model.make_apply_step(STABLE, compile=False), (params, state, params, torch.tensor(2.0), lr)),
+        "train": (model.make_train_step(TINIEST, OPT, model.EAGER), (params, state, batch, lr)),
+        "train-stable": (model.make_train_step(TINIEST, STABLE, model.EAGER), (params, state, batch, lr)),
+        "apply-stable": (model.make_apply_step(STABLE, model.EAGER), (params, state, params, torch.tensor(2.0), lr)),
         "train-bf16": (
-            model.make_train_step(TINIEST, OPT, compile=False, autocast_dtype=torch.bfloat16),
+            model.make_train_step(TINIEST, OPT, model.Compilation(compile=False, autocast=torch.bfloat16)),
             (params, state, batch, lr),
         ),
-        "accumulate": (model.make_accumulate_step(TINIEST, compile=False), (params, zeros_like(params), batch)),
-        "apply": (model.make_apply_step(OPT, compile=False), (params, state, params, torch.tensor(2.0), lr)),
-        "eval": (model.make_eval_step(TINIEST, compile=False), (params, batch)),
+        "accumulate": (model.make_accumulate_step(TINIEST, model.EAGER), (params, zeros_like(params), batch)),
+        "apply": (model.make_apply_step(OPT, model.EAGER), (params, state, params, torch.tensor(2.0), lr)),
+        "eval": (model.make_eval_step(TINIEST, model.EAGER), (params, batch)),
     }[which]
     explanation = torch._dynamo.explain(fn)(*args)
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
@@ -107,7 +107,7 @@ def test_checkpoint_layouts_compile_the_train_step_to_one_graph(layout):
     batch["attention_mask"][1, 12:] = False
     if layout == "document_ids":
         batch["document_ids"] = (torch.arange(cfg.max_seq_len) >= 5).long().expand(2, -1).contiguous()
-    step = model.make_train_step(cfg, OPT, compile=False)
+    step = model.make_train_step(cfg, OPT, model.EAGER)
     explanation = torch._dynamo.explain(step)(params, state, batch, torch.tensor(1e-3))
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
 
@@ -117,10 +117,10 @@ def test_new_batches_lrs_evals_and_microbatch_counts_never_recompile():
     graphs_before = counters["unique_graphs"]
     params, state = fresh(TINIEST)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        train = model.make_train_step(TINIEST, OPT, backend="aot_eager")
-        evaluate = model.make_eval_step(TINIEST, backend="aot_eager")
-        accumulate = model.make_accumulate_step(TINIEST, backend="aot_eager")
-        apply = model.make_apply_step(OPT, backend="aot_eager")
+        train = model.make_train_step(TINIEST, OPT, model.Compilation(backend="aot_eager"))
+        evaluate = model.make_eval_step(TINIEST, model.Compilation(backend="aot_eager"))
+        accumulate = model.make_accumulate_step(TINIEST, model.Compilation(backend="aot_eager"))
+        apply = model.make_apply_step(OPT, model.Compilation(backend="aot_eager"))
         for i in range(20):
             lr = torch.tensor(1e-3 * model.lr_schedule("budget-triangle", i / 20))
             params, state, metrics = train(params, state, random_batch(TINIEST, 4, seed=i), lr)
@@ -134,7 +134,7 @@ def test_new_batches_lrs_evals_and_microbatch_counts_never_recompile():
         # A step made for another model has its own cache: neither disturbs the other.
         other_cfg = ModelConfig(**{**TINIEST.__dict__, "hidden": 64})
         other_params, other_state = fresh(other_cfg)
-        model.make_train_step(other_cfg, OPT, backend="aot_eager")(
+        model.make_train_step(other_cfg, OPT, model.Compilation(backend="aot_eager"))(
             other_params, other_state, random_batch(other_cfg, 4, seed=0), torch.tensor(1e-3)
         )
         params, state, metrics = train(params, state, random_batch(TINIEST, 4, seed=99), torch.tensor(1e-4))
@@ -151,7 +151,7 @@ def test_the_stable_adamw_step_never_recompiles_and_matches_eager():
     with torch._dynamo.config.patch(error_on_recompile=True):
         for compiled in (False, True):
             params, state = fresh(TINIEST)
-            train = model.make_train_step(TINIEST, STABLE, compile=compiled, backend="aot_eager")
+            train = model.make_train_step(TINIEST, STABLE, model.Compilation(compile=compiled, backend="aot_eager"))
             for i in range(8):
                 lr = torch.tensor(1e-3 * model.lr_schedule("wsd", i / 8, "1-sqrt", 0.02))
                 params, state, metrics = train(params, state, random_batch(TINIEST, 4, seed=i), lr)
@@ -166,7 +166,7 @@ def test_inductor_matches_eager_over_ten_steps():
     runs = {}
     for compiled in (False, True):
         params, state = fresh(TINIEST)
-        step = model.make_train_step(TINIEST, OPT, compile=compiled, backend="inductor")
+        step = model.make_train_step(TINIEST, OPT, model.Compilation(compile=compiled, backend="inductor"))
         losses = []
         for i in range(10):
             params, state, metrics = step(params, state, random_batch(TINIEST, 8, seed=i % 2), lr)
@@ -182,7 +182,9 @@ def test_inductor_matches_eager_over_ten_steps():
 def test_compiled_fp32_gradients_match_float64():
     params = model.init(TINIEST, seed=0)
     batch = random_batch(TINIEST, 2, seed=0)
-    grads, _ = model.make_accumulate_step(TINIEST, backend="aot_eager")(params, zeros_like(params), batch)
+    grads, _ = model.make_accumulate_step(TINIEST, model.Compilation(backend="aot_eager"))(
+        params, zeros_like(params), batch
+    )
     exact = torch.func.grad(lambda p: model.mlm_loss(p, TINIEST, batch)[0])({k: v.double() for k, v in params.items()})
     for name, g in grads.items():
         assert torch.allclose(g.double(), exact[name], rtol=1e-3, atol=1e-7), name
@@ -196,7 +198,7 @@ def test_two_accumulated_microbatches_equal_one_step_on_both():
         "mlm_positions": torch.cat([halves[0]["mlm_positions"], halves[1]["mlm_positions"] + 4 * TINY.max_seq_len]),
         "mlm_labels": torch.cat([h["mlm_labels"] for h in halves]),
     }
-    accumulate = model.make_accumulate_step(TINY, compile=False)
+    accumulate = model.make_accumulate_step(TINY, model.EAGER)
     grads, losses = zeros_like(params), []
     for half in halves:
         grads, metrics = accumulate(params, grads, half)
@@ -207,8 +209,8 @@ def test_two_accumulated_microbatches_equal_one_step_on_both():
         assert torch.allclose(grads[name] / 2, g, rtol=1e-4, atol=1e-8), name
 
     lr = torch.tensor(1e-3)
-    expected, _, one_step = model.make_train_step(TINY, SMOOTH_OPT, compile=False)(params, state, both, lr)
-    apply = model.make_apply_step(SMOOTH_OPT, compile=False)
+    expected, _, one_step = model.make_train_step(TINY, SMOOTH_OPT, model.EAGER)(params, state, both, lr)
+    apply = model.make_apply_step(SMOOTH_OPT, model.EAGER)
     got, _, applied = apply(params, state, grads, torch.tensor(2.0), lr)
     assert applied["grad_norm"].item() == pytest.approx(one_step["grad_norm"].item(), rel=1e-5)
     for name, p in expected.items():
@@ -218,20 +220,33 @@ def test_two_accumulated_microbatches_equal_one_step_on_both():
 def test_bf16_autocast_keeps_fp32_master_weights():
     params, state = fresh()
     batch, lr = random_batch(TINY, 4, seed=0), torch.tensor(1e-3)
-    _, _, fp32 = model.make_train_step(TINY, OPT, compile=False)(params, state, batch, lr)
-    new_params, new_state, bf16 = model.make_train_step(TINY, OPT, compile=False, autocast_dtype=torch.bfloat16)(
-        params, state, batch, lr
-    )
+    _, _, fp32 = model.make_train_step(TINY, OPT, model.EAGER)(params, state, batch, lr)
+    new_params, new_state, bf16 = model.make_train_step(
+        TINY, OPT, model.Compilation(compile=False, autocast=torch.bfloat16)
+    )(params, state, batch, lr)
     assert all(t.dtype == torch.float32 for t in (*new_params.values(), *new_state.values()))
     assert bf16["loss"].dtype == torch.float32
     assert bf16["loss"].item() == pytest.approx(fp32["loss"].item(), rel=1e-2)
+
+
+def test_a_compilations_eager_twin_keeps_its_forward_and_gives_the_same_numbers():
+    how = model.Compilation(backend="aot_eager", autocast=torch.bfloat16, attention="written", options={"x": 1})
+    eager = how.eager()
+    assert (eager.compile, eager.options) == (False, None)
+    assert (eager.backend, eager.autocast, eager.attention) == ("aot_eager", torch.bfloat16, "written")
+    params, _ = fresh(TINIEST)
+    batch = random_batch(TINIEST, 2, seed=0)
+    in_bf16 = model.make_eval_step(TINIEST, eager)(params, batch)["loss"]
+    in_fp32 = model.make_eval_step(TINIEST, model.EAGER)(params, batch)["loss"]
+    assert in_bf16.item() != in_fp32.item()  # the twin still autocasts
+    assert in_bf16.item() == pytest.approx(in_fp32.item(), rel=1e-2)
 
 
 def _all_reduce_rank(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     params, state = fresh(TINIEST)
     reduce = model.make_grad_all_reduce(world_size)
-    step = model.make_train_step(TINIEST, SMOOTH_OPT, backend="aot_eager", reduce_grads=reduce)
+    step = model.make_train_step(TINIEST, SMOOTH_OPT, model.Compilation(backend="aot_eager"), reduce_grads=reduce)
     params, _, _ = step(params, state, random_batch(TINIEST, 4, seed=rank), torch.tensor(1e-3))
     torch.save(params, Path(out_dir) / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()
@@ -240,11 +255,11 @@ def _all_reduce_rank(rank: int, world_size: int, init_file: str, out_dir: str) -
 def test_grad_all_reduce_inside_the_compiled_step_averages_ranks(tmp_path):
     mp.spawn(_all_reduce_rank, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     params, state = fresh(TINIEST)
-    accumulate = model.make_accumulate_step(TINIEST, compile=False)
+    accumulate = model.make_accumulate_step(TINIEST, model.EAGER)
     grads = zeros_like(params)
     for rank in range(2):
         grads, _ = accumulate(params, grads, random_batch(TINIEST, 4, seed=rank))
-    apply = model.make_apply_step(SMOOTH_OPT, compile=False)
+    apply = model.make_apply_step(SMOOTH_OPT, model.EAGER)
     expected, _, _ = apply(params, state, grads, torch.tensor(2.0), torch.tensor(1e-3))
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -17,6 +18,7 @@ import test_runner
 from test_runner import TESTS, _reasons
 
 from cram.pipeline import planning, rundir, runner, store
+from cram.pipeline.schema import StageRecord
 
 pipe = test_runner.pipe  # the fixture: cram on the fake stages in a temporary folder
 
@@ -240,7 +242,7 @@ def test_gc_keeps_a_key_being_written_and_an_attempt_a_run_may_resume(pipe):
         writer.kill()
         writer.wait()
     manifest = rundir.Manifest.load(pipe.run_dir)
-    manifest.update("beta", attempt={"key": key, "status": "interrupted"})
+    manifest.update("beta", attempt=StageRecord(key=key, status="interrupted"))
     pipe.cram("gc", pipe.run_dir.parent)
     assert (shop / f"beta-{key}.partial").is_dir()  # the run's attempt refers to it: resumable
     manifest.update("beta", attempt=None)
@@ -328,7 +330,7 @@ def test_a_run_made_before_the_store_is_trusted_and_its_folders_move_into_the_st
     stray.unlink()
     stray.mkdir()
     manifest = rundir.Manifest.load(pipe.run_dir)
-    manifest.put("gamma", {"status": "done"})
+    manifest.put("gamma", StageRecord(status="done"))
     out = pipe.run(code=2).output
     assert "cram did not make it: move it away" in out and stray.is_dir()
 
@@ -441,17 +443,16 @@ def test_verify_of_a_root_says_missing_for_a_deleted_entry_a_run_links_to(pipe):
 
 
 def test_a_new_option_at_its_default_is_left_out_of_the_key_and_in_it_otherwise():
-    from cram.stages import pretrain
+    from cram.stages import load, pretrain
 
-    class Stage:
-        NOT_IN_KEY = pretrain.NOT_IN_KEY
-        NEW_OPTIONS = (*pretrain.NEW_OPTIONS, "masking.rate", "microbatch")
+    stage = load("pretrain")
+    stage = dataclasses.replace(stage, NEW_OPTIONS=(*stage.NEW_OPTIONS, "masking.rate", "microbatch"))
 
     base = planning.keyed_config(pretrain, pretrain.Config())
-    keyed = planning.keyed_config(Stage, pretrain.Config())
+    keyed = planning.keyed_config(stage, pretrain.Config())
     assert "microbatch" not in keyed and "rate" not in keyed["masking"]
     assert {k: v for k, v in base.items() if k not in ("microbatch", "masking")} == {
         k: v for k, v in keyed.items() if k not in ("microbatch", "masking")
     }
-    changed = planning.keyed_config(Stage, pretrain.Config(microbatch=16))
+    changed = planning.keyed_config(stage, pretrain.Config(microbatch=16))
     assert changed["microbatch"] == 16

@@ -21,8 +21,9 @@ from cram import model
 from cram.model import ModelConfig, OptimizerConfig, bert, muon
 from cram.model.hf import transformers_blockers
 from cram.pipeline.commands import cli
-from cram.pipeline.commands.export import export, load_export
+from cram.pipeline.commands.export import export
 from cram.stages import pretrain
+from cram.stages.kept import load_export
 from cram.stages.pretraining import checkpoint as checkpoints
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -47,6 +48,7 @@ SWITCHES = {
     "all": dict(qk_norm=True, value_residual=True, zero_init_out=True, activation="relu2", glu=False),
 }
 ADAMW, MUON = OptimizerConfig(), OptimizerConfig(kind="muon")
+AOT_EAGER = model.Compilation(backend="aot_eager")
 
 
 def cfg_of(switch: str) -> ModelConfig:
@@ -218,7 +220,7 @@ def test_muon_keeps_adamws_state_layout_and_updates_everything_else_as_adamw():
     batch = random_batch(cfg, 2, seed=0)
     runs = {}
     for opt in (ADAMW, MUON):
-        step = model.make_train_step(cfg, opt, compile=False)
+        step = model.make_train_step(cfg, opt, model.EAGER)
         runs[opt.kind] = step(params, model.adamw_init(params), batch, torch.tensor(1e-3))
     (adamw_params, adamw_state, _), (muon_params, muon_state, _) = runs["adamw"], runs["muon"]
     assert muon_state.keys() == adamw_state.keys()
@@ -242,7 +244,7 @@ def test_muon_is_an_optimizer_kind():
 @pytest.mark.parametrize("switch", [*SWITCHES, "muon"])
 def test_each_switch_is_one_graph_that_never_recompiles_and_matches_eager(switch):
     cfg, opt = (BASE, MUON) if switch == "muon" else (cfg_of(switch), ADAMW)
-    explanation = torch._dynamo.explain(model.make_train_step(cfg, opt, compile=False))(
+    explanation = torch._dynamo.explain(model.make_train_step(cfg, opt, model.EAGER))(
         *(lambda p: (p, model.adamw_init(p)))(model.init(cfg, 0)), random_batch(cfg, 2, seed=0), torch.tensor(1e-3)
     )
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
@@ -251,7 +253,7 @@ def test_each_switch_is_one_graph_that_never_recompiles_and_matches_eager(switch
         for compiled in (False, True):
             params = model.init(cfg, seed=0)
             state = model.adamw_init(params)
-            step = model.make_train_step(cfg, opt, compile=compiled, backend="aot_eager")
+            step = model.make_train_step(cfg, opt, model.Compilation(compile=compiled, backend="aot_eager"))
             for i in range(3):
                 params, state, metrics = step(params, state, random_batch(cfg, 4, seed=i), torch.tensor(1e-3 / (i + 1)))
             runs[compiled] = params, metrics["loss"]
@@ -266,11 +268,11 @@ def test_muons_apply_step_after_accumulation_is_one_graph_and_matches_the_train_
     batch = random_batch(BASE, 4, seed=0)
     lr = torch.tensor(1e-3)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        grads, _ = model.make_accumulate_step(BASE, backend="aot_eager")(params, bert_zeros(params), batch)
-        applied, _, _ = model.make_apply_step(MUON, backend="aot_eager")(
+        grads, _ = model.make_accumulate_step(BASE, AOT_EAGER)(params, bert_zeros(params), batch)
+        applied, _, _ = model.make_apply_step(MUON, AOT_EAGER)(
             params, model.adamw_init(params), grads, torch.tensor(1.0), lr
         )
-    trained, _, _ = model.make_train_step(BASE, MUON, compile=False)(params, model.adamw_init(params), batch, lr)
+    trained, _, _ = model.make_train_step(BASE, MUON, model.EAGER)(params, model.adamw_init(params), batch, lr)
     for name, p in trained.items():
         assert torch.allclose(applied[name], p, rtol=0, atol=1e-6), name
 

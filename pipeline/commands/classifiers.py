@@ -1,54 +1,92 @@
-"""The fine-tuned classifiers a run's evaluate stage kept (`[evaluate] keep`, stages/finetuning/kept.py),
-found for `cram export RUN --task NAME` and `cram predict`, or read back from a cram-format export.
+"""What `cram export` and `cram predict` read of a run directory: its tokenizer and pretrained encoder,
+or a classifier its evaluate stage kept (`[evaluate] keep`), each file checked against the store's
+sha256 first; the files themselves are read by the kept-model room (stages/kept/).
 
-    kept = find(run_dir, "topic")            # checked against the store's sha256 first
-    kept = from_export(Path("out/topic"))    # a `cram export RUN --task topic` folder
+    run = finished_run(run_dir)              # tokenize's and pretrain's outputs, checked
+    classifier = find(run_dir, "topic")      # the kept topic classifier, checked
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from cram.model.config import ModelConfig, ModelConfigError
 from cram.pipeline import errors, rundir, store
-from cram.stages.finetuning.kept import META, MODEL, PARAMS
+from cram.stages.kept import META, MODEL, PARAMS, Classifier, KeptError, read_classifier
 
 
 class ClassifierError(errors.CramError):
     """No kept classifier where one was asked for, or one that cannot be used; one line, exit code 2."""
 
 
+class RunError(errors.CramError):
+    """A run directory whose tokenize or pretrain stage cannot be read for an export; one line, exit code 2."""
+
+
 @dataclass(frozen=True)
-class Kept:
-    """A kept classifier: its folder (params, model.json, classifier.json) and what they say."""
+class Run:
+    """What an export or a prediction reads of a finished run: its tokenizer and pretrained encoder."""
 
-    folder: Path
-    meta: dict[str, Any]  # classifier.json
-    cfg: ModelConfig
-
-    @property
-    def labels(self) -> list[str]:
-        return list(self.meta["labels"])
-
-    def params(self) -> dict[str, Any]:
-        from safetensors.torch import load_file
-
-        return load_file(self.folder / PARAMS)
+    tokenizer: Path
+    special_ids: dict[str, int]
+    params: Path
+    model: Path
 
 
-def find(run_dir: Path, task: str) -> Kept:
+_NEEDED = {"tokenize": ("tokenizer", "special_ids"), "pretrain": ("params", "model_config")}  # what is read
+
+
+def finished_run(run_dir: Path, doing: str = "exported") -> Run:
+    """RUN_DIR's tokenizer and pretrained encoder, once tokenize and pretrain are done and the files read
+    are the ones the store recorded; `doing` says in an error what did not happen."""
+    try:
+        stages = rundir.records(run_dir)
+    except rundir.RunDirError as e:
+        raise RunError(str(e)) from None
+    outputs = {}
+    for stage in ("tokenize", "pretrain"):
+        record = stages.get(stage)
+        if record is None or record.status != "done" or not (run_dir / stage).is_dir():
+            raise RunError(
+                f"{run_dir}: stage {stage} is not done (status {record.status if record else 'missing'}); "
+                f"run it first: cram resume {run_dir}"
+            )
+        outputs[stage] = record.outputs
+        if missing := [k for k in _NEEDED[stage] if k not in outputs[stage]]:
+            raise RunError(
+                f"{run_dir / rundir.MANIFEST}: stage {stage} is done, but its outputs lack {', '.join(missing)}; "
+                f"re-run it: cram run {run_dir / rundir.CONFIG} --force {stage}"
+            )
+    for stage, key in (("tokenize", "tokenizer"), ("pretrain", "params"), ("pretrain", "model_config")):
+        path = run_dir / stage / str(outputs[stage].get(key))
+        if not path.is_file():
+            raise RunError(
+                f"{path}: missing, though stage {stage} is done; re-run it: "
+                f"cram run {run_dir / rundir.CONFIG} --force {stage}"
+            )
+        # What is read must be what the stage wrote: a damaged file is refused (and noted in its entry).
+        damage = store.verify(run_dir / stage, stages[stage].key or "", [str(outputs[stage].get(key))])
+        if damage is not None:
+            raise RunError(f"{damage}; nothing {doing}: cram resume {run_dir} computes {stage} again")
+    tokenize, pretrain = outputs["tokenize"], outputs["pretrain"]
+    return Run(
+        run_dir / "tokenize" / tokenize["tokenizer"],
+        tokenize["special_ids"],
+        run_dir / "pretrain" / pretrain["params"],
+        run_dir / "pretrain" / pretrain["model_config"],
+    )
+
+
+def find(run_dir: Path, task: str) -> Classifier:
     """The classifier RUN_DIR's evaluate stage kept for `task` (its best seed's), once its files are the
     ones the store recorded. ClassifierError naming `evaluate.keep`, the tasks kept or the damage otherwise."""
-    record = rundir.records(run_dir).get("evaluate") or {}
-    if record.get("status") != "done":
+    record = rundir.records(run_dir).get("evaluate")
+    if record is None or record.status != "done":
         raise ClassifierError(
-            f"{run_dir}: stage evaluate is not done (status {record.get('status', 'missing')}); "
+            f"{run_dir}: stage evaluate is not done (status {record.status if record else 'missing'}); "
             f"it keeps the fine-tuned classifiers: cram resume {run_dir}"
         )
-    kept = (record.get("outputs") or {}).get("classifiers") or {}
+    kept = record.outputs.get("classifiers") or {}
     if not kept:
         keep = (rundir.saved_config(run_dir, required=False).get("evaluate") or {}).get("keep", "best")
         why = 'evaluate.keep = "none"' if keep == "none" else "its result predates evaluate.keep, or it had no task"
@@ -58,48 +96,13 @@ def find(run_dir: Path, task: str) -> Kept:
         )
     if task not in kept:
         raise ClassifierError(f"--task {task}: {run_dir} kept no classifier of that task; it kept: {', '.join(kept)}")
-    folder = run_dir / "evaluate" / kept[task]
     names = [f"{kept[task]}/{name}" for name in (PARAMS, MODEL, META)]
-    damage = store.verify(run_dir / "evaluate", record.get("key", ""), names)
+    damage = store.verify(run_dir / "evaluate", record.key or "", names)
     if damage is not None:
         raise ClassifierError(
             f"{damage}; nothing read: cram run {run_dir / rundir.CONFIG} --force evaluate computes it again"
         )
-    return _read(folder)
-
-
-def from_export(folder: Path) -> Kept:
-    """The classifier of a cram-format `cram export RUN --task NAME` folder."""
-    if not (folder / META).is_file():
-        hint = " (a transformers export: export with --format cram)" if (folder / "config.json").is_file() else ""
-        raise ClassifierError(f"{folder}: no {META}; not a classifier exported by cram export --task{hint}")
-    return _read(folder)
-
-
-def _read(folder: Path) -> Kept:
-    path = folder / META
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-        cfg = ModelConfig.from_json(folder / MODEL)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ModelConfigError) as e:
-        raise ClassifierError(f"{path}: not a readable classifier ({e})") from None
-    check_labels(meta, path)
-    if not (folder / PARAMS).is_file():
-        raise ClassifierError(f"{folder / PARAMS}: missing")
-    return Kept(folder, meta, cfg)
-
-
-def check_labels(meta: Any, where: Path) -> None:
-    """Label names that map to ids and back (distinct non-empty strings, one per output; none for a
-    regression); and the text fields a prediction reads. ClassifierError naming `where` otherwise."""
-    labels = meta.get("labels") if isinstance(meta, dict) else None
-    outputs = meta.get("num_outputs") if isinstance(meta, dict) else None
-    ok = isinstance(labels, list) and all(isinstance(n, str) and n for n in labels)
-    if not ok or len(set(labels)) != len(labels) or (len(labels) or 1) != outputs:
-        raise ClassifierError(
-            f"{where}: labels {json.dumps(labels)} do not round-trip to {outputs} output ids; "
-            "expected distinct non-empty names, one per output (none for a regression)"
-        )
-    fields = meta.get("text_fields")
-    if not isinstance(fields, list) or len(fields) not in (1, 2) or not all(isinstance(f, str) for f in fields):
-        raise ClassifierError(f"{where}: text_fields {json.dumps(fields)}: expected one or two field names")
+        return read_classifier(run_dir / "evaluate" / kept[task])
+    except KeptError as e:
+        raise ClassifierError(str(e)) from None

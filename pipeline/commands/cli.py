@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable, List, Optional
 
 import typer
@@ -127,7 +127,7 @@ def resume(run_dir: Path = typer.Argument(..., help="A run directory.")) -> None
 def _run(
     conf: cfg.PipelineConfig,
     run_dir: Path,
-    modules: list[ModuleType],
+    modules: Sequence[planning.StageLike],
     only: str | None = None,
     start: str | None = None,
     force: tuple[str, ...] = (),
@@ -222,7 +222,8 @@ def predict_files(
     """Classify every text of FILES with a kept classifier: one row per text, label and probabilities."""
     from cram.pipeline.commands import predict
 
-    written = predict.predict(source, files, task, out_file, compile=compile, batch_size=batch_size)
+    settings = predict.Settings(compile=compile, batch_size=batch_size)
+    written = predict.predict(source, files, task, out_file, settings)
     if out_file is not None:
         out.print(f"{written:,} rows: {out_file}")
 

@@ -16,6 +16,7 @@ from rich.table import Table
 from cram.pipeline import config as cfg
 from cram.pipeline import planning, store
 from cram.pipeline.commands import reading, sweep
+from cram.pipeline.schema import StageRecord
 from cram.stages.shared.figures import is_number
 
 out = Console()
@@ -27,7 +28,7 @@ def error(message: str) -> None:
 
 
 def print_plan(steps: list[planning.Step], run_dir: Path, config: cfg.PipelineConfig | None = None) -> None:
-    """A dry run's plan; below it, what each stage that would run says of its work (its optional
+    """A dry run's plan; below it, what each stage that would run says of its work (its
     `describe(config, pipeline)`: evaluate's fine-tune steps), given the run's `config`."""
     table = Table(title=f"{run_dir} (dry run)", title_justify="left")
     for column in ("stage", "action", "reason", "key"):
@@ -37,8 +38,8 @@ def print_plan(steps: list[planning.Step], run_dir: Path, config: cfg.PipelineCo
         table.add_row(s.name, f"[{style}]{s.action}[/]", s.reason, s.key[:12])
     out.print(table)
     for s in steps:
-        if config is not None and s.action == "run" and hasattr(s.module, "describe"):
-            if described := s.module.describe(s.config, config):
+        if config is not None and s.action == "run":
+            if described := s.stage.describe(s.config, config):
                 out.print(f"{s.name}: {escape(described)}", highlight=False, soft_wrap=True)
 
 
@@ -49,9 +50,9 @@ def print_status(run_dir: Path, stages: list[reading.Stage]) -> None:
     for s in stages:
         r = s.record
         duration = _duration(r)
-        detail = r.get("error") if s.state in ("failed", "killed") else _figures(r.get("outputs") or {})
+        detail = r.error if s.state in ("failed", "killed") else _figures(r.outputs)
         detail = " ".join(x for x in (detail, s.note) if x)
-        table.add_row(s.name, _styled(s.state), (r.get("key") or "")[:12], duration, escape(detail))
+        table.add_row(s.name, _styled(s.state), (r.key or "")[:12], duration, escape(detail))
     out.print(table)
     for s in stages:
         if s.name == "evaluate" and s.state == "done":
@@ -74,26 +75,23 @@ def print_versus(rows: list[reading.Versus]) -> None:
 
 
 def print_stage(
-    name: str, record: dict[str, Any], config: dict[str, Any], events: Path, tail: list[str], run_dir: Path
+    name: str, record: StageRecord, config: dict[str, Any], events: Path, tail: list[str], run_dir: Path
 ) -> None:
     """What `cram inspect` shows of a stage: its record, its config section, outputs (evaluate's beside
     the starting checkpoint's, where it was scored too) and log tail."""
-    out.rule(f"{name}: {record.get('status')}")
-    out.print(
-        f"key {record.get('key')}  started {record.get('started')}  ended {record.get('ended')}  "
-        f"duration {_duration(record) or '-'}"
-    )
-    if record.get("error"):
-        out.print(f"[red]error:[/] {escape(record['error'])}", highlight=False)
+    out.rule(f"{name}: {record.status}")
+    out.print(f"key {record.key}  started {record.started}  ended {record.ended}  duration {_duration(record) or '-'}")
+    if record.error:
+        out.print(f"[red]error:[/] {escape(record.error)}", highlight=False)
     out.print("[bold]config[/]")
     out.print(cfg.to_toml({name: config.get(name, {})}).strip(), highlight=False, markup=False)
     out.print("[bold]outputs[/]")
-    out.print_json(json.dumps(record.get("outputs") or {}))
-    if reason := (record.get("outputs") or {}).get("precision_reason"):
-        out.print(f"[bold]precision[/]: {record['outputs'].get('precision')} ({escape(reason)})", highlight=False)
+    out.print_json(json.dumps(record.outputs))
+    if reason := record.outputs.get("precision_reason"):
+        out.print(f"[bold]precision[/]: {record.outputs.get('precision')} ({escape(reason)})", highlight=False)
     if name == "evaluate":
         print_versus(reading.versus(run_dir, record))
-    if replay := _replay_budget(name, record.get("outputs") or {}):
+    if replay := _replay_budget(name, record.outputs):
         out.print(f"[bold]same token budget elsewhere[/]: {replay}", highlight=False)
     out.print(f"[bold]log tail[/] ({events})")
     for event in tail:
@@ -190,13 +188,13 @@ def _replay_budget(stage: str, outputs: dict[str, Any]) -> str:
     return " ".join(f"--set pretrain.budget.{k}={v}" for k, v in limits.items())
 
 
-def _duration(record: dict[str, Any]) -> str:
+def _duration(record: StageRecord) -> str:
     """A stage's time: every try's added up (the manifest's `duration_s`), and how many tries when more
     than one (an interrupted and resumed stage)."""
-    if record.get("duration_s") is None:
+    if record.duration_s is None:
         return ""
-    tries = len(record.get("attempts") or [])
-    return seconds(record["duration_s"]) + (f" ({tries} tries)" if tries > 1 else "")
+    tries = len(record.attempts)
+    return seconds(record.duration_s) + (f" ({tries} tries)" if tries > 1 else "")
 
 
 def seconds(s: float) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from cram.pipeline import rundir
+from cram.pipeline.schema import StageRecord
 from cram.stages.shared.figures import is_number
 
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"), ("grad_norm", "grad norm"))
@@ -26,11 +27,11 @@ class CurvesError(Exception):
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The pretrain stage's metrics.jsonl rows, in order."""
-    record = _stages(run_dir).get("pretrain") or {}
-    name = (record.get("outputs") or {}).get("metrics")
+    record = _stages(run_dir).get("pretrain")
+    name = record.outputs.get("metrics") if record is not None else None
     path = run_dir / "pretrain" / name if isinstance(name, str) and name else None
     if path is None or not path.is_file():
-        raise CurvesError(f"{run_dir}: no pretrain metrics (stage status {record.get('status', 'missing')})")
+        raise CurvesError(f"{run_dir}: no pretrain metrics (stage status {record.status if record else 'missing'})")
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
@@ -62,7 +63,7 @@ def plot_run(run_dir: Path) -> Any:
         ax.grid(alpha=0.3)
     for ax in axes[1]:
         ax.set_xlabel("tokens seen")
-    evaluate = (_stages(run_dir).get("evaluate") or {}).get("outputs") or {}
+    evaluate = _outputs(_stages(run_dir), "evaluate")
     results = "  ".join(f"{k} {v:.4g}" for k, v in evaluate.items() if is_number(v) and not k.endswith("_time_s"))
     fig.suptitle(f"{run_dir.name}\n{results or 'not evaluated'}", fontsize=10)
     fig.tight_layout()
@@ -109,7 +110,7 @@ def stage_figures(run_dirs: list[Path]) -> dict[str, dict[str, list[Any]]]:
     stages = [_stages(d) for d in run_dirs]
     table: dict[str, dict[str, list[Any]]] = {}
     for name in dict.fromkeys(n for s in stages for n in s):
-        outputs = [(s.get(name) or {}).get("outputs") or {} for s in stages]
+        outputs = [_outputs(s, name) for s in stages]
         keys = dict.fromkeys(k for o in outputs for k, v in o.items() if is_number(v))
         if keys:
             table[name] = {k: [o.get(k, MISSING) for o in outputs] for k in keys}
@@ -127,11 +128,16 @@ def _pyplot() -> Any:
     return plt
 
 
-def _stages(run_dir: Path) -> dict[str, Any]:
+def _stages(run_dir: Path) -> dict[str, StageRecord]:
     try:
         return rundir.records(run_dir)
     except rundir.RunDirError as e:
         raise CurvesError(str(e)) from None
+
+
+def _outputs(records: dict[str, StageRecord], name: str) -> dict[str, Any]:
+    record = records.get(name)
+    return record.outputs if record is not None else {}
 
 
 def _config(run_dir: Path) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from cram.pipeline import rundir, store
 from cram.pipeline.errors import CramError
+from cram.pipeline.schema import StageRecord
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class Stage:
     checked_status) and a note on a kept attempt or a replaced upstream."""
 
     name: str
-    record: dict[str, Any]
+    record: StageRecord
     state: str
     note: str
 
@@ -53,11 +54,11 @@ class Versus:
     start_spread: float
 
 
-def versus(run_dir: Path, record: dict[str, Any]) -> list[Versus]:
+def versus(run_dir: Path, record: StageRecord) -> list[Versus]:
     """Each task's continued and starting scores, from a done evaluate's results (stages/finetuning/versus.py);
     none for a run without a baseline, or whose results cannot be read (its status says why)."""
-    name = (record.get("outputs") or {}).get("results")
-    if record.get("status") != "done" or not isinstance(name, str):
+    name = record.outputs.get("results")
+    if record.status != "done" or not isinstance(name, str):
         return []
     try:
         tasks = json.loads((run_dir / "evaluate" / name).read_text(encoding="utf-8")).get("tasks", {})
@@ -102,43 +103,42 @@ def newest(root: Path) -> list[Newest]:
         except rundir.RunDirError as e:  # one bad run must not hide the others
             found.append(Newest(path.name, unreadable=str(e)))
             continue
-        started = {k: r for k, r in stages.items() if r.get("started")}
+        started = {k: (r, r.started) for k, r in stages.items() if r.started}
         if not started:
             found.append(Newest(path.name))
             continue
-        stage = max(started, key=lambda k: started[k]["started"])
-        r = started[stage]
-        found.append(Newest(path.name, stage, checked_status(path, stage, r)[0], r["started"]))
+        stage = max(started, key=lambda k: started[k][1])
+        r, when = started[stage]
+        found.append(Newest(path.name, stage, checked_status(path, stage, r)[0], when))
     return found
 
 
 def checked_status(
-    run_dir: Path, name: str, record: dict[str, Any], records: dict[str, Any] | None = None
+    run_dir: Path, name: str, record: StageRecord, records: dict[str, StageRecord] | None = None
 ) -> tuple[str, str]:
     """A stage's status as `cram status` shows it, checked against the files and the processes, and a
     note on an unfinished attempt kept beside a done result, or on a result made from an upstream
     result that the run has since replaced (given all the run's `records`)."""
-    status = record.get("status", "?")
-    if status == "done" and (trouble := store.problem(run_dir / name, record.get("key", ""))):
+    status = record.status
+    if status == "done" and (trouble := store.problem(run_dir / name, record.key or "")):
         return ("damaged" if trouble.damaged else "missing"), f"not done: {trouble}"
     replaced = [
         u
-        for u, k in (record.get("upstream_keys") or {}).items()
-        if status == "done" and records and (records.get(u) or {}).get("key") not in (None, k)
+        for u, k in record.upstream_keys.items()
+        if status == "done" and records and (up := records.get(u)) is not None and up.key not in (None, k)
     ]
     if status == "running" and _gone(record):
-        return "killed", f"pid {record['pid']} ended without a word (killed); cram resume {run_dir} continues it"
+        return "killed", f"pid {record.pid} ended without a word (killed); cram resume {run_dir} continues it"
     notes = [f"(made from an earlier {', '.join(replaced)}: re-run to bring it up to date)"] if replaced else []
-    attempt = record.get("attempt")
-    if isinstance(attempt, dict):
-        state = "killed" if attempt.get("status") == "running" and _gone(attempt) else attempt.get("status")
-        error = f": {attempt['error']}" if attempt.get("error") else ""
-        notes.append(f"(a newer attempt, key {str(attempt.get('key'))[:12]}, {state}{error}; this result is kept)")
+    attempt = record.attempt
+    if attempt is not None:
+        state = "killed" if attempt.status == "running" and _gone(attempt) else attempt.status
+        error = f": {attempt.error}" if attempt.error else ""
+        notes.append(f"(a newer attempt, key {str(attempt.key)[:12]}, {state}{error}; this result is kept)")
     return status, " ".join(notes)
 
 
-def _gone(record: dict[str, Any]) -> bool:
+def _gone(record: StageRecord) -> bool:
     """A record says running, but its process on this host has ended (killed: it could not say)."""
-    pid = record.get("pid")
     here = socket.gethostname()
-    return isinstance(pid, int) and record.get("host", here) == here and not rundir.pid_alive(pid)
+    return record.pid is not None and (record.host or here) == here and not rundir.pid_alive(record.pid)

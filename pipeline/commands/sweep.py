@@ -16,9 +16,9 @@ import dataclasses
 import hashlib
 import itertools
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable
 
 from cram.pipeline import config as cfg
@@ -129,7 +129,7 @@ def summary(steps: list[planning.Step]) -> str:
 
 def run_sweep(
     found: list[Variant],
-    modules: list[ModuleType],
+    modules: Sequence[planning.StageLike],
     dry_run: bool = False,
     show: Callable[[Outcome], None] = lambda outcome: None,
     failed: Callable[[Outcome], None] = lambda outcome: None,

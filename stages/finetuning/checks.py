@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from cram.stages import StageError
 from cram.stages.finetuning.config import Config, TaskConfig
-from cram.stages.finetuning.finetune import bucket, load_task
+from cram.stages.finetuning.finetune import load_task
+from cram.stages.kept.batches import bucket
 from cram.stages.shared.masking import masked_per_sequence
 
 if TYPE_CHECKING:

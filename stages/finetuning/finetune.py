@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from cram.stages import Context, StageError, Upstream
+from cram.stages.kept.batches import Padding
 from cram.stages.shared.device import to_device
 from cram.stages.shared.progress import Every, track
 
@@ -223,17 +224,11 @@ class Tuner:
 
         fixed = {k: v for k, v in FINETUNE_OPTIMIZER.items() if k != "schedule"}
         opt_cfg = model.OptimizerConfig(lr=config.lr, weight_decay=config.weight_decay, **fixed)
-        kw = dict(
-            pooling=config.pooling,
-            compile=config.compile,
-            backend=config.backend,
-            autocast_dtype=precision.autocast(),
-            options=precision.compile_options() if config.compile else None,
-            attention=attention,
-            head=config.head,
-        )
+        options = precision.compile_options() if config.compile else None
+        how = model.Compilation(config.compile, config.backend, precision.autocast(), attention, options)
+        kw = dict(pooling=config.pooling, head=config.head)
         cfg = dataclasses.replace(cfg, dropout=0.0)  # the fine-tune step's rate comes with each batch
-        step, predict = make_finetune_step(cfg, opt_cfg, **kw), make_classify_eval_step(cfg, **kw)
+        step, predict = make_finetune_step(cfg, opt_cfg, how, **kw), make_classify_eval_step(cfg, how, **kw)
         return cls(config, cfg, params, special, device, step, predict)
 
     def train(
@@ -341,23 +336,13 @@ class Tuner:
         import numpy as np
         import torch
 
-        pad, cls, sep = self.special["pad"], self.special["cls"], self.special["sep"]
-        length = bucket(int(lengths[index].max()), self.config.buckets)
-        ids = np.full((size, length), pad, dtype=np.int64)
-        ids[:, :2] = cls, sep  # fillers are [CLS] [SEP]: no row is all padding, which attention cannot take
-        mask = np.zeros((size, length), dtype=bool)
-        mask[:, :2] = True
-        for row, i in enumerate(index):
-            ids[row, : lengths[i]] = rows[i]
-            mask[row, : lengths[i]] = True
+        padding = Padding(self.special, self.config.buckets, self.cfg.token_types > 1)
+        arrays = padding.inputs(rows, lengths, index, size)
         padded_labels = np.zeros(size, dtype=labels.dtype)
         padded_labels[: len(index)] = labels[index]
         weights = np.zeros(size, dtype=np.float32)
         weights[: len(index)] = 1.0
-        arrays = {"input_ids": ids, "attention_mask": mask, "labels": padded_labels, "weights": weights}
-        if self.cfg.token_types > 1:  # BERT's segments: what follows the first [SEP] is the pair's second text
-            is_sep = ids == sep
-            arrays["token_type_ids"] = (((np.cumsum(is_sep, axis=1) - is_sep) > 0) & mask).astype(np.int64)
+        arrays.update(labels=padded_labels, weights=weights)
         arrays["dropout"] = np.array(dropout, dtype=np.float32)
         return {k: to_device(torch.from_numpy(v), self.device) for k, v in arrays.items()}
 
@@ -369,7 +354,3 @@ class Tuner:
         if self.config.pooling == "pooler":
             head = pooler_head(head, self.params)
         return {k: v.to(self.device) for k, v in head.items()}
-
-
-def bucket(length: int, buckets: tuple[int, ...]) -> int:
-    return next(b for b in buckets if b >= length)

@@ -99,11 +99,12 @@ def _mlm_at(held_out: HeldOut, measured: _Measured, blocks: np.ndarray, length: 
         raise StageError(f"evaluate.mlm_lengths: {length}: pack's val ({blocks.size} tokens) holds no block that long")
     spec = mask_spec(Masking(**held_out.masking), held_out.special, held_out.vocab_size, length)
     # Its own compiled function per length: one graph each, never a recompile of another length's.
-    forward = dict(autocast_dtype=precision.autocast(), attention=attention)
-    options = precision.compile_options()
-    step = model.make_eval_step(cfg, compile=config.compile, backend=config.backend, options=options, **forward)
+    how = model.Compilation(
+        config.compile, config.backend, precision.autocast(), attention, precision.compile_options()
+    )
+    step = model.make_eval_step(cfg, how)
     # The last, shorter batch runs eagerly rather than compiling a second graph for one call.
-    tail = model.make_eval_step(cfg, compile=False, **forward)
+    tail = model.make_eval_step(cfg, how.eager())
     result = val_mlm(
         step,
         params,

@@ -1,9 +1,9 @@
 """The fine-tuned classifiers evaluate keeps (`[evaluate] keep`): per task the best seed's, every
 seed's, or none, as outputs of the stage that the store checksums like every other.
 
-    classifiers/<task>/seed-<seed>/params.safetensors   encoder and `classifier.` head, fp32 (no MLM head)
-    classifiers/<task>/seed-<seed>/model.json           the encoder's ModelConfig (pretrain's)
-    classifiers/<task>/seed-<seed>/classifier.json      what `cram export --task` and `cram predict` need
+    classifiers/<index>-<task>/seed-<seed>/params.safetensors   encoder and `classifier.` head, fp32 (no MLM head)
+    classifiers/<index>-<task>/seed-<seed>/model.json           the encoder's ModelConfig (pretrain's)
+    classifiers/<index>-<task>/seed-<seed>/classifier.json      what `cram export --task` and `cram predict` need
 
 "Best" is the highest main score (the task's first metric on its first test set: the score evaluate
 reports), the lowest seed on ties. With keep = "best" a rank holds one candidate per task in memory,
@@ -14,6 +14,7 @@ hashes a complete folder. With "all" each seed is written as soon as it is score
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cram.stages.kept.folder import META, MODEL, PARAMS
 from cram.stages.shared.files import write_atomic
 
 if TYPE_CHECKING:
@@ -32,13 +34,16 @@ if TYPE_CHECKING:
 
 KEEP = ("best", "all", "none")
 FOLDER = "classifiers"
-PARAMS, MODEL, META = "params.safetensors", "model.json", "classifier.json"
 _SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def folder_of(name: str, index: int) -> str:
-    """A task's folder under `classifiers/`: its name where that is a safe folder name, else `task<index>`."""
-    return name if _SAFE.fullmatch(name) else f"task{index}"
+    """A task's folder under `classifiers/`: its index, then its name (its safe characters and a hash of
+    the name where it has others). The index makes it unique, on a file system that ignores case too."""
+    if _SAFE.fullmatch(name):
+        return f"{index}-{name}"
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return f"{index}-{re.sub(r'[^A-Za-z0-9._-]', '_', name)[:40]}-{digest}"
 
 
 def main_score(task: Task, run: dict) -> float:

@@ -39,6 +39,18 @@ class Microbatch:
     mask_seed: int
 
 
+@dataclass(frozen=True)
+class Feed:
+    """How this rank reads the stream: the run's `seed` (the epochs' order and the masks), its `rank` of
+    `world_size`, the microbatches read ahead (`depth`), pinned for a copy to a GPU (`pin`)."""
+
+    seed: int
+    rank: int = 0
+    world_size: int = 1
+    depth: int = 4
+    pin: bool = False
+
+
 def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n)
 
@@ -73,25 +85,14 @@ class Prefetcher:
     """
 
     def __init__(
-        self,
-        blocks: np.ndarray,
-        *,
-        seed: int,
-        start: int,
-        microbatch: int,
-        rank: int = 0,
-        world_size: int = 1,
-        depth: int = 4,
-        pin: bool = False,
-        waited_s: float = 0.0,
-        pieces: int = 1,
+        self, blocks: np.ndarray, feed: Feed, *, start: int, microbatch: int, waited_s: float = 0.0, pieces: int = 1
     ):
         self.wait_s = waited_s
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._queue: queue.Queue = queue.Queue(maxsize=feed.depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._fill,
-            args=(blocks, seed, start, microbatch, rank, world_size, pin, pieces),
+            args=(blocks, feed, start, microbatch, pieces),
             name="cram-prefetch",
             daemon=True,
         )
@@ -115,16 +116,16 @@ class Prefetcher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _fill(self, blocks, seed, start, microbatch, rank, world_size, pin, pieces) -> None:
+    def _fill(self, blocks: np.ndarray, feed: Feed, start: int, microbatch: int, pieces: int) -> None:
         orders: dict[int, np.ndarray] = {}
         global_first = start
         try:
             while not self._stop.is_set():
-                first = global_first + rank * microbatch
-                ids = torch.from_numpy(read_sequences(blocks, seed, first, microbatch, orders, pieces))
-                item = Microbatch(ids.pin_memory() if pin else ids, first, mask_seed(seed, first))
+                first = global_first + feed.rank * microbatch
+                ids = torch.from_numpy(read_sequences(blocks, feed.seed, first, microbatch, orders, pieces))
+                item = Microbatch(ids.pin_memory() if feed.pin else ids, first, mask_seed(feed.seed, first))
                 self._put(item)
-                global_first += world_size * microbatch
+                global_first += feed.world_size * microbatch
         except BaseException as e:  # handed to the consumer, which raises it in the training loop
             self._put(e)
 
@@ -141,21 +142,8 @@ class PhaseStream:
     """This rank's microbatches across sequence-length phases (`phases.py`): the current phase's
     prefetcher, opened anew at the phase's data position when the phase changes."""
 
-    def __init__(
-        self,
-        train: np.ndarray,
-        plan: Plan,
-        *,
-        seed: int,
-        rank: int,
-        world_size: int,
-        depth: int,
-        pin: bool,
-        waited_s: float,
-    ):
-        self.chunks, self.plan, self.seed = blocks_of(train, plan.chunk), plan, seed
-        self.rank, self.world_size, self.depth, self.pin = rank, world_size, depth, pin
-        self.waited_s = waited_s
+    def __init__(self, train: np.ndarray, plan: Plan, feed: Feed, waited_s: float = 0.0):
+        self.chunks, self.plan, self.feed, self.waited_s = blocks_of(train, plan.chunk), plan, feed, waited_s
         self.phase: int | None = None
         self.prefetcher: Prefetcher | None = None
 
@@ -171,13 +159,9 @@ class PhaseStream:
         span = self.plan.spans[state.phase]
         self.prefetcher = Prefetcher(
             self.chunks,
-            seed=self.seed,
+            self.feed,
             start=self.plan.first_sequence(state),
             microbatch=span.microbatch,
-            rank=self.rank,
-            world_size=self.world_size,
-            depth=self.depth,
-            pin=self.pin,
             waited_s=self.waited_s,
             pieces=self.plan.chunk // span.seq_len,
         )

@@ -8,14 +8,18 @@ counts, and rank 0's newest checkpoint is the one every rank resumes from.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from cram.stages.pretraining.config import Budget
 
 if TYPE_CHECKING:
+    import torch
+
     from cram.stages.pretraining.state import TrainState
 
 
-def progress(budget: Any, state: TrainState, elapsed_s: float) -> float:
-    """How much of `budget` (a `pretrain.Budget`) is spent, in [0, 1+): the largest fraction of any limit."""
+def progress(budget: Budget, state: TrainState, elapsed_s: float) -> float:
+    """How much of `budget` is spent, in [0, 1+): the largest fraction of any limit."""
     spent = [0.0]
     if budget.hours is not None:
         spent.append(elapsed_s / (3600 * budget.hours))
@@ -37,7 +41,7 @@ class Clock:
     stops: a slow stretch would otherwise end training early.
     """
 
-    def __init__(self, before_s: float, agree: bool, device: Any, every: int = 1, end_s: float | None = None):
+    def __init__(self, before_s: float, agree: bool, device: torch.device, every: int = 1, end_s: float | None = None):
         self.before_s, self.agree, self.device, self.every, self.end_s = before_s, agree, device, every, end_s
         self.started = time.perf_counter()
         self.synced_step: int | None = None

@@ -74,11 +74,8 @@ def latest(root: Path, log: Any = None) -> Path | None:
 
 def verify(path: Path) -> None:
     """Raise CheckpointError naming the first file of checkpoint `path` that is missing or does not
-    match its checksum. A checkpoint written before checksums existed is checked by reading it."""
+    match its checksum."""
     sums_path = path / CHECKSUMS
-    if not sums_path.is_file():
-        load(path)
-        return
     try:
         sums = json.loads(sums_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -1,7 +1,7 @@
 """A fresh masked-LM head trained alone before the encoder it sits on (`pretrain.head_warmup`).
 
 A checkpoint without its MLM head (a base model, a sentence-transformers folder) gets one made from the
-run's seed (`start.py`). Trained together with the encoder from the first step, the random head's early
+run's seed (`continued.py`). Trained together with the encoder from the first step, the random head's early
 gradients move a trained encoder for nothing: `transformers` measured on a released sentence encoder, the
 task lost 6.7 points that way and nearly none with the head trained alone first (LP-FT, Kumar et al. 2022,
 does the same for a classifier's head). bench/README.md "adapt": continuing all-MiniLM-L6-v2 without it lost
@@ -22,9 +22,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from cram.model.config import ModelConfig
     from cram.stages.pretraining.state import TrainState
-
-# `head_warmup = "auto"` for a run whose checkpoint lacks its head: this fraction of the budget.
-AUTO_FRACTION = 0.1
 
 
 @dataclass(frozen=True)
@@ -47,25 +44,6 @@ def head_names(cfg: ModelConfig) -> tuple[str, ...]:
     from cram.model.bert import shapes
 
     return tuple(name for name in shapes(cfg) if name.startswith("head."))
-
-
-def resolved(setting: float | str, has_init: bool, made: list[str], zero_budget: bool) -> float:
-    """The warm-up that runs for `setting` (`pretrain.head_warmup`): "auto" warms a head the stage made
-    (`AUTO_FRACTION`), none for a checkpoint that brought its own; nothing for a zero budget."""
-    if not has_init or zero_budget:
-        return 0.0
-    if setting == "auto":
-        return AUTO_FRACTION if made else 0.0
-    return float(setting)
-
-
-def of(value: float, names: tuple[str, ...], lr: float) -> HeadWarmup | None:
-    """The warm-up of a resolved `head_warmup` value: below 1 a fraction of the budget, else tokens."""
-    if not value:
-        return None
-    if value < 1:
-        return HeadWarmup(names, lr, until=value)
-    return HeadWarmup(names, lr, tokens=int(value))
 
 
 def schedule_position(spent: float, full_start: float | None) -> float:

@@ -5,12 +5,14 @@ it is reported, and a checkpoint never holds a state that went non-finite."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from cram.stages import Context
 from cram.stages.pretraining import checkpoint
 from cram.stages.pretraining.budget import progress
+from cram.stages.pretraining.config import Budget, Config
 from cram.stages.pretraining.loop import StepInfo, Steps
 from cram.stages.pretraining.state import Params
 from cram.stages.pretraining.telemetry import LOGGED, MetricsLog, ProgressBar, mfu, peak_memory_gb, short
@@ -48,15 +50,18 @@ class DivergenceCheck:
 
 
 class Report:
-    """At the log steps: the interval's loss into the state (every rank), and on rank 0 its record into
-    `metrics.jsonl`, the experiment loggers, a console line and the progress bar."""
+    """At the log steps (every `every` steps): the interval's loss into the state (every rank), and on rank 0
+    its record, with the progress through `budget`, into `metrics.jsonl`, the experiment loggers, a console
+    line and the progress bar."""
 
-    def __init__(self, config: Any, ctx: Context, steps: Steps, metrics_log: MetricsLog, bar: ProgressBar):
-        self.config, self.ctx, self.device, self.autocast = config, ctx, steps.device, steps.autocast
-        self.metrics_log, self.bar = metrics_log, bar
+    def __init__(
+        self, every: int, budget: Budget, ctx: Context, steps: Steps, metrics_log: MetricsLog, bar: ProgressBar
+    ):
+        self.every, self.budget, self.ctx, self.metrics_log, self.bar = every, budget, ctx, metrics_log, bar
+        self.device, self.autocast = steps.device, steps.autocast
 
     def due(self, info: StepInfo) -> bool:
-        return log_due(info, self.config.log_every_steps)
+        return log_due(info, self.every)
 
     def __call__(self, info: StepInfo) -> None:
         state = info.state
@@ -73,7 +78,7 @@ class Report:
         tokens_per_s = stats["tokens_per_s"]
         return {
             "step": info.state.step,
-            "progress": round(progress(self.config.budget, info.state, elapsed), 6),
+            "progress": round(progress(self.budget, info.state, elapsed), 6),
             "elapsed_s": round(elapsed, 3),
             "loss": stats["loss"],
             "accuracy": stats["accuracy"],
@@ -96,27 +101,38 @@ class Report:
         self.bar.update(record)
 
 
-def checkpoint_due(config: Any, step: int, last_saved_at: float) -> bool:
-    """Whether a checkpoint is due by `checkpoint_every_steps` or `checkpoint_every_minutes` (0: off)."""
-    by_steps = config.checkpoint_every_steps > 0 and step % config.checkpoint_every_steps == 0
-    by_time = config.checkpoint_every_minutes > 0 and (
-        time.perf_counter() - last_saved_at >= 60 * config.checkpoint_every_minutes
-    )
-    return by_steps or by_time
+@dataclass(frozen=True)
+class Checkpointing:
+    """When checkpoints are written, by steps or by minutes (0: off), and how many are kept."""
+
+    every_steps: int
+    every_minutes: float
+    keep: int
+
+    @classmethod
+    def of(cls, config: Config) -> Checkpointing:
+        return cls(config.checkpoint_every_steps, config.checkpoint_every_minutes, config.keep_checkpoints)
+
+    def due(self, step: int, last_saved_at: float) -> bool:
+        """Whether a checkpoint is due at `step`, the last one written at `last_saved_at` (perf_counter)."""
+        by_steps = self.every_steps > 0 and step % self.every_steps == 0
+        by_time = self.every_minutes > 0 and time.perf_counter() - last_saved_at >= 60 * self.every_minutes
+        return by_steps or by_time
 
 
 class Checkpointer:
-    """Rank 0's checkpoints under `root`: by `checkpoint_every_steps` or `checkpoint_every_minutes`, and at the
-    end unless the last step was saved already (`last_saved`: the step of the checkpoint resumed from)."""
+    """Rank 0's checkpoints under `root` when `every` says, and at the end unless the last step was saved
+    already (`last_saved`: the step of the checkpoint resumed from); each records its progress through
+    `budget`."""
 
-    def __init__(self, config: Any, root: Path, last_saved: int, log: Any):
-        self.config, self.root, self.log = config, root, log
+    def __init__(self, every: Checkpointing, budget: Budget, root: Path, last_saved: int, log: Any):
+        self.every, self.budget, self.root, self.log = every, budget, root, log
         self.last_saved, self.last_saved_at = last_saved, time.perf_counter()
 
     def due(self, info: StepInfo) -> bool:
         if info.final:
             return self.last_saved != info.state.step
-        return checkpoint_due(self.config, info.state.step, self.last_saved_at)
+        return self.every.due(info.state.step, self.last_saved_at)
 
     def __call__(self, info: StepInfo) -> None:
         """Write a checkpoint, unless the state went non-finite: then the next log step raises."""
@@ -124,11 +140,9 @@ class Checkpointer:
         if info.metrics.first_bad_step() is not None or not all_finite(state.params):
             return
         info.sync()
-        state.progress = progress(self.config.budget, state, state.elapsed_s)
+        state.progress = progress(self.budget, state, state.elapsed_s)
         state.unlogged = list(info.metrics.fetch())
-        checkpoint.save(
-            self.root, state.step, state.saved_params(), state.opt_state, state.to_json(), self.config.keep_checkpoints
-        )
+        checkpoint.save(self.root, state.step, state.saved_params(), state.opt_state, state.to_json(), self.every.keep)
         self.last_saved, self.last_saved_at = state.step, time.perf_counter()
         self.log.info("checkpoint", step=state.step)
 

@@ -9,12 +9,13 @@ compiled steps as tensors, so nothing recompiles.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from cram.stages import Context
 from cram.stages.pretraining.budget import Clock, progress
+from cram.stages.pretraining.config import Budget, Config
 from cram.stages.pretraining.head_warmup import HeadWarmup, schedule_position
 from cram.stages.pretraining.state import Params, TrainState
 from cram.stages.pretraining.telemetry import Interval
@@ -26,6 +27,51 @@ if TYPE_CHECKING:
     from cram.stages.pretraining.batches import Microbatch, PhaseStream
     from cram.stages.shared.blocks import Boundary
     from cram.stages.shared.masking import MaskSpec
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The lr schedule: `peak` times the factor of `model.lr_schedule`'s `name` at a position in [0, 1],
+    with its decay's shape and end (`decay_shape`, `decay_to`) and its arguments."""
+
+    peak: float
+    name: str
+    decay_shape: str
+    decay_to: float
+    args: Mapping[str, float]
+
+    @classmethod
+    def of(cls, config: Config) -> Schedule:
+        return cls(config.optimizer.lr, config.schedule, config.decay_shape, config.decay_to, config.schedule_args)
+
+    def lr(self, position: float) -> float:
+        from cram import model
+
+        return self.peak * model.lr_schedule(self.name, position, self.decay_shape, self.decay_to, **self.args)
+
+
+@dataclass(frozen=True)
+class Course:
+    """What the loop reads of pretrain's config: the budget it steps until, the batch ramp (the fraction of
+    the budget at which the batch is full; 0: from the start), the lr schedule, how often the ranks agree on
+    an hours budget's clock, and the head warm-up that comes first (None: none)."""
+
+    budget: Budget
+    schedule: Schedule
+    ramp: float
+    clock_sync_every_steps: int
+    warmup: HeadWarmup | None
+
+    @classmethod
+    def of(cls, config: Config, warmup: HeadWarmup | None) -> Course:
+        return cls(config.budget, Schedule.of(config), config.ramp, config.clock_sync_every_steps, warmup)
+
+    def lr(self, state: TrainState, spent: float, head_alone: bool) -> float:
+        """The warm-up's constant lr for the head alone; otherwise the schedule's, started with the whole
+        model."""
+        if head_alone and self.warmup is not None:
+            return self.warmup.lr
+        return self.schedule.lr(schedule_position(spent, state.full_start))
 
 
 class Batches(Protocol):
@@ -112,13 +158,19 @@ class Steps:
         return time.perf_counter() - began
 
 
-def canary(
-    config: Any, ctx: Context, compiled: Steps, eager: Steps, params: Params, opt_state: Params, data: PhaseStream
-) -> float:
-    """Run `config.canary_steps` optimizer steps compiled and eagerly from the same state on the same
-    batches (the stream's first, of the first phase, one microbatch a step as the ramp starts, at the
-    peak lr so that updates compound); return the largest relative difference of loss, accuracy or
-    gradient norm, the worst over all ranks (inf for a non-finite one), so that every rank decides alike."""
+@dataclass(frozen=True)
+class Canary:
+    """`steps` optimizer steps compiled and eagerly at `lr` (the peak, so that updates compound)."""
+
+    steps: int
+    lr: float
+
+
+def canary(run: Canary, ctx: Context, compiled: Steps, eager: Steps, state: TrainState, data: PhaseStream) -> float:
+    """Run `run.steps` optimizer steps compiled and eagerly from `state` (left as it was) on the same
+    batches (the stream's first, of the first phase, one microbatch a step as the ramp starts); return the
+    largest relative difference of loss, accuracy or gradient norm, the worst over all ranks (inf for a
+    non-finite one), so that every rank decides alike."""
     import torch
 
     from cram.stages.pretraining.batches import Microbatch, read_sequences
@@ -139,11 +191,11 @@ def canary(
             return micro
 
     worst = 0.0
-    state_c = state_e = (params, opt_state)
+    state_c = state_e = (state.params, state.opt_state)
     data_c, data_e = Replay(), Replay()
-    for _ in range(config.canary_steps):
-        *state_c, row_c = compiled.step(*state_c, data_c, 1, config.optimizer.lr, span.spec)
-        *state_e, row_e = eager.step(*state_e, data_e, 1, config.optimizer.lr, span.spec)
+    for _ in range(run.steps):
+        *state_c, row_c = compiled.step(*state_c, data_c, 1, run.lr, span.spec)
+        *state_e, row_e = eager.step(*state_e, data_e, 1, run.lr, span.spec)
         diff = ((row_c.double() - row_e.double()).abs() / row_e.double().abs().clamp(min=1e-6)).max()
         worst = max(worst, float(diff) if torch.isfinite(diff) else float("inf"))
     return max(all_gather(worst, ctx.world_size))
@@ -179,35 +231,29 @@ class Hook(Protocol):
 
 
 def train(
-    config: Any,
-    ctx: Context,
-    steps: Steps,
-    state: TrainState,
-    data: PhaseStream,
-    hooks: Sequence[Hook],
-    warmup: HeadWarmup | None = None,
+    course: Course, ctx: Context, steps: Steps, state: TrainState, data: PhaseStream, hooks: Sequence[Hook]
 ) -> None:
-    """Step until the budget of `config` (a `pretrain.Config`) is spent, from `state` on (updated in place),
-    over `data`, the stream of its phases; the head alone first while `warmup` is active."""
+    """Step until `course`'s budget is spent, from `state` on (updated in place), over `data`, the stream of
+    its phases; the head alone first while its warm-up is active."""
     from cram.stages.pretraining.phases import enter
 
-    plan = data.plan
+    plan, budget = data.plan, course.budget
     clock = Clock(
         state.elapsed_s,
-        agree=ctx.world_size > 1 and config.budget.hours is not None,
+        agree=ctx.world_size > 1 and budget.hours is not None,
         device=steps.device,
-        every=config.clock_sync_every_steps,
-        end_s=None if config.budget.hours is None else 3600 * config.budget.hours,
+        every=course.clock_sync_every_steps,
+        end_s=None if budget.hours is None else 3600 * budget.hours,
     )
     metrics = Interval(state, data.wait_s, rows=state.unlogged)
     info = StepInfo(state, metrics, clock, data)
-    while (spent := progress(config.budget, state, clock.agreed(state.step))) < 1:
+    while (spent := progress(budget, state, clock.agreed(state.step))) < 1:
         enter(plan, state, spent)
         data.follow(state)
         span = plan.spans[state.phase]
-        n_micro = micro_steps(spent, config.ramp, span.batch_size // (ctx.world_size * span.microbatch))
-        active = _mode(config, ctx, steps, state, spent, warmup)
-        info.lr = _lr(config, state, spent, warmup if active is steps.head else None)
+        n_micro = micro_steps(spent, course.ramp, span.batch_size // (ctx.world_size * span.microbatch))
+        active = _mode(ctx, steps, state, spent, course.warmup)
+        info.lr = course.lr(state, spent, head_alone=active is steps.head)
         info.batch, info.seq_len = n_micro * ctx.world_size * span.microbatch, span.seq_len
         spec = plan.spec_at(span, spent)
         params, opt_state, row = active.step(state.params, state.opt_state, data, n_micro, info.lr, spec)
@@ -220,7 +266,7 @@ def train(
     _run_due(hooks, info)
 
 
-def _mode(config: Any, ctx: Context, steps: Steps, state: TrainState, spent: float, warmup: HeadWarmup | None) -> Steps:
+def _mode(ctx: Context, steps: Steps, state: TrainState, spent: float, warmup: HeadWarmup | None) -> Steps:
     """The steps to take now: the head's while the warm-up lasts; at its end the whole model's, with a fresh
     AdamW (the encoder's moments were never updated, and the shared step count would skip their bias
     correction)."""
@@ -235,18 +281,6 @@ def _mode(config: Any, ctx: Context, steps: Steps, state: TrainState, spent: flo
     if ctx.is_main:
         ctx.log.info("head warm-up done", step=state.step, tokens=state.tokens_seen, progress=round(spent, 4))
     return steps
-
-
-def _lr(config: Any, state: TrainState, spent: float, warmup: HeadWarmup | None) -> float:
-    """The warm-up's constant lr for the head alone; otherwise the schedule's, started with the whole model."""
-    from cram import model
-
-    if warmup is not None:
-        return warmup.lr
-    position = schedule_position(spent, state.full_start)
-    return config.optimizer.lr * model.lr_schedule(
-        config.schedule, position, config.decay_shape, config.decay_to, **config.schedule_args
-    )
 
 
 def _run_due(hooks: Sequence[Hook], info: StepInfo) -> None:

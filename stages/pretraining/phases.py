@@ -17,32 +17,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cram.stages import StageError
+from cram.stages.pretraining.config import Config, Phase
 from cram.stages.shared.masking import Masking, MaskSpec, mask_spec, masked_per_sequence
 
 if TYPE_CHECKING:
     from cram.stages.pretraining.state import TrainState
-
-
-@dataclass(frozen=True)
-class Phase:
-    """An entry of `[pretrain] phases`: blocks of `seq_len` tokens until `until` of the budget's progress
-    (the last phase has none: it runs to the end). `microbatch` None: pretrain.microbatch scaled so that
-    a microbatch holds as many tokens as at pack's length (`microbatch * pack.seq_len // seq_len`)."""
-
-    seq_len: int
-    until: float | None = None
-    microbatch: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.seq_len < 1:
-            raise ValueError(f"seq_len: {self.seq_len} must be >= 1")
-        if self.until is not None and not 0 < self.until < 1:
-            raise ValueError(f"until: {self.until} must be in (0, 1)")
-        if self.microbatch is not None and self.microbatch < 1:
-            raise ValueError(f"microbatch: {self.microbatch} must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -114,8 +96,8 @@ def enter(plan: Plan, state: TrainState, progress: float) -> None:
         state.phase += 1
 
 
-def plan(config: Any, pack_seq_len: int, special: dict[str, int], vocab_size: int, world_size: int = 1) -> Plan:
-    """The phases of `config` (a `pretrain.Config`) over pack's blocks of `pack_seq_len`, checked: one line
+def plan(config: Config, pack_seq_len: int, special: dict[str, int], vocab_size: int, world_size: int = 1) -> Plan:
+    """The phases of `config` over pack's blocks of `pack_seq_len`, checked: one line
     naming the key when they cannot run (the order of `until`, a length, a microbatch, a masking rate)."""
     phases = config.phases or (Phase(pack_seq_len),)
     _check_order(phases)

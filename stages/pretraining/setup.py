@@ -1,6 +1,6 @@
 """What the pretrain stage reads and checks before it trains: the configured model against the
-tokenizer, the packed data, `init`'s checkpoint and the device's memory (`validate`, `validate_runtime`),
-and the `Setup` that `run` derives from pack's outputs. `config` is pretrain's Config.
+tokenizer (or `init`'s checkpoint: `continued.py`), the packed data and the device's memory (`validate`,
+`validate_runtime`), and the `Setup` that `run` derives from pack's outputs.
 """
 
 from __future__ import annotations
@@ -8,26 +8,29 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cram.model.config import ModelConfig
-from cram.stages import Context, StageError, Upstream
+from cram.stages import Context, Pipeline, StageError, Upstream
+from cram.stages.pretraining import continued
+from cram.stages.pretraining.config import Config
 from cram.stages.pretraining.phases import Plan, Span
 from cram.stages.pretraining.phases import plan as plan_phases
 from cram.stages.shared import device as devices
 from cram.stages.shared import precision as precisions
-from cram.stages.shared import pretrained
 from cram.stages.shared.masking import MaskSpec, mask_spec
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from cram.model.step import Compilation
+    from cram.stages import tokenize as tokenize_stage
     from cram.stages.pretraining.head_warmup import HeadWarmup
     from cram.stages.shared.blocks import Boundary
 
 
-def planned_model(config: Any, pipeline: Any) -> tuple[Plan, ModelConfig]:
+def planned_model(config: Config, pipeline: Pipeline) -> tuple[Plan, ModelConfig]:
     """The phases and the model as the stage will make them, from the config of the stages before it."""
     from cram import model
 
@@ -39,37 +42,7 @@ def planned_model(config: Any, pipeline: Any) -> tuple[Plan, ModelConfig]:
     return plan, _model_config(model, config, vocab_size, plan.chunk, special["pad"])
 
 
-def check_not_its_own(config: Any, run_dir: Path) -> None:
-    """Refuse an `init` that is the run's own directory, or lies in it or in the entry its pretrain links
-    to: the stage would start from its own result, so its key (which holds init's contents) would change
-    with every result and each identical `cram run` would train again."""
-    import os
-
-    init = Path(config.init).expanduser()
-    stage_dir = run_dir / "pretrain"  # the run's link to the store entry its pretrain finished in
-    inside = [Path(os.path.abspath(run_dir)), Path(os.path.realpath(run_dir)), Path(os.path.realpath(stage_dir))]
-    seen = (Path(os.path.abspath(init)), Path(os.path.realpath(init)))
-    if any(path == folder or folder in path.parents for path in seen for folder in inside):
-        raise StageError(
-            f"pretrain.init: {config.init} is this run's own directory ({run_dir}) or inside it: pretrain would "
-            "start from its own result and train again at every run; give another run directory or an export"
-        )
-
-
-def check_has_tokenizer(config: Any, tokenize: Any) -> None:
-    """A checkpoint that is there, and a tokenizer for it: its own (tokenize's default), or one given."""
-    from cram.stages.shared.tokenizer import FILE_NAMES as tokenizer_files
-
-    locate_init(config)
-    if tokenize is not None and not tokenize.tokenizer:
-        raise StageError(
-            f"pretrain.init: {config.init} holds no tokenizer ({' or '.join(tokenizer_files)}) and "
-            "tokenize.tokenizer is not set; a tokenizer trained anew would not match the checkpoint's "
-            "embeddings: set tokenize.tokenizer to the one the checkpoint was trained with"
-        )
-
-
-def _tokenizer_facts(tokenize: Any, preset: ModelConfig | None) -> tuple[int, dict[str, int]]:
+def _tokenizer_facts(tokenize: tokenize_stage.Config | None, preset: ModelConfig | None) -> tuple[int, dict[str, int]]:
     """(vocab size, special ids) that tokenize is set to make: a given tokenizer's, or those it trains."""
     from cram.stages.shared.special import SPECIAL_IDS
 
@@ -106,8 +79,14 @@ class Setup:
         """The forward's autocast dtype; None: fp32."""
         return self.precision.autocast()
 
+    def compilation(self, compile: bool, backend: str = "inductor") -> Compilation:
+        """How the steps run in this precision and attention: compiled by `backend`, or eagerly."""
+        from cram.model.step import Compilation
 
-def prepare(config: Any, pack: Upstream, ctx: Context) -> Setup:
+        return Compilation(compile, backend, self.autocast, self.attention, self.precision.compile_options())
+
+
+def prepare(config: Config, pack: Upstream, ctx: Context) -> Setup:
     """The packed data and the model config, checked; what `StageError`s a bad config or input raises."""
     import numpy as np
 
@@ -146,7 +125,7 @@ def _flops_per_token(model, cfg: ModelConfig, span: Span, encoder_trained: bool)
 MAX_PASSES = 4  # more passes over the training blocks than this: a warning that the data is too small
 
 
-def warn_of_data_limits(config: Any, setup: Setup, ctx: Context) -> None:
+def warn_of_data_limits(config: Config, setup: Setup, ctx: Context) -> None:
     """Say when the data holds less than the config asks for: fewer held-out blocks than `val_blocks`,
     or so few training blocks that a step or token budget passes over them many times."""
     if config.val_blocks > len(setup.val):
@@ -159,7 +138,7 @@ def warn_of_data_limits(config: Any, setup: Setup, ctx: Context) -> None:
         warn_of_repeats(passes, len(setup.blocks), ctx, "makes about")
 
 
-def planned_passes(config: Any, setup: Setup, world_size: int) -> float | None:
+def planned_passes(config: Config, setup: Setup, world_size: int) -> float | None:
     """The passes over the training blocks that the step or token budget makes, the batch ramp (and the
     phases) averaged over (at most) 10,000 points; None for a time budget alone, whose steps depend on
     the speed."""
@@ -187,9 +166,9 @@ def warn_of_repeats(passes: float, blocks: int, ctx: Context, verb: str) -> None
         )
 
 
-def _model_config(model, config: Any, vocab_size: int, seq_len: int, pad_id: int) -> ModelConfig:
+def _model_config(model, config: Config, vocab_size: int, seq_len: int, pad_id: int) -> ModelConfig:
     if config.init:
-        return _checkpoint_config(config, vocab_size, seq_len, pad_id)
+        return continued.architecture(config, vocab_size, seq_len, pad_id)
     arch = config.model
     if arch.preset not in model.PRESETS:
         raise StageError(f"pretrain.model.preset: {arch.preset!r} is not one of {', '.join(model.PRESETS)}")
@@ -202,53 +181,12 @@ def _model_config(model, config: Any, vocab_size: int, seq_len: int, pad_id: int
         raise StageError(f"pretrain.model: {e}") from None
 
 
-def locate_init(config: Any):
-    try:
-        return pretrained.locate(Path(config.init))
-    except pretrained.PretrainedError as e:
-        raise StageError(f"pretrain.init: {e}") from None
-
-
-def _checkpoint_config(config: Any, vocab_size: int, seq_len: int, pad_id: int) -> ModelConfig:
-    """`init`'s architecture, checked against `[pretrain.model]`, the tokenizer and the block length; its
-    weights are read from the files' headers only."""
-    try:
-        cfg, _ = pretrained.load(locate_init(config), shapes_only=True)
-    except pretrained.PretrainedError as e:
-        raise StageError(f"pretrain.init: {e}") from None
-    if config.model.preset != type(config.model)().preset:
-        raise StageError(
-            f"pretrain.model.preset: {config.model.preset!r}, but the architecture is pretrain.init's "
-            f"checkpoint ({config.init}); leave the preset out"
-        )
-    for key, value in dataclasses.asdict(config.model).items():
-        if key != "preset" and value is not None and value != getattr(cfg, key):
-            raise StageError(
-                f"pretrain.model.{key}: {value!r} contradicts the checkpoint's {getattr(cfg, key)!r} "
-                f"(pretrain.init = {config.init}); leave it out"
-            )
-    if vocab_size > cfg.vocab_size:
-        raise StageError(
-            f"tokenize.tokenizer: {vocab_size:,} tokens, more than the {cfg.vocab_size:,} embedding rows of "
-            f"pretrain.init's checkpoint ({config.init}): it is not the tokenizer the checkpoint was trained with"
-        )
-    if cfg.position == "learned" and seq_len > cfg.max_seq_len:
-        raise StageError(
-            f"pack.seq_len: {seq_len} is beyond the {cfg.max_seq_len} positions of pretrain.init's "
-            f"checkpoint ({config.init})"
-        )
-    try:
-        return dataclasses.replace(cfg, pad_id=pad_id)
-    except ValueError as e:
-        raise StageError(f"pretrain.init: {e}") from None
-
-
 # Refused only past this share of the device's memory: the estimate is rough, and a config that
 # may just fit is left to try rather than refused.
 MEMORY_SHARE = 0.9
 
 
-def check_memory(config: Any, cfg: ModelConfig, span: Span, device_name: str) -> None:
+def check_memory(config: Config, cfg: ModelConfig, span: Span, device_name: str) -> None:
     """StageError when one training step's estimated peak (`model.training_memory`) in the phase `span`
     clearly exceeds the device's memory, naming the estimate, the memory and the settings that lower it."""
     from cram import model
@@ -269,7 +207,7 @@ def check_memory(config: Any, cfg: ModelConfig, span: Span, device_name: str) ->
         )
 
 
-def check_schedule(model, config: Any) -> None:
+def check_schedule(model, config: Config) -> None:
     if config.schedule not in model.SCHEDULES:
         raise StageError(f"pretrain.schedule: {config.schedule!r} is not one of {', '.join(model.SCHEDULES)}")
     try:

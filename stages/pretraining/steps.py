@@ -1,14 +1,16 @@
 """The pretrain stage's training steps: made compiled or eager, compiled for every phase's shape before
 the budget clock, and checked against eager steps by the canary in each candidate precision until one
-agrees (`stages/shared/precision.py`); and the eager held-out loss. `config` is pretrain's Config.
+agrees (`stages/shared/precision.py`); and the eager held-out loss.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cram.stages import Context
+from cram.stages.pretraining.config import Config
 from cram.stages.pretraining.setup import Setup
 from cram.stages.shared import precision as precisions
 
@@ -18,7 +20,18 @@ if TYPE_CHECKING:
     from cram.stages.pretraining.state import Params, TrainState
 
 
-def make_steps(config: Any, setup: Setup, world_size: int, compile: bool) -> Steps:
+@dataclass(frozen=True)
+class Compiled:
+    """The training steps in the precision they train in: the `setup` of that precision, the `steps`, how
+    the precision was chosen, and the seconds spent compiling before the budget clock."""
+
+    setup: Setup
+    steps: Steps
+    choice: precisions.Choice
+    compile_s: float = 0.0
+
+
+def make_steps(config: Config, setup: Setup, world_size: int, compile: bool) -> Steps:
     """The training steps, compiled or eager, and with a head warm-up (`setup.warmup`) the head's own as
     `head`. One microbatch per step (no ramp to grow): the whole step is one graph. Otherwise two graphs,
     accumulate (per microbatch) and apply (per step), since a graph cannot loop over a varying count."""
@@ -29,19 +42,18 @@ def make_steps(config: Any, setup: Setup, world_size: int, compile: bool) -> Ste
 
     reduce_grads = model.make_grad_all_reduce(world_size) if world_size > 1 else None
     single = all(span.batch_size == world_size * span.microbatch for span in setup.plan.spans)
-    how = dict(compile=compile, backend=config.backend, options=setup.precision.compile_options())
-    forward = dict(autocast_dtype=setup.autocast, attention=setup.attention)
+    how = setup.compilation(compile, config.backend)
     generator = torch.Generator(device=setup.device)
 
     def training(trained: tuple[str, ...] | None) -> Steps:
         whole = accumulate = apply = None
         if single:
             whole = model.make_train_step(
-                setup.model, config.optimizer, reduce_grads=reduce_grads, trained=trained, **how, **forward
+                setup.model, config.optimizer, how, reduce_grads=reduce_grads, trained=trained
             )
         else:
-            accumulate = model.make_accumulate_step(setup.model, trained=trained, **how, **forward)
-            apply = model.make_apply_step(config.optimizer, reduce_grads=reduce_grads, **how)
+            accumulate = model.make_accumulate_step(setup.model, how, trained=trained)
+            apply = model.make_apply_step(config.optimizer, how, reduce_grads=reduce_grads)
         return Steps(whole, accumulate, apply, generator, setup.device, setup.autocast, setup.documents, trained)
 
     steps = training(None)
@@ -50,19 +62,17 @@ def make_steps(config: Any, setup: Setup, world_size: int, compile: bool) -> Ste
     return steps
 
 
-def val_loss(config: Any, setup: Setup, params: Params) -> float:
-    """The held-out MLM loss on the first `val_blocks` blocks, masked as evaluate masks them. Two forward
+def val_loss(setup: Setup, params: Params, blocks: int) -> float:
+    """The held-out MLM loss on the first `blocks` held-out blocks, masked as evaluate masks them. Two forward
     passes over a few hundred blocks are not worth a compile."""
     from cram import model
     from cram.stages.shared.val_mlm import MASK_SEED, val_mlm
 
-    evaluate = model.make_eval_step(
-        setup.model, compile=False, autocast_dtype=setup.autocast, attention=setup.attention
-    )
+    evaluate = model.make_eval_step(setup.model, setup.compilation(compile=False))
     return val_mlm(
         evaluate,
         params,
-        setup.val[: config.val_blocks],
+        setup.val[:blocks],
         setup.spec,
         seed=MASK_SEED,
         batch_size=setup.plan.spans[0].microbatch,
@@ -71,9 +81,7 @@ def val_loss(config: Any, setup: Setup, params: Params) -> float:
     )["loss"]
 
 
-def compiled_steps(
-    config: Any, setup: Setup, ctx: Context, state: TrainState, data: PhaseStream
-) -> tuple[Setup, Steps, precisions.Choice, float]:
+def compiled_steps(config: Config, setup: Setup, ctx: Context, state: TrainState, data: PhaseStream) -> Compiled:
     """The training steps in the precision they will train in, and the seconds spent compiling them.
 
     Before the budget clock, unless the steps are eager or the budget is spent: each candidate precision
@@ -85,7 +93,7 @@ def compiled_steps(
         why = "eager steps" if not config.compile else "the budget is spent"
         choice = precisions.unchecked(config.precision, setup.device, f"{why}: no compile canary")
         setup = dataclasses.replace(setup, precision=choice.precision)
-        return setup, make_steps(config, setup, ctx.world_size, compile=config.compile), choice, 0.0
+        return Compiled(setup, make_steps(config, setup, ctx.world_size, compile=config.compile), choice)
     built: dict[precisions.Precision, tuple[Setup, Steps]] = {}
     compile_s = 0.0
 
@@ -108,8 +116,7 @@ def compiled_steps(
     else:
         choice = precisions.unchecked(config.precision, setup.device, "canary_steps = 0: not checked against eager")
         build(choice.precision)
-    setup, steps = built[choice.precision]
-    return setup, steps, choice, compile_s
+    return Compiled(*built[choice.precision], choice, compile_s)
 
 
 def _warm_up(setup: Setup, steps: Steps, state: TrainState) -> float:
@@ -124,16 +131,14 @@ def _warm_up(setup: Setup, steps: Steps, state: TrainState) -> float:
     )
 
 
-def _canary(config: Any, ctx: Context, setup: Setup, steps: Steps, state: TrainState, data: PhaseStream) -> float:
+def _canary(config: Config, ctx: Context, setup: Setup, steps: Steps, state: TrainState, data: PhaseStream) -> float:
     """The compiled steps' largest relative difference from eager steps in the same precision (the head's
-    and the whole model's, with a warm-up)."""
-    from cram.stages.pretraining.loop import canary
+    and the whole model's, with a warm-up), over `canary_steps` steps at the peak lr."""
+    from cram.stages.pretraining.loop import Canary, canary
 
     eager = make_steps(config, setup, ctx.world_size, compile=False)
-    return max(
-        canary(config, ctx, compiled, plain, state.params, state.opt_state, data)
-        for compiled, plain in zip(_modes(steps), _modes(eager))
-    )
+    run = Canary(config.canary_steps, config.optimizer.lr)
+    return max(canary(run, ctx, compiled, plain, state, data) for compiled, plain in zip(_modes(steps), _modes(eager)))
 
 
 def _modes(steps: Steps) -> list[Steps]:

@@ -14,6 +14,8 @@ from cram.stages.shared.collectives import mean_over_ranks
 from cram.stages.shared.files import write_atomic
 
 if TYPE_CHECKING:
+    import torch
+
     from cram.stages.pretraining.state import TrainState
 
 # The fields of the per-step console line (metrics.jsonl keeps every field of a record).
@@ -69,7 +71,7 @@ class Interval:
                 return self.first_step + i
         return None
 
-    def close(self, state: TrainState, wait_s: float, world_size: int, device: Any) -> dict[str, float]:
+    def close(self, state: TrainState, wait_s: float, world_size: int, device: torch.device) -> dict[str, float]:
         """Loss and accuracy averaged over the interval (and the ranks), the last gradient norm, tokens/s,
         model FLOPs per token (each phase's, weighted by its tokens) and the fraction of the time spent
         waiting for data."""

@@ -1,0 +1,47 @@
+"""A classifier's inputs as the fine-tuner and prediction both give them: each text (or pair) as one
+row of ids, and rows padded to the smallest length bucket that holds the longest, so a compiled graph
+is made once per bucket."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+def bucket(length: int, buckets: tuple[int, ...]) -> int:
+    return next(b for b in buckets if b >= length)
+
+
+@dataclass(frozen=True)
+class Padding:
+    """How rows become a batch: the special ids, the length buckets, and whether the model reads BERT's
+    token types (a pair's second text as segment 1)."""
+
+    special: dict[str, int]
+    buckets: tuple[int, ...]
+    token_types: bool
+
+    def inputs(
+        self, rows: list[np.ndarray], lengths: np.ndarray, index: np.ndarray, size: int
+    ) -> dict[str, np.ndarray]:
+        """numpy `input_ids`, `attention_mask` (and `token_type_ids`) of `size` rows, padded to the bucket
+        of the longest of `rows[index]`; rows past `len(index)` are fillers."""
+        import numpy as np
+
+        pad, cls, sep = self.special["pad"], self.special["cls"], self.special["sep"]
+        length = bucket(int(lengths[index].max()), self.buckets)
+        ids = np.full((size, length), pad, dtype=np.int64)
+        ids[:, :2] = cls, sep  # fillers are [CLS] [SEP]: no row is all padding, which attention cannot take
+        mask = np.zeros((size, length), dtype=bool)
+        mask[:, :2] = True
+        for row, i in enumerate(index):
+            ids[row, : lengths[i]] = rows[i]
+            mask[row, : lengths[i]] = True
+        arrays = {"input_ids": ids, "attention_mask": mask}
+        if self.token_types:  # BERT's segments: what follows the first [SEP] is the pair's second text
+            is_sep = ids == sep
+            arrays["token_type_ids"] = (((np.cumsum(is_sep, axis=1) - is_sep) > 0) & mask).astype(np.int64)
+        return arrays

@@ -1,0 +1,151 @@
+"""A kept model's folder, as the evaluate stage keeps it and as `cram export` writes it, read back with
+every file checked: the file names, the checksums, and the classifier it holds.
+
+    params.safetensors   the encoder and its `classifier.` head, fp32 (no masked-LM head)
+    model.json           the encoder's ModelConfig
+    classifier.json      what prediction needs: labels, text fields, max_length, buckets, pooling, head
+    checksums.json       (an export) each file's sha256; a kept folder in a run is checked by the store
+
+A second kind of kept model (an embedding model) has its own description file beside `model.json`
+and `params.safetensors`, read by its own reader here, with the same checksums.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cram.model.config import ModelConfig, ModelConfigError
+from cram.stages import StageError
+from cram.stages.shared.files import content_hash, write_atomic
+
+if TYPE_CHECKING:
+    import torch
+
+PARAMS, MODEL, META = "params.safetensors", "model.json", "classifier.json"
+CHECKSUMS = "checksums.json"
+
+
+class KeptError(StageError):
+    """A kept or exported model that is missing, damaged or inconsistent: one line naming the file."""
+
+
+@dataclass(frozen=True)
+class Classifier:
+    """A kept classifier: its folder and what classifier.json and model.json say."""
+
+    folder: Path
+    meta: dict[str, Any]  # classifier.json
+    cfg: ModelConfig
+
+    @property
+    def labels(self) -> list[str]:
+        return list(self.meta["labels"])
+
+    @property
+    def task(self) -> str:
+        return str(self.meta["task"])
+
+    def params(self) -> dict[str, torch.Tensor]:
+        """The fp32 params; KeptError naming the file where it is not a readable safetensors file."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(self.folder / PARAMS)
+        except (OSError, SafetensorError) as e:
+            raise KeptError(f"{self.folder / PARAMS}: not readable params ({e})") from None
+
+
+def write_checksums(folder: Path) -> None:
+    """CHECKSUMS in `folder`: the sha256 of every other file in it, by relative name."""
+    names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != CHECKSUMS)
+    hashes = {name: content_hash(folder / name) for name in names}
+    write_atomic(folder / CHECKSUMS, json.dumps(hashes, indent=1) + "\n")
+
+
+def verify_checksums(folder: Path) -> None:
+    """KeptError naming the first file of `folder` that is missing or is not what CHECKSUMS recorded;
+    nothing for a folder without CHECKSUMS (an export written before them)."""
+    path = folder / CHECKSUMS
+    if not path.is_file():
+        return
+    try:
+        hashes = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise KeptError(f"{path}: not readable ({e}); export it again") from None
+    if not isinstance(hashes, dict):
+        raise KeptError(f"{path}: not a JSON object of file -> sha256; export it again")
+    for name, digest in hashes.items():
+        file = folder / str(name)
+        if not file.is_file():
+            raise KeptError(f"{file}: missing, though {CHECKSUMS} lists it; export it again")
+        if content_hash(file) != digest:
+            raise KeptError(f"{file}: damaged (its sha256 is not the one {CHECKSUMS} recorded); export it again")
+
+
+def read_classifier(folder: Path) -> Classifier:
+    """The classifier in `folder` (kept by evaluate or exported), its description checked against its
+    head's params. The caller checks the files' hashes first (the store's or `verify_checksums`)."""
+    path = folder / META
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+        cfg = ModelConfig.from_json(folder / MODEL)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ModelConfigError) as e:
+        raise KeptError(f"{path}: not a readable classifier ({e})") from None
+    check_meta(meta, path)
+    if not (folder / PARAMS).is_file():
+        raise KeptError(f"{folder / PARAMS}: missing")
+    classifier = Classifier(folder, meta, cfg)
+    _check_head(classifier)
+    return classifier
+
+
+def check_meta(meta: Any, where: Path) -> None:
+    """Label names that map to ids and back (distinct non-empty strings, one per output; none for a
+    regression), the text fields a prediction reads and a max_length the buckets hold. KeptError naming
+    `where` otherwise."""
+    labels = meta.get("labels") if isinstance(meta, dict) else None
+    outputs = meta.get("num_outputs") if isinstance(meta, dict) else None
+    ok = isinstance(labels, list) and all(isinstance(n, str) and n for n in labels)
+    if not ok or len(set(labels)) != len(labels) or (len(labels) or 1) != outputs:
+        raise KeptError(
+            f"{where}: labels {json.dumps(labels)} do not round-trip to {outputs} output ids; "
+            "expected distinct non-empty names, one per output (none for a regression)"
+        )
+    fields = meta.get("text_fields")
+    if not isinstance(fields, list) or len(fields) not in (1, 2) or not all(isinstance(f, str) for f in fields):
+        raise KeptError(f"{where}: text_fields {json.dumps(fields)}: expected one or two field names")
+    buckets, length = meta.get("buckets"), meta.get("max_length")
+    if not isinstance(buckets, list) or not buckets or not all(type(b) is int and b > 0 for b in buckets):
+        raise KeptError(f"{where}: buckets {json.dumps(buckets)}: expected positive lengths")
+    if type(length) is not int or not 3 <= length <= max(buckets):
+        raise KeptError(f"{where}: max_length {json.dumps(length)}: expected 3 to the largest bucket, {max(buckets)}")
+
+
+def _check_head(classifier: Classifier) -> None:
+    """KeptError where the head's output layer has another number of outputs than the labels name, or
+    the largest bucket is longer than the encoder's positions."""
+    from safetensors import SafetensorError, safe_open
+
+    path = classifier.folder / PARAMS
+    try:
+        with safe_open(path, "pt") as f:
+            shape = f.get_slice("classifier.out.weight").get_shape() if "classifier.out.weight" in f.keys() else None
+    except (OSError, SafetensorError) as e:
+        raise KeptError(f"{path}: not readable params ({e})") from None
+    if shape is None:
+        raise KeptError(f"{path}: no classifier head (classifier.out.weight)")
+    meta = classifier.meta
+    if shape[0] != meta["num_outputs"]:
+        raise KeptError(
+            f"{classifier.folder / META}: names {meta['num_outputs']} outputs "
+            f"({', '.join(meta['labels']) or 'a value'}), but the head in {PARAMS} has {shape[0]}"
+        )
+    if max(meta["buckets"]) > classifier.cfg.max_seq_len:
+        raise KeptError(
+            f"{classifier.folder / META}: buckets up to {max(meta['buckets'])} tokens, past the model's "
+            f"{classifier.cfg.max_seq_len} positions"
+        )

@@ -1,0 +1,193 @@
+"""A kept classifier run on texts, a chunk at a time: read, encode, predict and write CHUNK texts, then
+the next, so memory holds one chunk whatever the input's length, and the rows come out in the input's
+order. Within a chunk the texts are cut and batched as evaluate's test sets are (sorted by length,
+padded to the task's buckets, one compiled prediction graph per bucket and no recompiles).
+
+    predictor = Predictor.make(classifier, tokenizer_file, special_ids, Settings(compile=False))
+    written = predict_files(predictor, [Path("texts.csv")], Path("labels.jsonl"))
+
+A row is `{"label": NAME, "probabilities": {NAME: p, ...}}`, or `{"value": x}` for a regression; JSON
+lines or CSV by the output's extension (any case). A file is written to a temporary path and renamed
+once every row is in it.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TextIO
+
+from cram.stages.finetuning.finetune import _join
+from cram.stages.kept.batches import Padding
+from cram.stages.kept.folder import Classifier, KeptError
+from cram.stages.shared.files import temp_path
+from cram.stages.shared.progress import Every
+from cram.stages.shared.taskfiles import read_texts
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from cram.stages.shared.tokenizer import Tokenizer
+
+CHUNK = 16_384  # texts read, encoded, predicted and written at a time
+OUTPUTS = (".jsonl", ".csv")
+PROGRESS_EVERY_S = 30.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How prediction runs: compiled (and by which backend) or eager, and the rows of a batch."""
+
+    compile: bool = True
+    backend: str = "inductor"
+    batch_size: int = 128
+    chunk: int = CHUNK
+
+
+@dataclass(frozen=True)
+class Predictor:
+    """A classifier ready to predict: its params on the device, its tokenizer, the prediction graph."""
+
+    classifier: Classifier
+    tokenizer: Tokenizer
+    padding: Padding
+    params: dict[str, torch.Tensor]
+    graph: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], torch.Tensor]  # (params, batch) -> outputs
+    device: torch.device
+    settings: Settings
+
+    @classmethod
+    def make(cls, classifier: Classifier, tokenizer: Path, special: dict[str, int], settings: Settings) -> Predictor:
+        """KeptError naming the tokenizer file where it cannot be read."""
+        import dataclasses
+
+        from cram.model.classifier import make_classify_eval_step
+        from cram.stages.shared import device as devices
+        from cram.stages.shared import tokenizer as tokenizers
+
+        try:
+            loaded = tokenizers.load(tokenizer)
+        except tokenizers.TokenizerError as e:
+            raise KeptError(str(e)) from None
+        meta = classifier.meta
+        cfg = dataclasses.replace(classifier.cfg, dropout=0.0)
+        graph = make_classify_eval_step(
+            cfg,
+            pooling=meta["pooling"],
+            compile=settings.compile,
+            backend=settings.backend,
+            head=meta["head"],
+        )
+        device = devices.resolve("auto")
+        params = {k: v.to(device) for k, v in classifier.params().items()}
+        padding = Padding(special, tuple(meta["buckets"]), cfg.token_types > 1)
+        return cls(classifier, loaded, padding, params, graph, device, settings)
+
+    def outputs(self, texts: list[tuple[str, ...]]) -> np.ndarray:
+        """The model's outputs [N, num_outputs] (logits, or the regression value), in the texts' order."""
+        import numpy as np
+        import torch
+
+        from cram.stages.shared.device import to_device
+
+        special, length = self.padding.special, self.classifier.meta["max_length"]
+        columns = [self.tokenizer.encode([t[i] for t in texts]) for i in range(len(texts[0]))]
+        rows = [_join(parts, special, length) for parts in zip(*columns)]
+        lengths = np.array([len(r) for r in rows])
+        order = np.argsort(lengths, kind="stable")  # similar lengths together: less padding
+        size, outputs = self.settings.batch_size, []
+        # One graph per bucket; past dynamo's limit it would fall back to eager silently: an error instead.
+        limit = max(8, len(self.padding.buckets))
+        with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
+            for start in range(0, len(rows), size):
+                index = order[start : start + size]
+                arrays = self.padding.inputs(rows, lengths, index, size)
+                batch = {k: to_device(torch.from_numpy(v), self.device) for k, v in arrays.items()}
+                outputs.append(self.graph(self.params, batch)[: len(index)])
+        unsorted = np.empty_like(order)
+        unsorted[order] = np.arange(len(order))
+        return torch.cat(outputs).float().cpu().numpy()[unsorted]
+
+    def rows(self, outputs: np.ndarray) -> list[dict[str, Any]]:
+        """One row a text: the label and every label's probability, or the regression's value."""
+        import numpy as np
+
+        if self.classifier.meta["regression"]:
+            return [{"value": float(v)} for v in outputs[:, 0]]
+        shifted = np.exp(outputs - outputs.max(-1, keepdims=True))
+        probabilities = shifted / shifted.sum(-1, keepdims=True)
+        labels = self.classifier.labels
+        return [
+            {"label": labels[int(p.argmax())], "probabilities": {n: round(float(v), 6) for n, v in zip(labels, p)}}
+            for p in probabilities
+        ]
+
+
+def chunks(files: list[Path], fields: list[str], size: int) -> Iterator[list[tuple[str, ...]]]:
+    """The texts of `files`, in order, `size` at a time (read as a custom task's files are)."""
+    chunk: list[tuple[str, ...]] = []
+    for path in files:
+        for text in read_texts(path, fields):
+            chunk.append(text)
+            if len(chunk) == size:
+                yield chunk
+                chunk = []
+    if chunk:
+        yield chunk
+
+
+def output_kind(path: Path | None) -> str:
+    """ "csv" or "jsonl" by the output's extension in any case; JSON lines on a stream."""
+    return "csv" if path is not None and path.suffix.lower() == ".csv" else "jsonl"
+
+
+def predict_files(
+    predictor: Predictor, files: list[Path], out: Path | None = None, stream: TextIO | None = None
+) -> int:
+    """Classify every text of FILES, a chunk at a time; write the rows to OUT (a temporary file renamed
+    at the end) or to `stream` (by default the stdout of the moment); return how many were written.
+    KeptError naming OUT where it cannot be written; nothing is left of it then."""
+    if out is None:
+        return _write_chunks(predictor, files, stream or sys.stdout, None)
+    tmp = temp_path(out)
+    try:
+        with open(tmp, "w", encoding="utf-8", newline="") as f:
+            written = _write_chunks(predictor, files, f, out)
+        os.replace(tmp, out)
+    except OSError as e:
+        _remove(tmp)
+        raise KeptError(f"--out {out}: cannot write it: {e.strerror or e}") from None
+    except BaseException:
+        _remove(tmp)
+        raise
+    return written
+
+
+def _write_chunks(predictor: Predictor, files: list[Path], f: TextIO, out: Path | None) -> int:
+    meta, written, every = predictor.classifier.meta, 0, Every(PROGRESS_EVERY_S)
+    table = csv.writer(f) if output_kind(out) == "csv" else None
+    if table is not None:
+        table.writerow(["value"] if meta["regression"] else ["label", *predictor.classifier.labels])
+    for texts in chunks(files, meta["text_fields"], predictor.settings.chunk):
+        rows = predictor.rows(predictor.outputs(texts))
+        if table is None:
+            f.write("".join(json.dumps(row) + "\n" for row in rows))
+        else:
+            table.writerows([r["value"]] if "value" in r else [r["label"], *r["probabilities"].values()] for r in rows)
+        written += len(rows)
+        if every.due():
+            print(f"predict: {written:,} texts", file=sys.stderr, flush=True)
+    return written
+
+
+def _remove(path: Path) -> None:
+    """Delete a temporary file if it is there; a folder that refuses it (read-only) leaves nothing to remove."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass

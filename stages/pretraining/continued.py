@@ -1,0 +1,249 @@
+"""Continuing a checkpoint (`pretrain.init`): what the stage does for a run that starts from an existing
+encoder rather than the preset's random init.
+
+Before any stage runs: the checkpoint is there, is not the run's own result, has a tokenizer, and its
+architecture agrees with `[pretrain.model]`, the tokenizer and the block length; its files' contents are
+part of the key (`fingerprint`). At the start: its params, with a masked-LM head made from the run's seed
+where it has none; the head warm-up that a made head gets (`head_warmup.py`); the peak lr that continuing
+it trains at. The checkpoint itself is read by `stages/shared/pretrained.py`, which the stages share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cram.stages import Context, StageError
+from cram.stages.pretraining.config import Config
+from cram.stages.pretraining.head_warmup import HeadWarmup, head_names
+from cram.stages.shared import pretrained
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from cram.model.config import ModelConfig
+    from cram.stages import pack as pack_stage
+    from cram.stages import tokenize as tokenize_stage
+    from cram.stages.pretraining.state import Params
+
+# Peak lrs of continuing a checkpoint on its task's text, as measured (bench/README.md, "adapt"). A masked-LM
+# encoder 128 wide gained most at 1.5e-3 (+15.0 and +16.2 points over not continuing, own head and headless;
+# 5e-4 within the seeds' spread); wider ones get that rate times 128 / hidden, as peak lrs shrink with width
+# (2.5e-4 at 768, between TAPT's 1e-4 for RoBERTa-base and BioClinical ModernBERT's 3e-4). A sentence
+# encoder gained at no rate tried and lost nothing beyond the spread at 3.3e-5 (all-MiniLM-L6-v2: +0.4;
+# 1e-4: -4.0).
+MASKED_LM_LR = 1.5e-3
+MASKED_LM_LR_WIDTH = 128
+SENTENCE_ENCODER_LR = 1e-4 / 3
+# `head_warmup = "auto"` for a run whose checkpoint lacks its head: this fraction of the budget.
+AUTO_FRACTION = 0.1
+
+
+def locate(config: Config) -> pretrained.Pretrained:
+    """Where `init`'s checkpoint files are."""
+    try:
+        return pretrained.locate(Path(config.init))
+    except pretrained.PretrainedError as e:
+        raise StageError(f"pretrain.init: {e}") from None
+
+
+def fingerprint(config: Config) -> list[list[str]] | None:
+    """The contents of `init`'s checkpoint, which the stage's output depends on; None without one. One
+    that cannot be found gives its error instead: `validate` reports it."""
+    if not config.init:
+        return None
+    try:
+        return pretrained.fingerprint(pretrained.locate(Path(config.init)))
+    except pretrained.PretrainedError as e:
+        return [["unavailable", f"pretrain.init: {e}"]]
+
+
+def _read(found: pretrained.Pretrained, shapes_only: bool) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """`init`'s architecture and params (`shapes_only`: from the files' headers); StageError naming the key."""
+    try:
+        return pretrained.load(found, shapes_only=shapes_only)
+    except pretrained.PretrainedError as e:
+        raise StageError(f"pretrain.init: {e}") from None
+
+
+def check_not_its_own(config: Config, run_dir: Path) -> None:
+    """Refuse an `init` that is the run's own directory, or lies in it or in the entry its pretrain links
+    to: the stage would start from its own result, so its key (which holds init's contents) would change
+    with every result and each identical `cram run` would train again."""
+    init = Path(config.init).expanduser()
+    stage_dir = run_dir / "pretrain"  # the run's link to the store entry its pretrain finished in
+    inside = [Path(os.path.abspath(run_dir)), Path(os.path.realpath(run_dir)), Path(os.path.realpath(stage_dir))]
+    seen = (Path(os.path.abspath(init)), Path(os.path.realpath(init)))
+    if any(path == folder or folder in path.parents for path in seen for folder in inside):
+        raise StageError(
+            f"pretrain.init: {config.init} is this run's own directory ({run_dir}) or inside it: pretrain would "
+            "start from its own result and train again at every run; give another run directory or an export"
+        )
+
+
+def check_has_tokenizer(config: Config, tokenize: tokenize_stage.Config | None) -> None:
+    """A checkpoint that is there, and a tokenizer for it: its own (tokenize's default), or one given
+    (`tokenize`: the tokenize stage's config, None where the pipeline has none)."""
+    from cram.stages.shared.tokenizer import FILE_NAMES as tokenizer_files
+
+    locate(config)
+    if tokenize is not None and not tokenize.tokenizer:
+        raise StageError(
+            f"pretrain.init: {config.init} holds no tokenizer ({' or '.join(tokenizer_files)}) and "
+            "tokenize.tokenizer is not set; a tokenizer trained anew would not match the checkpoint's "
+            "embeddings: set tokenize.tokenizer to the one the checkpoint was trained with"
+        )
+
+
+def architecture(config: Config, vocab_size: int, seq_len: int, pad_id: int) -> ModelConfig:
+    """`init`'s architecture, checked against `[pretrain.model]`, the tokenizer and the block length; its
+    weights are read from the files' headers only."""
+    cfg, _ = _read(locate(config), shapes_only=True)
+    if config.model.preset != type(config.model)().preset:
+        raise StageError(
+            f"pretrain.model.preset: {config.model.preset!r}, but the architecture is pretrain.init's "
+            f"checkpoint ({config.init}); leave the preset out"
+        )
+    for key, value in dataclasses.asdict(config.model).items():
+        if key != "preset" and value is not None and value != getattr(cfg, key):
+            raise StageError(
+                f"pretrain.model.{key}: {value!r} contradicts the checkpoint's {getattr(cfg, key)!r} "
+                f"(pretrain.init = {config.init}); leave it out"
+            )
+    if vocab_size > cfg.vocab_size:
+        raise StageError(
+            f"tokenize.tokenizer: {vocab_size:,} tokens, more than the {cfg.vocab_size:,} embedding rows of "
+            f"pretrain.init's checkpoint ({config.init}): it is not the tokenizer the checkpoint was trained with"
+        )
+    if cfg.position == "learned" and seq_len > cfg.max_seq_len:
+        raise StageError(
+            f"pack.seq_len: {seq_len} is beyond the {cfg.max_seq_len} positions of pretrain.init's "
+            f"checkpoint ({config.init})"
+        )
+    try:
+        return dataclasses.replace(cfg, pad_id=pad_id)
+    except ValueError as e:
+        raise StageError(f"pretrain.init: {e}") from None
+
+
+def made_head(config: Config) -> list[str]:
+    """The masked-LM head's parameters that `init`'s checkpoint lacks and the stage makes (from the files'
+    headers); none without a checkpoint."""
+    from cram.model.hf import missing_head
+
+    if not config.init:
+        return []
+    return missing_head(*_read(locate(config), shapes_only=True))
+
+
+def warmup_setting(config: Config) -> float:
+    """`head_warmup` as it runs: "auto" warms a head the stage made (`AUTO_FRACTION`), none for a checkpoint
+    that brought its own; nothing without `init` or for a zero budget."""
+    if not config.init or config.budget.tokens == 0:
+        return 0.0
+    if config.head_warmup == "auto":
+        return AUTO_FRACTION if made_head(config) else 0.0
+    return float(config.head_warmup)
+
+
+def warmup_of(config: Config, cfg: ModelConfig) -> HeadWarmup | None:
+    """The head warm-up this run takes, None for none: below 1 a fraction of the budget, else tokens; its lr
+    is `head_lr`, or the optimizer's peak."""
+    value, names, lr = warmup_setting(config), head_names(cfg), config.head_lr or config.optimizer.lr
+    if not value:
+        return None
+    if value < 1:
+        return HeadWarmup(names, lr, until=value)
+    return HeadWarmup(names, lr, tokens=int(value))
+
+
+def check_head_warmup(config: Config, cfg: ModelConfig, pack: pack_stage.Config | None) -> None:
+    """A head warm-up needs `init` (a random init has no trained encoder to protect), a head of the model's
+    own to train, and a budget longer than itself (a token budget, or a step budget's most tokens at
+    `pack`'s block length; `pack`: the pack stage's config, None where the pipeline has none)."""
+    given = config.head_warmup
+    if given != "auto" and given and not config.init:
+        raise StageError(
+            f"pretrain.head_warmup: {given} warms up the masked-LM head of `pretrain.init`'s checkpoint, and the "
+            "run has no init (a random init trains head and encoder together): set pretrain.init, or head_warmup = 0"
+        )
+    value = warmup_setting(config)
+    if not value:
+        return
+    if not head_names(cfg):
+        raise StageError(
+            f"pretrain.head_warmup: {given}, but the model has no masked-LM head params of its own (its decoder "
+            "is the tied token embeddings, with no transform or bias): set head_warmup = 0"
+        )
+    budget, seq_len = config.budget, pack.seq_len if pack is not None else 0
+    most = [budget.tokens] if budget.tokens is not None else []
+    if budget.steps is not None and seq_len:
+        most.append(budget.steps * config.batch_size * seq_len)
+    if value >= 1 and most and value >= min(most):
+        raise StageError(
+            f"pretrain.head_warmup: {int(value)} tokens is not shorter than the budget ({min(most)} tokens at most): "
+            "give fewer tokens or a fraction of the budget below 1"
+        )
+
+
+def peak_lr(config: Config) -> float:
+    """The peak lr the run trains at: `optimizer.lr`, except in a run that continues `init`'s checkpoint.
+    There a number given as `init_lr` is the peak, and `init_lr = "auto"` caps optimizer.lr at the
+    checkpoint's continuation rate (`continuation_lr`): a rate for training from scratch, such as the
+    default pipeline's, would overwrite what the checkpoint learned. A zero budget trains nothing: as given."""
+    if not config.init or config.budget.tokens == 0:
+        return config.optimizer.lr
+    if config.init_lr != "auto":
+        return config.init_lr
+    found = locate(config)
+    try:
+        cfg = pretrained.architecture(found)
+    except pretrained.PretrainedError as e:
+        raise StageError(f"pretrain.init: {e}") from None
+    return min(config.optimizer.lr, continuation_lr(found, cfg))
+
+
+def continuation_lr(found: pretrained.Pretrained, cfg: ModelConfig) -> float:
+    """The measured peak lr of continuing the checkpoint `found` (of architecture `cfg`) with masked LM."""
+    if found.sentence:
+        return SENTENCE_ENCODER_LR
+    return MASKED_LM_LR * min(1.0, MASKED_LM_LR_WIDTH / cfg.hidden)
+
+
+def resolved(config: Config) -> Config:
+    """`config` with `optimizer.lr` the peak lr the run trains at (`peak_lr`) and `init_lr` "auto" (left out
+    of the key): a continued run keeps its key where the cap leaves its lr as it was."""
+    optimizer = dataclasses.replace(config.optimizer, lr=peak_lr(config))
+    return dataclasses.replace(config, optimizer=optimizer, init_lr="auto")
+
+
+def params(config: Config, ctx: Context) -> Params:
+    """The checkpoint's params, with a masked-LM head made from the run's seed where it has none (a base
+    model, a sequence classifier): the decoder is tied to the token embeddings as transformers ties it,
+    the head's transform, norm and bias start fresh, and one warning names them (none for a zero budget,
+    which trains nothing)."""
+    import time
+
+    from cram import model
+    from cram.model.bert import shapes
+    from cram.model.hf import missing_head
+
+    started = time.perf_counter()
+    found = locate(config)
+    cfg, loaded = _read(found, shapes_only=False)
+    ctx.log.info("init", checkpoint=str(found.folder), kind=found.kind, seconds=round(time.perf_counter() - started, 2))
+    made = missing_head(cfg, loaded)
+    if made and config.budget.tokens != 0 and ctx.is_main:
+        how = (
+            "they train alone, the encoder frozen, for pretrain.head_warmup, then with it"
+            if warmup_setting(config)
+            else "they train with the encoder from the first step (pretrain.head_warmup = 0)"
+        )
+        ctx.log.warning(
+            f"pretrain.init: {found.folder} has no masked-LM head; initialised {', '.join(made)} from the run's "
+            f"seed (the decoder is tied to the token embeddings); {how}"
+        )
+    made_params = model.init(cfg, ctx.seed, names=made)
+    return {name: loaded[name] if name in loaded else made_params[name] for name in shapes(cfg)}
