@@ -11,10 +11,14 @@ I = intermediate, F = I // 2 with a GLU and I without, S = max_seq_len, T = toke
     layers.{i}.attn_norm.weight  [H]      absent in layer 0 when first_attn_norm is False; post_norm: after the residual
     layers.{i}.attn.qkv.weight   [3H, H]  rows: all query heads, then all keys, then all values
     layers.{i}.attn.qkv.bias     [3H]     linear_bias
+    layers.{i}.attn.q_norm.weight [D]     qk_norm (D = H // heads): every head's queries share it
+    layers.{i}.attn.k_norm.weight [D]     qk_norm: and its keys
+    layers.{i}.attn.value_mix    [1]      value_residual, layers after the first: the first layer's share
+                                          of the values, 0.5 at init (ResFormer)
     layers.{i}.attn.out.weight   [H, H]
     layers.{i}.attn.out.bias     [H]      linear_bias
     layers.{i}.ffn_norm.weight   [H]      post_norm: after the residual
-    layers.{i}.ffn.up.weight     [I, H]   GLU: first half is GELU-activated, second half is the gate
+    layers.{i}.ffn.up.weight     [I, H]   GLU: first half is activated (`activation`), second half is the gate
     layers.{i}.ffn.up.bias       [I]      linear_bias
     layers.{i}.ffn.down.weight   [H, F]
     layers.{i}.ffn.down.bias     [H]      linear_bias
@@ -27,8 +31,10 @@ I = intermediate, F = I // 2 with a GLU and I without, S = max_seq_len, T = toke
     pooler.dense.bias            [H]      pooler
     <every norm>.bias            [H]      norm_bias: zero at init (cramming's nn.LayerNorm)
 
-Biases are zero at init, tables and matrices normal(0.02), norm weights one. By default no linear layer
-has a bias and LayerNorms have one only with `norm_bias` (ModernBERT: `norm_bias=False`).
+Biases are zero at init, tables and matrices normal(0.02), norm weights one; with `zero_init_out` the
+attention and feed-forward output projections are zero (drawn, then zeroed: every other parameter is the
+one the same seed gives without it). By default no linear layer has a bias and LayerNorms have one only
+with `norm_bias` (ModernBERT: `norm_bias=False`).
 RoPE rotates halves (`rotate_half`), as `transformers` does.
 """
 
@@ -43,6 +49,9 @@ from torch import Tensor
 from cram.model.config import ATTENTIONS, Attention, ModelConfig
 
 INIT_STD = 0.02  # cramming's and BERT's normal init for every matrix
+VALUE_MIX_INIT = 0.5  # ResFormer's and the speedrun's: half the first layer's values, half the layer's own
+# The output projections that `zero_init_out` starts at zero: each block adds nothing to the residual at first.
+OUTPUTS = (".attn.out.weight", ".ffn.down.weight")
 # BERT's pooler: kept from a checkpoint, never trained by the masked LM (pretraining carries it unchanged).
 POOLER = ("pooler.dense.weight", "pooler.dense.bias")
 
@@ -75,6 +84,10 @@ def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if i > 0 or cfg.first_attn_norm:
             norm(p + "attn_norm")
         linear(p + "attn.qkv", 3 * H, H)
+        if cfg.qk_norm:
+            out[p + "attn.q_norm.weight"] = out[p + "attn.k_norm.weight"] = (cfg.head_dim,)
+        if cfg.value_residual and i > 0:
+            out[p + "attn.value_mix"] = (1,)
         linear(p + "attn.out", H, H)
         norm(p + "ffn_norm")
         linear(p + "ffn.up", cfg.intermediate, H)
@@ -102,12 +115,16 @@ def init(cfg: ModelConfig, seed: int, names: list[str] | None = None) -> dict[st
         if name == "embed.positions.scale":
             scale = 1.0 / math.sqrt(cfg.hidden) if cfg.position_scale is None else cfg.position_scale
             params[name] = torch.full(shape, scale)
+        elif name.endswith(".attn.value_mix"):
+            params[name] = torch.full(shape, VALUE_MIX_INIT)
         elif name.endswith(".bias"):
             params[name] = torch.zeros(shape)
         elif len(shape) == 1:  # a norm's weight
             params[name] = torch.ones(shape)
         else:
             params[name] = torch.randn(*shape, generator=gen) * INIT_STD
+            if cfg.zero_init_out and name.endswith(OUTPUTS):
+                params[name] = torch.zeros(shape)
     return params
 
 
@@ -138,6 +155,7 @@ def encode(
         if cfg.local_attention and theta is not None and theta != cfg.rope_theta:
             local_rope = _rope_tables(S, cfg.head_dim, theta, x.device)
     mask, local_mask = _masks(cfg, S, attention_mask, document_ids, x.device)
+    first_values = None  # value_residual: the first layer's values, which every later layer mixes in
     for i in range(cfg.layers):
         p = f"layers.{i}."
         kind = (local_mask, local_rope, attention, rate) if cfg.is_local(i) else (mask, rope, attention, rate)
@@ -145,12 +163,16 @@ def encode(
         # only that token's query, attention output and feed-forward (as sparse prediction in the MLM).
         queries = 1 if first_only and i == cfg.layers - 1 else None
         if cfg.post_norm:
-            x = _norm(x[:, :queries] + _attention(params, p, cfg, x, *kind, queries), params, p + "attn_norm", cfg)
+            attended, values = _attention(params, p, cfg, x, *kind, queries, first_values)
+            x = _norm(x[:, :queries] + attended, params, p + "attn_norm", cfg)
             x = _norm(x + _feed_forward(params, p, cfg, x, rate), params, p + "ffn_norm", cfg)
-            continue
-        h = _norm(x, params, p + "attn_norm", cfg) if i > 0 or cfg.first_attn_norm else x
-        x = x[:, :queries] + _attention(params, p, cfg, h, *kind, queries)
-        x = x + _feed_forward(params, p, cfg, _norm(x, params, p + "ffn_norm", cfg), rate)
+        else:
+            h = _norm(x, params, p + "attn_norm", cfg) if i > 0 or cfg.first_attn_norm else x
+            attended, values = _attention(params, p, cfg, h, *kind, queries, first_values)
+            x = x[:, :queries] + attended
+            x = x + _feed_forward(params, p, cfg, _norm(x, params, p + "ffn_norm", cfg), rate)
+        if cfg.value_residual and i == 0:
+            first_values = values
     return x if cfg.post_norm else _norm(x, params, "final_norm", cfg)
 
 
@@ -242,24 +264,34 @@ def _attention(
     attention: Attention,
     rate: float | Tensor,
     queries: int | None = None,
-) -> Tensor:
-    """Self-attention's output [B, S, H]; with `queries`, [B, queries, H] for the first `queries` tokens
-    alone (reading every key)."""
+    first_values: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Self-attention's output [B, S, H] and its own values [B, heads, S, head_dim]; with `queries`, the
+    output [B, queries, H] of the first `queries` tokens alone (reading every key). `first_values`: the
+    first layer's values, mixed in by the layer's `value_mix` (value_residual)."""
     B, S, H = x.shape
     if queries is None:
         qkv = _linear(x, params, p + "attn.qkv", cfg).view(B, S, 3, cfg.heads, cfg.head_dim)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, S, head_dim]
-        if rope is not None:
-            q, k = _rotate(q, *rope), _rotate(k, *rope)
+        q, k, values = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, S, head_dim]
     else:
-        q, k, v = _first_queries(params, p, cfg, x, queries)
-        if rope is not None:
-            cos, sin = rope
-            q, k = _rotate(q, cos[:queries], sin[:queries]), _rotate(k, cos, sin)
+        q, k, values = _first_queries(params, p, cfg, x, queries)
         if mask is not None and mask.shape[-2] == S:  # a mask per query (documents, a local band)
             mask = mask[..., :queries, :]
+    if cfg.qk_norm:
+        q, k = _head_norm(q, params, p + "attn.q_norm", cfg), _head_norm(k, params, p + "attn.k_norm", cfg)
+    if rope is not None:
+        cos, sin = rope
+        q, k = _rotate(q, cos[: q.shape[2]], sin[: q.shape[2]]), _rotate(k, cos, sin)
+    v = values
+    if first_values is not None:
+        v = torch.lerp(values, first_values, params[p + "attn.value_mix"].to(values.dtype))
     out = _attend(q, k, v, mask, rate, attention)
-    return dropout(_linear(out.transpose(1, 2).reshape(B, -1, H), params, p + "attn.out", cfg), rate)
+    return dropout(_linear(out.transpose(1, 2).reshape(B, -1, H), params, p + "attn.out", cfg), rate), values
+
+
+def _head_norm(x: Tensor, params: dict[str, Tensor], name: str, cfg: ModelConfig) -> Tensor:
+    """RMSNorm over each head's vector [..., head_dim] (qk_norm); in the input's dtype under autocast."""
+    return F.rms_norm(x, (x.shape[-1],), params[name + ".weight"], cfg.norm_eps).to(x.dtype)
 
 
 def _first_queries(
@@ -306,12 +338,20 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rate: float | 
 
 def _feed_forward(params: dict[str, Tensor], p: str, cfg: ModelConfig, x: Tensor, rate: float | Tensor) -> Tensor:
     h = _linear(x, params, p + "ffn.up", cfg)
+    activate = _ACTIVATIONS[cfg.activation]
     if cfg.glu:
         h, gate = h.chunk(2, dim=-1)
-        h = F.gelu(h) * gate
+        h = activate(h) * gate
     else:
-        h = F.gelu(h)
+        h = activate(h)
     return dropout(_linear(h, params, p + "ffn.down", cfg), rate)
+
+
+def _relu2(x: Tensor) -> Tensor:
+    return F.relu(x).square()
+
+
+_ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "relu2": _relu2}
 
 
 def dropout(x: Tensor, rate: float | Tensor) -> Tensor:

@@ -11,12 +11,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
 
-OPTIMIZERS: tuple[str, ...] = ("adamw", "stable_adamw")
+OPTIMIZERS: tuple[str, ...] = ("adamw", "stable_adamw", "muon")
 
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW (cramming's values), or StableAdamW (`kind = "stable_adamw"`: `model/optim.py`).
+    """AdamW (cramming's values), StableAdamW (`kind = "stable_adamw"`: `model/optim.py`), or Muon for the
+    hidden matrices and AdamW for the rest (`kind = "muon"`: `model/muon.py`, at the same lr and weight decay).
 
     `clip_norm` means the same for both kinds: the global gradient norm is clipped before the update.
     StableAdamW clips each tensor's update itself, so ModernBERT and Ettin train it with no gradient
@@ -41,6 +42,7 @@ class OptimizerConfig:
 
 
 POSITIONS = ("sinusoidal", "learned", "rope")
+ACTIVATIONS = ("gelu", "silu", "relu2")
 
 # How attention is computed, never what: "sdpa" is `F.scaled_dot_product_attention`, "written" the product
 # written out (softmax(q k^T) v), "auto" SDPA on a GPU and the written-out product on a CPU. A runtime
@@ -74,6 +76,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     position_scale: float | None = None  # sinusoidal: the learnable scale's start; None: 1/sqrt(hidden) (cramming)
     glu: bool = True  # GELU-GLU feed-forward; False: a plain GELU MLP
+    # The feed-forward's activation: "gelu" (with glu GELU-GLU), "silu" (with glu SwiGLU), "relu2" (ReLU
+    # squared; with glu=false the speedrun's MLP).
+    activation: Literal["gelu", "silu", "relu2"] = "gelu"
     head_transform: bool = False  # dense + GELU + norm before the tied decoder
     embedding_norm: bool = True
     first_attn_norm: bool = True  # False: the first block's attention reads the embeddings unnormalised
@@ -92,6 +97,13 @@ class ModelConfig:
     # BERT's pooler (dense + tanh over the first token), kept from a checkpoint that brought one for
     # fine-tuning (`pooling = "pooler"`) and export; the masked LM never reads it, and pretraining leaves it as it is.
     pooler: bool = False
+    # Past ModernBERT's layout (issue 46; docs/recipe.md, "Switches"): an RMSNorm with a learned weight on
+    # each head's queries and keys before RoPE (OLMo-2, the GPT-2 speedrun); every layer after the first
+    # mixing its values with the first layer's by a learned weight (ResFormer); the attention and
+    # feed-forward output projections zero at init (the speedrun).
+    qk_norm: bool = False
+    value_residual: bool = False
+    zero_init_out: bool = False
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "hidden", "layers", "heads", "intermediate", "max_seq_len"):
@@ -101,6 +113,8 @@ class ModelConfig:
             raise ValueError(f"model.heads={self.heads}: must divide model.hidden={self.hidden}")
         if self.position not in POSITIONS:
             raise ValueError(f"model.position={self.position!r}: allowed {', '.join(POSITIONS)}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"model.activation={self.activation!r}: allowed {', '.join(ACTIVATIONS)}")
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError(f"model.heads={self.heads}: rope needs an even head size, got {self.head_dim}")
         if self.position == "sinusoidal" and self.hidden % 2:

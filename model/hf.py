@@ -60,6 +60,9 @@ BERT_LAYOUT = {
     "embedding_norm": True,
     "local_attention": 0,
 }
+# What both need: neither family has a norm of the queries and keys nor value residuals, and the export
+# writes GELU as the activation (transformers' configs could name another; none is mapped yet).
+SWITCHES_OFF = {"qk_norm": False, "value_residual": False, "activation": "gelu"}
 
 
 def from_transformers(
@@ -215,6 +218,7 @@ def transformers_blockers(cfg: ModelConfig) -> list[str]:
     wanted = dict(BERT_LAYOUT) if cfg.post_norm else dict(MODERNBERT_LAYOUT)
     if cfg.position_offset and cfg.position_offset != cfg.pad_id + 1:
         wanted["position_offset"] = cfg.pad_id + 1  # transformers' RoBERTa offsets positions by pad_token_id + 1
+    wanted.update(SWITCHES_OFF)
     return [f"pretrain.model.{k}={json.dumps(v)}" for k, v in wanted.items() if getattr(cfg, k) != v]
 
 

@@ -76,6 +76,10 @@ NEW_OPTIONS = (
     "head_warmup",
     "head_lr",
     "init_lr",
+    "model.activation",
+    "model.qk_norm",
+    "model.value_residual",
+    "model.zero_init_out",
 )
 
 

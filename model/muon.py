@@ -1,0 +1,78 @@
+"""Muon (Keller Jordan 2024; `torch.optim.Muon`) for the encoder's hidden matrices, as a pure function.
+
+The step of one matrix W with gradient G and momentum buffer B (`exp_avg.<name>`, the AdamW state's
+layout):
+
+    B <- lerp(B, G, 1 - 0.95)                     momentum 0.95
+    U <- lerp(G, B, 0.95)                          Nesterov
+    O <- NS5(U)                                    5 Newton-Schulz iterations, coefficients (3.4445, -4.7750, 2.0315)
+    W <- W * (1 - lr * weight_decay) - lr * 0.2 * sqrt(max(rows, cols)) * O
+
+The lr rule is Moonlight's (Liu et al. 2025, "Muon is Scalable for LLM Training"; `torch.optim.Muon`'s
+`adjust_lr_fn="match_rms_adamw"`): O has singular values near 1, so its entries' RMS is about
+1 / sqrt(max(rows, cols)); scaled by 0.2 sqrt(max(rows, cols)) it matches the RMS of an AdamW update
+(0.2 to 0.4, measured by Moonlight), so Muon shares AdamW's lr, schedule and weight decay: one
+`optimizer.lr` drives both halves of the model.
+
+Muon takes the hidden matrices: every layer's attention qkv and output projections and feed-forward
+up and down projections. Embeddings, norms, the head transform and the tied decoder stay on AdamW
+(their rows are looked up or read per token, not a map between hidden spaces). A fused weight is
+orthogonalised as the matrices it stacks, each on its own: the qkv projection as its query, key and
+value matrices (the speedrun's [3, H, H]), a GLU up-projection as its two halves. Newton-Schulz runs in
+fp32 (the reference runs it in bf16, faster on a GPU): compiled and eager agree to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+MOMENTUM = 0.95
+NS_STEPS = 5
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_EPS = 1e-7
+RMS_MATCH = 0.2  # Moonlight: Muon's update at AdamW's RMS
+HIDDEN = (".attn.qkv.weight", ".attn.out.weight", ".ffn.up.weight", ".ffn.down.weight")
+
+
+def takes(name: str) -> bool:
+    """Whether Muon updates the parameter `name` (`model/bert.py`'s names): a layer's hidden matrix."""
+    return name.startswith("layers.") and name.endswith(HIDDEN)
+
+
+def stacked(name: str, params: dict[str, Tensor]) -> int:
+    """How many matrices the weight `name` stacks along its rows: 3 for qkv, 2 for a GLU's up-projection
+    (twice the rows its down-projection reads), 1 otherwise."""
+    weight = params[name]
+    if name.endswith(".attn.qkv.weight"):
+        return 3
+    if name.endswith(".ffn.up.weight"):
+        return weight.shape[0] // params[name.replace(".ffn.up.", ".ffn.down.")].shape[1]
+    return 1
+
+
+def orthogonalise(update: Tensor) -> Tensor:
+    """NS5 of each matrix of `update` [..., rows, cols]: its singular values moved near 1 (into about
+    [0.7, 1.2]; the quintic trades exactness for speed), its singular vectors kept."""
+    a, b, c = NS_COEFFICIENTS
+    wide = update.shape[-2] <= update.shape[-1]
+    x = update if wide else update.mT  # the Gram matrix of the shorter side is the cheaper one
+    x = x / torch.linalg.matrix_norm(x, keepdim=True).clamp(min=NS_EPS)  # spectral norm <= Frobenius norm = 1
+    for _ in range(NS_STEPS):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x if wide else x.mT
+
+
+def muon_param(
+    weight: Tensor, grad: Tensor, momentum: Tensor, blocks: int, lr: Tensor, weight_decay: float
+) -> tuple[Tensor, Tensor]:
+    """(new weight, new momentum) of one hidden matrix that stacks `blocks` matrices along its rows."""
+    momentum = torch.lerp(momentum, grad, 1 - MOMENTUM)
+    nesterov = torch.lerp(grad, momentum, MOMENTUM)
+    rows, cols = weight.shape[0] // blocks, weight.shape[1]
+    update = orthogonalise(nesterov.view(blocks, rows, cols)).view_as(weight)
+    scale = RMS_MATCH * math.sqrt(max(rows, cols))
+    return weight * (1 - lr * weight_decay) - (lr * scale) * update, momentum
