@@ -201,8 +201,10 @@ class Config:
         return TaskSettings(**{key: getattr(self, key) if value is None else value for key, value in own.items()})
 
     def tuning(self) -> Tuning:
-        """What the fine-tuner reads of this config."""
-        return Tuning(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Tuning)})
+        """What the fine-tuner reads of this config. A config never linked to a pipeline (`linked`) has no
+        `pretrain.init`: its `head = "auto"` is the head from scratch, cramming's."""
+        config = dataclasses.replace(self, head=init_head(None)) if self.head == "auto" else self
+        return Tuning(**{f.name: getattr(config, f.name) for f in dataclasses.fields(Tuning)})
 
     def mlm_settings(self) -> MlmSettings:
         """What the held-out masked LM reads of this config."""
