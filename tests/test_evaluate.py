@@ -19,6 +19,7 @@ from cram import model
 from cram.stages import StageError, Upstream, evaluate
 from cram.stages.evaluate import Config, TaskConfig
 from cram.stages.finetuning import finetune
+from cram.stages.kept import batches
 from cram.stages.shared.special import SPECIAL_IDS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -345,10 +346,10 @@ def test_pairs_are_cut_longest_first_like_bert():
     for len_a in range(12):
         for len_b in range(12):
             for budget in range(1, 14):
-                assert finetune._longest_first(len_a, len_b, budget) == one_at_a_time(len_a, len_b, budget)
-    row = finetune._join(([10, 11, 12, 13], [20, 21]), SPECIAL_IDS, max_length=7)
+                assert batches.longest_first(len_a, len_b, budget) == one_at_a_time(len_a, len_b, budget)
+    row = batches.join(([10, 11, 12, 13], [20, 21]), SPECIAL_IDS, max_length=7)
     assert row.tolist() == [2, 10, 11, 3, 20, 21, 3]
-    assert finetune._join(([10, 11, 12, 13],), SPECIAL_IDS, max_length=4).tolist() == [2, 10, 11, 3]
+    assert batches.join(([10, 11, 12, 13],), SPECIAL_IDS, max_length=4).tolist() == [2, 10, 11, 3]
 
 
 EVALUATE_WORKER = """

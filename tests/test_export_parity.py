@@ -84,12 +84,12 @@ def test_a_pair_is_segment_1_after_the_first_separator_in_the_exported_tokenizer
 @pytest.mark.xfail(strict=True, reason="evaluate cuts pairs as the Python BERT tokenizer does, not as the fast one")
 def test_an_odd_budget_cuts_a_long_pair_as_the_fast_tokenizer_does(tmp_path, sp_model):  # noqa: F811
     transformers = pytest.importorskip("transformers")
-    from cram.stages.finetuning.finetune import _join
+    from cram.stages.kept.batches import join
     from cram.stages.shared import tokenizer as tokenizers
 
     run, _ = fake_run(tmp_path, sp_model, cfg=BERT)
     with_classifier(run, BERT, "bert", text_fields=("a", "b"), max_length=12, buckets=(8, 12))
     tokenizer = transformers.AutoTokenizer.from_pretrained(export(run, tmp_path / "hf", fmt="transformers", task="t"))
     ours = tokenizers.load(sp_model)
-    row = _join((ours.encode([LONG])[0], ours.encode([LONG + " again"])[0]), SPECIAL_IDS, 12)
+    row = join((ours.encode([LONG])[0], ours.encode([LONG + " again"])[0]), SPECIAL_IDS, 12)
     assert tokenizer(LONG, LONG + " again", truncation=True)["input_ids"] == row.tolist()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from cram.stages import Context, StageError, Upstream
-from cram.stages.kept.batches import Padding
+from cram.stages.kept.batches import Padding, join
 from cram.stages.shared.device import to_device
 from cram.stages.shared.progress import Every, track
 
@@ -84,34 +84,10 @@ def encode(task: Task, tokenizer: Tokenizer, special: dict, max_length: int) -> 
         if not examples.texts:
             raise StageError(f"task {task.name}: a split has no examples")
         columns = [tokenizer.encode([t[i] for t in examples.texts]) for i in range(len(examples.texts[0]))]
-        rows = [_join(parts, special, max_length) for parts in zip(*columns)]
+        rows = [join(parts, special, max_length) for parts in zip(*columns)]
         return rows, np.array([len(r) for r in rows]), examples.labels
 
     return Encoded(split(task.train), {name: split(test) for name, test in task.tests.items()})
-
-
-def _join(parts: tuple[list[int], ...], special: dict, max_length: int):
-    """[CLS] a [SEP] or [CLS] a [SEP] b [SEP], cut to `max_length` the way BERT does ("longest first")."""
-    import numpy as np
-
-    budget = max_length - 1 - len(parts)
-    if len(parts) == 1:
-        a, b = parts[0][:budget], None
-    else:
-        a, b = parts
-        keep_a, keep_b = _longest_first(len(a), len(b), budget)
-        a, b = a[:keep_a], b[:keep_b]
-    row = [special["cls"], *a, special["sep"]] + ([] if b is None else [*b, special["sep"]])
-    return np.asarray(row, dtype=np.int64)
-
-
-def _longest_first(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
-    """Lengths after removing tokens one at a time from the longer text (the second on ties)."""
-    if len_a + len_b <= budget:
-        return len_a, len_b
-    if min(len_a, len_b) <= budget // 2:
-        return (len_a, budget - len_a) if len_a <= len_b else (budget - len_b, len_b)
-    return (budget + 1) // 2, budget // 2
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,7 @@ predict` and `cram export`; the commands parse, call this room and print.
 
 A classifier is the first kind of kept model; an embedding model is the second, beside it: its own
 description file, reader and runner, sharing the folder's files, checksums and
-export writing. `predicting` is imported as a module (it reads the fine-tuner's encoding, which reads
-`batches` here).
+export writing. `predicting` is imported as a module (`cram.stages.kept.predicting`).
 """
 
 from cram.stages.kept.card import Card

@@ -11,6 +11,30 @@ if TYPE_CHECKING:
     import numpy as np
 
 
+def join(parts: tuple[list[int], ...], special: dict[str, int], max_length: int) -> np.ndarray:
+    """[CLS] a [SEP] or [CLS] a [SEP] b [SEP], cut to `max_length` the way BERT does ("longest first")."""
+    import numpy as np
+
+    budget = max_length - 1 - len(parts)
+    if len(parts) == 1:
+        a, b = parts[0][:budget], None
+    else:
+        a, b = parts
+        keep_a, keep_b = longest_first(len(a), len(b), budget)
+        a, b = a[:keep_a], b[:keep_b]
+    row = [special["cls"], *a, special["sep"]] + ([] if b is None else [*b, special["sep"]])
+    return np.asarray(row, dtype=np.int64)
+
+
+def longest_first(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
+    """Lengths after removing tokens one at a time from the longer text (the second on ties)."""
+    if len_a + len_b <= budget:
+        return len_a, len_b
+    if min(len_a, len_b) <= budget // 2:
+        return (len_a, budget - len_a) if len_a <= len_b else (budget - len_b, len_b)
+    return (budget + 1) // 2, budget // 2
+
+
 def bucket(length: int, buckets: tuple[int, ...]) -> int:
     return next(b for b in buckets if b >= length)
 

@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, TextIO
 
 from cram.stages import StageError
-from cram.stages.finetuning.finetune import _join
-from cram.stages.kept.batches import Padding
+from cram.stages.kept.batches import Padding, join
 from cram.stages.kept.folder import Classifier, KeptError
 from cram.stages.shared.files import temp_path
 from cram.stages.shared.progress import Every
@@ -94,7 +93,7 @@ class Predictor:
 
         special, length = self.padding.special, self.classifier.meta["max_length"]
         columns = [self.tokenizer.encode([t[i] for t in texts]) for i in range(len(texts[0]))]
-        rows = [_join(parts, special, length) for parts in zip(*columns)]
+        rows = [join(parts, special, length) for parts in zip(*columns)]
         lengths = np.array([len(r) for r in rows])
         order = np.argsort(lengths, kind="stable")  # similar lengths together: less padding
         size, outputs = self.settings.batch_size, []
