@@ -7,8 +7,9 @@ from collections import Counter
 import pytest
 import torch
 
+from cram.model.embedder import in_batch_loss
 from cram.stages import StageError
-from cram.stages.retrieval.loss import distinct_batches, in_batch_loss
+from cram.stages.retrieval.loss import distinct_batches
 
 
 def by_hand(anchors: torch.Tensor, positives: torch.Tensor, negatives: torch.Tensor | None, scale: float):

@@ -1,6 +1,4 @@
-"""The contrastive fine-tune's loss and its batches: InfoNCE with in-batch negatives, as
-sentence-transformers' MultipleNegativesRankingLoss computes it, so a model trained here reads against
-every retrieval model trained there.
+"""The contrastive fine-tune's batches (its loss, InfoNCE with in-batch negatives, is `model/embedder.py`'s).
 
 Each query's positive is the right answer among every positive of the batch (and every hard negative,
 where pairs carry one): the other pairs' texts are free negatives. That only holds when no text comes
@@ -13,23 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-import torch
-import torch.nn.functional as F
-
 from cram.stages import StageError
-
-SCALE = 20.0  # sentence-transformers' default: a temperature of 0.05 on cosine similarities
-
-
-def in_batch_loss(
-    anchors: torch.Tensor, positives: torch.Tensor, negatives: torch.Tensor | None = None, scale: float = SCALE
-) -> torch.Tensor:
-    """The mean cross-entropy of each anchor (row i) picking positive i among the batch's positives,
-    then its hard negatives as further columns, by cosine similarity times `scale`. Pure: no state, so
-    it compiles into the step."""
-    candidates = positives if negatives is None else torch.cat([positives, negatives])
-    scores = F.normalize(anchors, dim=-1) @ F.normalize(candidates, dim=-1).T * scale
-    return F.cross_entropy(scores, torch.arange(len(anchors), device=anchors.device))
 
 
 def distinct_batches(pairs: Sequence[Sequence[str]], batch_size: int, seed: int, where: str) -> list[list[int]]:
