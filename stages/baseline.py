@@ -24,6 +24,7 @@ from typing import Any
 
 from cram.stages import Context, Pipeline, StageError, Upstream
 from cram.stages.finetuning.config import Config as EvaluateConfig
+from cram.stages.finetuning.config import keyed_tasks
 from cram.stages.finetuning.scoring import Checkpoint, Report, fitting_tasks, heldout_gap, score, task_files
 from cram.stages.shared import device as devices
 from cram.stages.shared import pretrained
@@ -67,6 +68,14 @@ def config_of(pipeline: Pipeline) -> Config | None:
     return Config(init=getattr(pretrain, "init", ""), evaluate=evaluate)
 
 
+def key_config(config: Config) -> dict[str, Any]:
+    """A task's retrieval settings at their defaults left out of the key, as evaluate leaves them
+    (`keyed_tasks`)."""
+    plain = dataclasses.asdict(config)
+    keyed_tasks(plain["evaluate"])
+    return plain
+
+
 def fingerprint(config: Config) -> list[list[Any]]:
     """The checkpoint's contents (as pretrain keys them) and the files the tasks read; a checkpoint that
     cannot be found gives its error instead, which pretrain's `validate` reports."""
@@ -93,7 +102,7 @@ def validate_runtime(config: Config, pipeline: Pipeline) -> None:
 
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
     settings = dataclasses.replace(config.evaluate, mlm=False, keep="none")
-    settings = fitting_tasks(settings, lambda: heldout_gap(inputs["tokenize"]), ctx.log)
+    settings = fitting_tasks(settings, heldout_gap(inputs["tokenize"], settings), ctx.log)
     checkpoint = _starting_checkpoint(config, inputs["tokenize"], out_dir, ctx)
     outputs = score(settings, inputs, out_dir, ctx, checkpoint, Report(NAME))
     # Its figures are evaluate's to show, beside the continued model's (`{task}_start`): a figure of the

@@ -28,12 +28,13 @@ from cram.stages.finetuning.checks import (
     check_pooler,
     check_task,
     init_model,
-    topic_gap,
+    task_gap,
 )
 
 # The stage's config lives in its wing; `evaluate.Config` and `evaluate.TaskConfig` name it here.
 from cram.stages.finetuning.config import Config as Config
 from cram.stages.finetuning.config import TaskConfig as TaskConfig
+from cram.stages.finetuning.config import keyed_tasks
 from cram.stages.finetuning.finetune import load_task
 from cram.stages.finetuning.scoring import (
     Report,
@@ -59,11 +60,12 @@ NOT_IN_KEY = ("baseline",)
 NEW_OPTIONS = ("mlm_lengths", "canary_steps", "canary_tolerance", "keep", "head", "mlm_corruption")
 
 
-def key_config(config: Config) -> Config:
+def key_config(config: Config) -> dict[str, Any]:
     """Cramming's head, what evaluate fine-tuned before `head` existed, keyed as it was then: as the
     default "auto" (which `NEW_OPTIONS` leaves out), whether "auto" resolved to it (no `pretrain.init`)
-    or it was set."""
-    return dataclasses.replace(config, head="auto") if config.head == "cramming" else config
+    or it was set. A task's retrieval settings at their defaults are left out (`keyed_tasks`)."""
+    config = dataclasses.replace(config, head="auto") if config.head == "cramming" else config
+    return keyed_tasks(dataclasses.asdict(config))
 
 
 def fingerprint(config: Config) -> list[list[Any]]:
@@ -89,10 +91,10 @@ def validate(config: Config, pipeline: Pipeline) -> None:
     tokenize, pack = pipeline.stages.get("tokenize"), pipeline.stages.get("pack")
     if not 0 <= config.mlm_seed < 2**63:
         raise StageError(f"evaluate.mlm_seed: {config.mlm_seed} must be in [0, 2**63 - 1]")
-    gap = None if tokenize is None else topic_gap(tokenize)
-    config = fitting_tasks(config, lambda: gap)
+    gap = (lambda task: None) if tokenize is None else task_gap(tokenize)
+    config = fitting_tasks(config, gap)
     for i, task in enumerate(config.tasks):
-        check_task(config, task, i, gap, None if pack is None else pack.seq_len)
+        check_task(config, task, i, gap(task), None if pack is None else pack.seq_len)
     if pack is not None:
         check_against_the_model(config, pipeline.stages.get("pretrain"), pack.seq_len)
     if config.pooling == "pooler":
@@ -106,13 +108,15 @@ def describe(config: Config, pipeline: Pipeline) -> str:
     where its local files tell them; a held-out-topic task's examples are known only after tokenize,
     a GLUE task's from the hub once fetched."""
     if (tokenize := pipeline.stages.get("tokenize")) is not None:
-        config = fitting_tasks(config, lambda: topic_gap(tokenize))
+        config = fitting_tasks(config, task_gap(tokenize))
     parts = []
     for i, task in enumerate(config.tasks):
         settings = config.task_settings(task)
         epochs, seeds = settings.epochs, settings.seeds
-        if task.kind == "heldout-topic":
+        if task.kind in ("heldout-topic", "heldout-retrieval"):
             steps = "steps known after tokenize"
+        elif task.kind == "retrieval":
+            steps = _retrieval_steps(config, task, i)
         elif not task.path:
             steps = "steps known once fetched from the hub"
         else:
@@ -122,6 +126,18 @@ def describe(config: Config, pipeline: Pipeline) -> str:
         parts.append(f"{task.name} {steps} x {_count(seeds, 'seed')}")
     head = _head_choice(config, pipeline.stages.get("pretrain"))
     return "fine-tunes " + "; ".join([*parts, *head]) if parts else ""
+
+
+def _retrieval_steps(config: Config, task: TaskConfig, index: int) -> str:
+    """A BEIR task's contrastive steps per seed: epochs x full batches of its pairs (fewer where texts repeat)."""
+    from cram.stages.retrieval.results import load_task as load_retrieval
+
+    settings = config.retrieval_settings(task)
+    found = load_retrieval(task, index, None, settings)
+    batches = len(found.pairs) // settings.batch_size
+    steps = f"{_count(settings.epochs * batches, 'contrastive step')} ({_count(settings.epochs, 'epoch')} x "
+    steps += f"{_count(batches, 'batch', 'batches')} of {settings.batch_size} {found.source} pairs, "
+    return steps + f"{len(found.queries)} test queries over {_count(len(found.corpus), 'document')}, beside BM25)"
 
 
 def _head_choice(config: Config, pretrain: Any) -> list[str]:
@@ -161,7 +177,7 @@ def _count(n: int, noun: str, plural: str = "") -> str:
 
 
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
-    config = fitting_tasks(config, lambda: heldout_gap(inputs["tokenize"]), ctx.log).linked({})
+    config = fitting_tasks(config, heldout_gap(inputs["tokenize"], config), ctx.log).linked({})
     checkpoint = load_checkpoint(inputs["pretrain"], inputs["tokenize"])
     start = read_results(inputs["baseline"]) if "baseline" in inputs else None
     steps = inputs["pretrain"].outputs.get("steps", 0)

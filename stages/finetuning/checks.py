@@ -7,7 +7,7 @@ masking rate against the model that pretrain's config makes. `config` is evaluat
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from cram.stages import StageError
 from cram.stages.finetuning.config import Config, TaskConfig
@@ -87,12 +87,13 @@ def check_pooler(config: Config, cfg: ModelConfig | None, where: str = "pretrain
 
 
 _TOPIC_REMEDY = "drop this task, or give tokenize labelled documents to hold out"
+HELDOUT_KINDS = ("heldout-topic", "heldout-retrieval")
 
 
 def check_task(config: Config, task: TaskConfig, index: int, gap: str | None, seq_len: int | None) -> None:
     """Task `index` of `config`: its padded length within pack's `seq_len` (None: no pack stage), its local
-    files (read in full), and, for a held-out-topic task, why tokenize leaves it no articles (`gap`,
-    `topic_gap`'s; None: it does not)."""
+    files (read in full: a retrieval task's BEIR folder and pairs too), and, for a held-out task, why
+    tokenize leaves it no documents (`gap`, `task_gap`'s; None: it does not)."""
     where = f"evaluate.tasks[{index}]"
     max_length = config.task_settings(task).max_length
     if seq_len is not None and bucket(max_length, config.buckets) > seq_len:
@@ -100,11 +101,34 @@ def check_task(config: Config, task: TaskConfig, index: int, gap: str | None, se
             f"{where}: max_length {max_length} pads to {bucket(max_length, config.buckets)}, "
             f"beyond pack.seq_len = {seq_len}, the model's positions"
         )
-    if task.kind != "heldout-topic":
+    if task.kind == "retrieval":
+        from cram.stages.retrieval.results import load_task as load_retrieval
+
+        load_retrieval(task, index, None, config.retrieval_settings(task))
+    elif task.kind not in HELDOUT_KINDS:
         if task.path:  # GLUE from the hub is fetched when the stage runs, not to check a config
             load_task(task, index, None)
     elif gap:
-        raise StageError(f"{where}: kind 'heldout-topic' {gap}; {_TOPIC_REMEDY}")
+        remedy = _TOPIC_REMEDY if task.kind == "heldout-topic" else "drop this task, or hold documents out"
+        raise StageError(f"{where}: kind '{task.kind}' {gap}; {remedy}")
+
+
+def task_gap(tokenize: Any) -> Callable[[TaskConfig], str | None]:
+    """Why tokenize's settings (its Config) leave a held-out task no documents (`topic_gap` for the
+    topics; a held-out retrieval task needs documents alone); None when they do not."""
+
+    def gap(task: TaskConfig) -> str | None:
+        if task.kind == "heldout-topic":
+            return topic_gap(tokenize)
+        if task.kind != "heldout-retrieval":
+            return None
+        if getattr(tokenize, "task_text", "none") == "only":
+            return 'searches the documents tokenize holds out, and tokenize.task_text = "only" reads no corpus'
+        if tokenize.heldout_fraction == 0:
+            return "searches the documents tokenize holds out, and tokenize.heldout_fraction = 0 holds out none"
+        return None
+
+    return gap
 
 
 def topic_gap(tokenize: Any) -> str | None:

@@ -20,20 +20,36 @@ if TYPE_CHECKING:
 
 Pooling = Literal["auto", "first", "mean", "pooler"]
 Head = Literal["cramming", "auto", "bert", "roberta", "modernbert"]
+RETRIEVAL_KINDS = ("retrieval", "heldout-retrieval")
+EMBEDDING_POOLINGS = ("mean", "first")  # model/embedder.py's, named here to keep this module free of torch
+# A retrieval task's own settings: added after the stage's key was fixed, left out of it at their
+# defaults (`keyed_tasks`), so a config without a retrieval task keys as it did before them.
+RETRIEVAL_OPTIONS = ("pairs", "query_max_length", "batch_size", "pooling")
+# Settings that only mean something for a classifier: refused on a retrieval task, which has no labels.
+CLASSIFICATION_ONLY = ("text_fields", "metrics", "label_field")
 
 
 @dataclass(frozen=True)
 class TaskConfig:
     """One fine-tuning task, an entry of `[[evaluate.tasks]]`."""
 
-    kind: Literal["heldout-topic", "glue", "custom"] = "heldout-topic"
+    kind: Literal["heldout-topic", "glue", "custom", "retrieval", "heldout-retrieval"] = "heldout-topic"
     name: str = "topic"  # glue: cola, sst2, mrpc, stsb, qqp, mnli, qnli or rte; otherwise the results' label
-    path: str = ""  # glue: a local GLUE directory ("" = the hub); custom: a folder with train and test files
+    # glue: a local GLUE directory ("" = the hub); custom: a folder with train and test files; retrieval: a
+    # BEIR folder (corpus.jsonl, queries.jsonl, qrels/test.tsv, optional qrels/train.tsv)
+    path: str = ""
     text_fields: tuple[str, ...] = ()  # custom: the text field, or the two fields of a pair
     label_field: str = "label"  # custom
     # custom: accuracy, f1, macro_f1, matthews, pearson, spearman (these two: regression); the first is the main
     metrics: tuple[str, ...] = ()
-    test_fraction: float = 0.2  # heldout-topic: share of each topic's articles kept for testing
+    # heldout-topic: share of each topic's articles kept for testing; heldout-retrieval: of the documents
+    test_fraction: float = 0.2
+    # retrieval: a JSON-lines file of training pairs {"query", "positive"[, "negative"]}, read where the
+    # folder has no qrels/train.tsv (without either, pairs are made from the corpus: stages/retrieval/pairs.py)
+    pairs: str = ""
+    query_max_length: int | None = None  # retrieval kinds: tokens per query (None: QUERY_MAX_LENGTH)
+    batch_size: int | None = None  # retrieval kinds: pairs per contrastive batch (None: RETRIEVAL_BATCH_SIZE)
+    pooling: Literal["mean", "first"] | None = None  # retrieval kinds: the embedding's pooling (None: mean)
     epochs: int | None = None  # None: the stage's; likewise seeds, lr and max_length
     seeds: int | None = None
     lr: float | None = None
@@ -59,8 +75,14 @@ class TaskConfig:
                     f"metrics: {list(self.metrics)} mixes regression "
                     f"({', '.join(REGRESSION_METRICS)}) and classification"
                 )
+        elif self.kind in RETRIEVAL_KINDS:
+            self._check_retrieval()
         elif self.text_fields or self.metrics:
             raise ValueError(f"text_fields, metrics: only a custom task takes them; {self.kind} sets its own")
+        if self.kind not in RETRIEVAL_KINDS:
+            given = [key for key in RETRIEVAL_OPTIONS if getattr(self, key) != getattr(TaskConfig, key)]
+            if given:
+                raise ValueError(f"{', '.join(given)}: only a retrieval task takes them; {self.kind} has none")
         if not 0 < self.test_fraction < 1:
             raise ValueError(f"test_fraction: {self.test_fraction} must be in (0, 1)")
         for key in ("epochs", "seeds"):
@@ -71,8 +93,30 @@ class TaskConfig:
         if self.lr is not None and not self.lr > 0:
             raise ValueError(f"lr: {self.lr} must be > 0")
 
+    def _check_retrieval(self) -> None:
+        given = [key for key in CLASSIFICATION_ONLY if getattr(self, key) != getattr(TaskConfig, key)]
+        if given:
+            raise ValueError(f"{', '.join(given)}: a {self.kind} task has no labels and no classifier; drop them")
+        if self.kind == "retrieval" and not self.path:
+            raise ValueError("path: a retrieval task needs a BEIR folder (corpus.jsonl, queries.jsonl, qrels/test.tsv)")
+        if self.kind == "heldout-retrieval" and (self.path or self.pairs):
+            raise ValueError("path, pairs: a heldout-retrieval task reads tokenize's held-out documents alone")
+        if self.query_max_length is not None and self.query_max_length < 3:
+            raise ValueError(f"query_max_length: {self.query_max_length} must be >= 3 ([CLS], a token, [SEP])")
+        if self.batch_size is not None and self.batch_size < 2:
+            raise ValueError(f"batch_size: {self.batch_size} must be >= 2 (a pair's negatives are the batch's others)")
+        if self.pooling is not None and self.pooling not in EMBEDDING_POOLINGS:
+            raise ValueError(f"pooling: {self.pooling!r}; choose one of {', '.join(EMBEDDING_POOLINGS)}")
 
+
+QUERY_MAX_LENGTH = 32  # a retrieval task's query length where it sets none: a title, a question
+RETRIEVAL_BATCH_SIZE = 32  # pairs per contrastive batch where a task sets none: 31 in-batch negatives each
 DEFAULT_TASK = TaskConfig(epochs=2, seeds=3, lr=1e-3, max_length=64)
+# The held-out documents' titles as queries against their texts (stages/retrieval/pairs.py): your own
+# corpus scored for retrieval beside BM25, sized like the topic task for about a minute on 2 cores.
+DEFAULT_RETRIEVAL_TASK = TaskConfig(
+    kind="heldout-retrieval", name="retrieval", epochs=1, seeds=3, lr=5e-4, max_length=64, query_max_length=32
+)
 
 
 @dataclass(frozen=True)
@@ -81,7 +125,7 @@ class Config:
     # The default: the held-out topics, sized for the default CPU pipeline (about a minute on 2
     # cores). Minutes of pretraining leave a tiny model that learns nothing at GLUE's 4e-5 in 2 epochs.
     # Without labelled held-out articles it is left out (`_fitting_tasks`): a default must fit any corpus.
-    tasks: list[TaskConfig] = field(default_factory=lambda: [DEFAULT_TASK])
+    tasks: list[TaskConfig] = field(default_factory=lambda: [DEFAULT_TASK, DEFAULT_RETRIEVAL_TASK])
     epochs: int = 5
     batch_size: int = 16
     lr: float = 4e-5
@@ -157,6 +201,7 @@ class Config:
             raise ValueError(f"buckets: {list(self.buckets)} must be increasing lengths of at least 3")
         lengths = {"max_length": self.max_length}
         lengths.update({f"tasks[{i}].max_length": t.max_length for i, t in enumerate(self.tasks)})
+        lengths.update({f"tasks[{i}].query_max_length": t.query_max_length for i, t in enumerate(self.tasks)})
         for key, length in lengths.items():
             if length is not None and not 3 <= length <= self.buckets[-1]:
                 raise ValueError(f"{key}: {length} must be in [3, the largest bucket {self.buckets[-1]}]")
@@ -199,6 +244,18 @@ class Config:
         """The task's own epochs, seeds, lr and max_length, the stage's where it sets none."""
         own = {key: getattr(task, key) for key in ("epochs", "seeds", "lr", "max_length")}
         return TaskSettings(**{key: getattr(self, key) if value is None else value for key, value in own.items()})
+
+    def retrieval_settings(self, task: TaskConfig) -> RetrievalSettings:
+        """A retrieval task's settings: its own, else the stage's (epochs, seeds, lr, max_length) or
+        retrieval's defaults (query length, batch, mean pooling)."""
+        own = self.task_settings(task)
+        query_max_length = task.query_max_length or min(QUERY_MAX_LENGTH, own.max_length)
+        return RetrievalSettings(
+            **dataclasses.asdict(own),
+            query_max_length=query_max_length,
+            batch_size=task.batch_size or RETRIEVAL_BATCH_SIZE,
+            pooling=task.pooling or "mean",
+        )
 
     def tuning(self) -> Tuning:
         """What the fine-tuner reads of this config. A config never linked to a pipeline (`linked`) has no
@@ -244,6 +301,26 @@ class TaskSettings:
     seeds: int
     lr: float
     max_length: int
+
+
+@dataclass(frozen=True)
+class RetrievalSettings(TaskSettings):
+    """A retrieval task's settings (`Config.retrieval_settings`): a classification task's, the query
+    length, the contrastive batch and the embedding's pooling."""
+
+    query_max_length: int
+    batch_size: int
+    pooling: Literal["mean", "first"]
+
+
+def keyed_tasks(plain: dict[str, Any]) -> dict[str, Any]:
+    """evaluate's config as plain values (`pipeline.config.as_plain`) with each task's `RETRIEVAL_OPTIONS`
+    left out where they hold their defaults: what a stage key sees of them (`evaluate.key_config`)."""
+    for task in plain.get("tasks", ()):
+        for key in RETRIEVAL_OPTIONS:
+            if key in task and task[key] == getattr(TaskConfig, key):
+                del task[key]
+    return plain
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,12 @@ seed's, or none, as outputs of the stage that the store checksums like every oth
     classifiers/<index>-<task>/seed-<seed>/model.json           the encoder's ModelConfig (pretrain's)
     classifiers/<index>-<task>/seed-<seed>/classifier.json      what `cram export --task` and `cram predict` need
 
+A retrieval task's fine-tuned encoder is kept the same way as an embedding model, beside them:
+
+    embedders/<index>-<task>/seed-<seed>/params.safetensors     the encoder alone, fp32 (no head)
+    embedders/<index>-<task>/seed-<seed>/model.json             the encoder's ModelConfig (pretrain's)
+    embedders/<index>-<task>/seed-<seed>/embedder.json          pooling, normalisation, lengths, tokenizer, scores
+
 "Best" is the highest main score (the task's first metric on its first test set: the score evaluate
 reports), the lowest seed on ties. With keep = "best" a rank holds one candidate per task in memory,
 its best so far; under torchrun every rank knows every run's scores after the gather, so the rank
@@ -31,9 +37,11 @@ if TYPE_CHECKING:
     from cram.stages import Upstream
     from cram.stages.finetuning.config import TaskConfig, Tuning
     from cram.stages.finetuning.tasks import Task
+    from cram.stages.retrieval.pairs import RetrievalTask
 
 KEEP = ("best", "all", "none")
 FOLDER = "classifiers"
+EMBEDDERS, EMBEDDER_META = "embedders", "embedder.json"  # a retrieval task's kept encoder, and its description
 _SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -46,13 +54,13 @@ def folder_of(name: str, index: int) -> str:
     return f"{index}-{re.sub(r'[^A-Za-z0-9._-]', '_', name)[:40]}-{digest}"
 
 
-def main_score(task: Task, run: dict) -> float:
+def main_score(task: Task | RetrievalTask, run: dict) -> float:
     """A run's main score (the task's first metric on its first test set); -inf where it is NaN."""
     value = run["scores"][next(iter(task.tests))][task.metrics[0]]
     return -math.inf if math.isnan(value) else value
 
 
-def best_jobs(jobs: list[tuple[int, int]], runs: dict[int, dict], tasks: list[Task]) -> dict[int, int]:
+def best_jobs(jobs: list[tuple[int, int]], runs: dict[int, dict], tasks: list[Task | RetrievalTask]) -> dict[int, int]:
     """Task index -> the job (index into `jobs`) of its best seed, from every rank's gathered runs."""
     best: dict[int, int] = {}
     for j, (i, seed) in enumerate(jobs):
@@ -72,7 +80,7 @@ class Keeper:
     meta: dict[int, dict]  # task index -> the classifier.json fields every seed of it shares
     held: dict[int, tuple[int, float, dict, dict]] = field(default_factory=dict)  # task -> seed, score, params, run
 
-    def offer(self, index: int, seed: int, task: Task, params: dict, run: dict) -> None:
+    def offer(self, index: int, seed: int, task: Task | RetrievalTask, params: dict, run: dict) -> None:
         """A fine-tuned seed of task `index`: written now ("all"), held if the best so far ("best")."""
         if self.mode == "none":
             return
@@ -94,7 +102,11 @@ class Keeper:
         return kept
 
     def _folder(self, index: int, seed: int) -> str:
-        return f"{FOLDER}/{folder_of(self.meta[index]['task'], index)}/seed-{seed}"
+        kind = EMBEDDERS if self._embeds(index) else FOLDER
+        return f"{kind}/{folder_of(self.meta[index]['task'], index)}/seed-{seed}"
+
+    def _embeds(self, index: int) -> bool:
+        return self.meta[index].get("kind") == "embedder"
 
     def _write(self, index: int, seed: int, score: float, params: dict, run: dict) -> None:
         from safetensors.torch import save_file
@@ -106,11 +118,12 @@ class Keeper:
         os.replace(tmp, folder / PARAMS)
         shutil.copyfile(self.model_json, folder / MODEL)
         meta = {**self.meta[index], "seed": seed, "score": score, "scores": run["scores"], "params": PARAMS}
-        write_atomic(folder / META, json.dumps(meta, indent=1) + "\n")
+        write_atomic(folder / (EMBEDDER_META if self._embeds(index) else META), json.dumps(meta, indent=1) + "\n")
 
 
 def _on_cpu(params: dict) -> dict:
-    """What a classifier reads of fine-tuned params, copied to the CPU: all but the masked-LM head."""
+    """What a classifier or an embedder reads of fine-tuned params, copied to the CPU: all but the
+    masked-LM head (an embedder's params hold no head)."""
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in params.items() if not k.startswith("head.")}
 
 
@@ -120,7 +133,6 @@ def describe(tuning: Tuning, task_cfg: TaskConfig, task: Task, max_length: int, 
     (the tokenize stage's key and file, and its special ids)."""
     from cram.stages.finetuning.tasks import GLUE
 
-    entry = Path(os.path.realpath(tokenize.dir)).name
     fields = {"custom": task_cfg.text_fields, "glue": GLUE[task.name].hf_text if task_cfg.kind == "glue" else ()}
     return {
         "task": task.name,
@@ -135,10 +147,16 @@ def describe(tuning: Tuning, task_cfg: TaskConfig, task: Task, max_length: int, 
         "pooling": tuning.pooling,
         "head": tuning.head,
         "head_width": tuning.head_width,
-        "tokenizer": {
-            "stage": "tokenize",
-            "key": entry.removeprefix("tokenize-") if entry.startswith("tokenize-") else None,
-            "file": tokenize.outputs.get("tokenizer"),
-            "special_ids": tokenize.outputs.get("special_ids"),
-        },
+        "tokenizer": tokenizer_fields(tokenize),
+    }
+
+
+def tokenizer_fields(tokenize: Upstream) -> dict:
+    """How a kept model finds the run's tokenizer: the tokenize stage's key and file, and its special ids."""
+    entry = Path(os.path.realpath(tokenize.dir)).name
+    return {
+        "stage": "tokenize",
+        "key": entry.removeprefix("tokenize-") if entry.startswith("tokenize-") else None,
+        "file": tokenize.outputs.get("tokenizer"),
+        "special_ids": tokenize.outputs.get("special_ids"),
     }

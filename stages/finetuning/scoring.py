@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from cram.stages import Context, StageError, Upstream
 from cram.stages.finetuning.checks import check_lengths, check_pooler
-from cram.stages.finetuning.config import Config, TaskConfig, Tuning
+from cram.stages.finetuning.config import RETRIEVAL_KINDS, Config, TaskConfig, Tuning
 from cram.stages.finetuning.finetune import Loaded, load_task
 from cram.stages.finetuning.heldout import HeldOut, evaluate_mlm
 from cram.stages.finetuning.versus import beside_start, start_figures
+from cram.stages.retrieval.tuning import RetrievalLoaded
 from cram.stages.shared import device as devices
 from cram.stages.shared import precision as precisions
 from cram.stages.shared.files import files_under, write_atomic
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from cram.model.config import ModelConfig
     from cram.stages.finetuning.finetune import Tuner
     from cram.stages.finetuning.kept import Keeper
+    from cram.stages.retrieval.tuning import Embedders, Making
     from cram.stages.shared.tokenizer import Tokenizer
 
 RESULTS = "results.json"
@@ -60,18 +62,22 @@ class Report:
     start: dict | None = None
 
 
-def fitting_tasks(config: Config, gap: Callable[[], str | None], log: BoundLogger | None = None) -> Config:
-    """`config` without its default topic task when `gap()` says why the corpus gives it nothing to
-    classify (noted in `log`): only the masked-LM numbers then. A topic task the config names itself
-    is kept, to be refused; `gap` is asked only about the default task (the config class's own)."""
+def fitting_tasks(config: Config, gap: Callable[[TaskConfig], str | None], log: BoundLogger | None = None) -> Config:
+    """`config` without those of its default tasks (the held-out topics, the held-out retrieval) for which
+    `gap(task)` says why the corpus gives them nothing (noted in `log`): a default must fit any corpus.
+    A task the config names itself is kept, to be refused; `gap` is asked only about the config class's
+    own default tasks."""
     if config.tasks != type(config)().tasks:
         return config
-    reason = gap()
-    if reason is None:
-        return config
-    if log is not None:
-        log.info("no topic task", reason=f"the default task, kind 'heldout-topic', {reason}")
-    return dataclasses.replace(config, tasks=[])
+    fitting = []
+    for task in config.tasks:
+        reason = gap(task)
+        if reason is None:
+            fitting.append(task)
+        elif log is not None:
+            what = "retrieval" if task.kind in RETRIEVAL_KINDS else "topic"
+            log.info(f"no {what} task", reason=f"the default task, kind '{task.kind}', {reason}")
+    return dataclasses.replace(config, tasks=fitting)
 
 
 def score(
@@ -87,7 +93,7 @@ def score(
         check_pooler(config, cfg, str(checkpoint.model_config))
     jobs = [(i, ctx.seed + k) for i, tc in enumerate(config.tasks) for k in range(config.task_settings(tc).seeds)]
     keeper = Keeper(config.keep, out_dir, checkpoint.model_config, {})
-    scoring = _Scoring(config, config.tuning(), inputs, ctx, checkpoint, report.stage)
+    scoring = _Scoring(config, config.tuning(), inputs, ctx, checkpoint, report.stage, out_dir)
     work = functools.partial(_work, scoring, jobs, keeper)
     mlm, runs, prepared = work() if ctx.world_size == 1 else _on_every_rank(work, ctx)
     # every rank: the one holding a best writes it
@@ -101,19 +107,21 @@ def score(
     write_json(out_dir / RESULTS, results)
     ctx.metrics.log(report.steps, headline(results))  # at the end of pretraining
     precision = {"precision": prepared.choice.precision.name, "precision_reason": prepared.choice.reason}
-    classifiers = {"classifiers": kept} if kept else {}
-    return {"results": RESULTS, **headline(results), **precision, **classifiers}
+    return {"results": RESULTS, **headline(results), **precision, **_kept_outputs(kept)}
 
 
 def task_files(tasks: list[TaskConfig]) -> list[list[Any]]:
-    """Path, size and modification time of every file the tasks read from disk (a custom task's folder,
-    a local GLUE folder): part of a scoring stage's key. A folder that is missing now is left to
-    evaluate's `validate`."""
+    """Path, size and modification time of every file the tasks read from disk (a custom task's folder, a
+    local GLUE folder, a BEIR folder and a retrieval task's pairs file): part of a scoring stage's key. A
+    folder that is missing now is left to evaluate's `validate`."""
     files = []
     for task in tasks:
         root = Path(task.path).expanduser()
         if task.kind != "heldout-topic" and task.path and root.is_dir():
             files += fingerprint_files(files_under(root))
+        pairs = Path(task.pairs).expanduser()
+        if task.pairs and pairs.is_file() and not pairs.resolve().is_relative_to(root.resolve()):
+            files += fingerprint_files([pairs])
     return files
 
 
@@ -122,16 +130,31 @@ def read_results(upstream: Upstream) -> dict:
     return json.loads(upstream.path("results").read_text(encoding="utf-8"))
 
 
-def heldout_gap(tokenize: Upstream) -> str | None:
-    """Why tokenize's outputs give a held-out-topic task no articles to classify; None when they do not."""
+def heldout_gap(tokenize: Upstream, config: Config) -> Callable[[TaskConfig], str | None]:
+    """Why tokenize's outputs give a default task nothing: a held-out-topic task no labelled articles,
+    a held-out-retrieval task no documents, or too few for one batch of pairs; None when they do not."""
     from cram.stages.finetuning.tasks import has_topics
 
-    heldout = tokenize.outputs.get("heldout")
-    if heldout is None:
-        return "classifies the articles tokenize holds out, and it held out none"
-    if not has_topics(tokenize.dir / heldout):
-        return "needs labelled documents, and the held-out articles have no labels"
-    return None
+    def gap(task: TaskConfig) -> str | None:
+        heldout = tokenize.outputs.get("heldout")
+        if heldout is None:
+            what = "searches the documents" if task.kind in RETRIEVAL_KINDS else "classifies the articles"
+            return f"{what} tokenize holds out, and it held out none"
+        if task.kind not in RETRIEVAL_KINDS:
+            return (
+                None
+                if has_topics(tokenize.dir / heldout)
+                else ("needs labelled documents, and the held-out articles have no labels")
+            )
+        from cram.stages.retrieval.results import load_task
+
+        try:
+            load_task(task, 0, tokenize, config.retrieval_settings(task))
+        except StageError as e:
+            return f"has no pairs to train on in the held-out documents ({e})"
+        return None
+
+    return gap
 
 
 @dataclass(frozen=True)
@@ -145,13 +168,14 @@ class _Scoring:
     ctx: Context
     checkpoint: Checkpoint
     stage: str
+    out_dir: Path  # the stage's: a retrieval seed's corpus embeddings are written in a scratch folder here
 
 
 @dataclass(frozen=True)
 class _Prepared:
     """What every rank makes alike before fine-tuning: the tasks, loaded and encoded, and the precision."""
 
-    loaded: list[Loaded]
+    loaded: list[Loaded | RetrievalLoaded]
     choice: precisions.Choice
 
 
@@ -162,39 +186,99 @@ def _work(
     to `keeper`."""
     import torch
 
-    from cram.stages.finetuning.finetune import encode, finetune_seed, share_out
-    from cram.stages.finetuning.kept import describe
+    from cram.stages.finetuning.finetune import finetune_seed, share_out
+    from cram.stages.retrieval.results import retrieve_seed
 
     config, ctx, inputs = scoring.config, scoring.ctx, scoring.inputs
-    tokenize, special = inputs["tokenize"], inputs["tokenize"].outputs["special_ids"]
     # Load and tokenize every task before training any: a bad task fails the stage at once.
-    tasks = [(tc, load_task(tc, i, tokenize), config.task_settings(tc)) for i, tc in enumerate(config.tasks)]
-    loaded = [
-        Loaded(tc, task, encode(task, scoring.checkpoint.tokenizer, special, settings.max_length), settings)
-        for tc, task, settings in tasks
-    ]
-    keeper.meta.update(
-        {i: describe(scoring.tuning, t.config, t.task, t.settings.max_length, tokenize) for i, t in enumerate(loaded)}
-    )
-    costs = [len(loaded[i].data.train[0]) * loaded[i].settings.epochs for i, _ in jobs]
+    loaded = [_load(scoring, tc, i) for i, tc in enumerate(config.tasks)]
+    keeper.meta.update({i: _meta(scoring, t) for i, t in enumerate(loaded)})
+    costs = [_cost(loaded[i]) for i, _ in jobs]
     owner = share_out(costs, ctx.world_size)
     device = devices.resolve(ctx.device)
     on_device = {k: v.to(device) for k, v in scoring.checkpoint.params.items()}
     mlm, runs = None, {}
     # Tasks share the compiled steps, so tasks with the same head shape share graphs; each head shape
-    # may add one per bucket. Past dynamo's default limit of 8 graphs it would fall back to eager
-    # silently: the limit is raised to what the tasks can need, and hitting it is an error.
+    # (each retrieval task's query length) may add one per bucket. Past dynamo's default limit of 8 graphs
+    # it would fall back to eager silently: the limit is raised to what the tasks can need, and hitting it
+    # is an error.
     limit = max(8, len(config.buckets) * len(loaded))
     with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
-        choice, tuner = _tuner(scoring, on_device, device, loaded)
+        embedders = _embedders(scoring, on_device, device, [t for t in loaded if isinstance(t, RetrievalLoaded)])
+        classified = [t for t in loaded if isinstance(t, Loaded)]
+        choice, tuner = _tuner(scoring, on_device, device, classified, embedders)
         if config.mlm and ctx.is_main and not _untrained_head(inputs["pretrain"], ctx):
             held_out = HeldOut.of(config.mlm_settings(), inputs)
             mlm = evaluate_mlm(held_out, scoring.checkpoint.cfg, on_device, device, choice.precision, ctx)
         for j, (i, seed) in enumerate(jobs):
             if owner[j] == ctx.rank:
-                keep = functools.partial(keeper.offer, i, seed, loaded[i].task)
-                runs[j] = finetune_seed(tuner, loaded[i], seed, ctx, keep)
+                task = loaded[i]
+                keep = functools.partial(keeper.offer, i, seed, task.task)
+                if isinstance(task, RetrievalLoaded):
+                    embedder = embedders.of(choice.precision, task.settings.pooling)
+                    runs[j] = retrieve_seed(embedder, task, seed, ctx, scoring.out_dir, keep)
+                else:
+                    runs[j] = finetune_seed(tuner, task, seed, ctx, keep)
     return mlm, runs, _Prepared(loaded, choice)
+
+
+def _load(scoring: _Scoring, task_cfg: TaskConfig, index: int) -> Loaded | RetrievalLoaded:
+    """Task `index`, loaded and tokenized: a classification task (`finetune.load_task`) or a retrieval one."""
+    from cram.stages.finetuning.finetune import encode
+    from cram.stages.retrieval import results as retrieval
+
+    tokenize, tokenizer = scoring.inputs["tokenize"], scoring.checkpoint.tokenizer
+    special = tokenize.outputs["special_ids"]
+    if task_cfg.kind in RETRIEVAL_KINDS:
+        settings = scoring.config.retrieval_settings(task_cfg)
+        task = retrieval.load_task(task_cfg, index, tokenize, settings)
+        return retrieval.loaded(task_cfg, task, tokenizer, special, settings)
+    settings = scoring.config.task_settings(task_cfg)
+    task = load_task(task_cfg, index, tokenize)
+    return Loaded(task_cfg, task, encode(task, tokenizer, special, settings.max_length), settings)
+
+
+def _meta(scoring: _Scoring, task: Loaded | RetrievalLoaded) -> dict:
+    """What a task's kept seeds share: classifier.json's fields, or embedder.json's."""
+    from cram.stages.finetuning.kept import describe, tokenizer_fields
+    from cram.stages.retrieval.results import embedder_meta
+
+    tokenize = scoring.inputs["tokenize"]
+    if isinstance(task, RetrievalLoaded):
+        return embedder_meta(task, scoring.tuning.buckets, tokenizer_fields(tokenize))
+    return describe(scoring.tuning, task.config, task.task, task.settings.max_length, tokenize)
+
+
+def _cost(task: Loaded | RetrievalLoaded) -> float:
+    """A seed's cost in examples read, for sharing jobs out across ranks: a pair reads two texts."""
+    if isinstance(task, RetrievalLoaded):
+        return 2 * len(task.data.texts) * task.settings.epochs
+    return len(task.data.train[0]) * task.settings.epochs
+
+
+def _embedders(scoring: _Scoring, params: dict, device: torch.device, tasks: list[RetrievalLoaded]) -> Embedders:
+    """The retrieval tasks' embedders, made in the precision `_tuner` chooses."""
+    from cram.stages.retrieval.tuning import Embedder, Embedders
+
+    config, cfg = scoring.config, scoring.checkpoint.cfg
+    special = scoring.inputs["tokenize"].outputs["special_ids"]
+
+    def make(how: Making) -> Embedder:
+        return Embedder.make(scoring.tuning, cfg, params, special, device, how)
+
+    return Embedders(make, tasks, config.compile, scoring.ctx.attention)
+
+
+def _kept_outputs(kept: dict[str, str]) -> dict[str, dict[str, str]]:
+    """The stage's outputs naming the kept models: classifiers and embedders, each task -> its folder."""
+    from cram.stages.finetuning.kept import EMBEDDERS, FOLDER
+
+    outputs = {}
+    for key in (FOLDER, EMBEDDERS):
+        mine = {name: folder for name, folder in kept.items() if folder.startswith(f"{key}/")}
+        if mine:
+            outputs[key] = mine
+    return outputs
 
 
 def _untrained_head(pretrain: Upstream, ctx: Context) -> bool:
@@ -208,11 +292,11 @@ def _untrained_head(pretrain: Upstream, ctx: Context) -> bool:
 
 
 def _tuner(
-    scoring: _Scoring, params: dict, device: torch.device, loaded: list[Loaded]
+    scoring: _Scoring, params: dict, device: torch.device, loaded: list[Loaded], embedders: Embedders
 ) -> tuple[precisions.Choice, Tuner]:
     """(the precision chosen, the fine-tuner in it). Compiled, each candidate precision's fine-tune step
-    and prediction are checked against eager on the first task's first batch (`Tuner.canary`), and the
-    first that agrees is kept (`precision.choose`)."""
+    and prediction are checked against eager on the first task's first batch (`Tuner.canary`), and so
+    are the retrieval tasks' steps (`Embedders.check`); the first that agrees is kept (`precision.choose`)."""
     from cram.stages.finetuning.finetune import Tuner
 
     config, ctx = scoring.config, scoring.ctx
@@ -222,7 +306,7 @@ def _tuner(
         settings = dataclasses.replace(scoring.tuning, compile=compile)
         return Tuner.make(settings, cfg, params, special, device, candidate, ctx.attention)
 
-    if not config.compile or not config.canary_steps or not loaded:
+    if not config.compile or not config.canary_steps or not (loaded or embedders.tasks):
         why = "eager steps" if not config.compile else "canary_steps = 0" if not config.canary_steps else "no task"
         choice = precisions.unchecked(config.precision, device, f"{why}: no compile canary")
         return choice, make(choice.precision)
@@ -231,10 +315,13 @@ def _tuner(
 
     def check(candidate: precisions.Precision) -> float:
         checked[candidate] = make(candidate)
-        first = loaded[0]
-        diff = checked[candidate].canary(
-            make(candidate, compile=False), first.task.num_outputs, first.data.train, config.canary_steps, ctx.seed
-        )
+        diff = 0.0
+        if loaded:
+            first = loaded[0]
+            diff = checked[candidate].canary(
+                make(candidate, compile=False), first.task.num_outputs, first.data.train, config.canary_steps, ctx.seed
+            )
+        diff = max(diff, embedders.check(candidate, config.canary_steps, ctx.seed))
         ctx.log.info("canary", precision=candidate.label, steps=config.canary_steps, max_relative_diff=diff)
         return diff
 
@@ -269,21 +356,24 @@ def _results(
     tuning: Tuning,
     ctx: Context,
     mlm: dict | None,
-    loaded: list[Loaded],
+    loaded: list[Loaded | RetrievalLoaded],
     jobs: list[tuple[int, int]],
     runs: dict[int, dict],
 ) -> dict[str, Any]:
     """results.json: the masked-LM numbers, each task's scores over its seeds, and the GLUE average."""
     from cram.stages.finetuning.finetune import task_result
     from cram.stages.finetuning.tasks import glue_average
+    from cram.stages.retrieval.results import retrieval_result
 
     results: dict[str, Any] = {} if mlm is None else {"mlm": mlm}
-    results["tasks"] = {
-        t.task.name: task_result(
-            tuning, t, [seed for k, seed in jobs if k == i], [runs[j] for j, (k, _) in enumerate(jobs) if k == i], ctx
-        )
-        for i, t in enumerate(loaded)
-    }
+    results["tasks"] = {}
+    for i, t in enumerate(loaded):
+        seeds = [seed for k, seed in jobs if k == i]
+        task_runs = [runs[j] for j, (k, _) in enumerate(jobs) if k == i]
+        if isinstance(t, RetrievalLoaded):
+            results["tasks"][t.task.name] = retrieval_result(t, seeds, task_runs, ctx)
+        else:
+            results["tasks"][t.task.name] = task_result(tuning, t, seeds, task_runs, ctx)
     glue = {
         f"{name}/{test}": r["median"][test]
         for name, r in results["tasks"].items()

@@ -1,0 +1,144 @@
+"""The retrieval task's contrastive fine-tune and search (stages/retrieval/tuning.py), on a BEIR folder the
+test writes, with a word-level tokenizer: a fine-tune beats the untrained encoder, the compiled steps make
+no graph past the buckets, and the training pairs come from where the module says."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from retrieval_sets import FILLER, NAMES, TOPIC, topic, write_beir, write_pairs
+from torch._dynamo.utils import counters
+
+from cram import model
+from cram.stages import StageError
+from cram.stages.finetuning.config import Config, TaskConfig
+from cram.stages.retrieval import pairs, results
+from cram.stages.retrieval.tuning import Embedder, Making, RetrievalLoaded
+from cram.stages.shared.precision import FP32
+from cram.stages.shared.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SPECIAL = {"pad": 0, "cls": 1, "sep": 2, "mask": 3, "unk": 4}
+VOCAB = {w: i for i, w in enumerate([*SPECIAL, *FILLER, *TOPIC, *NAMES])}
+CFG = model.ModelConfig(vocab_size=len(VOCAB), hidden=32, heads=2, layers=1, intermediate=64, max_seq_len=32)
+
+
+def words(texts: list[str]) -> list[list[int]]:
+    return [[VOCAB.get(w, SPECIAL["unk"]) for w in text.split()] for text in texts]
+
+
+TOKENIZER = Tokenizer("tokenizers", Path("words"), len(VOCAB), SPECIAL, words)
+
+
+def task_of(folder: Path, compile: bool = False, **task: object) -> tuple[Config, RetrievalLoaded]:
+    entry = TaskConfig(kind="retrieval", name="topics", path=str(folder), **task)
+    config = Config(tasks=[entry], buckets=(8, 16, 32), max_length=32, dropout=0.0, compile=compile)
+    settings = config.retrieval_settings(entry)
+    task_ = results.load_task(entry, 0, None, settings)
+    return config, results.loaded(entry, task_, TOKENIZER, SPECIAL, settings)
+
+
+def embedder(config: Config, compile: bool = False) -> Embedder:
+    params = model.init(CFG, seed=0)
+    how = Making(FP32, compile, "auto", "mean")
+    return Embedder.make(config.tuning(), CFG, params, SPECIAL, torch.device("cpu"), how)
+
+
+def test_the_fine_tune_beats_the_untrained_encoder_and_bm25_scores_the_same_queries(tmp_path):
+    folder = write_beir(tmp_path / "set")
+    config, loaded = task_of(folder, epochs=10, lr=3e-3, batch_size=8)
+    assert loaded.task.source == "titles" and len(loaded.task.pairs) == 30 and len(loaded.task.queries) == 10
+    tuner = embedder(config)
+    before = tuner.search(tuner.params, loaded, tmp_path).mean["ndcg@10"]
+    params, loss = tuner.train(loaded, seed=0, where="test", label="test")
+    after = tuner.search(params, loaded, tmp_path).mean["ndcg@10"]
+    assert after > before + 0.3, (before, after, loss)
+    assert list(tmp_path.iterdir()) == [folder]  # the scratch embeddings are gone
+    # A query's names are in training documents' titles alone: BM25 finds those, not the answer.
+    bm25 = results.bm25_scores(loaded.task)
+    assert set(bm25.per_query) == set(loaded.task.queries) and bm25.mean["ndcg@10"] < after
+
+
+def test_the_compiled_steps_make_no_graph_past_the_buckets(tmp_path):
+    torch._dynamo.reset()
+    folder = write_beir(tmp_path / "set")
+    config, loaded = task_of(folder, compile=True, epochs=2, batch_size=8)
+    config = dataclasses.replace(config, backend="aot_eager")
+    tuner = embedder(config, compile=True)
+    before = counters["stats"]["unique_graphs"]
+    params, _ = tuner.train(loaded, seed=0, where="test", label="test")
+    tuner.search(params, loaded, tmp_path)
+    tuner.train(loaded, seed=1, where="test", label="test")  # another seed: no graph more
+    # Queries pad to one length (8), documents to 16 or 32: the step's graph per document bucket, the
+    # embedding's per bucket used (8 for the queries, 16 and 32 for the corpus).
+    doc_buckets = {16 if n <= 16 else 32 for n in loaded.data.positives[1]}
+    assert counters["stats"]["unique_graphs"] - before <= len(doc_buckets) + len(config.buckets)
+
+
+def test_eager_and_compiled_agree_in_the_canary(tmp_path):
+    torch._dynamo.reset()
+    config, loaded = task_of(write_beir(tmp_path / "set"), batch_size=8)
+    config = dataclasses.replace(config, backend="aot_eager")
+    assert embedder(config, compile=True).canary(embedder(config), loaded, 2, 0) < 1e-4
+
+
+def test_training_pairs_come_from_train_qrels_then_a_pairs_file_then_the_corpus(tmp_path):
+    with_qrels = write_beir(tmp_path / "qrels", train_qrels=True)
+    assert task_of(with_qrels, batch_size=8)[1].task.source == "qrels"
+    file = write_pairs(tmp_path / "pairs.jsonl", negative=True)
+    found = task_of(write_beir(tmp_path / "pairs"), pairs=str(file), batch_size=8)[1]
+    assert found.task.source == "pairs" and found.data.negatives is not None
+    untitled = task_of(write_beir(tmp_path / "cloze", titles=False), batch_size=8)[1].task
+    assert untitled.source == "inverse-cloze" and len(untitled.pairs) == 30
+    # Drawn from documents no test query finds relevant: no pair holds a test document's two topic words.
+    answers = [set(topic(i).split()) for i in range(10)]
+    assert not any(a <= set(f"{p.query} {p.positive}".split()) for p in untitled.pairs for a in answers)
+
+
+def test_a_hard_negative_batch_trains(tmp_path):
+    file = write_pairs(tmp_path / "pairs.jsonl", negative=True)
+    config, loaded = task_of(write_beir(tmp_path / "set"), pairs=str(file), batch_size=8)
+    batch = embedder(config).batch(loaded, list(range(8)), 0.0)
+    assert batch["query_ids"].shape[0] == 8 and batch["doc_ids"].shape[0] == 16
+    _, loss = embedder(config).train(loaded, seed=0, where="test", label="test")
+    assert loss == loss  # finite: not NaN
+
+
+def test_held_out_documents_split_by_title_into_queries_and_pairs(tmp_path):
+    import datasets
+
+    titles = [topic(k, NAMES) for k in range(40)]
+    texts = [f"{t} the a of and {i}" for i, t in enumerate(titles)]
+    datasets.Dataset.from_dict({"text": texts, "title": titles, "label": [""] * 40}).save_to_disk(tmp_path / "h")
+    task = pairs.load_heldout_task("retrieval", tmp_path / "h", 0.25)
+    assert task.source == "titles" and len(task.queries) == 10 and len(task.pairs) == 30
+    assert all(doc.title == "" for doc in task.corpus.values())  # the query is not in its document
+    assert not set(task.queries.values()) & {p.query for p in task.pairs}
+    again = pairs.load_heldout_task("retrieval", tmp_path / "h", 0.25)
+    assert again == task  # split by title hash: the same every time
+    untitled = {"text": [f"{t} the a of and in on at to is {i}" for i, t in enumerate(titles)], "title": [""] * 40}
+    datasets.Dataset.from_dict(untitled).save_to_disk(tmp_path / "u")
+    assert pairs.load_heldout_task("retrieval", tmp_path / "u", 0.25).source == "inverse-cloze"
+
+
+def test_too_few_pairs_for_a_batch_is_refused_naming_the_task(tmp_path):
+    with pytest.raises(StageError, match=r"evaluate.tasks\[0\] \(titles pairs\): 30 pairs do not fill one batch of 64"):
+        task_of(write_beir(tmp_path / "set"), batch_size=64)
+
+
+def test_results_json_entry_holds_what_the_issue_asks(tmp_path, make_ctx):
+    config, loaded = task_of(write_beir(tmp_path / "set"), epochs=1, batch_size=8, seeds=2)
+    tuner = embedder(config)
+    ctx = make_ctx()
+    runs = [results.retrieve_seed(tuner, loaded, seed, ctx, tmp_path) for seed in (0, 1)]
+    result = json.loads(json.dumps(results.retrieval_result(loaded, [0, 1], runs, ctx)))
+    assert result["kind"] == "retrieval" and result["pairs_source"] == "titles" and result["train_pairs"] == 30
+    assert result["queries_scored"] == 10 and result["queries_left_out"] == 0
+    assert set(result["median"]["test"]) == {"ndcg@10", "recall@100", "mrr@10"}
+    assert len(result["scores"]["test"]["ndcg@10"]) == 2 and set(result["baseline"]["test"]) == set(result["metrics"])
+    assert "BM25" in result["baseline_method"] and "word split" in result["baseline_method"]

@@ -1,0 +1,128 @@
+"""A retrieval task through `cram run` on the real pipeline (a few-KB corpus, a tiny eager model): its
+results beside BM25, its kept embedder folder exactly as the contract (embedders/<i>-<task>/seed-<s>/), its
+dry-run description, and each bad input refused before any stage runs, in one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from retrieval_sets import write_beir, write_pairs
+from test_bad_inputs import PIPELINE, TASK, cram, write_workspace
+
+from cram.stages.finetuning.kept import EMBEDDER_META
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+RETRIEVAL = '{kind="retrieval", name="topics", path="beir", batch_size=8, seeds=2, epochs=1}'
+
+
+def workspace(ws: Path, task: str = RETRIEVAL, keep: str = "best") -> None:
+    write_workspace(ws)
+    write_beir(ws / "beir")
+    pipeline = PIPELINE.replace(f"tasks = [{TASK}]", f'tasks = [{task}]\nkeep = "{keep}"')
+    (ws / "pipeline.toml").write_text(pipeline)
+
+
+def test_a_retrieval_task_is_scored_beside_bm25_and_kept_as_an_embedder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    workspace(tmp_path)
+    dry = cram("run", "pipeline.toml", "--dry-run")
+    assert dry.exit_code == 0 and "topics 3 contrastive steps (1 epoch x 3 batches of 8 titles pairs" in dry.output
+    result = cram("run", "pipeline.toml")
+    assert result.exit_code == 0, result.output
+    stage = tmp_path / "runs" / "base" / "evaluate"
+    task = json.loads((stage / "results.json").read_text())["tasks"]["topics"]
+    assert task["kind"] == "retrieval" and task["seeds"] == [0, 1] and task["pairs_source"] == "titles"
+    assert (task["train_pairs"], task["queries_scored"], task["queries_left_out"]) == (30, 10, 0)
+    assert set(task["median"]["test"]) == set(task["baseline"]["test"]) == {"ndcg@10", "recall@100", "mrr@10"}
+    inspect = cram("inspect", "runs/base", "evaluate", "--lines", "0").output
+    assert '"topics_ndcg@10"' in inspect and '"topics_baseline"' in inspect, inspect
+    assert '"embedders"' in inspect and '"topics": "embedders/0-topics/seed-' in inspect, inspect
+
+    (kept,) = (stage / "embedders" / "0-topics").iterdir()
+    assert sorted(p.name for p in kept.iterdir()) == ["embedder.json", "model.json", "params.safetensors"]
+    meta = json.loads((kept / EMBEDDER_META).read_text())
+    best = max((0, 1), key=lambda k: (task["scores"]["test"]["ndcg@10"][k], -k))
+    assert kept.name == f"seed-{best}" and meta["seed"] == best
+    assert meta["score"] == task["scores"]["test"]["ndcg@10"][best]
+    assert set(meta) == {
+        "kind", "task", "task_kind", "pooling", "normalize", "max_length", "query_max_length", "buckets",
+        "tokenizer", "seed", "metric", "score", "scores", "params",
+    }  # fmt: skip
+    assert (meta["kind"], meta["task"], meta["task_kind"], meta["pooling"], meta["normalize"]) == (
+        "embedder", "topics", "retrieval", "mean", True,
+    )  # fmt: skip
+    assert (meta["max_length"], meta["query_max_length"], meta["buckets"], meta["metric"]) == (16, 16, [16], "ndcg@10")
+    assert meta["params"] == "params.safetensors" and set(meta["tokenizer"]) == {"stage", "key", "file", "special_ids"}
+    model_json = tmp_path / "runs" / "base" / "pretrain" / "model.json"
+    assert (kept / "model.json").read_bytes() == model_json.read_bytes()
+    from safetensors import safe_open
+
+    with safe_open(kept / "params.safetensors", "pt") as f:
+        names = list(f.keys())
+        assert {str(f.get_tensor(n).dtype) for n in names} == {"torch.float32"}
+    assert names and not [n for n in names if n.startswith(("head.", "classifier."))]
+    assert not [p for p in stage.iterdir() if p.name.startswith(".embeddings")]  # the scratch folders are gone
+
+
+def _no_title_short_docs(ws: Path) -> None:
+    lines = [json.loads(line) for line in (ws / "beir" / "corpus.jsonl").read_text().splitlines()]
+    rows = [{"_id": r["_id"], "title": "", "text": " ".join(r["text"].split()[:5])} for r in lines]
+    (ws / "beir" / "corpus.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _append(path: str, text: str):
+    def setup(ws: Path) -> None:
+        with open(ws / path, "a") as f:
+            f.write(text)
+
+    return setup
+
+
+def _pairs(negative: bool = False, drop: str = "", leak: bool = False):
+    def setup(ws: Path) -> None:
+        path = write_pairs(ws / "pairs.jsonl", negative=negative)
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        if drop:
+            rows[3].pop(drop)
+        if leak:
+            rows[0]["query"] = json.loads((ws / "beir" / "queries.jsonl").read_text().splitlines()[0])["text"]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    return setup
+
+
+def _remove(path: str):
+    return lambda ws: (ws / path).unlink()
+
+
+WITH_PAIRS = RETRIEVAL.replace("}", ', pairs="pairs.jsonl"}')
+BAD = [
+    ("no corpus", _remove("beir/corpus.jsonl"), RETRIEVAL, "not a BEIR folder: no corpus.jsonl"),
+    ("no test qrels", _remove("beir/qrels/test.tsv"), RETRIEVAL, "no qrels/test.tsv"),
+    ("score not an integer", _append("beir/qrels/test.tsv", "q11\td11\thigh\n"), RETRIEVAL, "is not an integer"),
+    ("qrels id unknown", _append("beir/qrels/test.tsv", "q11\tnowhere\t1\n"), RETRIEVAL, "not in corpus.jsonl"),
+    ("pairs without positive", _pairs(drop="positive"), WITH_PAIRS, "record 4 has no 'positive'"),
+    ("pairs leak a test query", _pairs(leak=True), WITH_PAIRS, "also test queries of"),
+    ("no pairs possible", _no_title_short_docs, RETRIEVAL, "evaluate.tasks[0]: no training pairs"),
+    ("batch larger than pairs", lambda ws: None, RETRIEVAL.replace("batch_size=8", "batch_size=64"), "one batch of 64"),
+    ("a classifier's setting", lambda ws: None, RETRIEVAL.replace("}", ', metrics=["accuracy"]}'), "metrics"),
+    ("pooling unknown", lambda ws: None, RETRIEVAL.replace("}", ', pooling="max"}'), "tasks[0]"),
+    ("no path", lambda ws: None, '{kind="retrieval", name="t"}', "path: a retrieval task needs a BEIR folder"),
+]
+
+
+@pytest.mark.parametrize("setup, task, message", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
+def test_bad_retrieval_input_is_one_line_exit_2_before_any_stage_runs(tmp_path, monkeypatch, setup, task, message):
+    monkeypatch.chdir(tmp_path)
+    workspace(tmp_path, task)
+    setup(tmp_path)
+    result = cram("run", "pipeline.toml")
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
+    assert not (tmp_path / "runs" / "base" / "tokenize").exists()
+    shutil.rmtree(tmp_path / "beir")
