@@ -5,6 +5,8 @@
 - Fine-tuning tasks (`stages/finetuning/tasks.py` loads them): the held-out Wikipedia articles' topics, GLUE, or a
   custom CSV / JSON-lines task. Every task and seed starts from the pretrained params with a fresh
   head; the median over seeds is reported beside the majority-class baseline.
+- Retrieval tasks (`stages/retrieval/`): a BEIR folder, or the held-out documents' titles against their
+  texts; a contrastive fine-tune per seed, nDCG@10, Recall@100 and MRR@10 beside BM25's (docs/retrieval.md).
 - Continuing a checkpoint (`[pretrain] init`), beside what the checkpoint scored before pretraining
   (`[evaluate] baseline`): the baseline stage's results, which this stage reads as an upstream.
 
@@ -113,8 +115,10 @@ def describe(config: Config, pipeline: Pipeline) -> str:
     for i, task in enumerate(config.tasks):
         settings = config.task_settings(task)
         epochs, seeds = settings.epochs, settings.seeds
-        if task.kind in ("heldout-topic", "heldout-retrieval"):
+        if task.kind == "heldout-topic":
             steps = "steps known after tokenize"
+        elif task.kind == "heldout-retrieval":
+            steps = "contrastive steps known after tokenize (held-out titles against their texts, beside BM25)"
         elif task.kind == "retrieval":
             steps = _retrieval_steps(config, task, i)
         elif not task.path:

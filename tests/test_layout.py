@@ -54,6 +54,8 @@ SINCE = {
         "pretrain.microbatch=32",
         "evaluate.compile=true",
         'evaluate.backend="aot_eager"',
+        # issue 45: the held-out retrieval task joined the topic task
+        'evaluate.tasks=[{kind="heldout-topic", name="topic", epochs=2, seeds=3, lr=1e-3, max_length=64}]',
     ],
     "configs/crammed-bert.toml": [],
 }

@@ -126,3 +126,17 @@ def test_bad_retrieval_input_is_one_line_exit_2_before_any_stage_runs(tmp_path, 
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
     assert not (tmp_path / "runs" / "base" / "tokenize").exists()
     shutil.rmtree(tmp_path / "beir")
+
+
+def test_a_compiled_retrieval_run_passes_the_canary_within_the_graph_limit(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    workspace(tmp_path, RETRIEVAL.replace("seeds=2", "seeds=1"), keep="none")
+    compiled = ("--set", "evaluate.compile=true", "--set", 'evaluate.backend="aot_eager"')
+    result = cram("run", "pipeline.toml", *compiled)
+    assert result.exit_code == 0, result.output  # past the graph limit the stage fails (fail_on_recompile_limit_hit)
+    events = (tmp_path / "runs" / "base" / "logs" / "events.jsonl").read_text()
+    canary = [json.loads(line) for line in events.splitlines() if '"canary"' in line]
+    assert canary and canary[0]["max_relative_diff"] < 0.02, canary
+    stage = tmp_path / "runs" / "base" / "evaluate"
+    assert "embedders" not in json.loads((stage / "results.json").read_text())
+    assert not (stage / "embedders").exists()
