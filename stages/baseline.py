@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from cram.stages import Context, Pipeline, StageError, Upstream
+from cram.stages.finetuning.checks import heldout_gap
 from cram.stages.finetuning.config import Config as EvaluateConfig
 from cram.stages.finetuning.config import keyed_tasks
-from cram.stages.finetuning.scoring import Checkpoint, Report, fitting_tasks, heldout_gap, score, task_files
+from cram.stages.finetuning.scoring import Checkpoint, Report, fitting_tasks, score, task_files
 from cram.stages.shared import device as devices
 from cram.stages.shared import pretrained
 from cram.stages.shared.files import write_atomic

@@ -29,6 +29,7 @@ from cram.stages.finetuning.checks import (
     check_against_the_model,
     check_pooler,
     check_task,
+    heldout_gap,
     init_model,
     task_gap,
 )
@@ -41,7 +42,6 @@ from cram.stages.finetuning.finetune import load_task
 from cram.stages.finetuning.scoring import (
     Report,
     fitting_tasks,
-    heldout_gap,
     load_checkpoint,
     read_results,
     score,

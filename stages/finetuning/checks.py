@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from cram.stages import StageError
-from cram.stages.finetuning.config import Config, TaskConfig
+from cram.stages.finetuning.config import RETRIEVAL_KINDS, Config, TaskConfig
 from cram.stages.finetuning.finetune import load_task
 from cram.stages.kept.batches import bucket
 from cram.stages.shared.masking import masked_per_sequence
 
 if TYPE_CHECKING:
     from cram.model.config import ModelConfig
+    from cram.stages import Upstream
 
 
 def check_against_the_model(config: Config, pretrain: Any, pack_seq_len: int) -> None:
@@ -145,12 +146,42 @@ def topic_gap(tokenize: Any) -> str | None:
 
 
 def check_lengths(config: Config, max_seq_len: int) -> None:
-    """Each task's padded length within the model's `max_seq_len` positions."""
+    """Each task's padded length (and a retrieval task's query length) within the model's `max_seq_len`
+    positions."""
     for i, task_cfg in enumerate(config.tasks):
-        max_length = config.task_settings(task_cfg).max_length
-        if bucket(max_length, config.buckets) > max_seq_len:
-            key = "max_length" if task_cfg.max_length is None else f"tasks[{i}].max_length"
-            raise StageError(
-                f"evaluate.{key}: {max_length} pads to {bucket(max_length, config.buckets)}, "
-                f"beyond the model's {max_seq_len} positions"
+        lengths = {"max_length": config.task_settings(task_cfg).max_length}
+        if task_cfg.kind in RETRIEVAL_KINDS:
+            lengths["query_max_length"] = config.retrieval_settings(task_cfg).query_max_length
+        for name, length in lengths.items():
+            if bucket(length, config.buckets) > max_seq_len:
+                key = name if getattr(task_cfg, name) is None else f"tasks[{i}].{name}"
+                raise StageError(
+                    f"evaluate.{key}: {length} pads to {bucket(length, config.buckets)}, "
+                    f"beyond the model's {max_seq_len} positions"
+                )
+
+
+def heldout_gap(tokenize: Upstream, config: Config) -> Callable[[TaskConfig], str | None]:
+    """Why tokenize's outputs give a default task nothing: a held-out-topic task no labelled articles,
+    a held-out-retrieval task no documents, or too few for one batch of pairs; None when they do not."""
+    from cram.stages.finetuning.tasks import has_topics
+    from cram.stages.retrieval.results import load_task as load_retrieval
+
+    def gap(task: TaskConfig) -> str | None:
+        heldout = tokenize.outputs.get("heldout")
+        if heldout is None:
+            what = "searches the documents" if task.kind in RETRIEVAL_KINDS else "classifies the articles"
+            return f"{what} tokenize holds out, and it held out none"
+        if task.kind not in RETRIEVAL_KINDS:
+            return (
+                None
+                if has_topics(tokenize.dir / heldout)
+                else ("needs labelled documents, and the held-out articles have no labels")
             )
+        try:
+            load_retrieval(task, 0, tokenize, config.retrieval_settings(task))
+        except StageError as e:
+            return f"has no pairs to train on in the held-out documents ({e})"
+        return None
+
+    return gap

@@ -121,6 +121,17 @@ class Keeper:
         write_atomic(folder / (EMBEDDER_META if self._embeds(index) else META), json.dumps(meta, indent=1) + "\n")
 
 
+def kept_outputs(kept: dict[str, str]) -> dict[str, dict[str, str]]:
+    """The stage's outputs naming the kept models (`Keeper.finish`'s): `classifiers` and `embedders`, each
+    task -> its folder."""
+    outputs = {}
+    for key in (FOLDER, EMBEDDERS):
+        mine = {name: folder for name, folder in kept.items() if folder.startswith(f"{key}/")}
+        if mine:
+            outputs[key] = mine
+    return outputs
+
+
 def _on_cpu(params: dict) -> dict:
     """What a classifier or an embedder reads of fine-tuned params, copied to the CPU: all but the
     masked-LM head (an embedder's params hold no head)."""

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from cram.model.config import ModelConfig
     from cram.stages.finetuning.finetune import Tuner
     from cram.stages.finetuning.kept import Keeper
-    from cram.stages.retrieval.tuning import Embedders, Making
+    from cram.stages.retrieval.tuning import Embedders
     from cram.stages.shared.tokenizer import Tokenizer
 
 RESULTS = "results.json"
@@ -85,7 +85,7 @@ def score(
 ) -> dict[str, Any]:
     """Fine-tune `checkpoint` on `config`'s tasks; rank 0 writes results.json, set beside `report.start`
     where given, and logs the headline figures at `report.steps`. Returns the stage's outputs."""
-    from cram.stages.finetuning.kept import Keeper, best_jobs
+    from cram.stages.finetuning.kept import Keeper, best_jobs, kept_outputs
 
     cfg = checkpoint.cfg
     check_lengths(config, cfg.max_seq_len)
@@ -107,7 +107,7 @@ def score(
     write_json(out_dir / RESULTS, results)
     ctx.metrics.log(report.steps, headline(results))  # at the end of pretraining
     precision = {"precision": prepared.choice.precision.name, "precision_reason": prepared.choice.reason}
-    return {"results": RESULTS, **headline(results), **precision, **_kept_outputs(kept)}
+    return {"results": RESULTS, **headline(results), **precision, **kept_outputs(kept)}
 
 
 def task_files(tasks: list[TaskConfig]) -> list[list[Any]]:
@@ -128,33 +128,6 @@ def task_files(tasks: list[TaskConfig]) -> list[list[Any]]:
 def read_results(upstream: Upstream) -> dict:
     """A finished scoring stage's results.json."""
     return json.loads(upstream.path("results").read_text(encoding="utf-8"))
-
-
-def heldout_gap(tokenize: Upstream, config: Config) -> Callable[[TaskConfig], str | None]:
-    """Why tokenize's outputs give a default task nothing: a held-out-topic task no labelled articles,
-    a held-out-retrieval task no documents, or too few for one batch of pairs; None when they do not."""
-    from cram.stages.finetuning.tasks import has_topics
-
-    def gap(task: TaskConfig) -> str | None:
-        heldout = tokenize.outputs.get("heldout")
-        if heldout is None:
-            what = "searches the documents" if task.kind in RETRIEVAL_KINDS else "classifies the articles"
-            return f"{what} tokenize holds out, and it held out none"
-        if task.kind not in RETRIEVAL_KINDS:
-            return (
-                None
-                if has_topics(tokenize.dir / heldout)
-                else ("needs labelled documents, and the held-out articles have no labels")
-            )
-        from cram.stages.retrieval.results import load_task
-
-        try:
-            load_task(task, 0, tokenize, config.retrieval_settings(task))
-        except StageError as e:
-            return f"has no pairs to train on in the held-out documents ({e})"
-        return None
-
-    return gap
 
 
 @dataclass(frozen=True)
@@ -188,8 +161,10 @@ def _work(
 
     from cram.stages.finetuning.finetune import finetune_seed, share_out
     from cram.stages.retrieval.results import retrieve_seed
+    from cram.stages.retrieval.tuning import Embedder, Embedders
 
     config, ctx, inputs = scoring.config, scoring.ctx, scoring.inputs
+    special = inputs["tokenize"].outputs["special_ids"]
     # Load and tokenize every task before training any: a bad task fails the stage at once.
     loaded = [_load(scoring, tc, i) for i, tc in enumerate(config.tasks)]
     keeper.meta.update({i: _meta(scoring, t) for i, t in enumerate(loaded)})
@@ -204,7 +179,10 @@ def _work(
     # is an error.
     limit = max(8, len(config.buckets) * len(loaded))
     with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
-        embedders = _embedders(scoring, on_device, device, [t for t in loaded if isinstance(t, RetrievalLoaded)])
+        make = functools.partial(Embedder.make, scoring.tuning, scoring.checkpoint.cfg, on_device, special, device)
+        embedders = Embedders(
+            make, [t for t in loaded if isinstance(t, RetrievalLoaded)], config.compile, ctx.attention
+        )
         classified = [t for t in loaded if isinstance(t, Loaded)]
         choice, tuner = _tuner(scoring, on_device, device, classified, embedders)
         if config.mlm and ctx.is_main and not _untrained_head(inputs["pretrain"], ctx):
@@ -254,31 +232,6 @@ def _cost(task: Loaded | RetrievalLoaded) -> float:
     if isinstance(task, RetrievalLoaded):
         return 2 * len(task.data.texts) * task.settings.epochs
     return len(task.data.train[0]) * task.settings.epochs
-
-
-def _embedders(scoring: _Scoring, params: dict, device: torch.device, tasks: list[RetrievalLoaded]) -> Embedders:
-    """The retrieval tasks' embedders, made in the precision `_tuner` chooses."""
-    from cram.stages.retrieval.tuning import Embedder, Embedders
-
-    config, cfg = scoring.config, scoring.checkpoint.cfg
-    special = scoring.inputs["tokenize"].outputs["special_ids"]
-
-    def make(how: Making) -> Embedder:
-        return Embedder.make(scoring.tuning, cfg, params, special, device, how)
-
-    return Embedders(make, tasks, config.compile, scoring.ctx.attention)
-
-
-def _kept_outputs(kept: dict[str, str]) -> dict[str, dict[str, str]]:
-    """The stage's outputs naming the kept models: classifiers and embedders, each task -> its folder."""
-    from cram.stages.finetuning.kept import EMBEDDERS, FOLDER
-
-    outputs = {}
-    for key in (FOLDER, EMBEDDERS):
-        mine = {name: folder for name, folder in kept.items() if folder.startswith(f"{key}/")}
-        if mine:
-            outputs[key] = mine
-    return outputs
 
 
 def _untrained_head(pretrain: Upstream, ctx: Context) -> bool:
