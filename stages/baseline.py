@@ -103,8 +103,9 @@ def validate_runtime(config: Config, pipeline: Pipeline) -> None:
 
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
     settings = dataclasses.replace(config.evaluate, mlm=False, keep="none")
-    settings = fitting_tasks(settings, heldout_gap(inputs["tokenize"], settings), ctx.log)
     checkpoint = _starting_checkpoint(config, inputs["tokenize"], out_dir, ctx)
+    gap = heldout_gap(inputs["tokenize"], settings, checkpoint.cfg.max_seq_len)
+    settings = fitting_tasks(settings, gap, ctx.log)
     outputs = score(settings, inputs, out_dir, ctx, checkpoint, Report(NAME))
     # Its figures are evaluate's to show, beside the continued model's (`{task}_start`): a figure of the
     # same name here would make evaluate's ambiguous in `cram compare`.

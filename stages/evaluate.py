@@ -93,10 +93,11 @@ def validate(config: Config, pipeline: Pipeline) -> None:
     tokenize, pack = pipeline.stages.get("tokenize"), pipeline.stages.get("pack")
     if not 0 <= config.mlm_seed < 2**63:
         raise StageError(f"evaluate.mlm_seed: {config.mlm_seed} must be in [0, 2**63 - 1]")
-    gap = (lambda task: None) if tokenize is None else task_gap(tokenize)
+    seq_len = None if pack is None else pack.seq_len
+    gap = (lambda task: None) if tokenize is None else task_gap(tokenize, config, seq_len)
     config = fitting_tasks(config, gap)
     for i, task in enumerate(config.tasks):
-        check_task(config, task, i, gap(task), None if pack is None else pack.seq_len)
+        check_task(config, task, i, gap(task), seq_len)
     if pack is not None:
         check_against_the_model(config, pipeline.stages.get("pretrain"), pack.seq_len)
     if config.pooling == "pooler":
@@ -110,7 +111,8 @@ def describe(config: Config, pipeline: Pipeline) -> str:
     where its local files tell them; a held-out-topic task's examples are known only after tokenize,
     a GLUE task's from the hub once fetched."""
     if (tokenize := pipeline.stages.get("tokenize")) is not None:
-        config = fitting_tasks(config, task_gap(tokenize))
+        pack = pipeline.stages.get("pack")
+        config = fitting_tasks(config, task_gap(tokenize, config, None if pack is None else pack.seq_len))
     parts = []
     for i, task in enumerate(config.tasks):
         settings = config.task_settings(task)
@@ -181,8 +183,9 @@ def _count(n: int, noun: str, plural: str = "") -> str:
 
 
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
-    config = fitting_tasks(config, heldout_gap(inputs["tokenize"], config), ctx.log).linked({})
     checkpoint = load_checkpoint(inputs["pretrain"], inputs["tokenize"])
+    gap = heldout_gap(inputs["tokenize"], config, checkpoint.cfg.max_seq_len)
+    config = fitting_tasks(config, gap, ctx.log).linked({})
     start = read_results(inputs["baseline"]) if "baseline" in inputs else None
     steps = inputs["pretrain"].outputs.get("steps", 0)
     return score(config, inputs, out_dir, ctx, checkpoint, Report(NAME, steps, start))

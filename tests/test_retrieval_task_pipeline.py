@@ -140,3 +140,31 @@ def test_a_compiled_retrieval_run_passes_the_canary_within_the_graph_limit(tmp_p
     stage = tmp_path / "runs" / "base" / "evaluate"
     assert "embedders" not in json.loads((stage / "results.json").read_text())
     assert not (stage / "embedders").exists()
+
+
+def test_the_held_out_documents_titles_are_searched_for_their_texts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    own = '{kind="heldout-retrieval", name="own", batch_size=4, max_length=16, epochs=1, seeds=1}'
+    workspace(tmp_path, own, keep="none")
+    result = cram("run", "pipeline.toml", "--set", "tokenize.heldout_fraction=0.5")
+    assert result.exit_code == 0, result.output
+    task = json.loads((tmp_path / "runs" / "base" / "evaluate" / "results.json").read_text())["tasks"]["own"]
+    assert task["kind"] == "heldout-retrieval" and task["pairs_source"] == "titles"
+    assert task["queries_scored"] == task["test_queries"] > 0 and task["queries_left_out"] == 0
+    # every document's title is "doc <n>": BM25 cannot tell the documents apart by it, and scores it so
+    assert 0 <= task["baseline"]["test"]["ndcg@10"] <= 1 and 0 <= task["median"]["test"]["ndcg@10"] <= 1
+
+
+def test_the_default_retrieval_task_is_left_out_where_it_does_not_fit_the_model(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    workspace(tmp_path)
+    pipeline = (tmp_path / "pipeline.toml").read_text()
+    pipeline = pipeline.replace(f"tasks = [{RETRIEVAL}]\n", "").replace("buckets = [16]", "buckets = [16, 32, 64]")
+    (tmp_path / "pipeline.toml").write_text(pipeline)
+    unlabelled = ("--set", 'tokenize.corpus.label_field=""')
+    dry = cram("run", "pipeline.toml", *unlabelled, "--dry-run")
+    assert dry.exit_code == 0 and "fine-tunes" not in dry.output, dry.output
+    result = cram("run", "pipeline.toml", *unlabelled)
+    assert result.exit_code == 0, result.output
+    events = (tmp_path / "runs" / "base" / "logs" / "events.jsonl").read_text()
+    assert '"no retrieval task"' in events and "beyond the model's 16 positions" in events, events

@@ -114,9 +114,10 @@ def check_task(config: Config, task: TaskConfig, index: int, gap: str | None, se
         raise StageError(f"{where}: kind '{task.kind}' {gap}; {remedy}")
 
 
-def task_gap(tokenize: Any) -> Callable[[TaskConfig], str | None]:
+def task_gap(tokenize: Any, config: Config, positions: int | None) -> Callable[[TaskConfig], str | None]:
     """Why tokenize's settings (its Config) leave a held-out task no documents (`topic_gap` for the
-    topics; a held-out retrieval task needs documents alone); None when they do not."""
+    topics; a held-out retrieval task needs documents alone), or a held-out retrieval task's lengths pad
+    beyond the model's `positions` (None: unknown); None when they do not."""
 
     def gap(task: TaskConfig) -> str | None:
         if task.kind == "heldout-topic":
@@ -127,9 +128,18 @@ def task_gap(tokenize: Any) -> Callable[[TaskConfig], str | None]:
             return 'searches the documents tokenize holds out, and tokenize.task_text = "only" reads no corpus'
         if tokenize.heldout_fraction == 0:
             return "searches the documents tokenize holds out, and tokenize.heldout_fraction = 0 holds out none"
-        return None
+        return _too_long(config, task, positions)
 
     return gap
+
+
+def _too_long(config: Config, task: TaskConfig, positions: int | None) -> str | None:
+    """Why a retrieval task's documents or queries pad beyond the model's `positions`; None when they fit."""
+    settings = config.retrieval_settings(task)
+    longest = bucket(max(settings.max_length, settings.query_max_length), config.buckets)
+    if positions is None or longest <= positions:
+        return None
+    return f"pads its texts to {longest} tokens, beyond the model's {positions} positions"
 
 
 def topic_gap(tokenize: Any) -> str | None:
@@ -161,9 +171,10 @@ def check_lengths(config: Config, max_seq_len: int) -> None:
                 )
 
 
-def heldout_gap(tokenize: Upstream, config: Config) -> Callable[[TaskConfig], str | None]:
+def heldout_gap(tokenize: Upstream, config: Config, positions: int) -> Callable[[TaskConfig], str | None]:
     """Why tokenize's outputs give a default task nothing: a held-out-topic task no labelled articles,
-    a held-out-retrieval task no documents, or too few for one batch of pairs; None when they do not."""
+    a held-out-retrieval task no documents, or too few for one batch of pairs, or lengths beyond the
+    model's `positions`; None when they do not."""
     from cram.stages.finetuning.tasks import has_topics
     from cram.stages.retrieval.results import load_task as load_retrieval
 
@@ -173,11 +184,10 @@ def heldout_gap(tokenize: Upstream, config: Config) -> Callable[[TaskConfig], st
             what = "searches the documents" if task.kind in RETRIEVAL_KINDS else "classifies the articles"
             return f"{what} tokenize holds out, and it held out none"
         if task.kind not in RETRIEVAL_KINDS:
-            return (
-                None
-                if has_topics(tokenize.dir / heldout)
-                else ("needs labelled documents, and the held-out articles have no labels")
-            )
+            labelled = has_topics(tokenize.dir / heldout)
+            return None if labelled else "needs labelled documents, and the held-out articles have no labels"
+        if (reason := _too_long(config, task, positions)) is not None:
+            return reason
         try:
             load_retrieval(task, 0, tokenize, config.retrieval_settings(task))
         except StageError as e:
