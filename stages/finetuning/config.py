@@ -122,9 +122,10 @@ DEFAULT_RETRIEVAL_TASK = TaskConfig(
 @dataclass(frozen=True)
 class Config:
     # Fine-tuning follows cramming's GLUE rules: one set of hyper-parameters for every task.
-    # The default: the held-out topics, sized for the default CPU pipeline (about a minute on 2
-    # cores). Minutes of pretraining leave a tiny model that learns nothing at GLUE's 4e-5 in 2 epochs.
-    # Without labelled held-out articles it is left out (`_fitting_tasks`): a default must fit any corpus.
+    # The defaults: the held-out topics and the held-out retrieval, each sized for the default CPU pipeline
+    # (about a minute on 2 cores). Minutes of pretraining leave a tiny model that learns nothing at GLUE's
+    # 4e-5 in 2 epochs. Each is left out where the held-out documents give it nothing (`fitting_tasks`):
+    # the topics without labels, the retrieval without documents enough: a default must fit any corpus.
     tasks: list[TaskConfig] = field(default_factory=lambda: [DEFAULT_TASK, DEFAULT_RETRIEVAL_TASK])
     epochs: int = 5
     batch_size: int = 16
