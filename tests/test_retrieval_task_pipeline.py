@@ -168,3 +168,13 @@ def test_the_default_retrieval_task_is_left_out_where_it_does_not_fit_the_model(
     assert result.exit_code == 0, result.output
     events = (tmp_path / "runs" / "base" / "logs" / "events.jsonl").read_text()
     assert '"no retrieval task"' in events and "beyond the model's 16 positions" in events, events
+
+
+def test_the_default_pipeline_describes_its_retrieval_task(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(Path(__file__).resolve().parents[1] / "pipeline.toml", tmp_path / "pipeline.toml")
+    dry = cram("run", "pipeline.toml", "--dry-run")
+    assert dry.exit_code == 0, dry.output
+    assert "retrieval contrastive steps known after tokenize (held-out titles against their texts" in dry.output
+    left_out = cram("run", "pipeline.toml", "--dry-run", "--set", "tokenize.heldout_fraction=0")
+    assert left_out.exit_code == 0 and "retrieval" not in left_out.output.split("evaluate:")[-1], left_out.output
