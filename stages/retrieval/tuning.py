@@ -279,10 +279,10 @@ class Embedders:
     tasks: list[RetrievalLoaded]
     compile: bool
     attention: str
-    made: dict[tuple[str, str], Embedder] = field(default_factory=dict)  # (precision, pooling) -> Embedder
+    made: dict[tuple[Precision, str], Embedder] = field(default_factory=dict)  # (precision, pooling) -> Embedder
 
     def of(self, precision: Precision, pooling: str) -> Embedder:
-        key = (precision.name, pooling)
+        key = (precision, pooling)  # bf16 at two vector widths is two precisions: compiled apart
         if key not in self.made:
             self.made[key] = self.make(Making(precision, self.compile, self.attention, pooling))
         return self.made[key]
