@@ -142,3 +142,27 @@ def test_results_json_entry_holds_what_the_issue_asks(tmp_path, make_ctx):
     assert set(result["median"]["test"]) == {"ndcg@10", "recall@100", "mrr@10"}
     assert len(result["scores"]["test"]["ndcg@10"]) == 2 and set(result["baseline"]["test"]) == set(result["metrics"])
     assert "BM25" in result["baseline_method"] and "word split" in result["baseline_method"]
+
+
+def test_keep_all_writes_every_seed_as_an_embedder_beside_the_classifiers(tmp_path):
+    from cram.stages.finetuning.kept import Keeper, kept_outputs
+
+    config, loaded = task_of(write_beir(tmp_path / "set"), batch_size=8)
+    (tmp_path / "model.json").write_text("{}")
+    meta = results.embedder_meta(loaded, config.buckets, {"stage": "tokenize"})
+    keeper = Keeper("all", tmp_path / "out", tmp_path / "model.json", {0: meta, 1: {"task": "sent", "kind": "custom"}})
+    params = {"embed.tokens.weight": torch.ones(2, 2), "head.bias": torch.ones(2)}
+    for seed, score in ((0, 0.4), (1, 0.6)):
+        keeper.offer(0, seed, loaded.task, params, {"scores": {"test": {"ndcg@10": score}}})
+    keeper.offer(1, 0, loaded.task, {"classifier.weight": torch.ones(1)}, {"scores": {"test": {"ndcg@10": 0.1}}})
+    kept = keeper.finish([(0, 0), (0, 1), (1, 0)], {0: 1, 1: 2})
+    assert kept_outputs(kept) == {
+        "classifiers": {"sent": "classifiers/1-sent/seed-0"},
+        "embedders": {"topics": "embedders/0-topics/seed-1"},
+    }
+    for seed in (0, 1):
+        folder = tmp_path / "out" / "embedders" / "0-topics" / f"seed-{seed}"
+        written = json.loads((folder / "embedder.json").read_text())
+        assert written["seed"] == seed and written["task_kind"] == "retrieval" and written["metric"] == "ndcg@10"
+        assert sorted(p.name for p in folder.iterdir()) == ["embedder.json", "model.json", "params.safetensors"]
+    assert (tmp_path / "out" / "classifiers" / "1-sent" / "seed-0" / "classifier.json").is_file()
