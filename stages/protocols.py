@@ -118,9 +118,10 @@ class Stage(Protocol):
         return None
 
     @staticmethod
-    def key_config(config: StageConfig) -> StageConfig:
+    def key_config(config: StageConfig) -> StageConfig | dict[str, JSON]:
         """The config as the key sees it, with what the output does not depend on in it set to a fixed value
-        (tokenize: the training fields beside a given tokenizer). Default: the config itself."""
+        (tokenize: the training fields beside a given tokenizer), or as a plain dict where a field nested in
+        a list is left out at its default (evaluate's tasks' retrieval settings). Default: the config itself."""
         return config
 
     @staticmethod
@@ -155,7 +156,7 @@ class StageSpec:
     RUNS_WITH: str
     config_of: Callable[[Pipeline], StageConfig | None] | None
     fingerprint: Callable[[StageConfig], list[list[JSON]] | None]
-    key_config: Callable[[StageConfig], StageConfig]
+    key_config: Callable[[StageConfig], StageConfig | dict[str, JSON]]
     validate: Callable[[StageConfig, Pipeline], None]
     validate_runtime: Callable[[StageConfig, Pipeline], None]
     describe: Callable[[StageConfig, Pipeline], str | None]
