@@ -16,12 +16,13 @@ Batches for the contrastive step (every row real: the batches are drawn full):
 Under torchrun (`world_size` > 1) each rank embeds its own rows; the documents of every rank are
 gathered into each rank's candidates with their gradients flowing back to the rank that embedded
 them, and the gradients are averaged across ranks, so W ranks of B pairs train as one process of
-W x B pairs does.
+W x B pairs does: the candidates in its order (every rank's positives, then every rank's hard negatives),
+each rank's labels offset by rank x B. A single process (`world_size` 1) traces no collective.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,18 @@ from torch import Tensor
 from cram.model.bert import encode
 from cram.model.classifier import pool
 from cram.model.config import Attention, ModelConfig, OptimizerConfig
-from cram.model.step import EAGER, Compilation, autocast, compiled, detached_params, make_apply_step
+from cram.model.step import (
+    EAGER,
+    Compilation,
+    autocast,
+    compiled,
+    detached_params,
+    make_apply_step,
+    make_grad_all_reduce,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 EmbeddingPooling = Literal["mean", "first"]
 EMBEDDING_POOLINGS: tuple[str, ...] = ("mean", "first")
@@ -38,6 +50,8 @@ SCALE = 20.0  # sentence-transformers' default: a temperature of 0.05 on cosine 
 
 Params = dict[str, Tensor]
 ContrastiveStep = Callable[[Params, Params, Params, Tensor], tuple[Params, Params, dict[str, Tensor]]]
+# (documents [B * (1 + n), H], B) -> (positives, hard negatives or None, where this rank's pairs start)
+Candidates = Callable[[Tensor, int], tuple[Tensor, Tensor | None, int]]
 
 
 def embed(
@@ -73,21 +87,27 @@ def make_contrastive_step(
     how: Compilation = Compilation(),
     *,
     pooling: EmbeddingPooling = "mean",
+    world_size: int = 1,
+    group: ProcessGroup | None = None,
 ) -> ContrastiveStep:
     """step(params, opt_state, batch, lr: 0-dim tensor) -> (params, opt_state, {"loss", "grad_norm"}).
 
     Both sides' forward, the loss, the gradient and the AdamW update in one graph per pair of batch
-    shapes (module docstring for the batch)."""
+    shapes (module docstring for the batch). With `world_size` > 1 (ranks of `group`, default the whole
+    world, already initialised) the candidates are every rank's documents and the gradients are averaged
+    across ranks; "loss" is this rank's anchors' mean."""
     _check_pooling(pooling)
-    apply = make_apply_step(opt_cfg, EAGER)
+    candidates = _gathered_candidates(world_size, group) if world_size > 1 else _local_candidates
+    reduce = make_grad_all_reduce(world_size, group) if world_size > 1 else None
+    apply = make_apply_step(opt_cfg, EAGER, reduce_grads=reduce)
 
     def loss_fn(params: Params, batch: Params) -> Tensor:
         rate = batch["dropout"]
         with autocast(batch["query_ids"], how.autocast):
             queries = embed(params, cfg, batch["query_ids"], batch["query_mask"], pooling, how.attention, rate)
             docs = embed(params, cfg, batch["doc_ids"], batch["doc_mask"], pooling, how.attention, rate)
-        size = len(queries)
-        return in_batch_loss(queries, docs[:size], docs[size:] if len(docs) > size else None)
+        positives, negatives, offset = candidates(docs, len(queries))
+        return in_batch_loss(queries, positives, negatives, offset=offset)
 
     def step(params, opt_state, batch, lr):
         grads, loss = torch.func.grad_and_value(loss_fn)(params, batch)
@@ -96,6 +116,53 @@ def make_contrastive_step(
         return params, opt_state, {**metrics, "loss": loss.detach()}
 
     return detached_params(compiled(step, how))
+
+
+def _local_candidates(docs: Tensor, size: int) -> tuple[Tensor, Tensor | None, int]:
+    return docs[:size], (docs[size:] if len(docs) > size else None), 0
+
+
+def _gathered_candidates(world_size: int, group: ProcessGroup | None) -> Candidates:
+    """Every rank's documents, ordered as one process of `world_size` x B pairs holds them: all ranks'
+    positives, then all ranks' hard negatives (interleaving them per rank would point a label at another
+    rank's hard negative: sentence-transformers PR #3453)."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD if group is None else group
+    rank = dist.get_rank(group)
+
+    def candidates(docs: Tensor, size: int) -> tuple[Tensor, Tensor | None, int]:
+        everyone = _AllGather.apply(docs, group)  # [W * (1 + n) * B, H], rank-major
+        width = docs.shape[-1]
+        ordered = everyone.view(world_size, -1, size, width).transpose(0, 1).reshape(-1, width)
+        total = world_size * size
+        return ordered[:total], (ordered[total:] if len(ordered) > total else None), rank * size
+
+    return candidates
+
+
+class _AllGather(torch.autograd.Function):
+    """All ranks' rows, rank-major; the backward sums every rank's gradient of this rank's rows back onto it
+    (a reduce-scatter). torch's own autograd collectives lack the `setup_context` that `torch.func` needs."""
+
+    @staticmethod
+    def forward(rows: Tensor, group: ProcessGroup) -> Tensor:
+        import torch.distributed._functional_collectives as funcol
+
+        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # renamed in torch 2.13
+        return funcol.wait_tensor(gather(rows, 0, group))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        import torch.distributed._functional_collectives as funcol
+
+        scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor  # renamed in 2.13
+        with torch.no_grad():  # torch.func differentiates with create_graph: not through this collective
+            return funcol.wait_tensor(scatter(grad.contiguous(), "sum", 0, ctx.group)), None
 
 
 def make_embed_step(
