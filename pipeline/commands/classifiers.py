@@ -96,6 +96,10 @@ def find(run_dir: Path, task: str) -> Classifier:
     ones the store recorded. ClassifierError naming `evaluate.keep`, the tasks kept or the damage otherwise."""
     record = _evaluate(run_dir)
     kept = record.outputs.get("classifiers") or {}
+    if not kept and (embedders := kept_embedders(run_dir)):
+        raise ClassifierError(
+            f"--task {task}: {run_dir} kept no classifier; it kept embedding models of: {', '.join(embedders)}"
+        )
     if not kept:
         evaluate = rundir.saved_config(run_dir, required=False).get("evaluate") or {}
         if evaluate.get("tasks", True) == []:
