@@ -14,6 +14,7 @@ holding the `--field`. The output is one `.npy` of unit vectors [texts, hidden] 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cram.pipeline import errors, rundir
 from cram.pipeline.commands import classifiers, predict
@@ -21,6 +22,9 @@ from cram.stages import StageError
 from cram.stages.kept import EMBEDDER, Embedder, KeptError
 from cram.stages.kept.embedding import DTYPES, Embedding, Request, embed_files, open_embedder
 from cram.stages.kept.predicting import Settings
+
+if TYPE_CHECKING:
+    import torch
 
 OUTPUTS = (".npy",)
 
@@ -54,7 +58,7 @@ def embed(
         raise EmbedError(f"{e} (--field names the field that holds the text)") from None
 
 
-def _embedder(source: Path, task: str | None) -> tuple[Embedder, dict, Path, dict[str, int]]:
+def _embedder(source: Path, task: str | None) -> tuple[Embedder, dict[str, torch.Tensor], Path, dict[str, int]]:
     """(the embedding model, its params, its tokenizer file, the special ids) of a run directory or an
     exported folder."""
     if (source / rundir.MANIFEST).is_file():
