@@ -169,3 +169,24 @@ def test_export_refuses_what_sentence_transformers_cannot_hold(tmp_path, sp_mode
     assert result.exit_code == 2 and "set pretrain.model.qk_norm=false" in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
     export(other, tmp_path / "cram", task="search")  # cram's own format holds any layout
+
+
+def test_a_sentence_transformers_folder_whose_vectors_cram_cannot_compute_is_refused(tmp_path, run):
+    folder = export(run, tmp_path / "st", fmt="sentence-transformers", task="search")
+    (folder / "checksums.json").unlink()  # edited by hand, as a user's own folder: no checksums to fail first
+    texts = tmp_path / "t.txt"
+    texts.write_text("a text\n")
+    pooling = json.loads((folder / "1_Pooling" / "config.json").read_text())
+    edits = [
+        ("1_Pooling/config.json", {**pooling, "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": True}),
+        ("modules.json", json.loads((folder / "modules.json").read_text())[:2]),  # no Normalize
+    ]
+    messages = ["a pooling cram does not compute", "no sentence_transformers.models.Normalize module"]
+    for (name, value), message in zip(edits, messages):
+        original = (folder / name).read_text()
+        (folder / name).write_text(json.dumps(value))
+        result = invoke(folder, texts, "--out", tmp_path / "v.npy")
+        assert result.exit_code == 2 and message in result.output, result.output
+        (folder / name).write_text(original)
+    assert not (tmp_path / "v.npy").exists()
+    assert invoke(folder, texts, "--out", tmp_path / "v.npy").exit_code == 0  # as exported, it embeds
