@@ -177,11 +177,19 @@ def test_a_sentence_transformers_folder_whose_vectors_cram_cannot_compute_is_ref
     texts = tmp_path / "t.txt"
     texts.write_text("a text\n")
     pooling = json.loads((folder / "1_Pooling" / "config.json").read_text())
+    modules = json.loads((folder / "modules.json").read_text())
+    dense = {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
     edits = [
         ("1_Pooling/config.json", {**pooling, "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": True}),
-        ("modules.json", json.loads((folder / "modules.json").read_text())[:2]),  # no Normalize
+        ("1_Pooling/config.json", {**pooling, "pooling_mode_max_tokens": True}),  # mean and max, concatenated
+        ("1_Pooling/config.json", {"embedding_dimension": 16, "pooling_mode": "max"}),  # sentence-transformers 6
+        ("1_Pooling/config.json", {"embedding_dimension": 16, "pooling_mode": ["mean", "cls"]}),
+        ("modules.json", modules[:2]),  # no Normalize
+        ("modules.json", [*modules[:2], dense, modules[2]]),  # a projection after the pooling
     ]
-    messages = ["a pooling cram does not compute", "no sentence_transformers.models.Normalize module"]
+    pooling_refused = 'names a pooling cram does not compute; it computes pooling_mode "mean" or "cls"'
+    expected = "cram embeds with Transformer, Pooling, Normalize, in that order"
+    messages = [pooling_refused] * 4 + [f"Transformer, Pooling; {expected}", f"Pooling, Dense, Normalize; {expected}"]
     for (name, value), message in zip(edits, messages):
         original = (folder / name).read_text()
         (folder / name).write_text(json.dumps(value))

@@ -7,10 +7,12 @@ folder (the Transformer module, at the folder's root) with the modules that make
     1_Pooling/config.json               pooling_mode_mean_tokens ("mean") or pooling_mode_cls_token ("first")
     2_Normalize/                        unit vectors (no settings)
 
-Written in the spelling sentence-transformers 2 to 5 wrote, which 6 reads as well, and which cram's
-checkpoint reader (stages/shared/pretrained.py) reads: `[pretrain] init` on an export keeps its pooling.
-`read_sentence_folder` reads such a folder (an export, or a released model such as all-MiniLM-L6-v2)
-as an embedding model cram runs, through that same checkpoint reader.
+Written in the spelling sentence-transformers 2 to 5 wrote, which 6 reads as well. cram's checkpoint
+reader (stages/shared/pretrained.py) reads that spelling and 6's own (the class paths of
+`sentence_transformers.base.modules`, `"pooling_mode": "mean"`): `[pretrain] init` on either keeps its
+pooling. `read_sentence_folder` reads such a folder (an export, a released model such as
+all-MiniLM-L6-v2, or one sentence-transformers 6 saved) as an embedding model cram runs, through that
+same checkpoint reader.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ if TYPE_CHECKING:
 MODULES = "modules.json"
 CONFIG = "sentence_bert_config.json"
 _TYPE = "sentence_transformers.models."
-_POOLING_MODES = {"mean": "pooling_mode_mean_tokens", "first": "pooling_mode_cls_token"}
 _OTHER_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
+_MODULES = ("Transformer", "Pooling", "Normalize")
 _BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)  # a released model's: its length is the last
 
 
@@ -44,7 +46,9 @@ def write_sentence_modules(out: Path, embedder: Embedder) -> None:
         out / "config_sentence_transformers.json",
         {"prompts": {}, "default_prompt_name": None, "similarity_fn_name": "cosine"},
     )
-    modes = {mode: embedder.pooling == pooling for pooling, mode in _POOLING_MODES.items()}
+    from cram.stages.shared.pretrained import POOLING_FLAGS
+
+    modes = {flag: embedder.pooling == pooling for flag, pooling in POOLING_FLAGS.items()}
     pooling = {"word_embedding_dimension": embedder.cfg.hidden, **modes, **dict.fromkeys(_OTHER_MODES, False)}
     (out / "1_Pooling").mkdir()
     _write(out / "1_Pooling" / "config.json", {**pooling, "include_prompt": True})
@@ -64,14 +68,16 @@ def read_sentence_folder(folder: Path) -> tuple[Embedder, dict[str, Tensor], Pat
         cfg, params = pretrained.load(found)
     except pretrained.PretrainedError as e:
         raise KeptError(str(e)) from None
+    if found.modules != _MODULES:
+        raise KeptError(
+            f"{folder / MODULES}: modules {', '.join(found.modules)}; cram embeds with {', '.join(_MODULES)}, "
+            "in that order (unit vectors of the pooled transformer)"
+        )
     if found.pooling is None:
         raise KeptError(
-            f"{folder / '1_Pooling' / 'config.json'}: a pooling cram does not compute; it computes "
-            + " or ".join(_POOLING_MODES.values())
+            f"{folder / MODULES}: its Pooling module's config.json names a pooling cram does not compute; "
+            f"it computes {pretrained.POOLINGS_READ}"
         )
-    types = [m.get("type") for m in _read(folder / MODULES)]
-    if _TYPE + "Normalize" not in types:
-        raise KeptError(f"{folder / MODULES}: no {_TYPE}Normalize module; cram embeds unit vectors")
     if found.tokenizer is None:
         raise KeptError(f"{folder}: no tokenizer.json")
     try:
