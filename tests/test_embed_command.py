@@ -72,7 +72,7 @@ def test_bad_inputs_are_one_line_exit_2_and_write_nothing(tmp_path, sp_model, ru
         ((run, tmp_path / "missing.txt", "--out", out), "missing.txt: not a file"),
         ((run, texts, "--task", "nope", "--out", out), "kept no embedding model of that task; it kept: search"),
         ((run, wrong, "--out", out), "record 1 has no field 'text'"),
-        ((run, texts, "--out", tmp_path / "v.jsonl"), "unknown extension '.jsonl'; allowed .npy"),
+        ((run, texts, "--out", tmp_path / "v.jsonl"), "unknown extension '.jsonl'; allowed .npy, .parquet"),
         ((run, texts, "--out", out, "--dtype", "int8"), "--dtype int8: allowed float32, float16"),
         ((classifying, texts, "--out", out), "evaluate kept no embedding model"),
         ((several, texts, "--out", out), "kept embedding models of a, b; name one with --task"),

@@ -234,18 +234,24 @@ def predict_files(
 def embed_texts(
     source: Path = typer.Argument(..., help="A run directory, or an exported embedding model's folder."),
     files: List[Path] = typer.Argument(..., help="Text (a line a text), CSV, TSV or JSON-lines files."),
-    out_file: Path = typer.Option(..., "--out", help="The .npy to write: one unit vector per text, in order."),
+    out_file: Path = typer.Option(
+        ..., "--out", help="The .npy (a unit vector per text, in order) or .parquet (ids and vectors) to write."
+    ),
     task: Optional[str] = typer.Option(None, "--task", help="The task whose kept embedding model to use."),
     field: str = typer.Option("text", "--field", help="The field holding the text (CSV, TSV, JSON lines)."),
+    id_field: Optional[str] = typer.Option(
+        None, "--id-field", help="The field holding each record's id, for a .parquet --out (default: row numbers)."
+    ),
     query: bool = typer.Option(False, "--query", help="The texts are queries: cut at the model's query length."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or float16 (half the size)."),
     compile: bool = typer.Option(True, "--compile/--no-compile", help="Compile the embedding (one graph per bucket)."),
     batch_size: int = typer.Option(128, "--batch-size", min=1, help="Texts per batch."),
 ) -> None:
-    """Embed every text of FILES with a kept or exported embedding model into one .npy of unit vectors."""
+    """Embed every text of FILES with a kept or exported embedding model into one .npy of unit vectors,
+    or a .parquet of ids and vectors."""
     from cram.pipeline.commands import embed
 
-    request = embed.Request(field=field, query=query, dtype=dtype)
+    request = embed.Request(field=field, query=query, dtype=dtype, id_field=id_field)
     written = embed.embed(
         source, files, out_file, task, request, embed.Settings(compile=compile, batch_size=batch_size)
     )

@@ -8,7 +8,8 @@ stages/kept/embedding.py.
 
 Inputs are read as `cram predict` reads them: plain text (a line a text), or CSV / TSV / JSON lines
 holding the `--field`. The output is one `.npy` of unit vectors [texts, hidden] in the inputs' order
-(fp32, or fp16), written to a temporary file renamed once every row is in it.
+(fp32, or fp16), or one `.parquet` of an `id` (each record's `--id-field`, else its row number) and an
+`embedding` per text, written to a temporary file renamed once every row is in it.
 """
 
 from __future__ import annotations
@@ -20,13 +21,11 @@ from cram.pipeline import errors, rundir
 from cram.pipeline.commands import classifiers, predict
 from cram.stages import StageError
 from cram.stages.kept import EMBEDDER, Embedder, KeptError
-from cram.stages.kept.embedding import DTYPES, Embedding, Request, embed_files, open_embedder
+from cram.stages.kept.embedding import OUTPUTS, Embedding, Request, check_request, embed_files, open_embedder
 from cram.stages.kept.predicting import Settings
 
 if TYPE_CHECKING:
     import torch
-
-OUTPUTS = (".npy",)
 
 
 class EmbedError(errors.CramError):
@@ -47,9 +46,8 @@ def embed(
         predict.check_paths(files, out, OUTPUTS)
     except predict.PredictError as e:
         raise EmbedError(str(e)) from None
-    if request.dtype not in DTYPES:
-        raise EmbedError(f"--dtype {request.dtype}: allowed {', '.join(DTYPES)}")
     try:
+        check_request(request, out)
         embedding = Embedding.make(*_embedder(source, task), settings)
         return embed_files(embedding, files, out, request)
     except KeptError as e:

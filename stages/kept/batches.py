@@ -75,11 +75,17 @@ class Padding:
 
 
 def run_sorted(
-    graph: Graph, params: dict[str, torch.Tensor], rows: list[np.ndarray], padding: Padding, size: int
+    graph: Graph,
+    params: dict[str, torch.Tensor],
+    rows: list[np.ndarray],
+    padding: Padding,
+    size: int,
+    done: Callable[[int], None] | None = None,
 ) -> np.ndarray:
     """graph(params, batch) over `rows`, `size` rows a batch, similar lengths together (less padding),
-    on the device of `params`: its fp32 outputs in the rows' order. One graph per bucket; past dynamo's
-    limit it would fall back to eager silently, so that is an error instead."""
+    on the device of `params`: its fp32 outputs in the rows' order; `done(n)` after each batch of n rows
+    (a progress bar). One graph per bucket; past dynamo's limit it would fall back to eager silently, so
+    that is an error instead."""
     import numpy as np
     import torch
 
@@ -96,6 +102,8 @@ def run_sorted(
             arrays = padding.inputs(rows, lengths, index, size)
             batch = {k: to_device(torch.from_numpy(v), device) for k, v in arrays.items()}
             outputs.append(graph(params, batch)[: len(index)])
+            if done is not None:
+                done(len(index))
     unsorted = np.empty_like(order)
     unsorted[order] = np.arange(len(order))
     return torch.cat(outputs).float().cpu().numpy()[unsorted]
