@@ -244,7 +244,9 @@ def embed_texts(
     ),
     query: bool = typer.Option(False, "--query", help="The texts are queries: cut at the model's query length."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or float16 (half the size)."),
-    compile: bool = typer.Option(True, "--compile/--no-compile", help="Compile the embedding (one graph per bucket)."),
+    compile: bool = typer.Option(
+        False, "--compile/--no-compile", help="Compile the embedding (one graph per length bucket; eager is faster)."
+    ),
     batch_size: int = typer.Option(128, "--batch-size", min=1, help="Texts per batch."),
 ) -> None:
     """Embed every text of FILES with a kept or exported embedding model into one .npy of unit vectors,

@@ -27,6 +27,10 @@ from cram.stages.kept.predicting import Settings
 if TYPE_CHECKING:
     import torch
 
+# Eager by default: compiled, a batch pads to a length bucket and each bucket costs a compile (minutes
+# cold on a loaded 2-core machine) for no faster embedding (bench/README.md, "cram embed").
+EAGER = Settings(compile=False)
+
 
 class EmbedError(errors.CramError):
     """An input, output or embedding model `cram embed` cannot use; one line, exit code 2."""
@@ -38,7 +42,7 @@ def embed(
     out: Path,
     task: str | None = None,
     request: Request = Request(),
-    settings: Settings = Settings(),
+    settings: Settings = EAGER,
 ) -> int:
     """Embed every text of FILES with SOURCE's embedding model (a run directory's, `task` naming it where
     it kept several, or an exported folder) into OUT; return how many vectors were written."""
