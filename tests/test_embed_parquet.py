@@ -1,6 +1,7 @@
 """`cram embed --out vectors.parquet`: an `id` column (each record's `--id-field`, else the row number) beside
 an `embedding` column holding the vectors the `.npy` holds, in order, across files and chunks; bad ids one
-line, exit 2, nothing written; progress as plain lines where stderr is no terminal, a bar where it is."""
+line, exit 2, nothing written; progress as plain lines where stderr is no terminal, a bar where it is;
+`--precision bf16` near fp32's vectors."""
 
 import dataclasses
 import json
@@ -107,3 +108,13 @@ def test_a_terminal_gets_a_bar(tmp_path, run, monkeypatch, capsys):
     embed(run, [lines], tmp_path / "v.npy", settings=EAGER)
     drawn = capsys.readouterr().err
     assert "embed" in drawn and f"{len(TEXTS)}/{len(TEXTS)}" in drawn and "embed: " not in drawn
+
+
+def test_bf16_is_close_to_fp32_and_an_unknown_precision_is_refused(tmp_path, run):
+    full = vectors(run, tmp_path)
+    half = vectors(run, tmp_path, name="bf16.npy", precision="bf16")
+    assert half.dtype == np.float32 and 0 < np.abs(half - full).max() < 3e-2  # computed in bf16, near fp32's
+    assert np.allclose(np.linalg.norm(half, axis=1), 1, atol=1e-5)
+    result = invoke(run, tmp_path / "texts.txt", "--out", tmp_path / "x.npy", "--precision", "fp16")
+    assert result.exit_code == 2 and "--precision fp16: allowed fp32, bf16" in result.output, result.output
+    assert not (tmp_path / "x.npy").exists()

@@ -52,7 +52,7 @@ def embed(
         raise EmbedError(str(e)) from None
     try:
         check_request(request, out)
-        embedding = Embedding.make(*_embedder(source, task), settings)
+        embedding = Embedding.make(*_embedder(source, task), settings, request.precision)
         return embed_files(embedding, files, out, request)
     except KeptError as e:
         raise EmbedError(str(e)) from None

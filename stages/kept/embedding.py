@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from cram.stages.shared.tokenizer import Tokenizer
 
 DTYPES = ("float32", "float16")
+PRECISIONS = ("fp32", "bf16")
 OUTPUTS = (".npy", ".parquet")
 Ids = Union[list[str], range]  # the records' ids, or the texts' row numbers
 
@@ -49,12 +50,15 @@ Ids = Union[list[str], range]  # the records' ids, or the texts' row numbers
 class Request:
     """What to embed: the text field of each record (plain text: each line), as queries (cut at the
     model's query length) or documents, into vectors of `dtype`; `id_field`: the field of each record
-    whose value a `.parquet` output holds beside its vector (None: the row number)."""
+    whose value a `.parquet` output holds beside its vector (None: the row number); `precision`: the
+    encoder's arithmetic, fp32 (sentence-transformers' own, 1e-4) or bf16 autocast (faster where the CPU
+    multiplies bf16 natively; vectors within ~1e-3)."""
 
     field: str = "text"
     query: bool = False
     dtype: str = "float32"
     id_field: str | None = None
+    precision: str = "fp32"
 
 
 @dataclass(frozen=True)
@@ -76,8 +80,11 @@ class Embedding:
         tokenizer: Path,
         special: dict[str, int],
         settings: Settings,
+        precision: str = "fp32",
     ) -> Embedding:
-        """KeptError naming the tokenizer file where it cannot be read."""
+        """KeptError naming the tokenizer file where it cannot be read. `precision`: "fp32" or "bf16"."""
+        import torch
+
         from cram.model.embedder import make_embed_step
         from cram.model.step import Compilation
         from cram.stages.shared import device as devices
@@ -89,9 +96,10 @@ class Embedding:
             raise KeptError(str(e)) from None
         cfg = dataclasses.replace(embedder.cfg, dropout=0.0)
         # SDPA, not the written-out product the training step uses on a CPU, and eager batches padded to
-        # their longest text, not to a bucket: all-MiniLM-L6-v2 eager on 2 loaded cores, 256 texts of
-        # 50-256 tokens, batch 128, embedded ~1.6x as fast (bench/NOTEBOOK.md, "cram embed").
-        how = Compilation(compile=settings.compile, backend=settings.backend, attention="sdpa")
+        # their longest text, not to a bucket: all-MiniLM-L6-v2 eagerly embedded 256 texts of 50-256
+        # tokens (batch 128, 2 cores at load 13) in 50-64 s against 102-106 s (bench/NOTEBOOK.md, "cram embed").
+        autocast = torch.bfloat16 if precision == "bf16" else None
+        how = Compilation(compile=settings.compile, backend=settings.backend, autocast=autocast, attention="sdpa")
         graph = make_embed_step(cfg, how, pooling=embedder.pooling)
         device = devices.resolve("auto")
         on_device = {k: v.to(device) for k, v in params.items()}
@@ -152,6 +160,8 @@ def check_request(request: Request, out: Path) -> None:
     """KeptError naming the option where `request` cannot be written to OUT."""
     if request.dtype not in DTYPES:
         raise KeptError(f"--dtype {request.dtype}: allowed {', '.join(DTYPES)}")
+    if request.precision not in PRECISIONS:
+        raise KeptError(f"--precision {request.precision}: allowed {', '.join(PRECISIONS)}")
     if request.id_field is not None and out.suffix.lower() != ".parquet":
         raise KeptError(f"--id-field {request.id_field}: ids are written to a .parquet --out; {out.name} holds vectors")
 
