@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from cram.pipeline.commands import cli
 from cram.pipeline.commands.embed import embed
+from cram.pipeline.errors import CramError
 from cram.stages.kept import embedding
 from cram.stages.kept.embedding import Request
 
@@ -118,3 +119,21 @@ def test_bf16_is_close_to_fp32_and_an_unknown_precision_is_refused(tmp_path, run
     result = invoke(run, tmp_path / "texts.txt", "--out", tmp_path / "x.npy", "--precision", "fp16")
     assert result.exit_code == 2 and "--precision fp16: allowed fp32, bf16" in result.output, result.output
     assert not (tmp_path / "x.npy").exists()
+
+
+def test_an_input_that_shrinks_after_the_count_leaves_no_parquet(tmp_path, run, monkeypatch):
+    lines = tmp_path / "texts.txt"
+    lines.write_text("\n".join(TEXTS) + "\n")
+    read = embedding.identified
+    calls = []
+
+    def shrinking(files, request, size):  # the second reading (the embedding's) finds the last chunk gone
+        calls.append(1)
+        chunks = list(read(files, request, size))
+        return iter(chunks if len(calls) == 1 else chunks[:-1])
+
+    monkeypatch.setattr(embedding, "identified", shrinking)
+    out = tmp_path / "v.parquet"
+    with pytest.raises(CramError, match="rows embedded of the 6 counted; did an input change"):
+        embed(run, [lines], out, settings=dataclasses.replace(EAGER, chunk=4))
+    assert not out.exists() and not list(tmp_path.glob(".*"))

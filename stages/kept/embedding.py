@@ -146,7 +146,7 @@ def embed_files(embedding: Embedding, files: list[Path], out: Path, request: Req
         chunks = _embedded(embedding, identified(files, request, size), request.query, advance)
         try:
             if out.suffix.lower() == ".parquet":
-                write_parquet(out, chunks, request.dtype)
+                write_parquet(out, chunks, count, request.dtype)
             else:
                 write_embeddings(out, (vectors for vectors, _ in chunks), count, request.dtype)
         except OSError as e:
@@ -212,18 +212,20 @@ def _with_ids(path: Path, field: str, id_field: str) -> Iterator[tuple[str, str]
         raise StageError(f"{path}: no records")
 
 
-def write_parquet(out: Path, chunks: Iterable[tuple[np.ndarray, Ids]], dtype: str) -> None:
-    """OUT as a Parquet file of two columns, `id` (int64 row numbers, or the records' ids as text) and
-    `embedding` (a fixed-size list of `dtype`, a unit vector a row), one row group a chunk, written to a
-    temporary file renamed at the end. pyarrow comes with datasets, a dependency already."""
+def write_parquet(out: Path, chunks: Iterable[tuple[np.ndarray, Ids]], rows: int, dtype: str) -> None:
+    """OUT as a Parquet file of `rows` rows in two columns, `id` (int64 row numbers, or the records' ids as
+    text) and `embedding` (a fixed-size list of `dtype`, a unit vector a row), one row group a chunk, written
+    to a temporary file renamed at the end; ValueError, nothing written, where the chunks hold another number
+    of rows. pyarrow comes with datasets, a dependency already."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     with atomic(out) as tmp:
-        writer = None
+        writer, at = None, 0
         try:
             for vectors, ids in chunks:
+                at += len(vectors)
                 flat = pa.array(vectors.astype(np.dtype(dtype)).reshape(-1))
                 column = pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])
                 keys = pa.array(ids, pa.int64()) if isinstance(ids, range) else pa.array(ids, pa.string())
@@ -233,3 +235,5 @@ def write_parquet(out: Path, chunks: Iterable[tuple[np.ndarray, Ids]], dtype: st
         finally:
             if writer is not None:
                 writer.close()
+        if at != rows:
+            raise ValueError(f"{out}: {at} rows embedded of the {rows} counted")
