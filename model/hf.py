@@ -3,6 +3,7 @@
     cfg, params = from_transformers(json.loads(config_text), load_file(weights), where="ckpt/")
     config, state = to_transformers(cfg, params, special_ids)      # config.json and model.safetensors
     config, state = classifier_to_transformers(cfg, params, special_ids, pooling, labels)  # a fine-tuned one
+    config, state = base_to_transformers(cfg, params, special_ids)  # the encoder alone (an embedding model)
 
 Four families: ModernBERT (`ModernBertForMaskedLM`: pre-norm, rope, GLU, local/global layers), BERT
 (`BertForMaskedLM`: post-norm, learned positions, biases), RoBERTa (`RobertaForMaskedLM`, also
@@ -10,7 +11,8 @@ XLM-RoBERTa: BERT with positions offset by `pad_token_id + 1`) and, read only, D
 token types). Each is read as its masked LM, its base model (`BertModel`, with or without the `bert.`
 prefix) or its sequence classifier; the names are in `hf_families.py`, the configs' fields in
 `hf_config.py`. A fine-tuned classifier exports as ModernBERT's, BERT's or RoBERTa's
-`...ForSequenceClassification` (`classifier_blockers` says when its head cannot). A feature cram cannot
+`...ForSequenceClassification` (`classifier_blockers` says when its head cannot), an embedding model
+as the family's base model (`BertModel`: what a sentence-transformers folder holds). A feature cram cannot
 compute exactly is refused with `UnsupportedCheckpoint`, one line naming the config key or weight. Only
 torch and json: reading and writing the files is the caller's job, and `transformers` is never imported.
 """
@@ -202,6 +204,24 @@ def classifier_to_transformers(
         config["label2id"] = {name: i for i, name in enumerate(labels)}
     if family == "modernbert":
         config.update(classifier_pooling="cls" if pooling in FIRST_TOKEN else "mean", classifier_dropout=0.0)
+    return config, state
+
+
+# Each family's base model: the encoder without a head, its weights without the family's prefix.
+_BASE_MODELS = {"modernbert": "ModernBertModel", "bert": "BertModel", "roberta": "RobertaModel"}
+
+
+def base_to_transformers(cfg: ModelConfig, params: dict[str, Tensor], special_ids: dict[str, int]) -> tuple[dict, dict]:
+    """config.json and state dict of `cfg`'s encoder alone (`params` without a head) as `layout(cfg)`'s base
+    model. BERT's and RoBERTa's base models hold a pooler, which an embedding never reads: zeros where cram
+    has none, so that transformers finds every weight it expects rather than drawing random ones."""
+    family = FAMILY_HEADS[layout(cfg)]
+    mlm = {name: torch.zeros(shape) for name, shape in shapes(cfg).items() if name.startswith("head.")}
+    config, state = to_transformers(cfg, {**mlm, **params}, special_ids)
+    state = {k.removeprefix(PREFIX[family]): v for k, v in state.items() if not k.startswith(_MLM_HEAD[family])}
+    if family != "modernbert" and not cfg.pooler:
+        state[POOLER[0]], state[POOLER[1]] = torch.zeros(cfg.hidden, cfg.hidden), torch.zeros(cfg.hidden)
+    config["architectures"] = [_BASE_MODELS[family]]
     return config, state
 
 

@@ -1,9 +1,11 @@
-"""What `cram export` and `cram predict` read of a run directory: its tokenizer and pretrained encoder,
-or a classifier its evaluate stage kept (`[evaluate] keep`), each file checked against the store's
-sha256 first; the files themselves are read by the kept-model room (stages/kept/).
+"""What `cram export`, `cram predict` and `cram embed` read of a run directory: its tokenizer and
+pretrained encoder, or a classifier or embedding model its evaluate stage kept (`[evaluate] keep`), each
+file checked against the store's sha256 first; the files themselves are read by the kept-model room
+(stages/kept/).
 
     run = finished_run(run_dir)              # tokenize's and pretrain's outputs, checked
     classifier = find(run_dir, "topic")      # the kept topic classifier, checked
+    embedder = find_embedder(run_dir)        # the kept embedding model (name the task where there are several)
 """
 
 from __future__ import annotations
@@ -12,11 +14,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cram.pipeline import errors, rundir, store
-from cram.stages.kept import META, MODEL, PARAMS, Classifier, KeptError, read_classifier
+from cram.pipeline.schema import StageRecord
+from cram.stages.kept import (
+    EMBEDDER,
+    META,
+    MODEL,
+    PARAMS,
+    Classifier,
+    Embedder,
+    KeptError,
+    read_classifier,
+    read_embedder,
+)
 
 
 class ClassifierError(errors.CramError):
-    """No kept classifier where one was asked for, or one that cannot be used; one line, exit code 2."""
+    """No kept classifier (or embedding model) where one was asked for, or one that cannot be used; one
+    line, exit code 2."""
 
 
 class RunError(errors.CramError):
@@ -80,13 +94,12 @@ def finished_run(run_dir: Path, doing: str = "exported") -> Run:
 def find(run_dir: Path, task: str) -> Classifier:
     """The classifier RUN_DIR's evaluate stage kept for `task` (its best seed's), once its files are the
     ones the store recorded. ClassifierError naming `evaluate.keep`, the tasks kept or the damage otherwise."""
-    record = rundir.records(run_dir).get("evaluate")
-    if record is None or record.status != "done":
-        raise ClassifierError(
-            f"{run_dir}: stage evaluate is not done (status {record.status if record else 'missing'}); "
-            f"it keeps the fine-tuned classifiers: cram resume {run_dir}"
-        )
+    record = _evaluate(run_dir)
     kept = record.outputs.get("classifiers") or {}
+    if not kept and (embedders := kept_embedders(run_dir)):
+        raise ClassifierError(
+            f"--task {task}: {run_dir} kept no classifier; it kept embedding models of: {', '.join(embedders)}"
+        )
     if not kept:
         evaluate = rundir.saved_config(run_dir, required=False).get("evaluate") or {}
         if evaluate.get("tasks", True) == []:
@@ -100,14 +113,62 @@ def find(run_dir: Path, task: str) -> Classifier:
             f"cram run {run_dir / rundir.CONFIG} --force evaluate"
         )
     if task not in kept:
-        raise ClassifierError(f"--task {task}: {run_dir} kept no classifier of that task; it kept: {', '.join(kept)}")
-    names = [f"{kept[task]}/{name}" for name in (PARAMS, MODEL, META)]
+        also = " (an embedding model: cram embed reads it)" if task in kept_embedders(run_dir) else ""
+        raise ClassifierError(
+            f"--task {task}: {run_dir} kept no classifier of that task{also}; it kept: {', '.join(kept)}"
+        )
+    try:
+        return read_classifier(_verified(run_dir, record, kept[task], META))
+    except KeptError as e:
+        raise ClassifierError(str(e)) from None
+
+
+def kept_embedders(run_dir: Path) -> dict[str, str]:
+    """Task -> folder (under evaluate/) of each embedding model RUN_DIR's evaluate stage kept; none
+    where evaluate is not done."""
+    record = rundir.records(run_dir).get("evaluate")
+    return dict(record.outputs.get("embedders") or {}) if record is not None and record.status == "done" else {}
+
+
+def find_embedder(run_dir: Path, task: str | None = None) -> Embedder:
+    """The embedding model RUN_DIR's evaluate stage kept for `task` (None: the one it kept), once its files
+    are the ones the store recorded. ClassifierError naming the tasks kept or the damage otherwise."""
+    record = _evaluate(run_dir)
+    kept = kept_embedders(run_dir)
+    if not kept:
+        raise ClassifierError(
+            f'{run_dir}: evaluate kept no embedding model; a retrieval task ([[evaluate.tasks]] kind = "retrieval") '
+            f'with evaluate.keep = "best" keeps one: cram run {run_dir / rundir.CONFIG}'
+        )
+    if task is None and len(kept) > 1:
+        raise ClassifierError(f"{run_dir}: kept embedding models of {', '.join(kept)}; name one with --task")
+    task = next(iter(kept)) if task is None else task
+    if task not in kept:
+        raise ClassifierError(
+            f"--task {task}: {run_dir} kept no embedding model of that task; it kept: {', '.join(kept)}"
+        )
+    try:
+        return read_embedder(_verified(run_dir, record, kept[task], EMBEDDER))
+    except KeptError as e:
+        raise ClassifierError(str(e)) from None
+
+
+def _evaluate(run_dir: Path) -> StageRecord:
+    record = rundir.records(run_dir).get("evaluate")
+    if record is None or record.status != "done":
+        raise ClassifierError(
+            f"{run_dir}: stage evaluate is not done (status {record.status if record else 'missing'}); "
+            f"it keeps the fine-tuned classifiers and embedding models: cram resume {run_dir}"
+        )
+    return record
+
+
+def _verified(run_dir: Path, record: StageRecord, folder: str, description: str) -> Path:
+    """evaluate/FOLDER, once its params, model.json and `description` are the bytes the store recorded."""
+    names = [f"{folder}/{name}" for name in (PARAMS, MODEL, description)]
     damage = store.verify(run_dir / "evaluate", record.key or "", names)
     if damage is not None:
         raise ClassifierError(
             f"{damage}; nothing read: cram run {run_dir / rundir.CONFIG} --force evaluate computes it again"
         )
-    try:
-        return read_classifier(run_dir / "evaluate" / kept[task])
-    except KeptError as e:
-        raise ClassifierError(str(e)) from None
+    return run_dir / "evaluate" / folder

@@ -13,6 +13,8 @@
     cram export runs/default --to out/default [--format transformers] [--force]
     cram export runs/default --task topic --to out/topic [--format transformers]   the kept classifier
     cram predict runs/default --task topic texts.csv [--out labels.jsonl]   classify (or: cram predict out/topic ...)
+    cram export runs/default --task search --to out/st --format sentence-transformers   a kept embedding model
+    cram embed runs/default texts.txt --out vectors.npy [--task search] [--query]   embed (or: cram embed out/st ...)
     cram ls runs                                 every run with its newest stage
     cram sweep pipeline.toml --grid pretrain.optimizer.lr=1e-3,3e-3 [--grid ...] [--set ...]
     cram gc runs [--dry-run]                     remove store entries that no run refers to
@@ -226,6 +228,39 @@ def predict_files(
     written = predict.predict(source, files, task, out_file, settings)
     if out_file is not None:
         out.print(f"{written:,} rows: {out_file}")
+
+
+@app.command("embed")
+def embed_texts(
+    source: Path = typer.Argument(..., help="A run directory, or an exported embedding model's folder."),
+    files: List[Path] = typer.Argument(..., help="Text (a line a text), CSV, TSV or JSON-lines files."),
+    out_file: Path = typer.Option(
+        ..., "--out", help="The .npy (a unit vector per text, in order) or .parquet (ids and vectors) to write."
+    ),
+    task: Optional[str] = typer.Option(None, "--task", help="The task whose kept embedding model to use."),
+    field: str = typer.Option("text", "--field", help="The field holding the text (CSV, TSV, JSON lines)."),
+    id_field: Optional[str] = typer.Option(
+        None, "--id-field", help="The field holding each record's id, for a .parquet --out (default: row numbers)."
+    ),
+    query: bool = typer.Option(False, "--query", help="The texts are queries: cut at the model's query length."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or float16 (half the size)."),
+    precision: str = typer.Option(
+        "fp32", "--precision", help="fp32 (as sentence-transformers) or bf16 (faster on a bf16 CPU; ~1e-3 apart)."
+    ),
+    compile: bool = typer.Option(
+        False, "--compile/--no-compile", help="Compile the embedding (one graph per length bucket; eager is faster)."
+    ),
+    batch_size: int = typer.Option(128, "--batch-size", min=1, help="Texts per batch."),
+) -> None:
+    """Embed every text of FILES with a kept or exported embedding model into one .npy of unit vectors,
+    or a .parquet of ids and vectors."""
+    from cram.pipeline.commands import embed
+
+    request = embed.Request(field=field, query=query, dtype=dtype, id_field=id_field, precision=precision)
+    written = embed.embed(
+        source, files, out_file, task, request, embed.Settings(compile=compile, batch_size=batch_size)
+    )
+    out.print(f"{written:,} vectors ({dtype}): {out_file}")
 
 
 @app.command("ls")

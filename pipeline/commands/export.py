@@ -1,13 +1,16 @@
-"""`cram export`: a finished run's encoder, or a classifier its evaluate stage kept, written to a folder
-in cram's format or transformers' (the writing: stages/kept/exporting.py).
+"""`cram export`: a finished run's encoder, or a classifier or embedding model its evaluate stage kept,
+written to a folder in cram's format, transformers' or (an embedding model) sentence-transformers' (the
+writing: stages/kept/exporting.py).
 
     export(Path("runs/default"), Path("out/default"))                       # cram's format
     export(Path("runs/default"), Path("out/hf"), fmt="transformers")        # a ModernBERT (or BERT) directory
     export(Path("runs/default"), Path("out/topic"), task="topic")           # the kept topic classifier
+    export(Path("runs/default"), Path("out/st"), fmt="sentence-transformers", task="search")  # an embedding model
 
-A cram-format export is read back by `cram.stages.kept.load_export` (an encoder) or `cram predict`
-(a classifier). `--force` replaces a folder only when it holds an earlier export's marker: never a run,
-the runs folder or anything else.
+A cram-format export is read back by `cram.stages.kept.load_export` (an encoder), `cram predict`
+(a classifier) or `cram embed` (an embedding model, which also reads the sentence-transformers format).
+`--force` replaces a folder only when it holds an earlier export's marker: never a run, the runs folder or
+anything else.
 """
 
 from __future__ import annotations
@@ -24,18 +27,22 @@ class ExportError(errors.CramError):
 
 
 def export(run_dir: Path, to: Path, fmt: str = "cram", force: bool = False, task: str | None = None) -> Path:
-    """Write the final params of RUN_DIR's pretrain stage (or, with `task`, the classifier its evaluate
-    stage kept for that task) to TO, atomically; return TO."""
+    """Write the final params of RUN_DIR's pretrain stage (or, with `task`, the classifier or embedding
+    model its evaluate stage kept for that task) to TO, atomically; return TO."""
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt}: allowed {', '.join(FORMATS)}")
     try:
         run = classifiers.finished_run(run_dir)
     except classifiers.RunError as e:
         raise ExportError(str(e)) from None
-    kept = None if task is None else classifiers.find(run_dir, task)
-    if kept is None:
+    if task is None:
         source = Source(run.params, run.model, run.tokenizer, run.special_ids)
+    elif task in classifiers.kept_embedders(run_dir):
+        embedder = classifiers.find_embedder(run_dir, task)
+        files = (embedder.folder / PARAMS, embedder.folder / MODEL)
+        source = Source(*files, run.tokenizer, run.special_ids, embedder=embedder)
     else:
+        kept = classifiers.find(run_dir, task)
         source = Source(kept.folder / PARAMS, kept.folder / MODEL, run.tokenizer, run.special_ids, kept)
     target = _check_target(run_dir, to, force)
     try:

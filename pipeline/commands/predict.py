@@ -52,9 +52,9 @@ def predict(
         raise PredictError(f"{e} (the classifier reads {', '.join(classifier.meta['text_fields'])})") from None
 
 
-def check_paths(files: list[Path], out: Path | None) -> None:
-    """PredictError for an input that is missing or of an unknown kind, or an `--out` of an unknown kind,
-    that is one of the inputs, or that lies in a run directory or a stage store."""
+def check_paths(files: list[Path], out: Path | None, outputs: tuple[str, ...] = OUTPUTS) -> None:
+    """PredictError for an input that is missing or of an unknown kind, or an `--out` of a kind not in
+    `outputs`, that is one of the inputs, or that lies in a run directory or a stage store."""
     for path in files:
         if path.suffix.lower() not in INPUTS:
             raise PredictError(f"{path}: unknown extension {path.suffix or '(none)'!r}; allowed {', '.join(INPUTS)}")
@@ -62,8 +62,8 @@ def check_paths(files: list[Path], out: Path | None) -> None:
             raise PredictError(f"{path}: not a file")
     if out is None:
         return
-    if out.suffix.lower() not in OUTPUTS:
-        raise PredictError(f"--out {out}: unknown extension {out.suffix or '(none)'!r}; allowed {', '.join(OUTPUTS)}")
+    if out.suffix.lower() not in outputs:
+        raise PredictError(f"--out {out}: unknown extension {out.suffix or '(none)'!r}; allowed {', '.join(outputs)}")
     target = out.resolve()
     if any(target == path.resolve() for path in files):
         raise PredictError(f"--out {out}: is one of the inputs; never overwritten: choose another path")

@@ -1,14 +1,17 @@
-"""A classifier's inputs as the fine-tuner and prediction both give them: each text (or pair) as one
-row of ids, and rows padded to the smallest length bucket that holds the longest, so a compiled graph
-is made once per bucket."""
+"""A kept model's inputs as the fine-tuner, prediction and embedding give them: each text (or pair) as
+one row of ids, rows padded to the smallest length bucket that holds the longest, so a compiled graph
+is made once per bucket, and a graph run over rows sorted by length (`run_sorted`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     import numpy as np
+    import torch
+
+    Graph = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], torch.Tensor]  # (params, batch) -> outputs
 
 
 def join(parts: tuple[list[int], ...], special: dict[str, int], max_length: int) -> np.ndarray:
@@ -69,3 +72,38 @@ class Padding:
             is_sep = ids == sep
             arrays["token_type_ids"] = (((np.cumsum(is_sep, axis=1) - is_sep) > 0) & mask).astype(np.int64)
         return arrays
+
+
+def run_sorted(
+    graph: Graph,
+    params: dict[str, torch.Tensor],
+    rows: list[np.ndarray],
+    padding: Padding,
+    size: int,
+    done: Callable[[int], None] | None = None,
+) -> np.ndarray:
+    """graph(params, batch) over `rows`, `size` rows a batch, similar lengths together (less padding),
+    on the device of `params`: its fp32 outputs in the rows' order; `done(n)` after each batch of n rows
+    (a progress bar). One graph per bucket; past dynamo's limit it would fall back to eager silently, so
+    that is an error instead."""
+    import numpy as np
+    import torch
+
+    from cram.stages.shared.device import to_device
+
+    device = next(iter(params.values())).device
+    lengths = np.array([len(r) for r in rows])
+    order = np.argsort(lengths, kind="stable")
+    outputs = []
+    limit = max(8, len(padding.buckets))
+    with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
+        for start in range(0, len(rows), size):
+            index = order[start : start + size]
+            arrays = padding.inputs(rows, lengths, index, size)
+            batch = {k: to_device(torch.from_numpy(v), device) for k, v in arrays.items()}
+            outputs.append(graph(params, batch)[: len(index)])
+            if done is not None:
+                done(len(index))
+    unsorted = np.empty_like(order)
+    unsorted[order] = np.arange(len(order))
+    return torch.cat(outputs).float().cpu().numpy()[unsorted]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from cram.stages.kept.folder import Embedder
 from cram.stages.shared.figures import is_number
 
 
@@ -17,17 +18,19 @@ class Card:
     config: str  # the run's resolved config, TOML
 
 
-def model_card(card: Card, fmt: str, task: str | None = None) -> str:
-    """README.md of an export of `card`'s run in format `fmt` (with `task`, its kept classifier)."""
+def model_card(card: Card, fmt: str, task: str | None = None, embedder: Embedder | None = None) -> str:
+    """README.md of an export of `card`'s run in format `fmt` (with `task`, its kept classifier, or its
+    kept `embedder`)."""
     lines = [
         f"# {card.run}",
         "",
         f"A BERT-style masked language model crammed by `cram` (run `{card.run}`), exported in the `{fmt}` format."
         if task is None
-        else f"The `{task}` classifier fine-tuned by `cram` (run `{card.run}`), exported in the `{fmt}` format.",
+        else f"The `{task}` {'classifier' if embedder is None else 'embedding model'} fine-tuned by `cram` "
+        f"(run `{card.run}`), exported in the `{fmt}` format.",
         "",
         "```python",
-        _usage(fmt, task),
+        _usage(fmt, task) if embedder is None else _embedder_usage(fmt, embedder),
         "```",
         "",
         "## Figures",
@@ -43,6 +46,28 @@ def model_card(card: Card, fmt: str, task: str | None = None) -> str:
             ]
     lines += ["## Config", "", "```toml", card.config.strip(), "```", ""]
     return "\n".join(lines)
+
+
+def _embedder_usage(fmt: str, embedder: Embedder) -> str:
+    documents, queries = embedder.max_length(), embedder.max_length(query=True)
+    if fmt == "cram":
+        return (
+            f"cram embed DIR texts.txt --out vectors.npy            # documents, cut at {documents} tokens\n"
+            f"cram embed DIR queries.txt --query --out queries.npy  # queries, cut at {queries} tokens"
+        )
+    if fmt == "transformers":
+        return (
+            "from transformers import AutoModel, AutoTokenizer\n\n"
+            f'model = AutoModel.from_pretrained("DIR")  # {embedder.pooling} pooling of last_hidden_state, normalised\n'
+            'tokenizer = AutoTokenizer.from_pretrained("DIR")'
+        )
+    return (
+        "from sentence_transformers import SentenceTransformer\n\n"
+        'model = SentenceTransformer("DIR")\n'
+        f'documents = model.encode(["a text"])  # unit vectors, cut at {documents} tokens: dot product = cosine\n'
+        f"model.max_seq_length = {queries}  # queries: cut where fine-tuning cut them\n"
+        'queries = model.encode(["a question"])'
+    )
 
 
 def _usage(fmt: str, task: str | None) -> str:

@@ -2,18 +2,22 @@
 
     write_export(source, card, "cram", Path("out/default"), run_dir)          # cram's format
     write_export(source, card, "transformers", Path("out/hf"), run_dir)       # a ModernBERT/BERT/RoBERTa folder
+    write_export(source, card, "sentence-transformers", Path("out/st"), run_dir)  # an embedding model's
     cfg, params, tokenizer = load_export(Path("out/default"))                 # ready for model.encode
     classifier, tokenizer, special_ids = open_export(Path("out/topic"))       # a kept classifier, for prediction
+    embedder, tokenizer, special_ids = open_embedder_export(Path("out/search"))  # a kept embedding model
 
 cram's format: `params.safetensors` (cram's parameter names), `model.json` (the `ModelConfig`), the run's
 tokenizer (`tokenizer.model`, sentencepiece, or `tokenizer.json`), `special_ids.json`, with a classifier
-its `classifier.json`. The transformers format holds what `AutoModelForMaskedLM` (a classifier:
-`AutoModelForSequenceClassification`, with `id2label`) and `AutoTokenizer` read: `config.json`,
-`model.safetensors`, `tokenizer.json`, `tokenizer_config.json`. The tokenizer encodes as cram does: a
-pair's second text as segment 1 where the model reads token types, and a classifier's texts cut at its
-task's `max_length` (`model_max_length`). Both formats hold a `README.md` model card, `.cram-export`
-(the marker by which `--force` knows a folder it may replace) and `checksums.json` (each file's sha256,
-checked whenever the export is read back).
+its `classifier.json` (an embedding model: its `embedder.json`). The transformers format holds what
+`AutoModelForMaskedLM` (a classifier: `AutoModelForSequenceClassification`, with `id2label`; an embedding
+model: `AutoModel`, the family's base model) and `AutoTokenizer` read: `config.json`,
+`model.safetensors`, `tokenizer.json`, `tokenizer_config.json`; the sentence-transformers format of an
+embedding model is that folder with the pooling and normalisation modules beside it (sentence.py). The
+tokenizer encodes as cram does: a pair's second text as segment 1 where the model reads token types, and a
+kept model's texts cut at its task's `max_length` (`model_max_length`). Every format holds a `README.md`
+model card, `.cram-export` (the marker by which `--force` knows a folder it may replace) and
+`checksums.json` (each file's sha256, checked whenever cram reads the export back).
 """
 
 from __future__ import annotations
@@ -28,32 +32,45 @@ from typing import Any
 from cram.model.config import ModelConfig, ModelConfigError
 from cram.stages.kept.card import Card, model_card
 from cram.stages.kept.folder import (
+    EMBEDDER,
     META,
     MODEL,
     PARAMS,
     Classifier,
+    Embedder,
     KeptError,
     read_classifier,
+    read_embedder,
     verify_checksums,
     write_checksums,
 )
+from cram.stages.kept.sentence import write_sentence_modules
 from cram.stages.shared.tokenizer import FILE_NAMES as TOKENIZER_FILE_NAMES
 from cram.stages.shared.tokenizer import in_folder as tokenizer_in
 
-FORMATS = ("cram", "transformers")
+FORMATS = ("cram", "transformers", "sentence-transformers")
+SENTENCE = "sentence-transformers"  # an embedding model's alone
 MARKER = ".cram-export"  # in every export: `--force` replaces a folder only when it holds this file
 SPECIAL_IDS = "special_ids.json"
 
 
 @dataclass(frozen=True)
 class Source:
-    """What an export writes: the encoder (pretrain's, or a kept classifier's) and the run's tokenizer."""
+    """What an export writes: the encoder (pretrain's, a kept classifier's or embedding model's) and the
+    run's tokenizer."""
 
     params: Path  # params.safetensors
     model: Path  # model.json
     tokenizer: Path  # tokenize's tokenizer.model or tokenizer.json
     special_ids: dict[str, int]
     classifier: Classifier | None = None
+    embedder: Embedder | None = None
+
+    @property
+    def task(self) -> str | None:
+        """The task of the kept model exported; None for the pretrained encoder."""
+        kept = self.classifier or self.embedder
+        return None if kept is None else kept.task
 
     def config(self) -> ModelConfig:
         return model_config(self.model)
@@ -92,16 +109,19 @@ def write_export(source: Source, card: Card, fmt: str, target: Path, run_dir: Pa
     caller has checked TARGET is safe to replace."""
     if fmt not in FORMATS:
         raise KeptError(f"--format {fmt}: allowed {', '.join(FORMATS)}")
+    if fmt == SENTENCE and source.embedder is None:
+        raise KeptError(f"--format {fmt}: the format of an embedding model; name a retrieval task with --task")
     source.config()  # a model.json cram cannot read is refused before anything is written
-    if fmt == "transformers":
+    if fmt != "cram":
         check_transformers(source)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    task = None if source.classifier is None else source.classifier.task
     try:
         tmp.mkdir(parents=True)
         (_write_cram if fmt == "cram" else _write_transformers)(source, tmp)
-        (tmp / "README.md").write_text(model_card(card, fmt, task), encoding="utf-8")
+        if fmt == SENTENCE:
+            write_sentence_modules(tmp, source.embedder)
+        (tmp / "README.md").write_text(model_card(card, fmt, source.task, source.embedder), encoding="utf-8")
         (tmp / MARKER).write_text(json.dumps({"run": str(run_dir.resolve()), "format": fmt}) + "\n")
         write_checksums(tmp)
         _replace_dir(tmp, target)
@@ -138,7 +158,18 @@ def open_export(folder: Path) -> tuple[Classifier, Path, dict[str, int]]:
         hint = " (a transformers export: export with --format cram)" if (folder / "config.json").is_file() else ""
         raise KeptError(f"{folder}: no {META}; not a classifier exported by cram export --task{hint}")
     verify_checksums(folder)
-    classifier = read_classifier(folder)
+    return read_classifier(folder), *_export_tokenizer(folder)
+
+
+def open_embedder_export(folder: Path) -> tuple[Embedder, Path, dict[str, int]]:
+    """(the embedding model, its tokenizer file, the special ids) of a cram-format embedder export, its
+    files checked against its checksums."""
+    verify_checksums(folder)
+    return read_embedder(folder), *_export_tokenizer(folder)
+
+
+def _export_tokenizer(folder: Path) -> tuple[Path, dict[str, int]]:
+    """The tokenizer file and the special ids of a cram-format export."""
     tokenizer = tokenizer_in(folder)
     if tokenizer is None:
         raise KeptError(f"{folder}: no {' or '.join(TOKENIZER_FILE_NAMES)}; export it again")
@@ -149,7 +180,7 @@ def open_export(folder: Path) -> tuple[Classifier, Path, dict[str, int]]:
         raise KeptError(f"{path}: not readable ({e}); export it again") from None
     if not isinstance(special, dict) or not all(type(special.get(r)) is int for r in ("pad", "cls", "sep")):
         raise KeptError(f"{path}: expected the ids of pad, cls and sep; export it again")
-    return classifier, tokenizer, special
+    return tokenizer, special
 
 
 def _replace_dir(new: Path, to: Path) -> None:
@@ -166,6 +197,8 @@ def _write_cram(source: Source, out: Path) -> None:
     shutil.copyfile(source.model, out / MODEL)
     if source.classifier is not None:
         shutil.copyfile(source.classifier.folder / META, out / META)
+    if source.embedder is not None:
+        shutil.copyfile(source.embedder.folder / EMBEDDER, out / EMBEDDER)
     tokenizer = source.tokenizer
     shutil.copyfile(tokenizer, out / ("tokenizer.json" if tokenizer.suffix == ".json" else "tokenizer.model"))
     (out / SPECIAL_IDS).write_text(json.dumps(source.special_ids, indent=1) + "\n")
@@ -177,18 +210,20 @@ def _write_transformers(source: Source, out: Path) -> None:
     from cram.model import hf
     from cram.stages.kept.fast_tokenizer import fast_tokenizer, read_json
 
-    cfg, special, classifier = source.config(), source.special_ids, source.classifier
+    cfg, special, classifier, embedder = source.config(), source.special_ids, source.classifier, source.embedder
     if source.tokenizer.suffix != ".json":
         tokenizer = fast_tokenizer(source.tokenizer, special)
         tokenizer.save(str(out / "tokenizer.json"))
-    elif classifier is None:  # an encoder encodes no pairs: the tokenizer it was given, byte for byte
+    elif source.task is None:  # an encoder encodes no pairs: the tokenizer it was given, byte for byte
         tokenizer = read_json(source.tokenizer, special, layout=False)
         shutil.copyfile(source.tokenizer, out / "tokenizer.json")
-    else:  # a classifier reads pairs as cram fine-tuned on them: its post-processor is cram's
+    else:  # a kept model reads its texts as cram fine-tuned on them: its post-processor is cram's
         tokenizer = read_json(source.tokenizer, special)
         tokenizer.save(str(out / "tokenizer.json"))
     params = load_file(source.params)
-    if classifier is None:
+    if embedder is not None:
+        config, state = hf.base_to_transformers(cfg, params, special)
+    elif classifier is None:
         config, state = hf.to_transformers(cfg, params, special)
     else:
         pooling = classifier.meta["pooling"]
@@ -199,8 +234,8 @@ def _write_transformers(source: Source, out: Path) -> None:
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **names,
-        # a classifier's texts are cut where evaluate cut them; an encoder's at its positions
-        "model_max_length": cfg.max_seq_len if classifier is None else classifier.meta["max_length"],
+        # a kept model's texts are cut where evaluate cut them (an embedder's documents); an encoder's at its positions
+        "model_max_length": cfg.max_seq_len if source.task is None else (classifier or embedder).meta["max_length"],
         # BERT's segments where the model reads them: a pair's second text is segment 1, as cram fine-tunes
         "model_input_names": ["input_ids", "attention_mask"] + (["token_type_ids"] if cfg.token_types > 1 else []),
     }

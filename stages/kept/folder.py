@@ -4,10 +4,11 @@ every file checked: the file names, the checksums, and the classifier it holds.
     params.safetensors   the encoder and its `classifier.` head, fp32 (no masked-LM head)
     model.json           the encoder's ModelConfig
     classifier.json      what prediction needs: labels, text fields, max_length, buckets, pooling, head
+    embedder.json        (an embedding model, instead) pooling, normalisation, document and query lengths, buckets
     checksums.json       (an export) each file's sha256; a kept folder in a run is checked by the store
 
-A second kind of kept model (an embedding model) has its own description file beside `model.json`
-and `params.safetensors`, read by its own reader here, with the same checksums.
+An embedding model is the second kind of kept model: `params.safetensors` holds the encoder alone and
+`embedder.json` says how its texts become vectors (`read_embedder`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     import torch
 
 PARAMS, MODEL, META = "params.safetensors", "model.json", "classifier.json"
+EMBEDDER = "embedder.json"
 CHECKSUMS = "checksums.json"
 
 
@@ -50,13 +52,42 @@ class Classifier:
 
     def params(self) -> dict[str, torch.Tensor]:
         """The fp32 params; KeptError naming the file where it is not a readable safetensors file."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
+        return _load_params(self.folder / PARAMS)
 
-        try:
-            return load_file(self.folder / PARAMS)
-        except (OSError, SafetensorError) as e:
-            raise KeptError(f"{self.folder / PARAMS}: not readable params ({e})") from None
+
+@dataclass(frozen=True)
+class Embedder:
+    """A kept embedding model: its folder and what embedder.json and model.json say."""
+
+    folder: Path
+    meta: dict[str, Any]  # embedder.json
+    cfg: ModelConfig
+
+    @property
+    def task(self) -> str:
+        return str(self.meta["task"])
+
+    @property
+    def pooling(self) -> str:
+        return str(self.meta["pooling"])
+
+    def max_length(self, query: bool = False) -> int:
+        """Where a text is cut, [CLS] and [SEP] included: a query's length, or a document's."""
+        return int(self.meta["query_max_length" if query else "max_length"])
+
+    def params(self) -> dict[str, torch.Tensor]:
+        """The fp32 encoder params; KeptError naming the file where it is not a readable safetensors file."""
+        return _load_params(self.folder / PARAMS)
+
+
+def _load_params(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except (OSError, SafetensorError) as e:
+        raise KeptError(f"{path}: not readable params ({e})") from None
 
 
 def write_checksums(folder: Path) -> None:
@@ -89,18 +120,69 @@ def verify_checksums(folder: Path) -> None:
 def read_classifier(folder: Path) -> Classifier:
     """The classifier in `folder` (kept by evaluate or exported), its description checked against its
     head's params. The caller checks the files' hashes first (the store's or `verify_checksums`)."""
-    path = folder / META
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-        cfg = ModelConfig.from_json(folder / MODEL)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ModelConfigError) as e:
-        raise KeptError(f"{path}: not a readable classifier ({e})") from None
-    check_meta(meta, path)
+    meta, cfg = _description(folder, META, "classifier")
+    check_meta(meta, folder / META)
     if not (folder / PARAMS).is_file():
         raise KeptError(f"{folder / PARAMS}: missing")
     classifier = Classifier(folder, meta, cfg)
     _check_head(classifier)
     return classifier
+
+
+def read_embedder(folder: Path) -> Embedder:
+    """The embedding model in `folder` (kept by evaluate or exported), its description checked: the
+    pooling, the lengths against the buckets and the buckets against the model's positions, the params
+    an encoder's. The caller checks the files' hashes first (the store's or `verify_checksums`)."""
+    meta, cfg = _description(folder, EMBEDDER, "embedding model")
+    where = folder / EMBEDDER
+    check_embedder_meta(meta, where)
+    _check_positions(where, meta, cfg)
+    _check_encoder(folder / PARAMS)
+    return Embedder(folder, meta, cfg)
+
+
+def check_embedder_meta(meta: Any, where: Path) -> None:
+    """An embedder.json cram can embed with: its kind, task, pooling, normalisation, document and query
+    lengths, buckets and params file; KeptError naming `where` and the field otherwise."""
+    from cram.model.embedder import EMBEDDING_POOLINGS  # torch: embedding needs it anyway
+
+    if not isinstance(meta, dict):
+        raise KeptError(f"{where}: not a JSON object")
+    if meta.get("kind") != "embedder":
+        raise KeptError(f'{where}: kind {json.dumps(meta.get("kind"))}: expected "embedder"')
+    if not isinstance(meta.get("task"), str) or not meta["task"]:
+        raise KeptError(f"{where}: task {json.dumps(meta.get('task'))}: expected the task's name")
+    if meta.get("pooling") not in EMBEDDING_POOLINGS:
+        raise KeptError(f"{where}: pooling {json.dumps(meta.get('pooling'))}: allowed {', '.join(EMBEDDING_POOLINGS)}")
+    if meta.get("normalize") is not True:
+        raise KeptError(f"{where}: normalize {json.dumps(meta.get('normalize'))}: cram embeds unit vectors (true)")
+    _check_lengths(meta, where, ("max_length", "query_max_length"))
+    if meta.get("params") != PARAMS:
+        raise KeptError(f"{where}: params {json.dumps(meta.get('params'))}: expected {json.dumps(PARAMS)}")
+
+
+def _check_encoder(path: Path) -> None:
+    """KeptError where the params file is missing, unreadable or holds no encoder (its token embeddings)."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        raise KeptError(f"{path}: missing")
+    try:
+        with safe_open(path, "pt") as f:
+            names = set(f.keys())
+    except (OSError, SafetensorError) as e:
+        raise KeptError(f"{path}: not readable params ({e})") from None
+    if "embed.tokens.weight" not in names:
+        raise KeptError(f"{path}: no encoder (embed.tokens.weight)")
+
+
+def _description(folder: Path, name: str, kind: str) -> tuple[Any, ModelConfig]:
+    """The JSON of `folder / name` and the ModelConfig beside it; KeptError naming the file otherwise."""
+    path = folder / name
+    try:
+        return json.loads(path.read_text(encoding="utf-8")), ModelConfig.from_json(folder / MODEL)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ModelConfigError) as e:
+        raise KeptError(f"{path}: not a readable {kind} ({e})") from None
 
 
 def check_meta(meta: Any, where: Path) -> None:
@@ -118,11 +200,20 @@ def check_meta(meta: Any, where: Path) -> None:
     fields = meta.get("text_fields")
     if not isinstance(fields, list) or len(fields) not in (1, 2) or not all(isinstance(f, str) for f in fields):
         raise KeptError(f"{where}: text_fields {json.dumps(fields)}: expected one or two field names")
-    buckets, length = meta.get("buckets"), meta.get("max_length")
-    if not isinstance(buckets, list) or not buckets or not all(type(b) is int and b > 0 for b in buckets):
-        raise KeptError(f"{where}: buckets {json.dumps(buckets)}: expected positive lengths")
-    if type(length) is not int or not 3 <= length <= max(buckets):
-        raise KeptError(f"{where}: max_length {json.dumps(length)}: expected 3 to the largest bucket, {max(buckets)}")
+    _check_lengths(meta, where, ("max_length",))
+
+
+def _check_lengths(meta: dict[str, Any], where: Path, lengths: tuple[str, ...]) -> None:
+    """Buckets that are increasing positive lengths, and each of `lengths` (a key of `meta`) from 3 tokens ([CLS], one
+    token, [SEP]) to the largest bucket; KeptError naming `where` and the key otherwise."""
+    buckets = meta.get("buckets")
+    ok = isinstance(buckets, list) and buckets and all(type(b) is int and b > 0 for b in buckets)
+    if not ok or buckets != sorted(set(buckets)):
+        raise KeptError(f"{where}: buckets {json.dumps(buckets)}: expected increasing positive lengths")
+    for key in lengths:
+        length = meta.get(key)
+        if type(length) is not int or not 3 <= length <= max(buckets):
+            raise KeptError(f"{where}: {key} {json.dumps(length)}: expected 3 to the largest bucket, {max(buckets)}")
 
 
 def _check_head(classifier: Classifier) -> None:
@@ -144,8 +235,11 @@ def _check_head(classifier: Classifier) -> None:
             f"{classifier.folder / META}: names {meta['num_outputs']} outputs "
             f"({', '.join(meta['labels']) or 'a value'}), but the head in {PARAMS} has {shape[0]}"
         )
-    if max(meta["buckets"]) > classifier.cfg.max_seq_len:
+    _check_positions(classifier.folder / META, meta, classifier.cfg)
+
+
+def _check_positions(where: Path, meta: dict[str, Any], cfg: ModelConfig) -> None:
+    if max(meta["buckets"]) > cfg.max_seq_len:
         raise KeptError(
-            f"{classifier.folder / META}: buckets up to {max(meta['buckets'])} tokens, past the model's "
-            f"{classifier.cfg.max_seq_len} positions"
+            f"{where}: buckets up to {max(meta['buckets'])} tokens, past the model's {cfg.max_seq_len} positions"
         )

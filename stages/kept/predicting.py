@@ -19,10 +19,10 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, TextIO
+from typing import TYPE_CHECKING, Any, Iterator, TextIO
 
 from cram.stages import StageError
-from cram.stages.kept.batches import Padding, join
+from cram.stages.kept.batches import Padding, join, run_sorted
 from cram.stages.kept.folder import Classifier, KeptError
 from cram.stages.shared.files import temp_path
 from cram.stages.shared.progress import Every
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from cram.stages.kept.batches import Graph
     from cram.stages.shared.tokenizer import Tokenizer
 
 CHUNK = 16_384  # texts read, encoded, predicted and written at a time
@@ -57,8 +58,7 @@ class Predictor:
     tokenizer: Tokenizer
     padding: Padding
     params: dict[str, torch.Tensor]
-    graph: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], torch.Tensor]  # (params, batch) -> outputs
-    device: torch.device
+    graph: Graph
     settings: Settings
 
     @classmethod
@@ -82,32 +82,14 @@ class Predictor:
         device = devices.resolve("auto")
         params = {k: v.to(device) for k, v in classifier.params().items()}
         padding = Padding(special, tuple(meta["buckets"]), cfg.token_types > 1)
-        return cls(classifier, loaded, padding, params, graph, device, settings)
+        return cls(classifier, loaded, padding, params, graph, settings)
 
     def outputs(self, texts: list[tuple[str, ...]]) -> np.ndarray:
         """The model's outputs [N, num_outputs] (logits, or the regression value), in the texts' order."""
-        import numpy as np
-        import torch
-
-        from cram.stages.shared.device import to_device
-
         special, length = self.padding.special, self.classifier.meta["max_length"]
         columns = [self.tokenizer.encode([t[i] for t in texts]) for i in range(len(texts[0]))]
         rows = [join(parts, special, length) for parts in zip(*columns)]
-        lengths = np.array([len(r) for r in rows])
-        order = np.argsort(lengths, kind="stable")  # similar lengths together: less padding
-        size, outputs = self.settings.batch_size, []
-        # One graph per bucket; past dynamo's limit it would fall back to eager silently: an error instead.
-        limit = max(8, len(self.padding.buckets))
-        with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
-            for start in range(0, len(rows), size):
-                index = order[start : start + size]
-                arrays = self.padding.inputs(rows, lengths, index, size)
-                batch = {k: to_device(torch.from_numpy(v), self.device) for k, v in arrays.items()}
-                outputs.append(self.graph(self.params, batch)[: len(index)])
-        unsorted = np.empty_like(order)
-        unsorted[order] = np.arange(len(order))
-        return torch.cat(outputs).float().cpu().numpy()[unsorted]
+        return run_sorted(self.graph, self.params, rows, self.padding, self.settings.batch_size)
 
     def rows(self, outputs: np.ndarray) -> list[dict[str, Any]]:
         """One row a text: the label and every label's probability, or the regression's value."""
@@ -181,13 +163,13 @@ def _write_chunks(predictor: Predictor, files: list[Path], f: TextIO, out: Path 
         else:
             table.writerows([r["value"]] if "value" in r else [r["label"], *r["probabilities"].values()] for r in rows)
         written += len(rows)
-        _give_back_freed_memory()
+        give_back_freed_memory()
         if every.due():
             print(f"predict: {written:,} texts", file=sys.stderr, flush=True)
     return written
 
 
-def _give_back_freed_memory() -> None:
+def give_back_freed_memory() -> None:
     """Hand the memory a chunk freed back to the system: glibc keeps it, fragmented, so a long file grew the
     process by ~300 bytes a line without this (bench/README.md, "predict memory"). A C library without
     `malloc_trim` has nothing to give back here."""

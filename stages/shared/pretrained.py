@@ -6,8 +6,10 @@ PATH is one of:
   `model.safetensors.index.json` lists) of a ModernBERT, BERT, RoBERTa / XLM-R or DistilBERT masked LM,
   base model or sequence classifier (`model/hf.py`); its tokenizer is the `tokenizer.json` beside them;
 - a sentence-transformers folder (`modules.json`): the transformer at its root or in the sub-folder its
-  `sentence_transformers.models.Transformer` module names, and the pooling of its `Pooling` module's
-  `config.json` (`pooling`: mean tokens as "mean", the CLS token as "first");
+  Transformer module names, and the pooling of its Pooling module's `config.json` (`pooling`: mean
+  tokens as "mean", the CLS token as "first"), in the spellings of sentence-transformers 2 to 5
+  (`sentence_transformers.models.Pooling`, `pooling_mode_mean_tokens: true`) and of 6
+  (`sentence_transformers.sentence_transformer.modules.pooling.Pooling`, `pooling_mode: "mean"`);
 - a cram export (`cram export RUN --to DIR`) or a finished pretrain stage folder: `model.json` and
   `params.safetensors`, with `tokenizer.json` or `tokenizer.model` beside them in an export;
 - a run directory: its `pretrain/` folder, and the tokenizer of its `tokenize/` folder.
@@ -32,9 +34,12 @@ if TYPE_CHECKING:
 
 _SHARD_INDEX = "model.safetensors.index.json"
 _MODULES = "modules.json"  # a sentence-transformers folder
-_ST = "sentence_transformers.models."
-# A Pooling module's modes, as evaluate's `pooling` names them; other modes (max, weighted mean) have none.
-_POOLINGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "first"}
+_ST = "sentence_transformers."
+# A Pooling module's modes as evaluate's `pooling` names them, in sentence-transformers 2 to 5's spelling
+# (a flag each) and 6's (`pooling_mode`, a name or a list of them); other modes (max, weighted mean) have none.
+POOLING_FLAGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "first"}
+_POOLING_NAMES = {"mean": "mean", "cls": "first"}
+POOLINGS_READ = 'pooling_mode "mean" or "cls" (pooling_mode_mean_tokens or pooling_mode_cls_token)'
 
 
 class PretrainedError(ValueError):
@@ -52,6 +57,7 @@ class Pretrained:
     tokenizer: Path | None  # its tokenizer file, when it has one
     pooling: str | None = None  # a sentence-transformers folder's pooling, "mean" or "first"; None: none said
     sentence: bool = False  # a sentence-transformers folder: an encoder trained for embeddings, not masked LM
+    modules: tuple[str, ...] = ()  # a sentence-transformers folder's modules, by class name, in order
 
 
 def locate(path: Path) -> Pretrained:
@@ -163,21 +169,47 @@ def _sentence_transformers(root: Path) -> Pretrained:
     modules = _read_json(root / _MODULES)
     if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
         raise PretrainedError(f"{root / _MODULES}: not a list of modules")
-    paths = {m.get("type"): m.get("path", "") for m in modules}
-    transformer = paths.get(_ST + "Transformer")
+    kinds = tuple(sentence_module(m.get("type")) for m in modules)
+    paths = {kind: m.get("path", "") for kind, m in zip(kinds, modules)}
+    transformer = paths.get("Transformer")
     if not isinstance(transformer, str):
-        raise PretrainedError(f"{root / _MODULES}: no {_ST}Transformer module; cram reads that one")
+        raise PretrainedError(f"{root / _MODULES}: no sentence_transformers Transformer module; cram reads that one")
     folder = root / transformer
     if not (folder / "config.json").is_file():
         raise PretrainedError(f"{root / _MODULES}: its Transformer module's folder {folder} has no config.json")
     found = _transformers(folder)
     pooling = None
-    if isinstance(paths.get(_ST + "Pooling"), str):
-        settings = _read_json(root / paths[_ST + "Pooling"] / "config.json")
-        modes = [mode for key, mode in _POOLINGS.items() if isinstance(settings, dict) and settings.get(key) is True]
-        pooling = modes[0] if len(modes) == 1 else None
+    if isinstance(paths.get("Pooling"), str):
+        pooling = sentence_pooling(_read_json(root / paths["Pooling"] / "config.json"))
     tokenizer = found.tokenizer or tokenizer_in(root)
-    return Pretrained(folder, "transformers", found.config_file, found.weights, tokenizer, pooling, sentence=True)
+    names = tuple(kind or "?" for kind in kinds)
+    return Pretrained(folder, "transformers", found.config_file, found.weights, tokenizer, pooling, True, names)
+
+
+def sentence_module(kind: object) -> str | None:
+    """The class name a modules.json `type` names, where it is one of sentence-transformers' own: the last
+    part of `sentence_transformers.models.Pooling` (2 to 5) or of
+    `sentence_transformers.sentence_transformer.modules.pooling.Pooling` (6)."""
+    if not isinstance(kind, str) or not kind.startswith(_ST):
+        return None
+    return kind.rsplit(".", 1)[-1]
+
+
+def sentence_pooling(settings: object) -> str | None:
+    """A Pooling module's config.json as evaluate's `pooling` names it, "mean" or "first", in either
+    spelling (`POOLINGS_READ`); None for any other mode, several at once, or none."""
+    if not isinstance(settings, dict):
+        return None
+    if "pooling_mode" in settings:
+        mode = settings["pooling_mode"]
+        names = mode if isinstance(mode, list) else [mode]
+        modes = [_POOLING_NAMES.get(name) if isinstance(name, str) else None for name in names]
+    else:
+        modes = [mode for key, mode in POOLING_FLAGS.items() if settings.get(key) is True]
+        others = [key for key, value in settings.items() if key.startswith("pooling_mode_") and value is True]
+        if set(others) - set(POOLING_FLAGS):
+            modes.append(None)  # a mode cram does not compute, beside one it does
+    return modes[0] if len(modes) == 1 else None
 
 
 def _read_json(path: Path) -> Any:

@@ -1,0 +1,200 @@
+"""`cram embed` as a user runs it: one file or several in order, the .npy's dtype and shape, and every
+bad input (a missing file, an unknown task, an absent field, an --out that is not .npy, a run without
+embedding models, a damaged export or kept model, an embedder.json cram cannot use) one line, exit 2,
+nothing written."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from test_classifier_export import FAMILIES, sp_model, with_classifier  # noqa: F401 (a fixture)
+from test_embed import EAGER, TEXTS, vectors, with_embedder
+from test_export import MODERNBERT, fake_run
+from typer.testing import CliRunner
+
+from cram.pipeline.commands import cli
+from cram.pipeline.commands.embed import embed
+from cram.pipeline.commands.export import export
+from cram.pipeline.errors import CramError
+from cram.stages.kept import KeptError, read_embedder
+from cram.stages.kept.embedding import Request
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def run(tmp_path, sp_model):  # noqa: F811
+    run, _ = fake_run(tmp_path, sp_model, cfg=FAMILIES["bert"])
+    with_embedder(run, FAMILIES["bert"])
+    return run
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli.app, ["embed", *map(str, args), "--no-compile"])
+
+
+def test_one_file_or_several_give_the_texts_vectors_in_order(tmp_path, run):
+    whole = vectors(run, tmp_path)  # TEXTS from one plain-text file
+    first, second, third = tmp_path / "a.txt", tmp_path / "b.jsonl", tmp_path / "c.csv"
+    first.write_text("\n".join(TEXTS[:2]) + "\n\n")  # a blank line is no text
+    second.write_text("".join(json.dumps({"id": i, "body": t}) + "\n" for i, t in enumerate(TEXTS[2:4])))
+    third.write_text("body,id\n" + "".join(f'"{t}",{i}\n' for i, t in enumerate(TEXTS[4:])))
+    out = tmp_path / "several.npy"
+    result = invoke(run, second, third, "--field", "body", "--out", out)
+    assert result.exit_code == 0 and "4 vectors (float32)" in result.output, result.output
+    assert np.abs(np.load(out) - whole[2:]).max() < 1e-6
+    # Chunks of 2 texts that straddle the files: the rows still come out in the inputs' order.
+    chunked = dataclasses.replace(EAGER, chunk=3)
+    assert embed(run, [first, first], tmp_path / "twice.npy", request=Request(field="body"), settings=chunked) == 4
+    assert np.abs(np.load(tmp_path / "twice.npy") - np.concatenate([whole[:2], whole[:2]])).max() < 1e-6
+
+
+def test_float16_halves_the_file_and_keeps_the_vectors(tmp_path, run):
+    full = vectors(run, tmp_path)
+    half = vectors(run, tmp_path, name="half.npy", dtype="float16")
+    assert half.dtype == np.float16 and half.shape == full.shape == (len(TEXTS), FAMILIES["bert"].hidden)
+    assert np.abs(half.astype(np.float32) - full).max() < 1e-3
+    assert np.allclose(np.linalg.norm(full, axis=1), 1, atol=1e-5)
+
+
+def test_bad_inputs_are_one_line_exit_2_and_write_nothing(tmp_path, sp_model, run):  # noqa: F811
+    texts = tmp_path / "t.txt"
+    texts.write_text("a text\n")
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text('{"body": "no text field"}\n')
+    several, _ = fake_run(tmp_path / "several", sp_model, cfg=FAMILIES["bert"])
+    with_embedder(several, FAMILIES["bert"], tasks=("a", "b"))
+    classifying, _ = fake_run(tmp_path / "classifying", sp_model)
+    with_classifier(classifying, MODERNBERT, "modernbert")
+    out = tmp_path / "v.npy"
+    cases = [
+        ((run, tmp_path / "missing.txt", "--out", out), "missing.txt: not a file"),
+        ((run, texts, "--task", "nope", "--out", out), "kept no embedding model of that task; it kept: search"),
+        ((run, wrong, "--out", out), "record 1 has no field 'text'"),
+        ((run, texts, "--out", tmp_path / "v.jsonl"), "unknown extension '.jsonl'; allowed .npy, .parquet"),
+        ((run, texts, "--out", out, "--dtype", "int8"), "--dtype int8: allowed float32, float16"),
+        ((classifying, texts, "--out", out), "evaluate kept no embedding model"),
+        ((several, texts, "--out", out), "kept embedding models of a, b; name one with --task"),
+        ((tmp_path / "nowhere", texts, "--out", out), "neither a run directory nor an exported embedding model"),
+        ((run, texts, "--out", run / "evaluate" / "v.npy"), "inside the run directory"),
+    ]
+    for args, message in cases:
+        result = invoke(*args)
+        assert result.exit_code == 2 and message in result.output, (args, result.output)
+        assert len(result.output.strip().splitlines()) == 1, result.output
+    assert not list(tmp_path.glob("*.npy")) and not list(tmp_path.glob(".*tmp"))
+
+
+@pytest.mark.parametrize(
+    "fmt, damage",
+    [
+        ("sentence-transformers", "model.safetensors"),
+        ("sentence-transformers", "tokenizer.json"),
+        ("cram", "params.safetensors"),
+    ],
+)
+def test_a_damaged_export_is_refused_in_one_line(tmp_path, run, fmt, damage):
+    folder = export(run, tmp_path / "export", fmt=fmt, task="search")
+    path = folder / damage
+    if damage == "tokenizer.json":
+        path.write_text(path.read_text().replace('"[UNK]"', '"[UNKNOWN]"'))  # still a tokenizer, but not this one
+    else:
+        path.write_bytes(path.read_bytes()[:-100])  # cut short
+    texts = tmp_path / "t.txt"
+    texts.write_text("a text\n")
+    result = invoke(folder, texts, "--out", tmp_path / "v.npy")
+    assert result.exit_code == 2 and f"{damage}: damaged" in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "v.npy").exists()
+
+
+def test_a_damaged_kept_embedding_model_is_refused_by_embed_and_export(tmp_path, run):
+    params = next((run / "evaluate" / "embedders").rglob("params.safetensors"))
+    data = bytearray(params.read_bytes())
+    data[-1] ^= 1  # same size, other bytes
+    params.write_bytes(bytes(data))
+    texts = tmp_path / "t.txt"
+    texts.write_text("a text\n")
+    result = invoke(run, texts, "--out", tmp_path / "v.npy")
+    assert result.exit_code == 2 and "params.safetensors: damaged" in result.output, result.output
+    with pytest.raises(CramError, match="params.safetensors: damaged"):
+        export(run, tmp_path / "x", fmt="sentence-transformers", task="search")
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("pooling", "max", 'pooling "max": allowed mean, first'),
+        ("normalize", False, "normalize false: cram embeds unit vectors"),
+        ("query_max_length", 40, "query_max_length 40: expected 3 to the largest bucket, 16"),
+        ("max_length", 2, "max_length 2: expected 3"),
+        ("buckets", [16, 8], "buckets [16, 8]: expected increasing positive lengths"),
+        ("buckets", [8, 32], "buckets up to 32 tokens, past the model's 24 positions"),
+        ("kind", "classifier", 'kind "classifier": expected "embedder"'),
+        ("params", "weights.bin", 'params "weights.bin": expected "params.safetensors"'),
+    ],
+)
+def test_an_embedder_json_cram_cannot_use_is_refused_naming_the_field(run, field, value, message):
+    folder = next((run / "evaluate" / "embedders").iterdir()) / "seed-0"
+    meta = json.loads((folder / "embedder.json").read_text())
+    (folder / "embedder.json").write_text(json.dumps({**meta, field: value}))
+    with pytest.raises(KeptError, match="embedder.json: ") as caught:
+        read_embedder(folder)
+    assert message in str(caught.value)
+
+
+def test_an_embedding_models_folder_without_params_or_encoder_is_refused(run):
+    folder = next((run / "evaluate" / "embedders").iterdir()) / "seed-0"
+    (folder / "params.safetensors").unlink()
+    with pytest.raises(KeptError, match="params.safetensors: missing"):
+        read_embedder(folder)
+
+
+def test_export_refuses_what_sentence_transformers_cannot_hold(tmp_path, sp_model, run):  # noqa: F811
+    cases = [
+        (dict(fmt="sentence-transformers"), "name a retrieval task with --task"),
+        (dict(fmt="sentence-transformers", task="nope"), "kept no classifier; it kept embedding models of: search"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(CramError, match=message):
+            export(run, tmp_path / "x", **kwargs)
+    odd = dataclasses.replace(MODERNBERT, qk_norm=True)
+    other, _ = fake_run(tmp_path / "odd", sp_model, cfg=odd)
+    with_embedder(other, odd)
+    result = CliRunner().invoke(
+        cli.app,
+        ["export", str(other), "--task", "search", "--to", str(tmp_path / "x"), "--format", "sentence-transformers"],
+    )
+    assert result.exit_code == 2 and "set pretrain.model.qk_norm=false" in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
+    export(other, tmp_path / "cram", task="search")  # cram's own format holds any layout
+
+
+def test_a_sentence_transformers_folder_whose_vectors_cram_cannot_compute_is_refused(tmp_path, run):
+    folder = export(run, tmp_path / "st", fmt="sentence-transformers", task="search")
+    (folder / "checksums.json").unlink()  # edited by hand, as a user's own folder: no checksums to fail first
+    texts = tmp_path / "t.txt"
+    texts.write_text("a text\n")
+    pooling = json.loads((folder / "1_Pooling" / "config.json").read_text())
+    modules = json.loads((folder / "modules.json").read_text())
+    dense = {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
+    edits = [
+        ("1_Pooling/config.json", {**pooling, "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": True}),
+        ("1_Pooling/config.json", {**pooling, "pooling_mode_max_tokens": True}),  # mean and max, concatenated
+        ("1_Pooling/config.json", {"embedding_dimension": 16, "pooling_mode": "max"}),  # sentence-transformers 6
+        ("1_Pooling/config.json", {"embedding_dimension": 16, "pooling_mode": ["mean", "cls"]}),
+        ("modules.json", modules[:2]),  # no Normalize
+        ("modules.json", [*modules[:2], dense, modules[2]]),  # a projection after the pooling
+    ]
+    pooling_refused = 'names a pooling cram does not compute; it computes pooling_mode "mean" or "cls"'
+    expected = "cram embeds with Transformer, Pooling, Normalize, in that order"
+    messages = [pooling_refused] * 4 + [f"Transformer, Pooling; {expected}", f"Pooling, Dense, Normalize; {expected}"]
+    for (name, value), message in zip(edits, messages):
+        original = (folder / name).read_text()
+        (folder / name).write_text(json.dumps(value))
+        result = invoke(folder, texts, "--out", tmp_path / "v.npy")
+        assert result.exit_code == 2 and message in result.output, result.output
+        (folder / name).write_text(original)
+    assert not (tmp_path / "v.npy").exists()
+    assert invoke(folder, texts, "--out", tmp_path / "v.npy").exit_code == 0  # as exported, it embeds

@@ -1,0 +1,103 @@
+"""A folder that sentence-transformers 6 saves itself (its own module class paths in modules.json,
+`"pooling_mode": "mean"` in the Pooling module's config.json, the length in tokenizer_config.json) is read
+by `cram embed`, which embeds as its `encode` does (1e-4), and by `[pretrain] init`, which keeps its
+pooling. The model is a small random BertModel saved locally: nothing is downloaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_init_headless import bert_model
+
+from cram.pipeline import config as pipeline_config
+from cram.pipeline import runner
+from cram.pipeline.commands.embed import embed
+from cram.stages.kept.embedding import Request
+from cram.stages.kept.fast_tokenizer import post_processor
+from cram.stages.kept.predicting import Settings
+from cram.stages.shared import pretrained
+
+sentence_transformers = pytest.importorskip("sentence_transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LENGTH = 24  # under the model's 32 positions
+TEXTS = ["The cat sat on the mat.", "a", " ".join(["the quick brown fox jumps over the lazy dog"] * 5), "dog and cat"]
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory) -> Path:
+    """A small random BertModel whose tokenizer.json wraps a text in [CLS] ... [SEP], as BERT's does."""
+    from tokenizers import Tokenizer
+
+    folder = bert_model(tmp_path_factory.mktemp("bert") / "bert")
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    special = {role: tokenizer.token_to_id(f"[{role.upper()}]") for role in ("cls", "sep")}
+    tokenizer.post_processor = post_processor(special, {role: f"[{role.upper()}]" for role in special})
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def saved(bert: Path, folder: Path, mode: str) -> sentence_transformers.SentenceTransformer:
+    """A SentenceTransformer of BERT, `mode` pooling and normalisation, saved by sentence-transformers to FOLDER."""
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    transformer = Transformer(str(bert), max_seq_length=LENGTH)
+    modules = [transformer, Pooling(transformer.get_embedding_dimension(), pooling_mode=mode), Normalize()]
+    model = sentence_transformers.SentenceTransformer(modules=modules, device="cpu")
+    model.save(str(folder))
+    return model
+
+
+@pytest.mark.parametrize("mode, pooling", [("mean", "mean"), ("cls", "first")])
+def test_cram_embeds_a_folder_sentence_transformers_6_saved_as_its_encode_does(tmp_path, bert, mode, pooling):
+    folder = tmp_path / "st6"
+    model = saved(bert, folder, mode)
+    types = [m["type"] for m in json.loads((folder / "modules.json").read_text())]
+    assert not any(t.startswith("sentence_transformers.models.") for t in types), types  # 6's own spelling
+    assert json.loads((folder / "1_Pooling" / "config.json").read_text())["pooling_mode"] == mode
+
+    lines = tmp_path / "texts.txt"
+    lines.write_text("\n".join(TEXTS) + "\n")
+    out = tmp_path / "v.npy"
+    assert embed(folder, [lines], out, request=Request(), settings=Settings(compile=False, batch_size=2)) == len(TEXTS)
+    ours = np.load(out)
+    theirs = model.encode(TEXTS, batch_size=2)
+    assert ours.shape == theirs.shape and np.abs(ours - theirs).max() < 1e-4
+    loaded = sentence_transformers.SentenceTransformer(str(folder), device="cpu")  # what it saved, read back
+    assert np.abs(theirs - loaded.encode(TEXTS, batch_size=2)).max() < 1e-6
+    assert pretrained.locate(folder).pooling == pooling
+
+
+def test_pretrain_init_of_a_sentence_transformers_6_folder_keeps_its_pooling(tmp_path, bert):
+    folder = tmp_path / "st6"
+    saved(bert, folder, "mean")
+    found = pretrained.locate(folder)
+    assert found.sentence and found.pooling == "mean" and found.modules == ("Transformer", "Pooling", "Normalize")
+    cfg, params = pretrained.load(found)
+    assert cfg.hidden == 16 and cfg.layers == 1
+    (tmp_path / "p.toml").write_text(f'[pretrain]\ninit = "{folder}"\n')
+    classes = runner.config_classes(runner.default_stages())
+    # cramming's head reads the pooling it is given (BERT's reads [CLS] alone: tests/test_init_head.py)
+    config = pipeline_config.load(tmp_path / "p.toml", classes, ['evaluate.head="cramming"'])
+    assert config.stages["evaluate"].pooling == "mean"
+
+
+@pytest.mark.parametrize(
+    "settings, pooling",
+    [
+        ({"pooling_mode": "mean"}, "mean"),
+        ({"pooling_mode": ["cls"]}, "first"),
+        ({"pooling_mode": "lasttoken"}, None),
+        ({"pooling_mode": ["mean", "max"]}, None),
+        ({"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": False}, "mean"),
+        ({"pooling_mode_cls_token": True}, "first"),
+        ({"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True}, None),
+        ({"pooling_mode_mean_tokens": False}, None),
+        ([], None),
+    ],
+)
+def test_both_spellings_of_a_pooling_read_as_one(settings, pooling):
+    assert pretrained.sentence_pooling(settings) == pooling
