@@ -181,7 +181,7 @@ class Tuner:
     params: dict  # pretrained, on the device
     special: dict
     device: torch.device
-    step: Callable  # (params, opt_state, batch, lr) -> (params, opt_state, metrics)
+    step: Callable  # (params, opt_state, batch, lr, donate=False) -> (params, opt_state, metrics)
     predict: Callable  # (params, batch) -> logits
 
     @classmethod
@@ -228,7 +228,8 @@ class Tuner:
         size = self.config.batch_size
         head = self.head(num_outputs, seed)
         torch.manual_seed(seed)  # dropout's masks: a seed's fine-tune is the same wherever it runs
-        params = {**self.params, **head}
+        # the loop's own copy, which its steps may overwrite (`donate`): every seed starts from self.params
+        params = {**{k: v.clone() for k, v in self.params.items()}, **head}
         opt_state = model.adamw_init(params)
         rng = np.random.default_rng(seed)
         steps_per_epoch = math.ceil(len(rows) / size)
@@ -244,7 +245,7 @@ class Tuner:
                 progress = (epoch * steps_per_epoch + i) / total
                 factor = model.lr_schedule(FINETUNE_OPTIMIZER["schedule"], progress, warmup=self.config.warmup)
                 lr_now = to_device(torch.tensor(lr * factor, dtype=torch.float32), self.device)
-                params, opt_state, metrics = self.step(params, opt_state, batch, lr_now)
+                params, opt_state, metrics = self.step(params, opt_state, batch, lr_now, donate=True)
                 losses.append(metrics["loss"])
                 if log is not None and every.due():  # the loss read here is the one host sync in 30 s
                     step = epoch * steps_per_epoch + i + 1
