@@ -160,6 +160,9 @@ def make_finetune_step(
         ids, mask, types = batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids")
         with autocast(ids, how.autocast):
             rate = batch["dropout"] if "dropout" in batch else torch.tensor(cfg.dropout, device=ids.device)
+            # A graph takes the rate as a tensor (one graph at every rate); eager takes it as a number,
+            # for F.dropout's one op instead of a drawn uniform mask's five (`bert.dropout`).
+            rate = rate if how.compile else float(rate)
             logits = classify(params, cfg, ids, mask, pooling, how.attention, types, rate, head)
         return finetune_loss(logits, batch["labels"], batch["weights"])
 
