@@ -4,7 +4,7 @@ seed, and the scores of its predictions.
 Every task and seed starts from the pretrained params with a fresh head. Every batch has `batch_size`
 rows (short batches are filled with zero-weight rows) and is padded to the smallest length bucket
 that fits it, so the compiled step and prediction each compile at most once per bucket and nothing
-recompiles from step to step.
+recompiles from step to step; eager steps, which compile nothing, pad to the batch's longest row.
 """
 
 from __future__ import annotations
@@ -308,12 +308,14 @@ class Tuner:
         return torch.cat(outputs).cpu().numpy()[unsorted]  # one host sync, after the last batch
 
     def batch(self, rows: list, lengths, labels, index, size: int, dropout: float = 0.0) -> dict:
-        """`size` rows padded to the bucket of the longest; rows past `len(index)` are weightless fillers;
-        `dropout`: the fine-tune step's rate."""
+        """`size` rows padded to the bucket of the longest (eager: to the longest); rows past `len(index)`
+        are weightless fillers; `dropout`: the fine-tune step's rate."""
         import numpy as np
         import torch
 
-        padding = Padding(self.special, self.config.buckets, self.cfg.token_types > 1)
+        # Buckets bound a compiled step's graphs; eager steps have none to bound and pad to the longest row
+        buckets = self.config.buckets if self.config.compile else (int(lengths[index].max()),)
+        padding = Padding(self.special, buckets, self.cfg.token_types > 1)
         arrays = padding.inputs(rows, lengths, index, size)
         padded_labels = np.zeros(size, dtype=labels.dtype)
         padded_labels[: len(index)] = labels[index]
