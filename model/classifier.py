@@ -32,7 +32,8 @@ from torch import Tensor
 
 from cram.model.bert import INIT_STD, dropout, encode
 from cram.model.config import Attention, ModelConfig, OptimizerConfig
-from cram.model.step import EAGER, Compilation, autocast, compiled, detached_params, make_apply_step
+from cram.model.optim import adamw_update, adamw_update_
+from cram.model.step import Compilation, autocast, compiled, detached_params
 
 # "pooler": the first token, through a head whose dense layer starts as the checkpoint's pooler (`pooler_head`).
 Pooling = Literal["first", "mean", "pooler"]
@@ -145,29 +146,41 @@ def make_finetune_step(
     pooling: Pooling = "first",
     head: Head = "cramming",
 ) -> Callable[..., tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]]:
-    """step(params, opt_state, batch, lr: 0-dim tensor) -> (params, opt_state, {"loss", "grad_norm"}).
+    """step(params, opt_state, batch, lr: 0-dim tensor, donate=False) -> (params, opt_state, {"loss", "grad_norm"}).
 
     Forward, loss, gradient and AdamW update in one graph per batch shape; the dropout rate is
-    `batch["dropout"]` where the batch has one, else `cfg.dropout`.
+    `batch["dropout"]` where the batch has one, else `cfg.dropout`. `donate=True` says the caller owns
+    `params` and `opt_state` and keeps only what the step returns: eager, the step then writes the new
+    params and moments into the tensors given (`adamw_update_`); compiled, it is the same graph either way.
     """
     _check_pooling(pooling)
     _check_head(head)
-    apply = make_apply_step(opt_cfg, EAGER)
 
     def loss_fn(params: dict[str, Tensor], batch: dict[str, Tensor]) -> Tensor:
         ids, mask, types = batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids")
         with autocast(ids, how.autocast):
             rate = batch["dropout"] if "dropout" in batch else torch.tensor(cfg.dropout, device=ids.device)
+            # A graph takes the rate as a tensor (one graph at every rate); eager takes it as a number,
+            # for F.dropout's one op instead of a drawn uniform mask's five (`bert.dropout`).
+            rate = rate if how.compile else float(rate)
             logits = classify(params, cfg, ids, mask, pooling, how.attention, types, rate, head)
         return finetune_loss(logits, batch["labels"], batch["weights"])
 
-    def step(params, opt_state, batch, lr):
-        grads, loss = torch.func.grad_and_value(loss_fn)(params, batch)
-        one = torch.ones((), device=lr.device)  # a single micro-batch: the gradient is already the mean
-        params, opt_state, metrics = apply(params, opt_state, grads, one, lr)
-        return params, opt_state, {**metrics, "loss": loss.detach()}
+    def updating(update: Callable) -> Callable:
+        def step(params, opt_state, batch, lr):
+            grads, loss = torch.func.grad_and_value(loss_fn)(params, batch)
+            params, opt_state, grad_norm = update(opt_cfg, params, opt_state, grads, lr)
+            return params, opt_state, {"grad_norm": grad_norm, "loss": loss.detach()}
 
-    return detached_params(compiled(step, how))
+        return step
+
+    pure = detached_params(compiled(updating(adamw_update), how))
+    in_place = pure if how.compile else detached_params(updating(adamw_update_))
+
+    def step(params, opt_state, batch, lr, donate: bool = False):
+        return (in_place if donate else pure)(params, opt_state, batch, lr)
+
+    return step
 
 
 def make_classify_eval_step(

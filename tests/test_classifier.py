@@ -115,6 +115,25 @@ def test_the_dropout_rate_is_an_input_of_one_graph():
     assert len(losses) == 3 and float(compiled(*state, at_zero, lr)[2]["loss"]) not in losses
 
 
+@pytest.mark.parametrize("kind", ["adamw", "stable_adamw"])
+def test_a_donated_eager_step_is_the_pure_step_written_into_its_inputs(kind):
+    """`donate=True` (the fine-tune loop's own copies) writes AdamW's new params and moments into the
+    tensors given, with decay on the matrices alone and clipping as the pure update has them."""
+    opt = model.OptimizerConfig(kind=kind, eps=1e-6, weight_decay=0.1, clip_norm=0.05)
+    step = make_finetune_step(CFG, opt, model.EAGER)
+    pure = (params_with_head(), model.adamw_init(params_with_head()))
+    owned = ({k: v.clone() for k, v in pure[0].items()}, model.adamw_init(pure[0]))
+    given = owned[0]["layers.0.attn.qkv.weight"]
+    for seed, lr in enumerate([1e-2, 5e-3, 2e-3]):
+        batch = toy_batch(seed=seed)
+        *pure, expected = step(*pure, batch, torch.tensor(lr))
+        *owned, metrics = step(*owned, batch, torch.tensor(lr), donate=True)
+    assert expected["grad_norm"] > opt.clip_norm  # the clip applied
+    torch.testing.assert_close(metrics, expected)
+    torch.testing.assert_close(owned, pure)
+    assert (owned[0]["layers.0.attn.qkv.weight"] is given) == (kind == "adamw")  # stable_adamw: the pure update
+
+
 def test_finetune_step_learns_a_toy_task():
     params, batch = params_with_head(), toy_batch(rows=32)
     opt_state = model.adamw_init(params)

@@ -4,7 +4,7 @@ seed, and the scores of its predictions.
 Every task and seed starts from the pretrained params with a fresh head. Every batch has `batch_size`
 rows (short batches are filled with zero-weight rows) and is padded to the smallest length bucket
 that fits it, so the compiled step and prediction each compile at most once per bucket and nothing
-recompiles from step to step.
+recompiles from step to step; eager steps, which compile nothing, pad to the batch's longest row.
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ class Tuner:
     params: dict  # pretrained, on the device
     special: dict
     device: torch.device
-    step: Callable  # (params, opt_state, batch, lr) -> (params, opt_state, metrics)
+    step: Callable  # (params, opt_state, batch, lr, donate=False) -> (params, opt_state, metrics)
     predict: Callable  # (params, batch) -> logits
 
     @classmethod
@@ -228,7 +228,8 @@ class Tuner:
         size = self.config.batch_size
         head = self.head(num_outputs, seed)
         torch.manual_seed(seed)  # dropout's masks: a seed's fine-tune is the same wherever it runs
-        params = {**self.params, **head}
+        # the loop's own copy, which its steps may overwrite (`donate`): every seed starts from self.params
+        params = {**{k: v.clone() for k, v in self.params.items()}, **head}
         opt_state = model.adamw_init(params)
         rng = np.random.default_rng(seed)
         steps_per_epoch = math.ceil(len(rows) / size)
@@ -244,7 +245,7 @@ class Tuner:
                 progress = (epoch * steps_per_epoch + i) / total
                 factor = model.lr_schedule(FINETUNE_OPTIMIZER["schedule"], progress, warmup=self.config.warmup)
                 lr_now = to_device(torch.tensor(lr * factor, dtype=torch.float32), self.device)
-                params, opt_state, metrics = self.step(params, opt_state, batch, lr_now)
+                params, opt_state, metrics = self.step(params, opt_state, batch, lr_now, donate=True)
                 losses.append(metrics["loss"])
                 if log is not None and every.due():  # the loss read here is the one host sync in 30 s
                     step = epoch * steps_per_epoch + i + 1
@@ -307,12 +308,14 @@ class Tuner:
         return torch.cat(outputs).cpu().numpy()[unsorted]  # one host sync, after the last batch
 
     def batch(self, rows: list, lengths, labels, index, size: int, dropout: float = 0.0) -> dict:
-        """`size` rows padded to the bucket of the longest; rows past `len(index)` are weightless fillers;
-        `dropout`: the fine-tune step's rate."""
+        """`size` rows padded to the bucket of the longest (eager: to the longest); rows past `len(index)`
+        are weightless fillers; `dropout`: the fine-tune step's rate."""
         import numpy as np
         import torch
 
-        padding = Padding(self.special, self.config.buckets, self.cfg.token_types > 1)
+        # Buckets bound a compiled step's graphs; eager steps have none to bound and pad to the longest row
+        buckets = self.config.buckets if self.config.compile else (int(lengths[index].max()),)
+        padding = Padding(self.special, buckets, self.cfg.token_types > 1)
         arrays = padding.inputs(rows, lengths, index, size)
         padded_labels = np.zeros(size, dtype=labels.dtype)
         padded_labels[: len(index)] = labels[index]
