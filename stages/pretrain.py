@@ -82,6 +82,7 @@ NEW_OPTIONS = (
     "model.value_residual",
     "model.zero_init_out",
     "average_last",
+    "init_switch_params",
     "checkpoint_every_steps",  # left at its default 0 by `key_config` unless average_last reads it
 )
 

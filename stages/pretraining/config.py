@@ -145,6 +145,9 @@ class Config:
     # capped at the rate measured for continuing such a checkpoint (1.5e-3 * 128 / hidden for a masked-LM
     # encoder, 3.3e-5 for a sentence encoder), so that a from-scratch lr, as above, does not undo it.
     init_lr: float | Literal["auto"] = "auto"
+    # A layout switch that adds parameters `init`'s checkpoint lacks (`pretrain.model.qk_norm`, `value_residual`):
+    # false refuses it; true makes them as a fresh init does (QK-norm weights 1, value_mix 0.5), from the run's seed.
+    init_switch_params: bool = False
 
     def __post_init__(self) -> None:
         positive = {
@@ -216,6 +219,11 @@ class Config:
             raise ValueError(
                 f"init_lr: {self.init_lr} is the peak lr of continuing `pretrain.init`'s checkpoint, and the run "
                 "has no init: set pretrain.optimizer.lr instead, or pretrain.init"
+            )
+        if self.init_switch_params:
+            raise ValueError(
+                "init_switch_params: true initialises the switches' parameters that `pretrain.init`'s checkpoint "
+                "lacks, and the run has no init (a random init makes them all): leave it out, or set pretrain.init"
             )
         if self.head_warmup != "auto" and self.head_warmup:
             raise ValueError(
