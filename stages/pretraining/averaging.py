@@ -24,17 +24,17 @@ if TYPE_CHECKING:
     from cram.stages.pretraining.state import Params
 
 
-def planned_steps(config: Config, plan: Plan) -> int:
-    """The optimizer steps that `config`'s steps or tokens budget takes (one rank's view of the batch ramp
-    and the phases: the loop's own progress, stepped without training)."""
+def planned_steps(config: Config, plan: Plan, world_size: int = 1) -> int:
+    """The optimizer steps that `config`'s steps or tokens budget takes over `world_size` ranks (the loop's
+    own progress through the batch ramp and the phases, stepped without training)."""
     from cram.stages.pretraining.loop import micro_steps
     from cram.stages.pretraining.state import TrainState
 
     state = TrainState(seed=0)
     while (spent := progress(config.budget, state, 0.0)) < 1:
         span = plan.span_at(spent)
-        n_micro = micro_steps(spent, config.ramp, span.batch_size // span.microbatch)
-        state.advance({}, {}, n_micro * span.microbatch, span.seq_len, 0.0)
+        n_micro = micro_steps(spent, config.ramp, span.batch_size // (world_size * span.microbatch))
+        state.advance({}, {}, n_micro * world_size * span.microbatch, span.seq_len, 0.0)
     return state.step
 
 
@@ -44,11 +44,12 @@ def checkpoints_written(steps: int, every_steps: int) -> int:
     return steps // every_steps + (steps % every_steps != 0)
 
 
-def check(config: Config, plan: Plan) -> None:
-    """StageError when `average_last` asks for more checkpoints than the budget writes."""
+def check(config: Config, plan: Plan, world_size: int = 1) -> None:
+    """StageError when `average_last` asks for more checkpoints than the budget writes over `world_size`
+    ranks (`validate` plans one; the stage checks again with the ranks it runs on, before training)."""
     if config.average_last <= 1:
         return
-    steps = planned_steps(config, plan)
+    steps = planned_steps(config, plan, world_size)
     written = checkpoints_written(steps, config.checkpoint_every_steps)
     if config.average_last > written:
         raise StageError(
