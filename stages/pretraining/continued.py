@@ -60,6 +60,10 @@ AUTO_FRACTION = 0.1
 # from passing as trained.
 UNTRAINED_MARGIN = 0.1
 
+# The layout switches that add parameters (model/bert.py: `attn.q_norm`, `attn.k_norm`, `attn.value_mix`): on a
+# checkpoint without them, refused unless `init_switch_params` says to make them (`switched`).
+PARAM_SWITCHES = ("qk_norm", "value_residual")
+
 
 def locate(config: Config) -> pretrained.Pretrained:
     """Where `init`'s checkpoint files are."""
@@ -252,11 +256,6 @@ def resolved(config: Config, untrained: bool = False) -> Config:
     of the key): a continued run keeps its key where the cap leaves its lr as it was."""
     optimizer = dataclasses.replace(config.optimizer, lr=peak_lr(config, untrained))
     return dataclasses.replace(config, optimizer=optimizer, init_lr="auto")
-
-
-# The layout switches that add parameters (model/bert.py: `attn.q_norm`, `attn.k_norm`, `attn.value_mix`): on a
-# checkpoint without them, refused unless `init_switch_params` says to make them (`switched`).
-PARAM_SWITCHES = ("qk_norm", "value_residual")
 
 
 def switched(config: Config, cfg: ModelConfig) -> ModelConfig:
