@@ -4,6 +4,7 @@ into one graph that never recompiles and matches eager, and that export and cont
 what they cannot hold."""
 
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from cram.pipeline.commands.export import export
 from cram.stages import pretrain
 from cram.stages.kept import load_export
 from cram.stages.pretraining import checkpoint as checkpoints
+from cram.stages.shared import pretrained
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -360,3 +362,35 @@ def test_a_switch_that_adds_parameters_is_refused_on_a_checkpoint_without_them(w
     assert result.exit_code == 2, result.output
     assert len(result.output.strip().splitlines()) == 1
     assert result.output.startswith(f"error: pretrain.model.{switch}: True contradicts the checkpoint's False")
+
+
+def test_the_refusal_says_how_to_make_the_missing_weights(ws):  # noqa: F811
+    result = cram("run", "pipeline.toml", "--set", "pretrain.model.qk_norm=true", "--dry-run")
+    assert result.output.strip().endswith("leave it out, or set pretrain.init_switch_params = true to make its weights")
+    with pytest.raises(ValueError, match="init_switch_params: true initialises the switches' parameters"):
+        small(init_switch_params=True)
+
+
+def test_init_switch_params_makes_the_weights_a_checkpoint_lacks_as_a_fresh_init_does(ws):  # noqa: F811
+    # A zero budget: pretrain's output is the model training would start from.
+    switches = ["pretrain.model.qk_norm=true", "pretrain.model.value_residual=true", "pretrain.init_switch_params=true"]
+    settings = [*switches, "pretrain.budget.steps=0", "pretrain.compile=false", "evaluate.tasks=[]"]
+    result = cram("run", "pipeline.toml", *[arg for s in settings for arg in ("--set", s)])
+    assert result.exit_code == 0, result.output
+    out = Path("runs/base/pretrain")
+    cfg = ModelConfig.from_json(out / "model.json")
+    assert (cfg.qk_norm, cfg.value_residual) == (True, True)
+    params = checkpoints.read_tensors(out / "params.safetensors")
+    assert params.keys() == set(bert.shapes(cfg))
+    own, loaded = pretrained.load(pretrained.locate(Path("ckpt")))
+    made = params.keys() - loaded.keys()
+    assert made == {name for name in params if name.endswith(("q_norm.weight", "k_norm.weight", "value_mix"))}
+    assert len(made) == 3 * own.layers - 1  # a q and a k norm in every layer, value_mix in all but the first
+    assert all(torch.all(params[name] == (0.5 if name.endswith("value_mix") else 1.0)) for name in made)
+    assert all(torch.equal(params[name], loaded[name]) for name in loaded if name in params)
+    # Trained, after its own head is judged as the checkpoint is (without the switches it lacks).
+    settings = [*switches, "pretrain.compile=false", "evaluate.tasks=[]"]
+    result = cram("run", "pipeline.toml", "--name", "trained", *[arg for s in settings for arg in ("--set", s)])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(Path("runs/trained/manifest.json").read_text())["stages"]["pretrain"]["outputs"]
+    assert figures["steps"] == 2 and figures["init_head"].startswith("trained: loss")

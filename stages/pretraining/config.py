@@ -118,6 +118,9 @@ class Config:
     checkpoint_every_minutes: float = 10.0  # 0: off (the end of training still writes one)
     checkpoint_every_steps: int = 0  # 0: off
     keep_checkpoints: int = 2
+    # The params pretrain outputs: the mean of the last this many checkpoints' (the one at the end of the
+    # budget counted as one), at checkpoint_every_steps (`averaging.py`); 1: the final state alone.
+    average_last: int = 1
     val_blocks: int = 256  # held-out blocks for the loss before and after training; 0: skip
     prefetch: int = 4  # microbatches read ahead
     # Before the budget clock: this many steps compiled and eagerly from the same state on the same
@@ -142,6 +145,9 @@ class Config:
     # capped at the rate measured for continuing such a checkpoint (1.5e-3 * 128 / hidden for a masked-LM
     # encoder, 3.3e-5 for a sentence encoder), so that a from-scratch lr, as above, does not undo it.
     init_lr: float | Literal["auto"] = "auto"
+    # A layout switch that adds parameters `init`'s checkpoint lacks (`pretrain.model.qk_norm`, `value_residual`):
+    # false refuses it; true makes them as a fresh init does (QK-norm weights 1, value_mix 0.5), from the run's seed.
+    init_switch_params: bool = False
 
     def __post_init__(self) -> None:
         positive = {
@@ -167,6 +173,7 @@ class Config:
             raise ValueError(f"decay_to: {self.decay_to} must be in [0, 1) (a fraction of the peak lr)")
         if self.schedule == "constant" and (self.decay_shape or self.decay_to):
             raise ValueError("decay_shape, decay_to: schedule 'constant' has no decay for them to shape")
+        self._check_averaging()
         if self.val_blocks < 0:
             raise ValueError(f"val_blocks: {self.val_blocks} must be >= 0")
         warmup = self.head_warmup
@@ -180,6 +187,29 @@ class Config:
             raise ValueError(f"init_lr: {self.init_lr} must be > 0, or 'auto'")
         self._check_init_settings()
 
+    def _check_averaging(self) -> None:
+        """`average_last` averages checkpoints at steps the config names: a step cadence, a steps or tokens
+        budget (`averaging.check` counts them before any stage runs)."""
+        if self.average_last < 1:
+            raise ValueError(f"average_last: {self.average_last} must be >= 1 (1: the final state alone)")
+        if self.average_last == 1:
+            return
+        if self.checkpoint_every_steps == 0:
+            raise ValueError(
+                f"average_last: {self.average_last} averages the checkpoints at checkpoint_every_steps, and it is 0: "
+                "set pretrain.checkpoint_every_steps"
+            )
+        if self.checkpoint_every_minutes:
+            raise ValueError(
+                f"checkpoint_every_minutes: {self.checkpoint_every_minutes} writes checkpoints at steps no config "
+                f"names, among those average_last = {self.average_last} averages: set it to 0"
+            )
+        if self.budget.hours is not None:
+            raise ValueError(
+                f"budget.hours: {self.budget.hours} ends at a step no config names, so average_last = "
+                f"{self.average_last} cannot say which checkpoints it averages: set it to 0 (a steps or tokens budget)"
+            )
+
     def _check_init_settings(self) -> None:
         """The settings of continuing `init`'s checkpoint, refused without one whether or not pretrain runs
         (a config check, so a stored pretrain cannot skip it)."""
@@ -189,6 +219,11 @@ class Config:
             raise ValueError(
                 f"init_lr: {self.init_lr} is the peak lr of continuing `pretrain.init`'s checkpoint, and the run "
                 "has no init: set pretrain.optimizer.lr instead, or pretrain.init"
+            )
+        if self.init_switch_params:
+            raise ValueError(
+                "init_switch_params: true initialises the switches' parameters that `pretrain.init`'s checkpoint "
+                "lacks, and the run has no init (a random init makes them all): leave it out, or set pretrain.init"
             )
         if self.head_warmup != "auto" and self.head_warmup:
             raise ValueError(

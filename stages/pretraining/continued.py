@@ -60,6 +60,10 @@ AUTO_FRACTION = 0.1
 # from passing as trained.
 UNTRAINED_MARGIN = 0.1
 
+# The layout switches that add parameters (model/bert.py: `attn.q_norm`, `attn.k_norm`, `attn.value_mix`): on a
+# checkpoint without them, refused unless `init_switch_params` says to make them (`switched`).
+PARAM_SWITCHES = ("qk_norm", "value_residual")
+
 
 def locate(config: Config) -> pretrained.Pretrained:
     """Where `init`'s checkpoint files are."""
@@ -119,8 +123,9 @@ def check_has_tokenizer(config: Config, tokenize: tokenize_stage.Config | None) 
 
 def architecture(config: Config, vocab_size: int, seq_len: int, pad_id: int) -> ModelConfig:
     """`init`'s architecture, checked against `[pretrain.model]`, the tokenizer and the block length; its
-    weights are read from the files' headers only."""
-    cfg, _ = _read(locate(config), shapes_only=True)
+    weights are read from the files' headers only; with the switches whose parameters the run makes (`switched`)."""
+    own, _ = _read(locate(config), shapes_only=True)
+    cfg = switched(config, own)
     if config.model.preset != type(config.model)().preset:
         raise StageError(
             f"pretrain.model.preset: {config.model.preset!r}, but the architecture is pretrain.init's "
@@ -128,9 +133,10 @@ def architecture(config: Config, vocab_size: int, seq_len: int, pad_id: int) -> 
         )
     for key, value in dataclasses.asdict(config.model).items():
         if key != "preset" and value is not None and value != getattr(cfg, key):
+            makes = ", or set pretrain.init_switch_params = true to make its weights" if key in PARAM_SWITCHES else ""
             raise StageError(
                 f"pretrain.model.{key}: {value!r} contradicts the checkpoint's {getattr(cfg, key)!r} "
-                f"(pretrain.init = {config.init}); leave it out"
+                f"(pretrain.init = {config.init}); leave it out{makes}"
             )
     if vocab_size > cfg.vocab_size:
         raise StageError(
@@ -252,6 +258,14 @@ def resolved(config: Config, untrained: bool = False) -> Config:
     return dataclasses.replace(config, optimizer=optimizer, init_lr="auto")
 
 
+def switched(config: Config, cfg: ModelConfig) -> ModelConfig:
+    """The checkpoint's architecture `cfg` with the `PARAM_SWITCHES` that `[pretrain.model]` turns on, where
+    `init_switch_params` makes their parameters; `cfg` as it is otherwise."""
+    if not config.init_switch_params:
+        return cfg
+    return dataclasses.replace(cfg, **{key: True for key in PARAM_SWITCHES if getattr(config.model, key)})
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """`init`'s checkpoint as read: where it is, its architecture, its params under cram's names."""
@@ -283,18 +297,22 @@ def params(config: Config, ctx: Context, checkpoint: Checkpoint, head_loss: floa
     """The checkpoint's params, with a masked-LM head made from the run's seed where it has none (a base
     model, a sequence classifier) or where its own, of held-out loss `head_loss`, measured `untrained`: the
     decoder is tied to the token embeddings as transformers ties it, the head's transform, norm and bias
-    start fresh, and one warning names them (none for a zero budget, which trains nothing)."""
+    start fresh, and one warning names them (none for a zero budget, which trains nothing). The parameters
+    of the switches it lacks (`switched`) are made as a fresh init makes them, and an info line names them."""
     from cram import model
     from cram.model.bert import shapes
     from cram.model.hf import missing_head
 
-    cfg, loaded = checkpoint.cfg, checkpoint.params
+    cfg, loaded = switched(config, checkpoint.cfg), checkpoint.params
     remade = untrained(head_loss, cfg.vocab_size)
     made = list(head_names(cfg)) if remade else missing_head(cfg, loaded)
     if made and config.budget.tokens != 0 and ctx.is_main:
         ctx.log.warning(_made_head_message(config, checkpoint, made, head_loss if remade else None))
-    made_params = model.init(cfg, ctx.seed, names=made)
-    return {name: made_params[name] if name in made else loaded[name] for name in shapes(cfg)}
+    added = [name for name in shapes(cfg) if name not in shapes(checkpoint.cfg)]
+    if added and ctx.is_main:
+        ctx.log.info("init", made=", ".join(added), by="pretrain.init_switch_params")
+    made_params = model.init(cfg, ctx.seed, names=made + added)
+    return {name: made_params[name] if name in made_params else loaded[name] for name in shapes(cfg)}
 
 
 def _made_head_message(config: Config, checkpoint: Checkpoint, made: list[str], head_loss: float | None) -> str:

@@ -89,5 +89,8 @@ def _head_loss(config: Config, setup: Setup, found: continued.Checkpoint, ctx: C
     if ctx.is_main:
         trained, _ = TrainState.split({name: found.params[name] for name in shapes(found.cfg)})
         on_device: Params = {k: v.to(setup.device) for k, v in trained.items()}
-        loss = val_loss(dataclasses.replace(setup, precision=FP32), on_device, JUDGED_BLOCKS)
+        # The checkpoint as it is: without the switches whose parameters the run makes (`continued.switched`).
+        own = {key: getattr(found.cfg, key) for key in continued.PARAM_SWITCHES}
+        judged = dataclasses.replace(setup, model=dataclasses.replace(setup.model, **own), precision=FP32)
+        loss = val_loss(judged, on_device, JUDGED_BLOCKS)
     return all_gather(loss, ctx.world_size)[0]

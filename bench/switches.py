@@ -1,0 +1,164 @@
+"""Issue 46's switches, one change per row against the default pipeline, at equal tokens, through the real pipeline.
+
+    python bench/switches.py [--work bench-out/switches] [--tokens 2000000] [--seeds 0,1,2]
+        [--rows default,qk_norm,value_residual,muon,deep_thin] [--table]
+
+Each row is `pipeline.toml` with its overrides (`ROWS`; `a+b` joins rows, e.g. the winners combined), trained
+on `--tokens` tokens. Runs are interleaved (seed 0: every row, then seed 1: every row, ...) so that load from
+other work hits all rows alike. Evaluate measures the held-out masked-LM loss at 128 and 512 tokens at one
+masking rate (25%, 80/10/10) for every row, and no fine-tuning task (`evaluate.tasks=[]`).
+
+Each finished run's figures are appended to `WORK/results.jsonl` as it ends, and a run already there is not
+run again: a killed measurement resumes, and a partial table can be printed at any time with `--table`.
+The table: per row, the mean over seeds of `mlm_loss@128` and `mlm_loss@512`, each seed's value, the
+seeds the row beats the default in (lower loss at the same seed) and each seed's difference, tokens/s and
+the parameter count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+HIGH_LR = "pretrain.optimizer.lr=1e-2"  # the default's 5e-3 doubled: QK-norm and Muon are said to take more
+ROWS: dict[str, list[str]] = {
+    "default": [],  # pipeline.toml as it is: tiny preset, AdamW at lr 5e-3
+    "qk_norm": ["pretrain.model.qk_norm=true"],
+    "qk_norm_lr1e-2": ["pretrain.model.qk_norm=true", HIGH_LR],
+    "value_residual": ["pretrain.model.value_residual=true"],
+    "zero_init_out": ["pretrain.model.zero_init_out=true"],
+    "swiglu": ["pretrain.model.activation='silu'"],
+    # ReLU^2 without a GLU at the default's parameters: a GLU's up-projection is 128 x 512 and its down 256 x 128
+    # (98,304 weights a layer); a plain MLP 128 x I and I x 128, so I = 98,304 / 256 = 384.
+    "relu2": ["pretrain.model.activation='relu2'", "pretrain.model.glu=false", "pretrain.model.intermediate=384"],
+    "muon": ["pretrain.optimizer.kind='muon'"],
+    "muon_lr1e-2": ["pretrain.optimizer.kind='muon'", HIGH_LR],
+    # Twice the layers at 0.69x the width, at the default's encoder parameters (its layers: 2 x 163,840 =
+    # 327,680 weights): hidden 88 (2 heads of 44), intermediate 386, 4 layers of 4 x 88^2 + 1.5 x 88 x 386
+    # = 81,928 weights each, 327,712 in all. The embeddings (vocab x hidden) shrink with the width.
+    "deep_thin": ["pretrain.model.layers=4", "pretrain.model.hidden=88", "pretrain.model.intermediate=386"],
+    # The mean of the checkpoints at steps 900 and 950 and the end (977 steps of 2,048 tokens at 2M): the
+    # last 8% of the triangle's decay.
+    "average_last3": [
+        "pretrain.average_last=3",
+        "pretrain.checkpoint_every_steps=50",
+        "pretrain.checkpoint_every_minutes=0",
+    ],
+}
+# The held-out loss at one masking rate and one corruption (80/10/10), whatever each row trained with.
+EVALUATE = [
+    "evaluate.tasks=[]",
+    "evaluate.mlm_mask_rate=0.25",
+    "evaluate.mlm_lengths=[128, 512]",
+    "evaluate.mlm_corruption='bert'",
+]
+LOSSES = ("mlm_loss@128", "mlm_loss@512")
+
+
+def overrides_of(row: str) -> list[str]:
+    return [o for part in row.split("+") for o in ROWS[part]]
+
+
+def run(name: str, overrides: list[str]) -> None:
+    args = [sys.executable, "-m", "cram.pipeline.commands.cli", "run", "pipeline.toml", "--name", name]
+    for item in overrides:
+        args += ["--set", item]
+    print("$", " ".join(args[2:]), flush=True)
+    subprocess.run(args, check=True, cwd=REPO)
+
+
+def figures(run_dir: Path) -> dict[str, float | str]:
+    stages = json.loads((run_dir / "manifest.json").read_text())["stages"]
+    pretrain, evaluate = stages["pretrain"]["outputs"], stages["evaluate"]["outputs"]
+    return {
+        **{k: evaluate[k] for k in LOSSES},
+        "tokens_per_s": pretrain["tokens_per_s"],
+        "wall_s": pretrain["wall_s"],
+        "num_params": pretrain["num_params"],
+        "precision": pretrain["precision"],
+    }
+
+
+def load(results: Path) -> list[dict]:
+    if not results.exists():
+        return []
+    return [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+
+
+def table(results: list[dict]) -> str:
+    """The markdown table of `results`: per row, mean and per-seed losses, wins against the default."""
+    by_row: dict[str, dict[int, dict]] = {}
+    for r in results:
+        by_row.setdefault(r["row"], {})[r["seed"]] = r
+    base = by_row.get("default", {})
+    lines = [
+        "| row | seeds | MLM @128 mean (per seed) | @512 mean (per seed) | wins vs default @128; @512 "
+        "(per-seed difference) | tokens/s | params |",
+        "|---|---|---|---|---|---:|---:|",
+    ]
+    for row, seeds in by_row.items():
+        cells = []
+        for key in LOSSES:
+            values = [seeds[s][key] for s in sorted(seeds)]
+            cells.append(f"{statistics.mean(values):.3f} ({', '.join(f'{v:.3f}' for v in values)})")
+        shared = sorted(s for s in seeds if s in base)
+        if row == "default" or not shared:
+            versus = ""
+        else:
+            parts = []
+            for key in LOSSES:
+                diffs = [seeds[s][key] - base[s][key] for s in shared]
+                parts.append(f"{sum(d < 0 for d in diffs)}/{len(diffs)} ({', '.join(f'{d:+.3f}' for d in diffs)})")
+            versus = "; ".join(parts)
+        speed = statistics.mean(seeds[s]["tokens_per_s"] for s in seeds)
+        params = seeds[next(iter(seeds))]["num_params"]
+        lines.append(
+            f"| {row} | {','.join(map(str, sorted(seeds)))} | {cells[0]} | {cells[1]} | {versus} | {speed:,.0f} | "
+            f"{params:,} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, default=REPO / "bench-out" / "switches")
+    parser.add_argument("--tokens", type=int, default=2_000_000)
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--table", action="store_true", help="print the table of the results so far, run nothing")
+    args = parser.parse_args()
+    work = args.work.resolve()
+    results_path = work / "results.jsonl"
+    if args.table:
+        print(table([r for r in load(results_path) if r["tokens"] == args.tokens]))
+        return
+    rows = args.rows.split(",")
+    unknown = [part for row in rows for part in row.split("+") if part not in ROWS]
+    if unknown:
+        parser.error(f"--rows: {unknown[0]!r} is not one of {', '.join(ROWS)} (or several joined by +)")
+    common = [
+        f"run.root={json.dumps(str(work / 'runs'))}",
+        "pretrain.budget.hours=0",
+        f"pretrain.budget.tokens={args.tokens}",
+        *EVALUATE,
+    ]
+    done = {r["name"] for r in load(results_path)}
+    for seed in map(int, args.seeds.split(",")):
+        for row in rows:
+            name = f"{row.replace('+', '_')}-{args.tokens}t-s{seed}"
+            if name in done:
+                continue
+            run(name, [*common, f"run.seed={seed}", *overrides_of(row)])
+            record = {"name": name, "row": row, "seed": seed, "tokens": args.tokens, **figures(work / "runs" / name)}
+            with open(results_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+            print(f"= {json.dumps(record)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
