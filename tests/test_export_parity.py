@@ -19,10 +19,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 LONG = " ".join(["the quick brown fox jumps over the lazy dog"] * 4)  # past max_length in any tokenizer here
 FIRSTS = ["The cat sat on the mat.", "a", LONG, "Numbers like 1,234.5", LONG, LONG]
 SECONDS = ["A dog.", LONG, "b", LONG, "The cat sat on the mat.", LONG + " again"]
-# 13: a pair's budget (13 - 3 special tokens) is even. Where it is odd and both texts are longer than half
-# of it, cram gives the first text the extra token (one at a time from the longer, the second on ties:
-# transformers' Python BERT tokenizer) and the fast tokenizer gives it to the longer (the second on
-# ties): `test_an_odd_budget_cuts_a_long_pair_as_the_fast_tokenizer_does`.
+# 13: a pair's budget (13 - 3 special tokens) is even; an odd one, where the longer text takes the extra
+# token: `test_an_odd_budget_cuts_a_long_pair_as_the_fast_tokenizer_does`.
 MAX_LENGTH = 13
 
 
@@ -81,7 +79,6 @@ def test_a_pair_is_segment_1_after_the_first_separator_in_the_exported_tokenizer
     assert types == [0] * (first_sep + 1) + [1] * (len(ids) - first_sep - 1) and ids[-1] == tokenizer.sep_token_id
 
 
-@pytest.mark.xfail(strict=True, reason="evaluate cuts pairs as the Python BERT tokenizer does, not as the fast one")
 def test_an_odd_budget_cuts_a_long_pair_as_the_fast_tokenizer_does(tmp_path, sp_model):  # noqa: F811
     transformers = pytest.importorskip("transformers")
     from cram.stages.kept.batches import join

@@ -145,7 +145,11 @@ def test_bad_input_in_a_canary_is_no_failed_candidate():
 def test_the_ranks_agree_on_the_worst_difference_and_the_first_error(monkeypatch):
     from cram.stages.shared import collectives
 
-    others = {BF16: (0.5, None), BF16_256: (0.0, "RuntimeError: rank 1 failed"), FP32: (0.0, None)}
+    others = {
+        BF16: (precision.Difference(0.5), None),
+        BF16_256: (precision.Difference(0.0), "RuntimeError: rank 1 failed"),
+        FP32: (precision.Difference(0.0), None),
+    }
     gathered = []
 
     def all_gather(obj, world_size):

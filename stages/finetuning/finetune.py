@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from cram.model.config import ModelConfig
     from cram.stages.finetuning.config import TaskConfig, TaskSettings, Tuning
     from cram.stages.finetuning.tasks import Examples, Task
-    from cram.stages.shared.precision import Precision
+    from cram.stages.shared.precision import Difference, Precision
     from cram.stages.shared.tokenizer import Tokenizer
 
     Split: TypeAlias = tuple[list[np.ndarray], np.ndarray, np.ndarray]  # (rows, lengths, labels)
@@ -173,6 +173,41 @@ def share_out(costs: list[float], world_size: int) -> list[int]:
 
 
 @dataclass(frozen=True)
+class Graph:
+    """A compiled graph that fine-tuning runs, and one batch of its shape for the canary: the fine-tune
+    step (`batch_size` rows) or prediction (`eval_batch_size`), for a head of `num_outputs`, at `bucket`."""
+
+    prediction: bool
+    num_outputs: int
+    bucket: int
+    split: Split
+    index: np.ndarray  # the batch's rows of `split`, each padded to `bucket`
+
+    @property
+    def name(self) -> str:
+        what = "prediction" if self.prediction else "fine-tune step"
+        return f"{what}, {self.num_outputs} outputs, length {self.bucket}"
+
+
+def graphs(loaded: list[Loaded], tuning: Tuning) -> list[Graph]:
+    """Every graph the tasks' fine-tunes and test predictions may run, once each: a (head, bucket) shape
+    that a training row (the step) or a test row (prediction) falls in, with the first rows of it."""
+    import numpy as np
+
+    found: dict[tuple[bool, int, int], Graph] = {}
+    for t in loaded:
+        splits = [(False, t.data.train, tuning.batch_size)]
+        splits += [(True, test, tuning.eval_batch_size) for test in t.data.tests.values()]
+        for prediction, split, size in splits:
+            in_bucket = np.searchsorted(np.asarray(tuning.buckets), split[1])  # the first bucket that holds it
+            for b in np.unique(in_bucket):
+                key = (prediction, t.task.num_outputs, tuning.buckets[b])
+                index = np.flatnonzero(in_bucket == b)[:size]
+                found.setdefault(key, Graph(prediction, t.task.num_outputs, tuning.buckets[b], split, index))
+    return list(found.values())
+
+
+@dataclass(frozen=True)
 class Tuner:
     """What every fine-tune of a run shares: pretrained params, the compiled steps, batch making."""
 
@@ -252,23 +287,39 @@ class Tuner:
                     log.info("fine-tuning", step=f"{step}/{total}", loss=round(float(metrics["loss"]), 4))
         return params, float(torch.stack(losses).mean())
 
-    def canary(self, eager: Tuner, num_outputs: int, train: Split, steps: int, seed: int) -> float:
-        """The largest relative difference between this tuner's (compiled) steps and `eager`'s, the same
-        steps run eagerly: `steps` fine-tune steps from the same fresh head on the first batch of `train`,
-        dropout off (loss and gradient norm), then both predictions on it (logits, relative to their
-        largest); inf when one is not finite. The compiled steps are the ones fine-tuning then uses."""
-        import numpy as np
+    def canary(self, eager: Tuner, graphs: list[Graph], steps: int, seed: int, tolerance: float) -> Difference:
+        """The largest relative difference between this tuner's compiled graphs and `eager`'s, the same
+        steps run eagerly, over `graphs` in turn (`graph_difference`), stopping at the first past
+        `tolerance`; a graph that raises, raised again naming it. The compiled graphs are the ones
+        fine-tuning then uses."""
+        from cram.stages.shared.precision import Difference, graph_named
+
+        worst = Difference(0.0)
+        for graph in graphs:
+            with graph_named(graph.name):
+                worst = worst.worse(Difference(self.graph_difference(eager, graph, steps, seed), graph.name))
+            if not worst.value <= tolerance:
+                break
+        return worst
+
+    def graph_difference(self, eager: Tuner, graph: Graph, steps: int, seed: int) -> float:
+        """One graph's largest relative difference from eager, from the same fresh head, dropout off: `steps`
+        fine-tune steps on its batch (loss and gradient norm), or a prediction of it (logits, relative to
+        their largest); inf when one is not finite."""
         import torch
 
         from cram import model
 
-        rows, lengths, labels = train
-        size = self.config.batch_size
-        first = np.arange(min(size, len(rows)))
-        batch = self.batch(rows, lengths, labels, first, size, dropout=0.0)
-        lr = to_device(torch.tensor(self.config.lr, dtype=torch.float32), self.device)
-        start = {**self.params, **self.head(num_outputs, seed)}
+        rows, lengths, labels = graph.split
+        start = {**self.params, **self.head(graph.num_outputs, seed)}
         tuners = (self, eager)
+        if graph.prediction:
+            inputs = model_inputs(self.batch(rows, lengths, labels, graph.index, self.config.eval_batch_size))
+            logits = [tuner.predict(start, inputs).float() for tuner in tuners]
+            worst = (logits[0] - logits[1]).abs().max() / logits[1].abs().max().clamp(min=1e-6)
+            return float(worst) if torch.isfinite(worst) else float("inf")
+        batch = self.batch(rows, lengths, labels, graph.index, self.config.batch_size, dropout=0.0)
+        lr = to_device(torch.tensor(self.config.lr, dtype=torch.float32), self.device)
         states = [(start, model.adamw_init(start)) for _ in tuners]
         diffs = []
         for _ in range(steps):
@@ -278,11 +329,6 @@ class Tuner:
                 states[k] = params, opt_state
                 readings.append(torch.stack([m["loss"], m["grad_norm"]]))
             diffs.append((readings[0] - readings[1]).abs() / readings[1].abs().clamp(min=1e-6))
-        # as many rows as prediction takes: the graph checked is the one that predicts the test sets
-        inputs = model_inputs(self.batch(rows, lengths, labels, first, self.config.eval_batch_size))
-        logits = [tuner.predict(states[k][0], inputs).float() for k, tuner in enumerate(tuners)]
-        scale = logits[1].abs().max().clamp(min=1e-6)
-        diffs.append(((logits[0] - logits[1]).abs().max() / scale).reshape(1))
         worst = torch.cat(diffs).double().max()
         return float(worst) if torch.isfinite(worst) else float("inf")
 

@@ -1,5 +1,6 @@
 """The evaluate stage's held-out masked LM: pack's val blocks at each length, masked as pretrain masked
-its own (`stages/shared/val_mlm.py`), in a compiled eval step per length.
+its own (`stages/shared/val_mlm.py`), in a compiled eval step per length, each checked against the eager
+step on its first batch inside the stage's precision choice (`mlm_canary`).
 """
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from cram.stages import Context, StageError, Upstream
 from cram.stages.finetuning.checks import check_position
@@ -19,7 +20,8 @@ if TYPE_CHECKING:
 
     from cram.model.config import ModelConfig
     from cram.stages.shared.blocks import Boundary
-    from cram.stages.shared.precision import Precision
+    from cram.stages.shared.masking import MaskSpec
+    from cram.stages.shared.precision import Difference, Precision
 
 
 @dataclass(frozen=True)
@@ -53,29 +55,64 @@ class HeldOut:
 
 
 @dataclass(frozen=True)
-class _Measured:
-    """The model measured: its config, its params on `device`, and how it computes."""
+class MlmSteps:
+    """The held-out masked LM's eval steps: `compiled`, one per length (each its own graph, checked against
+    eager by `mlm_canary`), and `eager`, for a length's last, shorter batch and for the canary."""
 
-    cfg: ModelConfig
-    params: dict
-    device: torch.device
-    precision: Precision
-    attention: str
+    compiled: dict[int, Callable]
+    eager: Callable
+
+    @classmethod
+    def make(cls, held_out: HeldOut, cfg: ModelConfig, precision: Precision, attention: str) -> MlmSteps:
+        from cram import model
+
+        config = held_out.settings
+        how = model.Compilation(
+            config.compile, config.backend, precision.autocast(), attention, precision.compile_options()
+        )
+        # Its own compiled function per length: one graph each, never a recompile of another length's.
+        return cls(
+            {length: model.make_eval_step(cfg, how) for length in held_out.lengths},
+            model.make_eval_step(cfg, how.eager()),
+        )
+
+
+def mlm_canary(held_out: HeldOut, steps: MlmSteps, cfg: ModelConfig, params: dict, device: torch.device) -> Difference:
+    """The largest relative difference of the masked-LM loss between each length's compiled step and the
+    eager one, on that length's first batch (a length whose blocks fill no batch runs no compiled step);
+    inf when one is not finite; an error raised naming the graph."""
+    import torch
+
+    from cram.stages.shared.device import to_device
+    from cram.stages.shared.precision import Difference, graph_named
+    from cram.stages.shared.val_mlm import mask_blocks
+
+    blocks, size, worst = _blocks(held_out), held_out.settings.batch_size, Difference(0.0)
+    for length, step in steps.compiled.items():
+        rows = _at_length(blocks, length, cfg)[:size]
+        if len(rows) < size:
+            continue
+        batch = mask_blocks(rows, 0, _spec(held_out, length), held_out.settings.seed, held_out.documents)
+        batch = {k: to_device(v, device) for k, v in batch.items()}
+        name = f"held-out masked LM, length {length}"
+        with graph_named(name), torch.no_grad():
+            losses = [s(params, batch)["loss"].float() for s in (step, steps.eager)]
+        diff = ((losses[0] - losses[1]).abs() / losses[1].abs().clamp(min=1e-6)).double()
+        worst = worst.worse(Difference(float(diff) if torch.isfinite(diff) else float("inf"), name))
+    return worst
 
 
 def evaluate_mlm(
-    held_out: HeldOut, cfg: ModelConfig, params: dict, device: torch.device, precision: Precision, ctx: Context
+    held_out: HeldOut, cfg: ModelConfig, params: dict, device: torch.device, steps: MlmSteps, ctx: Context
 ) -> dict:
     """Mean loss and accuracy over every masked token of the held-out blocks, masked as pretrain masks
-    its held-out blocks (`stages/shared/val_mlm.py`), at each length of `held_out`: the first's figures,
-    and every length's under `by_length`."""
-    import numpy as np
-
-    blocks = np.load(held_out.path, mmap_mode="r")
-    if blocks.ndim != 2 or len(blocks) == 0:
-        raise StageError(f"{held_out.path}: expected blocks [n, seq_len] with n > 0, got {list(blocks.shape)}")
-    measured = _Measured(cfg, params, device, precision, ctx.attention)
-    by_length = {length: _mlm_at(held_out, measured, blocks, length) for length in held_out.lengths}
+    its held-out blocks (`stages/shared/val_mlm.py`), at each length of `held_out`, with `steps`: the
+    first's figures, and every length's under `by_length`."""
+    blocks = _blocks(held_out)
+    by_length = {
+        length: _mlm_at(held_out, steps, params, device, _at_length(blocks, length, cfg), length)
+        for length in held_out.lengths
+    }
     result = {**by_length[held_out.lengths[0]], "mask_rate": held_out.masking["rate"]}
     if len(by_length) > 1:
         result["by_length"] = {str(length): r for length, r in by_length.items()}
@@ -83,37 +120,48 @@ def evaluate_mlm(
     return result
 
 
-def _mlm_at(held_out: HeldOut, measured: _Measured, blocks: np.ndarray, length: int) -> dict:
-    """The held-out masked LM on blocks of `length`; StageError when the model or the data has no such block."""
-    from cram import model
-    from cram.stages.shared.blocks import blocks_of
-    from cram.stages.shared.masking import Masking, mask_spec
-    from cram.stages.shared.val_mlm import val_mlm
+def _blocks(held_out: HeldOut) -> np.ndarray:
+    import numpy as np
 
-    began = time.perf_counter()
-    cfg, params, config = measured.cfg, measured.params, held_out.settings
-    precision, attention = measured.precision, measured.attention
+    blocks = np.load(held_out.path, mmap_mode="r")
+    if blocks.ndim != 2 or len(blocks) == 0:
+        raise StageError(f"{held_out.path}: expected blocks [n, seq_len] with n > 0, got {list(blocks.shape)}")
+    return blocks
+
+
+def _at_length(blocks: np.ndarray, length: int, cfg: ModelConfig) -> np.ndarray:
+    """The held-out blocks of `length`; StageError when the model or the data has no such block."""
+    from cram.stages.shared.blocks import blocks_of
+
     check_position(length, cfg.position, cfg.max_seq_len)
     at_length = blocks_of(blocks, length)
     if len(at_length) == 0:
         raise StageError(f"evaluate.mlm_lengths: {length}: pack's val ({blocks.size} tokens) holds no block that long")
-    spec = mask_spec(Masking(**held_out.masking), held_out.special, held_out.vocab_size, length)
-    # Its own compiled function per length: one graph each, never a recompile of another length's.
-    how = model.Compilation(
-        config.compile, config.backend, precision.autocast(), attention, precision.compile_options()
-    )
-    step = model.make_eval_step(cfg, how)
-    # The last, shorter batch runs eagerly rather than compiling a second graph for one call.
-    tail = model.make_eval_step(cfg, how.eager())
+    return at_length
+
+
+def _spec(held_out: HeldOut, length: int) -> MaskSpec:
+    from cram.stages.shared.masking import Masking, mask_spec
+
+    return mask_spec(Masking(**held_out.masking), held_out.special, held_out.vocab_size, length)
+
+
+def _mlm_at(
+    held_out: HeldOut, steps: MlmSteps, params: dict, device: torch.device, at_length: np.ndarray, length: int
+) -> dict:
+    """The held-out masked LM on `at_length`, its blocks of `length`."""
+    from cram.stages.shared.val_mlm import val_mlm
+
+    began = time.perf_counter()
     result = val_mlm(
-        step,
+        steps.compiled[length],
         params,
         at_length,
-        spec,
-        seed=config.seed,
-        batch_size=config.batch_size,
-        device=measured.device,
-        tail=tail,
+        _spec(held_out, length),
+        seed=held_out.settings.seed,
+        batch_size=held_out.settings.batch_size,
+        device=device,
+        tail=steps.eager,  # the last, shorter batch runs eagerly rather than compiling a second graph for one call
         documents=held_out.documents,
     )
     return {**result, "blocks": len(at_length), "time_s": round(time.perf_counter() - began, 3)}

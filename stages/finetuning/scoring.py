@@ -19,7 +19,7 @@ from cram.stages import Context, StageError, Upstream
 from cram.stages.finetuning.checks import check_lengths, check_pooler
 from cram.stages.finetuning.config import RETRIEVAL_KINDS, Config, TaskConfig, Tuning
 from cram.stages.finetuning.finetune import Loaded, load_task
-from cram.stages.finetuning.heldout import HeldOut, evaluate_mlm
+from cram.stages.finetuning.heldout import HeldOut, MlmSteps, evaluate_mlm, mlm_canary
 from cram.stages.finetuning.versus import beside_start, start_figures
 from cram.stages.retrieval.tuning import RetrievalLoaded
 from cram.stages.shared import device as devices
@@ -178,16 +178,18 @@ def _work(
     # it would fall back to eager silently: the limit is raised to what the tasks can need, and hitting it
     # is an error.
     limit = max(8, len(config.buckets) * len(loaded))
+    held_out = None
+    if config.mlm and ctx.is_main and not _untrained_head(inputs["pretrain"], ctx):
+        held_out = HeldOut.of(config.mlm_settings(), inputs)
     with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
         make = functools.partial(Embedder.make, scoring.tuning, scoring.checkpoint.cfg, on_device, special, device)
         embedders = Embedders(
             make, [t for t in loaded if isinstance(t, RetrievalLoaded)], config.compile, ctx.attention
         )
         classified = [t for t in loaded if isinstance(t, Loaded)]
-        choice, tuner = _tuner(scoring, on_device, device, classified, embedders)
-        if config.mlm and ctx.is_main and not _untrained_head(inputs["pretrain"], ctx):
-            held_out = HeldOut.of(config.mlm_settings(), inputs)
-            mlm = evaluate_mlm(held_out, scoring.checkpoint.cfg, on_device, device, choice.precision, ctx)
+        choice, tuner, mlm_steps = _tuner(scoring, on_device, device, classified, embedders, held_out)
+        if held_out is not None and mlm_steps is not None:
+            mlm = evaluate_mlm(held_out, scoring.checkpoint.cfg, on_device, device, mlm_steps, ctx)
         for j, (i, seed) in enumerate(jobs):
             if owner[j] == ctx.rank:
                 task = loaded[i]
@@ -245,42 +247,60 @@ def _untrained_head(pretrain: Upstream, ctx: Context) -> bool:
 
 
 def _tuner(
-    scoring: _Scoring, params: dict, device: torch.device, loaded: list[Loaded], embedders: Embedders
-) -> tuple[precisions.Choice, Tuner]:
-    """(the precision chosen, the fine-tuner in it). Compiled, each candidate precision's fine-tune step
-    and prediction are checked against eager on the first task's first batch (`Tuner.canary`), and so
-    are the retrieval tasks' steps (`Embedders.check`); the first that agrees is kept (`precision.choose`)."""
-    from cram.stages.finetuning.finetune import Tuner
+    scoring: _Scoring,
+    params: dict,
+    device: torch.device,
+    loaded: list[Loaded],
+    embedders: Embedders,
+    held_out: HeldOut | None,
+) -> tuple[precisions.Choice, Tuner, MlmSteps | None]:
+    """(the precision chosen, the fine-tuner and the held-out masked LM's steps in it; None without
+    `held_out`). Compiled, each candidate precision's graphs are checked against eager, each once: the
+    fine-tune step and prediction at every head shape and bucket the tasks' rows fall in (`Tuner.canary`),
+    the masked LM at each length (`mlm_canary`) and the retrieval tasks' steps (`Embedders.check`); the
+    first candidate whose every graph agrees is kept (`precision.choose`), and its compiled graphs are the
+    ones the stage runs."""
+    from cram.stages.finetuning.finetune import Tuner, graphs
 
     config, ctx = scoring.config, scoring.ctx
     cfg, special = scoring.checkpoint.cfg, scoring.inputs["tokenize"].outputs["special_ids"]
 
-    def make(candidate: precisions.Precision, compile: bool = config.compile) -> Tuner:
+    def make(candidate: precisions.Precision, compile: bool = config.compile) -> tuple[Tuner, MlmSteps | None]:
         settings = dataclasses.replace(scoring.tuning, compile=compile)
-        return Tuner.make(settings, cfg, params, special, device, candidate, ctx.attention)
+        tuner = Tuner.make(settings, cfg, params, special, device, candidate, ctx.attention)
+        return tuner, None if held_out is None else MlmSteps.make(held_out, cfg, candidate, ctx.attention)
 
-    if not config.compile or not config.canary_steps or not (loaded or embedders.tasks):
+    if not config.compile or not config.canary_steps or not (loaded or held_out or embedders.tasks):
         why = "eager steps" if not config.compile else "canary_steps = 0" if not config.canary_steps else "no task"
         choice = precisions.unchecked(config.precision, device, f"{why}: no compile canary")
-        return choice, make(choice.precision)
+        return (choice, *make(choice.precision))
 
-    checked: dict[precisions.Precision, Tuner] = {}  # the compiled tuner of each candidate tried
+    checked: dict[precisions.Precision, tuple[Tuner, MlmSteps | None]] = {}  # the compiled graphs of each tried
+    shapes = graphs(loaded, scoring.tuning)
 
-    def check(candidate: precisions.Precision) -> float:
-        checked[candidate] = make(candidate)
-        diff = 0.0
-        if loaded:
-            first = loaded[0]
-            diff = checked[candidate].canary(
-                make(candidate, compile=False), first.task.num_outputs, first.data.train, config.canary_steps, ctx.seed
-            )
-        diff = max(diff, embedders.check(candidate, config.canary_steps, ctx.seed))
-        ctx.log.info("canary", precision=candidate.label, steps=config.canary_steps, max_relative_diff=diff)
-        return diff
+    def check(candidate: precisions.Precision) -> precisions.Difference:
+        tuner, steps = checked[candidate] = make(candidate)
+        eager = make(candidate, compile=False)[0]
+        worst = tuner.canary(eager, shapes, config.canary_steps, ctx.seed, config.canary_tolerance)
+        if steps is not None and worst.value <= config.canary_tolerance:
+            worst = worst.worse(mlm_canary(held_out, steps, cfg, params, device))
+        if embedders.tasks and worst.value <= config.canary_tolerance:
+            with precisions.graph_named("contrastive step and embedding"):
+                retrieval = embedders.check(candidate, config.canary_steps, ctx.seed)
+            worst = worst.worse(precisions.Difference(retrieval, "contrastive step and embedding"))
+        ctx.log.info(
+            "canary",
+            precision=candidate.label,
+            steps=config.canary_steps,
+            graphs=len(shapes) + (0 if steps is None else len(steps.compiled)) + bool(embedders.tasks),
+            max_relative_diff=worst.value,
+            worst_graph=worst.graph,
+        )
+        return worst
 
     canary = precisions.Canary(check, config.canary_tolerance, "evaluate", ctx.world_size)
     choice = precisions.choose(config.precision, device, config.backend, canary, ctx.log, scoring.stage)
-    return choice, checked[choice.precision]
+    return (choice, *checked[choice.precision])
 
 
 def _on_every_rank(work: Callable, ctx: Context) -> tuple[dict | None, dict[int, dict], _Prepared]:

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 def join(parts: tuple[list[int], ...], special: dict[str, int], max_length: int) -> np.ndarray:
-    """[CLS] a [SEP] or [CLS] a [SEP] b [SEP], cut to `max_length` the way BERT does ("longest first")."""
+    """[CLS] a [SEP] or [CLS] a [SEP] b [SEP], cut to `max_length` "longest first" (`longest_first`)."""
     import numpy as np
 
     budget = max_length - 1 - len(parts)
@@ -30,12 +30,16 @@ def join(parts: tuple[list[int], ...], special: dict[str, int], max_length: int)
 
 
 def longest_first(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
-    """Lengths after removing tokens one at a time from the longer text (the second on ties)."""
+    """Lengths after cutting a pair to `budget` tokens as the fast tokenizer an export carries does
+    (HF tokenizers' "longest_first"): the shorter text whole where the longer can take the rest, else both
+    at half the budget, the longer (the second on ties) taking an odd budget's extra token."""
     if len_a + len_b <= budget:
         return len_a, len_b
-    if min(len_a, len_b) <= budget // 2:
-        return (len_a, budget - len_a) if len_a <= len_b else (budget - len_b, len_b)
-    return (budget + 1) // 2, budget // 2
+    if len_a <= len_b:
+        keep_a = len_a if 2 * len_a <= budget else budget // 2
+        return keep_a, budget - keep_a
+    keep_b = len_b if 2 * len_b <= budget else budget // 2
+    return budget - keep_b, keep_b
 
 
 def bucket(length: int, buckets: tuple[int, ...]) -> int:

@@ -27,7 +27,13 @@ from cram.stages import StageError
 from cram.stages.kept.batches import Padding, join, run_sorted
 from cram.stages.kept.exporting import open_embedder_export
 from cram.stages.kept.folder import EMBEDDER, META, Embedder, KeptError
-from cram.stages.kept.predicting import PROGRESS_EVERY_S, Settings, chunks, give_back_freed_memory
+from cram.stages.kept.predicting import (
+    PROGRESS_EVERY_S,
+    Settings,
+    chunks,
+    give_back_freed_memory,
+    give_back_large_blocks,
+)
 from cram.stages.kept.sentence import MODULES, read_sentence_folder
 from cram.stages.shared.files import atomic
 from cram.stages.shared.progress import bar
@@ -169,6 +175,7 @@ def check_request(request: Request, out: Path) -> None:
 def _embedded(
     embedding: Embedding, chunks: Iterator[tuple[list[str], Ids]], query: bool, advance: Callable[[int], None]
 ) -> Iterator[tuple[np.ndarray, Ids]]:
+    give_back_large_blocks()
     for texts, ids in chunks:
         yield embedding.vectors(texts, query, advance), ids
         give_back_freed_memory()

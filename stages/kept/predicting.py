@@ -35,7 +35,10 @@ if TYPE_CHECKING:
     from cram.stages.kept.batches import Graph
     from cram.stages.shared.tokenizer import Tokenizer
 
-CHUNK = 16_384  # texts read, encoded, predicted and written at a time
+CHUNK = 4_096  # texts read, encoded, predicted and written at a time
+# glibc's malloc options (mallopt's parameter numbers) that make it give freed memory back at once.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+GIVE_BACK_ABOVE = 64 * 1024  # bytes: a block this large is mapped apart and unmapped when freed
 OUTPUTS = (".jsonl", ".csv")
 PROGRESS_EVERY_S = 30.0
 
@@ -154,6 +157,7 @@ def predict_files(
 def _write_chunks(predictor: Predictor, files: list[Path], f: TextIO, out: Path | None) -> int:
     meta, written, every = predictor.classifier.meta, 0, Every(PROGRESS_EVERY_S)
     table = csv.writer(f) if output_kind(out) == "csv" else None
+    give_back_large_blocks()
     if table is not None:
         table.writerow(["value"] if meta["regression"] else ["label", *predictor.classifier.labels])
     for texts in chunks(files, meta["text_fields"], predictor.settings.chunk):
@@ -167,6 +171,21 @@ def _write_chunks(predictor: Predictor, files: list[Path], f: TextIO, out: Path 
         if every.due():
             print(f"predict: {written:,} texts", file=sys.stderr, flush=True)
     return written
+
+
+def give_back_large_blocks() -> None:
+    """Map every block of GIVE_BACK_ABOVE bytes or more apart and trim the heap past that much free space:
+    glibc otherwise raises its mapping threshold to the largest block freed (a batch's activations) and
+    keeps such blocks in the heap, where they fragment and the process grows with the file. A C library
+    without `mallopt` keeps its own policy."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(M_MMAP_THRESHOLD, GIVE_BACK_ABOVE)
+        libc.mallopt(M_TRIM_THRESHOLD, GIVE_BACK_ABOVE)
+    except (OSError, AttributeError):
+        pass
 
 
 def give_back_freed_memory() -> None:

@@ -5,8 +5,10 @@
 code generated for 256-bit vectors, then fp32. The middle one exists because inductor's 512-bit CPU
 vector code miscompiles the backward of some bf16 encoder layouts on some CPUs (NaN gradients on an AMX
 Xeon, torch 2.13; bench/README.md, "bf16 on AMX"), while the same graph built for 256-bit vectors is
-right. A candidate whose compile or canary raises (an inductor C++ failure) has failed as one that
-differs has, its error kept in the reason; the ranks of a torchrun job decide together. An explicit "bf16"
+right. A stage whose steps are several graphs (evaluate: a fine-tune step and a prediction per head shape and
+length, the held-out masked LM per length) checks each; the reason names the graph that failed. A candidate
+whose compile or canary raises (an inductor C++ failure) has failed as one that differs has, its error kept
+in the reason; the ranks of a torchrun job decide together. An explicit "bf16"
 keeps bf16 (with that code-generation fallback) and fails rather than train in fp32; an explicit "fp32"
 is fp32.
 """
@@ -14,7 +16,8 @@ is fp32.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,6 +47,37 @@ def check_canary(steps: int, tolerance: float) -> None:
 
 class CanaryError(RuntimeError):
     """The compiled steps disagree with the same steps run eagerly, in every precision allowed."""
+
+
+class GraphError(RuntimeError):
+    """One compiled graph of a stage's canary raised while compiling or running: the message names the
+    graph, then the error (`graph_named`)."""
+
+
+@contextmanager
+def graph_named(graph: str) -> Iterator[None]:
+    """Inside, an error other than bad input (StageError) is raised again as a GraphError naming `graph`."""
+    try:
+        yield
+    except StageError:
+        raise
+    except Exception as e:
+        raise GraphError(f"{graph}: {_one_line(e)}") from e
+
+
+@dataclass(frozen=True)
+class Difference:
+    """A canary's largest relative difference, and the graph it was found in ("": the stage's one step)."""
+
+    value: float
+    graph: str = ""
+
+    def worse(self, other: Difference) -> Difference:
+        """The larger of the two (a NaN is the larger)."""
+        return self if math.isnan(self.value) or other.value <= self.value else other
+
+    def where(self) -> str:
+        return f" ({self.graph})" if self.graph else ""
 
 
 @dataclass(frozen=True)
@@ -101,11 +135,12 @@ def unchecked(precision: str, device: torch.device, why: str) -> Choice:
 @dataclass(frozen=True)
 class Canary:
     """How a stage checks a candidate precision. `check(candidate)`: its compiled steps' largest relative
-    difference from the same steps run eagerly (it compiles them first); `keys`: the config section whose
+    difference from the same steps run eagerly (it compiles them first), a Difference where it names the
+    graph; `keys`: the config section whose
     settings the messages name ("evaluate" for the baseline stage too, which runs on evaluate's settings);
     `world_size`: the torchrun ranks, which decide together."""
 
-    check: Callable[[Precision], float]
+    check: Callable[[Precision], float | Difference]
     tolerance: float
     keys: str
     world_size: int = 1
@@ -116,22 +151,22 @@ def choose(precision: str, device: torch.device, backend: str, canary: Canary, l
     whose compile or canary raises (an inductor C++ failure, say) is a failed candidate too, its error
     kept in the reason. A fallback is one warning naming what failed and what was chosen; when every
     candidate fails, `CanaryError` names each failure and the settings to change."""
-    failed: list[tuple[Precision, float, str | None]] = []
+    failed: list[tuple[Precision, Difference, str | None]] = []
     for candidate in candidates(precision, device, backend, compiled=True):
         diff, error = _tried(canary, candidate, log)
-        if error is None and diff <= canary.tolerance:
-            reason = f"{_setting(precision, device)}; compile canary {diff:.3g}"
+        if error is None and diff.value <= canary.tolerance:
+            reason = f"{_setting(precision, device)}; compile canary {diff.value:.3g}"
             if failed:
-                reason = f"{_failures(failed, canary.tolerance)}; {candidate.label} passed it ({diff:.3g})"
+                reason = f"{_failures(failed, canary.tolerance)}; {candidate.label} passed it ({diff.value:.3g})"
                 log.warning(f"{stage}: {reason}: computing in {candidate.label}")
-            return Choice(candidate, reason, diff)
+            return Choice(candidate, reason, diff.value)
         failed.append((candidate, diff, error))
     differ = [(p, diff) for p, diff, error in failed if error is None]
     found = []
     if differ:
         found.append(
             f"the compiled step ({backend}) differs from eager by "
-            + ", by ".join(f"{diff:.3g} in {p.label}" for p, diff in differ)
+            + ", by ".join(f"{diff.value:.3g} in {p.label}{diff.where()}" for p, diff in differ)
             + f" (relative), above canary_tolerance {canary.tolerance}"
         )
     raise CanaryError(
@@ -140,26 +175,33 @@ def choose(precision: str, device: torch.device, backend: str, canary: Canary, l
     )
 
 
-def _tried(canary: Canary, candidate: Precision, log: Log) -> tuple[float, str | None]:
+def _tried(canary: Canary, candidate: Precision, log: Log) -> tuple[Difference, str | None]:
     """(the candidate's canary difference, the error its compile or canary raised or None), agreed by
     every rank: the worst difference, the first error. Bad input (StageError) is no candidate's failure."""
     from cram.stages.shared.collectives import all_gather
 
     try:
-        diff, error = canary.check(candidate), None
+        found, error = canary.check(candidate), None
     except StageError:
         raise
     except Exception as e:  # a compiler's own error types: any is this candidate's failure
         log.info("canary failed", precision=candidate.label, exc_info=True)
-        diff, error = math.inf, _one_line(e)
+        found, error = math.inf, _one_line(e)
+    diff = found if isinstance(found, Difference) else Difference(found)
     shared = all_gather((diff, error), canary.world_size)
     errors = [error for _, error in shared if error is not None]
-    return max(diff for diff, _ in shared), (errors[0] if errors else None)
+    worst = shared[0][0]
+    for other, _ in shared[1:]:
+        worst = worst.worse(other)
+    return worst, (errors[0] if errors else None)
 
 
 def _one_line(error: Exception) -> str:
     lines = str(error).strip().splitlines()
-    text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    if isinstance(error, GraphError):  # it names its graph and the error already
+        text = lines[0] if lines else type(error).__name__
+    else:
+        text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
     return text if len(text) <= 200 else text[:197] + "..."
 
 
@@ -173,13 +215,13 @@ def _setting(precision: str, device: torch.device) -> str:
     return "auto: fp32, since this CPU has no native bf16"
 
 
-def _failures(failed: list[tuple[Precision, float, str | None]], tolerance: float) -> str:
-    differ = ", ".join(f"{p.label} by {diff:.3g}" for p, diff, error in failed if error is None)
+def _failures(failed: list[tuple[Precision, Difference, str | None]], tolerance: float) -> str:
+    differ = ", ".join(f"{p.label} by {diff.value:.3g}{diff.where()}" for p, diff, error in failed if error is None)
     found = [f"the compiled step differs from eager beyond canary_tolerance {tolerance} in {differ}"] if differ else []
     return "; ".join(found + _raised(failed))
 
 
-def _raised(failed: list[tuple[Precision, float, str | None]]) -> list[str]:
+def _raised(failed: list[tuple[Precision, Difference, str | None]]) -> list[str]:
     return [f"{p.label} failed to compile or run ({error})" for p, _, error in failed if error is not None]
 
 
