@@ -31,9 +31,9 @@ def wrong_at_length(real, fault: str):
         if not (how.compile and how.autocast == torch.bfloat16):
             return step
 
-        def wrong(*inputs):
+        def wrong(*inputs, **options):  # options: the fine-tune step's `donate`
             batch = next(x for x in inputs if isinstance(x, dict) and "input_ids" in x)
-            out = step(*inputs)
+            out = step(*inputs, **options)
             if fault == "none" or batch["input_ids"].shape[1] != WRONG_AT:
                 return out
             if fault == "raise":
