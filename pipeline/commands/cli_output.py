@@ -209,8 +209,10 @@ def _bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _figures(outputs: dict[str, Any], limit: int = 6) -> str:
-    numbers = [(k, v) for k, v in outputs.items() if is_number(v)]
+def _figures(outputs: dict[str, Any], limit: int = 12) -> str:
+    """A stage's first `limit` numeric figures, in the stage's order; times per task left out (the row has the
+    stage's duration), so that evaluate's task scores follow its masked-LM figures at several lengths."""
+    numbers = [(k, v) for k, v in outputs.items() if is_number(v) and not k.endswith("_time_s")]
     return "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in numbers[:limit])
 
 
