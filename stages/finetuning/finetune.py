@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable
 from cram.stages import Context, StageError, Upstream
 from cram.stages.kept.batches import Padding, join
 from cram.stages.shared.device import to_device
+from cram.stages.shared.precision import stepped_difference
 from cram.stages.shared.progress import Every, track
 
 if TYPE_CHECKING:
@@ -308,8 +309,6 @@ class Tuner:
         their largest); inf when one is not finite."""
         import torch
 
-        from cram import model
-
         rows, lengths, labels = graph.split
         start = {**self.params, **self.head(graph.num_outputs, seed)}
         tuners = (self, eager)
@@ -320,16 +319,8 @@ class Tuner:
             return float(worst) if torch.isfinite(worst) else float("inf")
         batch = self.batch(rows, lengths, labels, graph.index, self.config.batch_size, dropout=0.0)
         lr = to_device(torch.tensor(self.config.lr, dtype=torch.float32), self.device)
-        states = [(start, model.adamw_init(start)) for _ in tuners]
-        diffs = []
-        for _ in range(steps):
-            readings = []
-            for k, tuner in enumerate(tuners):
-                params, opt_state, m = tuner.step(*states[k], batch, lr)
-                states[k] = params, opt_state
-                readings.append(torch.stack([m["loss"], m["grad_norm"]]))
-            diffs.append((readings[0] - readings[1]).abs() / readings[1].abs().clamp(min=1e-6))
-        worst = torch.cat(diffs).double().max()
+        diffs, _ = stepped_difference((self.step, eager.step), start, batch, lr, steps)
+        worst = diffs.double().max()
         return float(worst) if torch.isfinite(worst) else float("inf")
 
     def outputs(self, params: dict, rows: list, lengths, label: str | None = None, report: Callable | None = None):

@@ -22,6 +22,7 @@ from cram.stages.finetuning.finetune import FINETUNE_OPTIMIZER, PROGRESS_EVERY_S
 from cram.stages.kept.batches import Padding, bucket, join
 from cram.stages.retrieval.loss import distinct_batches
 from cram.stages.shared.device import to_device
+from cram.stages.shared.precision import stepped_difference
 from cram.stages.shared.progress import Every, track
 
 if TYPE_CHECKING:
@@ -162,25 +163,15 @@ class Embedder:
         import numpy as np
         import torch
 
-        from cram import model
-
         index = epoch_batches(loaded, seed, 0, "canary")[0]
         batch = self.batch(loaded, index, dropout=0.0)
         lr = to_device(torch.tensor(self.config.lr, dtype=torch.float32), self.device)
         embedders = (self, eager)
-        states = [(self.params, model.adamw_init(self.params)) for _ in embedders]
-        diffs = []
-        for _ in range(steps):
-            readings = []
-            for k, embedder in enumerate(embedders):
-                params, opt_state, m = embedder.step(*states[k], batch, lr)
-                states[k] = params, opt_state
-                readings.append(torch.stack([m["loss"], m["grad_norm"]]))
-            diffs.append((readings[0] - readings[1]).abs() / readings[1].abs().clamp(min=1e-6))
+        diffs, ended = stepped_difference((self.step, eager.step), self.params, batch, lr, steps)
         rows, lengths = loaded.data.positives
-        shown = [e.embedded(states[k][0], rows, lengths, np.asarray(index)) for k, e in enumerate(embedders)]
-        diffs.append(torch.tensor([float(np.abs(shown[0] - shown[1]).max())]))
-        worst = torch.cat([d.double().cpu() for d in diffs]).max()
+        shown = [e.embedded(ended[k], rows, lengths, np.asarray(index)) for k, e in enumerate(embedders)]
+        embedded = torch.tensor([float(np.abs(shown[0] - shown[1]).max())], dtype=torch.float64)
+        worst = torch.cat([diffs.double().cpu(), embedded]).max()
         return float(worst) if torch.isfinite(worst) else float("inf")
 
     def search(self, params: dict, loaded: RetrievalLoaded, scratch: Path) -> Scores:

@@ -228,3 +228,23 @@ def _raised(failed: list[tuple[Precision, Difference, str | None]]) -> list[str]
 def _remedies(precision: str, keys: str) -> str:
     choices = f'{keys}.precision = "auto" (which falls back to fp32) or "fp32", ' if precision == "bf16" else ""
     return f"Try {choices}another {keys}.backend, {keys}.compile = false, or {keys}.canary_steps = 0 to train anyway"
+
+
+def stepped_difference(steps: tuple[Callable, Callable], start: dict, batch: dict, lr: torch.Tensor, count: int):
+    """A compiled step and its eager twin (`steps`), each run `count` times from the same `start` params and a
+    fresh AdamW state on `batch`: ([count * 2] relative differences of their loss and gradient norm, the
+    params each ended with). The canaries' common part (the fine-tuner's, the contrastive fine-tune's)."""
+    import torch
+
+    from cram import model
+
+    states = [(start, model.adamw_init(start)) for _ in steps]
+    diffs = []
+    for _ in range(count):
+        readings = []
+        for k, step in enumerate(steps):
+            params, opt_state, metrics = step(*states[k], batch, lr)
+            states[k] = params, opt_state
+            readings.append(torch.stack([metrics["loss"], metrics["grad_norm"]]))
+        diffs.append((readings[0] - readings[1]).abs() / readings[1].abs().clamp(min=1e-6))
+    return torch.cat(diffs), [params for params, _ in states]
