@@ -350,8 +350,7 @@ class Tuner:
         import numpy as np
         import torch
 
-        # Buckets bound a compiled step's graphs; eager steps have none to bound and pad to the longest row
-        buckets = self.config.buckets if self.config.compile else (int(lengths[index].max()),)
+        buckets = self.config.buckets if self.config.compile else ()  # eager: each batch to its longest row
         padding = Padding(self.special, buckets, self.cfg.token_types > 1)
         arrays = padding.inputs(rows, lengths, index, size)
         padded_labels = np.zeros(size, dtype=labels.dtype)

@@ -49,7 +49,8 @@ def bucket(length: int, buckets: tuple[int, ...]) -> int:
 @dataclass(frozen=True)
 class Padding:
     """How rows become a batch: the special ids, the length buckets, and whether the model reads BERT's
-    token types (a pair's second text as segment 1)."""
+    token types (a pair's second text as segment 1). Buckets bound a compiled graph's shapes; eager steps
+    have none to bound and give no buckets, `()`: each batch is padded to its longest row."""
 
     special: dict[str, int]
     buckets: tuple[int, ...]
@@ -59,11 +60,12 @@ class Padding:
         self, rows: list[np.ndarray], lengths: np.ndarray, index: np.ndarray, size: int
     ) -> dict[str, np.ndarray]:
         """numpy `input_ids`, `attention_mask` (and `token_type_ids`) of `size` rows, padded to the bucket
-        of the longest of `rows[index]`; rows past `len(index)` are fillers."""
+        of the longest of `rows[index]` (no buckets: to that longest); rows past `len(index)` are fillers."""
         import numpy as np
 
         pad, cls, sep = self.special["pad"], self.special["cls"], self.special["sep"]
-        length = bucket(int(lengths[index].max()), self.buckets)
+        longest = int(lengths[index].max())
+        length = bucket(longest, self.buckets) if self.buckets else longest
         ids = np.full((size, length), pad, dtype=np.int64)
         ids[:, :2] = cls, sep  # fillers are [CLS] [SEP]: no row is all padding, which attention cannot take
         mask = np.zeros((size, length), dtype=bool)

@@ -109,8 +109,7 @@ class Embedding:
         graph = make_embed_step(cfg, how, pooling=embedder.pooling)
         device = devices.resolve("auto")
         on_device = {k: v.to(device) for k, v in params.items()}
-        longest = max(embedder.max_length(), embedder.max_length(query=True))
-        buckets = tuple(embedder.meta["buckets"]) if settings.compile else tuple(range(1, longest + 1))
+        buckets = tuple(embedder.meta["buckets"]) if settings.compile else ()
         # The embedding reads no token types: every text is one segment.
         padding = Padding(special, buckets, token_types=False)
         return cls(embedder, loaded, padding, on_device, graph, settings)

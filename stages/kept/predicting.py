@@ -84,7 +84,8 @@ class Predictor:
         graph = make_classify_eval_step(cfg, how, pooling=meta["pooling"], head=meta["head"])
         device = devices.resolve("auto")
         params = {k: v.to(device) for k, v in classifier.params().items()}
-        padding = Padding(special, tuple(meta["buckets"]), cfg.token_types > 1)
+        buckets = tuple(meta["buckets"]) if settings.compile else ()  # eager: each batch to its longest row
+        padding = Padding(special, buckets, cfg.token_types > 1)
         return cls(classifier, loaded, padding, params, graph, settings)
 
     def outputs(self, texts: list[tuple[str, ...]]) -> np.ndarray:
