@@ -67,6 +67,22 @@ def with_embedder(run, cfg, pooling="mean", tasks=("search",), **lengths):
     return params
 
 
+def embedder_run(tmp_path, sp_model):  # noqa: F811
+    """A run folder holding one kept BERT-layout embedding model (task "search")."""
+    run, _ = fake_run(tmp_path, sp_model, cfg=FAMILIES["bert"])
+    with_embedder(run, FAMILIES["bert"])
+    return run
+
+
+def invoke(*args):
+    """`cram embed ARGS --no-compile` through the CLI."""
+    from typer.testing import CliRunner
+
+    from cram.pipeline.commands import cli
+
+    return CliRunner().invoke(cli.app, ["embed", *map(str, args), "--no-compile"])
+
+
 def vectors(source, tmp_path, texts=TEXTS, name="v.npy", **request):
     """`cram embed`'s vectors of `texts` (a plain-text file, a line each) with SOURCE's embedding model."""
     lines = tmp_path / "texts.txt"

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 from test_classifier_export import FAMILIES, sp_model, with_classifier  # noqa: F401 (a fixture)
-from test_embed import EAGER, TEXTS, vectors, with_embedder
+from test_embed import EAGER, TEXTS, embedder_run, invoke, vectors, with_embedder
 from test_export import MODERNBERT, fake_run
 from typer.testing import CliRunner
 
@@ -25,13 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture
 def run(tmp_path, sp_model):  # noqa: F811
-    run, _ = fake_run(tmp_path, sp_model, cfg=FAMILIES["bert"])
-    with_embedder(run, FAMILIES["bert"])
-    return run
-
-
-def invoke(*args):
-    return CliRunner().invoke(cli.app, ["embed", *map(str, args), "--no-compile"])
+    return embedder_run(tmp_path, sp_model)
 
 
 def test_one_file_or_several_give_the_texts_vectors_in_order(tmp_path, run):

@@ -11,11 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from test_classifier_export import FAMILIES, sp_model  # noqa: F401 (a fixture)
-from test_embed import EAGER, TEXTS, vectors, with_embedder
-from test_export import fake_run
-from typer.testing import CliRunner
+from test_embed import EAGER, TEXTS, embedder_run, invoke, vectors
 
-from cram.pipeline.commands import cli
 from cram.pipeline.commands.embed import embed
 from cram.pipeline.errors import CramError
 from cram.stages.kept import embedding
@@ -26,13 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture
 def run(tmp_path, sp_model):  # noqa: F811
-    run, _ = fake_run(tmp_path, sp_model, cfg=FAMILIES["bert"])
-    with_embedder(run, FAMILIES["bert"])
-    return run
-
-
-def invoke(*args):
-    return CliRunner().invoke(cli.app, ["embed", *map(str, args), "--no-compile"])
+    return embedder_run(tmp_path, sp_model)
 
 
 def table(path):
