@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Union
 from cram.stages import StageError
 from cram.stages.kept.batches import Padding, join, run_sorted
 from cram.stages.kept.exporting import open_embedder_export
-from cram.stages.kept.folder import EMBEDDER, META, Embedder, KeptError
+from cram.stages.kept.folder import EMBEDDER, META, Embedder, KeptError, load_tokenizer
 from cram.stages.kept.predicting import (
     PROGRESS_EVERY_S,
     Settings,
@@ -94,12 +94,8 @@ class Embedding:
         from cram.model.embedder import make_embed_step
         from cram.model.step import Compilation
         from cram.stages.shared import device as devices
-        from cram.stages.shared import tokenizer as tokenizers
 
-        try:
-            loaded = tokenizers.load(tokenizer)
-        except tokenizers.TokenizerError as e:
-            raise KeptError(str(e)) from None
+        loaded = load_tokenizer(tokenizer)
         cfg = dataclasses.replace(embedder.cfg, dropout=0.0)
         # SDPA, not the written-out product the training step uses on a CPU, and eager batches padded to
         # their longest text, not to a bucket: all-MiniLM-L6-v2 eagerly embedded 256 texts of 50-256

@@ -25,6 +25,8 @@ from cram.stages.shared.files import content_hash, write_atomic
 if TYPE_CHECKING:
     import torch
 
+    from cram.stages.shared.tokenizer import Tokenizer
+
 PARAMS, MODEL, META = "params.safetensors", "model.json", "classifier.json"
 EMBEDDER = "embedder.json"
 CHECKSUMS = "checksums.json"
@@ -88,6 +90,16 @@ def _load_params(path: Path) -> dict[str, torch.Tensor]:
         return load_file(path)
     except (OSError, SafetensorError) as e:
         raise KeptError(f"{path}: not readable params ({e})") from None
+
+
+def load_tokenizer(path: Path) -> Tokenizer:
+    """A kept or exported model's tokenizer; KeptError naming the file where it cannot be read."""
+    from cram.stages.shared import tokenizer as tokenizers
+
+    try:
+        return tokenizers.load(path)
+    except tokenizers.TokenizerError as e:
+        raise KeptError(str(e)) from None
 
 
 def write_checksums(folder: Path) -> None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterator, TextIO
 
 from cram.stages import StageError
 from cram.stages.kept.batches import Padding, join, run_sorted
-from cram.stages.kept.folder import Classifier, KeptError
+from cram.stages.kept.folder import Classifier, KeptError, load_tokenizer
 from cram.stages.shared.files import temp_path
 from cram.stages.shared.progress import Every
 from cram.stages.shared.taskfiles import file_format, iter_texts
@@ -72,12 +72,8 @@ class Predictor:
         from cram.model.classifier import make_classify_eval_step
         from cram.model.step import Compilation
         from cram.stages.shared import device as devices
-        from cram.stages.shared import tokenizer as tokenizers
 
-        try:
-            loaded = tokenizers.load(tokenizer)
-        except tokenizers.TokenizerError as e:
-            raise KeptError(str(e)) from None
+        loaded = load_tokenizer(tokenizer)
         meta = classifier.meta
         cfg = dataclasses.replace(classifier.cfg, dropout=0.0)
         how = Compilation(compile=settings.compile, backend=settings.backend)

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cram.stages.kept.folder import PARAMS, Embedder, KeptError, check_embedder_meta, verify_checksums
+from cram.stages.kept.folder import PARAMS, Embedder, KeptError, check_embedder_meta, load_tokenizer, verify_checksums
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -60,7 +60,6 @@ def read_sentence_folder(folder: Path) -> tuple[Embedder, dict[str, Tensor], Pat
     folder whose vectors cram computes exactly: mean or first-token pooling, normalised. Its files are
     checked against checksums.json first where it has one (an export of cram's)."""
     from cram.stages.shared import pretrained
-    from cram.stages.shared import tokenizer as tokenizers
 
     verify_checksums(folder)
     try:
@@ -80,10 +79,7 @@ def read_sentence_folder(folder: Path) -> tuple[Embedder, dict[str, Tensor], Pat
         )
     if found.tokenizer is None:
         raise KeptError(f"{folder}: no tokenizer.json")
-    try:
-        special = tokenizers.load(found.tokenizer).special_ids
-    except tokenizers.TokenizerError as e:
-        raise KeptError(str(e)) from None
+    special = load_tokenizer(found.tokenizer).special_ids
     length = min(_max_length(folder), cfg.max_seq_len)
     meta = {
         "kind": "embedder",
