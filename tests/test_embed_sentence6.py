@@ -85,6 +85,21 @@ def test_pretrain_init_of_a_sentence_transformers_6_folder_keeps_its_pooling(tmp
     assert config.stages["evaluate"].pooling == "mean"
 
 
+@pytest.mark.parametrize("mode, pooling", [("cls", "first"), ("mean", None), ("lasttoken", None)])
+def test_a_retrieval_task_without_a_pooling_takes_the_init_folders_own(tmp_path, bert, mode, pooling):
+    folder = tmp_path / "st6"
+    saved(bert, folder, mode)
+    (tmp_path / "p.toml").write_text(f'[pretrain]\ninit = "{folder}"\n')
+    classes = runner.config_classes(runner.default_stages())
+    tasks = pipeline_config.load(tmp_path / "p.toml", classes).stages["evaluate"].tasks
+    retrieval = [t for t in tasks if t.kind == "heldout-retrieval"]
+    assert retrieval and all(t.pooling == pooling for t in retrieval)  # None: mean, the key as before
+    assert all(t.pooling is None for t in tasks if t.kind == "heldout-topic")
+    own = ['evaluate.tasks=[{kind="heldout-retrieval", name="r", pooling="mean"}]']
+    chosen = pipeline_config.load(tmp_path / "p.toml", classes, own)
+    assert chosen.stages["evaluate"].tasks[0].pooling == "mean"  # a task's own pooling stays
+
+
 @pytest.mark.parametrize(
     "settings, pooling",
     [

@@ -17,7 +17,7 @@ from cram import model
 from cram.stages import StageError
 from cram.stages.finetuning.config import Config, TaskConfig
 from cram.stages.retrieval import pairs, results
-from cram.stages.retrieval.tuning import Embedder, Making, RetrievalLoaded
+from cram.stages.retrieval.tuning import Embedder, Embedders, Making, RetrievalLoaded, embedder_graphs
 from cram.stages.shared.precision import FP32
 from cram.stages.shared.tokenizer import Tokenizer
 
@@ -80,11 +80,65 @@ def test_the_compiled_steps_make_no_graph_past_the_buckets(tmp_path):
     assert counters["stats"]["unique_graphs"] - before <= len(doc_buckets) + len(config.buckets)
 
 
-def test_eager_and_compiled_agree_in_the_canary(tmp_path):
+def long_pairs(path: Path) -> Path:
+    """write_pairs' pairs, two of them with a positive past 16 tokens: their batches pad to 32."""
+    lines = write_pairs(path).read_text().splitlines()
+    for k in (7, 21):
+        record = json.loads(lines[k])
+        record["positive"] += " " + " ".join(FILLER[:12])
+        lines[k] = json.dumps(record)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_the_canary_checks_every_graph_fine_tuning_and_search_run(tmp_path):
     torch._dynamo.reset()
-    config, loaded = task_of(write_beir(tmp_path / "set"), batch_size=8)
+    pairs_file = long_pairs(tmp_path / "pairs.jsonl")
+    beir = write_beir(tmp_path / "set")
+    config, loaded = task_of(beir, pairs=str(pairs_file), batch_size=8, seeds=2, query_max_length=8)
     config = dataclasses.replace(config, backend="aot_eager")
-    assert embedder(config, compile=True).canary(embedder(config), loaded, 2, 0) < 1e-4
+    graphs = embedder_graphs([loaded], config.tuning(), first_seed=0)
+    # steps: documents of 16 and of 32 tokens (queries at 8); embeddings: the queries at 8, the corpus at 16
+    # (untitled test answers) and 32 (a title and its text)
+    assert sorted(g.name for g in graphs) == [
+        "contrastive step, mean pooling, 8 pairs, queries 8, documents 16",
+        "contrastive step, mean pooling, 8 pairs, queries 8, documents 32",
+        "embedding, mean pooling, length 16",
+        "embedding, mean pooling, length 32",
+        "embedding, mean pooling, length 8",
+    ]
+    worst = embedder(config, compile=True).canary(embedder(config), graphs, 2, tolerance=0.02)
+    assert worst.value < 1e-4
+
+
+@pytest.mark.parametrize("graph", ["contrastive step", "embedding"])
+def test_a_fault_in_a_later_bucket_is_found_and_named(tmp_path, graph):
+    pairs_file = long_pairs(tmp_path / "pairs.jsonl")
+    config, loaded = task_of(write_beir(tmp_path / "set"), pairs=str(pairs_file), batch_size=8, query_max_length=8)
+
+    def make(how: Making) -> Embedder:
+        made = embedder(config, how.compile)
+        if not how.compile:
+            return made
+        step, embed = made.step, made.embed
+
+        def wrong_step(params, opt_state, batch, lr):
+            params, opt_state, metrics = step(params, opt_state, batch, lr)
+            if batch["doc_ids"].shape[1] == 32:
+                metrics = {**metrics, "loss": metrics["loss"] * float("nan")}
+            return params, opt_state, metrics
+
+        def wrong_embed(params, batch):
+            out = embed(params, batch)
+            return out * float("nan") if batch["input_ids"].shape[1] == 32 else out
+
+        faulty = {"step": wrong_step} if graph == "contrastive step" else {"embed": wrong_embed}
+        return dataclasses.replace(made, **faulty)
+
+    embedders = Embedders(make, [loaded], compile=True, attention="auto")
+    graphs = embedder_graphs([loaded], config.tuning(), first_seed=0)
+    worst = embedders.check(FP32, graphs, steps=1, tolerance=0.02)
+    assert worst.value == float("inf") and worst.graph.startswith(graph) and "32" in worst.graph, worst
 
 
 def test_training_pairs_come_from_train_qrels_then_a_pairs_file_then_the_corpus(tmp_path):

@@ -49,7 +49,9 @@ class TaskConfig:
     pairs: str = ""
     query_max_length: int | None = None  # retrieval kinds: tokens per query (None: QUERY_MAX_LENGTH)
     batch_size: int | None = None  # retrieval kinds: pairs per contrastive batch (None: RETRIEVAL_BATCH_SIZE)
-    pooling: Literal["mean", "first"] | None = None  # retrieval kinds: the embedding's pooling (None: mean)
+    # retrieval kinds: the embedding's pooling (None: the pooling of `pretrain.init`'s sentence-transformers
+    # folder where it names one, else mean: `Config.linked`)
+    pooling: Literal["mean", "first"] | None = None
     epochs: int | None = None  # None: the stage's; likewise seeds, lr and max_length
     seeds: int | None = None
     lr: float | None = None
@@ -214,7 +216,8 @@ class Config:
     def linked(self, sections: dict[str, Any]) -> Config:
         """`head = "auto"` is the head of the family of `pretrain.init`'s transformers checkpoint where its
         model maps onto one, else "cramming"; `pooling = "auto"` is the pooling that `init`'s
-        sentence-transformers folder names ("mean" or "first") where the head reads it, else "first";
+        sentence-transformers folder names ("mean" or "first") where the head reads it, else "first"; a
+        retrieval task without a `pooling` takes that folder's pooling too (else mean, at retrieval_settings);
         `baseline = "auto"` is "init" where pretrain continues `init`'s checkpoint on a budget that is not
         zero (a zero budget scores the checkpoint itself), else "none". Resolved here, so the config holds
         what runs."""
@@ -227,7 +230,8 @@ class Config:
             trains = getattr(getattr(pretrain, "budget", None), "tokens", None) != 0
             config = dataclasses.replace(config, baseline="init" if init and trains else "none")
         found = None
-        if init and (self.head == "auto" or self.pooling == "auto"):
+        own_pooling = any(t.kind in RETRIEVAL_KINDS and t.pooling is None for t in self.tasks)
+        if init and (self.head == "auto" or self.pooling == "auto" or own_pooling):
             try:
                 found = pretrained.locate(Path(init))
             except pretrained.PretrainedError:  # pretrain's validate names it
@@ -239,6 +243,12 @@ class Config:
             if pooling == "mean" and config.head in ("bert", "roberta"):  # their classifiers read [CLS] alone
                 pooling = None
             config = dataclasses.replace(config, pooling=pooling or "first")
+        if found is not None and found.pooling == "first":  # "mean" is the default already: keys stay as they were
+            tasks = [
+                dataclasses.replace(t, pooling="first") if t.kind in RETRIEVAL_KINDS and t.pooling is None else t
+                for t in config.tasks
+            ]
+            config = dataclasses.replace(config, tasks=tasks)
         return config
 
     def task_settings(self, task: TaskConfig) -> TaskSettings:

@@ -290,18 +290,11 @@ class Tuner:
 
     def canary(self, eager: Tuner, graphs: list[Graph], steps: int, seed: int, tolerance: float) -> Difference:
         """The largest relative difference between this tuner's compiled graphs and `eager`'s, the same
-        steps run eagerly, over `graphs` in turn (`graph_difference`), stopping at the first past
-        `tolerance`; a graph that raises, raised again naming it. The compiled graphs are the ones
-        fine-tuning then uses."""
-        from cram.stages.shared.precision import Difference, graph_named
+        steps run eagerly, over `graphs` in turn (`graph_difference`, `precision.worst_graph`). The compiled
+        graphs are the ones fine-tuning then uses."""
+        from cram.stages.shared.precision import worst_graph
 
-        worst = Difference(0.0)
-        for graph in graphs:
-            with graph_named(graph.name):
-                worst = worst.worse(Difference(self.graph_difference(eager, graph, steps, seed), graph.name))
-            if not worst.value <= tolerance:
-                break
-        return worst
+        return worst_graph(graphs, lambda graph: self.graph_difference(eager, graph, steps, seed), tolerance)
 
     def graph_difference(self, eager: Tuner, graph: Graph, steps: int, seed: int) -> float:
         """One graph's largest relative difference from eager, from the same fresh head, dropout off: `steps`
@@ -319,7 +312,7 @@ class Tuner:
             return float(worst) if torch.isfinite(worst) else float("inf")
         batch = self.batch(rows, lengths, labels, graph.index, self.config.batch_size, dropout=0.0)
         lr = to_device(torch.tensor(self.config.lr, dtype=torch.float32), self.device)
-        diffs, _ = stepped_difference((self.step, eager.step), start, batch, lr, steps)
+        diffs = stepped_difference((self.step, eager.step), start, batch, lr, steps)
         worst = diffs.double().max()
         return float(worst) if torch.isfinite(worst) else float("inf")
 

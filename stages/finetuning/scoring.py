@@ -257,10 +257,12 @@ def _tuner(
     """(the precision chosen, the fine-tuner and the held-out masked LM's steps in it; None without
     `held_out`). Compiled, each candidate precision's graphs are checked against eager, each once: the
     fine-tune step and prediction at every head shape and bucket the tasks' rows fall in (`Tuner.canary`),
-    the masked LM at each length (`mlm_canary`) and the retrieval tasks' steps (`Embedders.check`); the
+    the masked LM at each length (`mlm_canary`) and the retrieval tasks' contrastive steps and embeddings at
+    every bucket theirs fall in (`Embedders.check`); the
     first candidate whose every graph agrees is kept (`precision.choose`), and its compiled graphs are the
     ones the stage runs."""
     from cram.stages.finetuning.finetune import Tuner, graphs
+    from cram.stages.retrieval.tuning import embedder_graphs
 
     config, ctx = scoring.config, scoring.ctx
     cfg, special = scoring.checkpoint.cfg, scoring.inputs["tokenize"].outputs["special_ids"]
@@ -277,6 +279,7 @@ def _tuner(
 
     checked: dict[precisions.Precision, tuple[Tuner, MlmSteps | None]] = {}  # the compiled graphs of each tried
     shapes = graphs(loaded, scoring.tuning)
+    retrieval_shapes = embedder_graphs(embedders.tasks, scoring.tuning, ctx.seed)
 
     def check(candidate: precisions.Precision) -> precisions.Difference:
         tuner, steps = checked[candidate] = make(candidate)
@@ -284,15 +287,14 @@ def _tuner(
         worst = tuner.canary(eager, shapes, config.canary_steps, ctx.seed, config.canary_tolerance)
         if steps is not None and worst.value <= config.canary_tolerance:
             worst = worst.worse(mlm_canary(held_out, steps, cfg, params, device))
-        if embedders.tasks and worst.value <= config.canary_tolerance:
-            with precisions.graph_named("contrastive step and embedding"):
-                retrieval = embedders.check(candidate, config.canary_steps, ctx.seed)
-            worst = worst.worse(precisions.Difference(retrieval, "contrastive step and embedding"))
+        if retrieval_shapes and worst.value <= config.canary_tolerance:
+            retrieval = embedders.check(candidate, retrieval_shapes, config.canary_steps, config.canary_tolerance)
+            worst = worst.worse(retrieval)
         ctx.log.info(
             "canary",
             precision=candidate.label,
             steps=config.canary_steps,
-            graphs=len(shapes) + (0 if steps is None else len(steps.compiled)) + bool(embedders.tasks),
+            graphs=len(shapes) + (0 if steps is None else len(steps.compiled)) + len(retrieval_shapes),
             max_relative_diff=worst.value,
             worst_graph=worst.graph,
         )

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from cram.stages.finetuning.config import RetrievalSettings, TaskConfig, Tuning
     from cram.stages.retrieval.metrics import Scores
     from cram.stages.retrieval.pairs import RetrievalTask
-    from cram.stages.shared.precision import Precision
+    from cram.stages.shared.precision import Difference, Precision
     from cram.stages.shared.tokenizer import Tokenizer
 
     Rows: TypeAlias = tuple[list[np.ndarray], np.ndarray]  # (ragged rows of ids, their lengths)
@@ -156,23 +156,33 @@ class Embedder:
                     log.info("fine-tuning", step=f"{done}/{total}", loss=round(float(metrics["loss"]), 4))
         return params, float(torch.stack(losses).mean())
 
-    def canary(self, eager: Embedder, loaded: RetrievalLoaded, steps: int, seed: int) -> float:
-        """The largest relative difference between this embedder's (compiled) steps and `eager`'s: `steps`
-        contrastive steps on the first batch, dropout off (loss and gradient norm), then both models'
-        embeddings of its documents (relative to 1: they are unit vectors); inf when one is not finite."""
+    def canary(self, eager: Embedder, graphs: list[EmbedderGraph], steps: int, tolerance: float) -> Difference:
+        """The largest relative difference between this embedder's compiled graphs and `eager`'s, over
+        `graphs` in turn (`graph_difference`, `precision.worst_graph`): the graphs fine-tuning and search
+        then use."""
+        from cram.stages.shared.precision import worst_graph
+
+        return worst_graph(graphs, lambda graph: self.graph_difference(eager, graph, steps), tolerance)
+
+    def graph_difference(self, eager: Embedder, graph: EmbedderGraph, steps: int) -> float:
+        """One graph's largest relative difference from eager, from the pretrained encoder, dropout off:
+        `steps` contrastive steps on its batch of pairs (loss and gradient norm), or its rows' embeddings
+        (relative to 1: they are unit vectors); inf when one is not finite."""
         import numpy as np
         import torch
 
-        index = epoch_batches(loaded, seed, 0, "canary")[0]
-        batch = self.batch(loaded, index, dropout=0.0)
-        lr = to_device(torch.tensor(self.config.lr, dtype=torch.float32), self.device)
-        embedders = (self, eager)
-        diffs, ended = stepped_difference((self.step, eager.step), self.params, batch, lr, steps)
-        rows, lengths = loaded.data.positives
-        shown = [e.embedded(ended[k], rows, lengths, np.asarray(index)) for k, e in enumerate(embedders)]
-        embedded = torch.tensor([float(np.abs(shown[0] - shown[1]).max())], dtype=torch.float64)
-        worst = torch.cat([diffs.double().cpu(), embedded]).max()
-        return float(worst) if torch.isfinite(worst) else float("inf")
+        if graph.rows is None:
+            batch = self.batch(graph.task, list(graph.index), dropout=0.0)
+            lr = to_device(torch.tensor(self.config.lr, dtype=torch.float32), self.device)
+            worst = stepped_difference((self.step, eager.step), self.params, batch, lr, steps).double().max()
+            return float(worst) if torch.isfinite(worst) else float("inf")
+        rows, lengths = graph.rows
+        padding = Padding(self.special, (graph.bucket,), False)
+        arrays = padding.inputs(rows, lengths, graph.index, self.config.eval_batch_size)
+        batch = {k: to_device(torch.from_numpy(v), self.device) for k, v in arrays.items()}
+        shown = [e.embed(self.params, batch).float().cpu().numpy() for e in (self, eager)]
+        worst = float(np.abs(shown[0] - shown[1]).max())
+        return worst if np.isfinite(worst) else float("inf")
 
     def search(self, params: dict, loaded: RetrievalLoaded, scratch: Path) -> Scores:
         """The test queries' scores: the corpus embedded to a file in a folder made under `scratch` (removed
@@ -261,10 +271,59 @@ class Making:
     pooling: str
 
 
+@dataclass(frozen=True)
+class EmbedderGraph:
+    """A compiled graph that a retrieval fine-tune or its search runs, and one batch of its shape for the
+    canary: the contrastive step on a batch of pairs (`index`, its documents padded to `bucket`), or the
+    embedding of `eval_batch_size` rows (`rows[index]`, each padded to `bucket`)."""
+
+    task: RetrievalLoaded
+    bucket: int
+    index: np.ndarray
+    rows: Rows | None = None  # the embedding's rows (the corpus or the test queries); None: the step's
+
+    @property
+    def name(self) -> str:
+        pooling = self.task.settings.pooling
+        if self.rows is not None:
+            return f"embedding, {pooling} pooling, length {self.bucket}"
+        queries = self.task.settings.query_max_length
+        return (
+            f"contrastive step, {pooling} pooling, {len(self.index)} pairs, queries {queries}, documents {self.bucket}"
+        )
+
+
+def embedder_graphs(tasks: list[RetrievalLoaded], tuning: Tuning, first_seed: int) -> list[EmbedderGraph]:
+    """Every graph the retrieval tasks' fine-tunes and searches run, once each: the contrastive step at each
+    document bucket a batch of any seed's epochs falls in, and the embedding at each bucket the corpus
+    and the test queries fall in, with the first batch or rows of each."""
+    import numpy as np
+
+    found: dict[tuple, EmbedderGraph] = {}
+    for t in tasks:
+        data, settings = t.data, t.settings
+        queries = bucket(settings.query_max_length, tuning.buckets)
+        docs = [data.positives[1]] + ([] if data.negatives is None else [data.negatives[1]])
+        longest = np.max(np.stack(docs), axis=0)  # a pair's longest document
+        for seed in range(first_seed, first_seed + settings.seeds):
+            for epoch in range(settings.epochs):
+                for index in epoch_batches(t, seed, epoch, "canary"):
+                    length = bucket(int(longest[index].max()), tuning.buckets)
+                    key = ("step", settings.pooling, queries, length, len(index), data.negatives is not None)
+                    found.setdefault(key, EmbedderGraph(t, length, np.asarray(index)))
+        in_bucket = np.array([bucket(int(n), tuning.buckets) for n in data.corpus[1]])
+        shapes = [(data.corpus, length, np.flatnonzero(in_bucket == length)) for length in np.unique(in_bucket)]
+        shapes.append((data.test_queries, queries, np.arange(len(data.test_queries[0]))))  # padded to one length
+        for rows, length, index in shapes:
+            graph = EmbedderGraph(t, int(length), index[: tuning.eval_batch_size], rows)
+            found.setdefault(("embedding", settings.pooling, int(length)), graph)
+    return list(found.values())
+
+
 @dataclass
 class Embedders:
     """The retrieval tasks' embedders, one per pooling and precision, made once each; the precision's
-    canary on the first task (the compiled steps against eager ones, as `Tuner.canary`)."""
+    canary over every graph they run (the compiled graphs against eager ones, as `Tuner.canary`)."""
 
     make: Callable[[Making], Embedder]  # Embedder.make with the run's config, model, params and device
     tasks: list[RetrievalLoaded]
@@ -278,10 +337,16 @@ class Embedders:
             self.made[key] = self.make(Making(precision, self.compile, self.attention, pooling))
         return self.made[key]
 
-    def check(self, precision: Precision, steps: int, seed: int) -> float:
-        """The first task's canary in `precision` (0.0 without a retrieval task)."""
-        if not self.tasks:
-            return 0.0
-        first = self.tasks[0]
-        eager = self.make(Making(precision, False, self.attention, first.settings.pooling))
-        return self.of(precision, first.settings.pooling).canary(eager, first, steps, seed)
+    def check(self, precision: Precision, graphs: list[EmbedderGraph], steps: int, tolerance: float) -> Difference:
+        """The canary of `graphs` (`embedder_graphs`) in `precision`, a pooling's graphs against an eager
+        embedder of that pooling; stopping at the first graph past `tolerance`."""
+        from cram.stages.shared.precision import Difference
+
+        worst = Difference(0.0)
+        for pooling in dict.fromkeys(g.task.settings.pooling for g in graphs):
+            eager = self.make(Making(precision, False, self.attention, pooling))
+            mine = [g for g in graphs if g.task.settings.pooling == pooling]
+            worst = worst.worse(self.of(precision, pooling).canary(eager, mine, steps, tolerance))
+            if not worst.value <= tolerance:
+                break
+        return worst

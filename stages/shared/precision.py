@@ -16,10 +16,10 @@ is fp32.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from cram.stages import StageError
 from cram.stages.shared import device as devices
@@ -78,6 +78,28 @@ class Difference:
 
     def where(self) -> str:
         return f" ({self.graph})" if self.graph else ""
+
+
+class NamedGraph(Protocol):
+    """A compiled graph a canary checks, by the name its reason gives."""
+
+    @property
+    def name(self) -> str: ...
+
+
+G = TypeVar("G", bound=NamedGraph)
+
+
+def worst_graph(graphs: Iterable[G], difference: Callable[[G], float], tolerance: float) -> Difference:
+    """The largest `difference(graph)` over `graphs` in turn (each a compiled graph's relative difference from
+    eager), stopping at the first past `tolerance`; a graph that raises, raised again naming it."""
+    worst = Difference(0.0)
+    for graph in graphs:
+        with graph_named(graph.name):
+            worst = worst.worse(Difference(difference(graph), graph.name))
+        if not worst.value <= tolerance:
+            break
+    return worst
 
 
 @dataclass(frozen=True)
@@ -230,10 +252,12 @@ def _remedies(precision: str, keys: str) -> str:
     return f"Try {choices}another {keys}.backend, {keys}.compile = false, or {keys}.canary_steps = 0 to train anyway"
 
 
-def stepped_difference(steps: tuple[Callable, Callable], start: dict, batch: dict, lr: torch.Tensor, count: int):
+def stepped_difference(
+    steps: tuple[Callable, Callable], start: dict, batch: dict, lr: torch.Tensor, count: int
+) -> torch.Tensor:
     """A compiled step and its eager twin (`steps`), each run `count` times from the same `start` params and a
-    fresh AdamW state on `batch`: ([count * 2] relative differences of their loss and gradient norm, the
-    params each ended with). The canaries' common part (the fine-tuner's, the contrastive fine-tune's)."""
+    fresh AdamW state on `batch`: [count * 2] relative differences of their loss and gradient norm. The
+    canaries' common part (the fine-tuner's, the contrastive fine-tune's)."""
     import torch
 
     from cram import model
@@ -247,4 +271,4 @@ def stepped_difference(steps: tuple[Callable, Callable], start: dict, batch: dic
             states[k] = params, opt_state
             readings.append(torch.stack([metrics["loss"], metrics["grad_norm"]]))
         diffs.append((readings[0] - readings[1]).abs() / readings[1].abs().clamp(min=1e-6))
-    return torch.cat(diffs), [params for params, _ in states]
+    return torch.cat(diffs)
