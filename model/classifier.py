@@ -32,8 +32,7 @@ from torch import Tensor
 
 from cram.model.bert import INIT_STD, dropout, encode
 from cram.model.config import Attention, ModelConfig, OptimizerConfig
-from cram.model.optim import adamw_update, adamw_update_
-from cram.model.step import Compilation, autocast, compiled, detached_params
+from cram.model.step import Compilation, autocast, compiled, make_tuning_step
 
 # "pooler": the first token, through a head whose dense layer starts as the checkpoint's pooler (`pooler_head`).
 Pooling = Literal["first", "mean", "pooler"]
@@ -166,21 +165,7 @@ def make_finetune_step(
             logits = classify(params, cfg, ids, mask, pooling, how.attention, types, rate, head)
         return finetune_loss(logits, batch["labels"], batch["weights"])
 
-    def updating(update: Callable) -> Callable:
-        def step(params, opt_state, batch, lr):
-            grads, loss = torch.func.grad_and_value(loss_fn)(params, batch)
-            params, opt_state, grad_norm = update(opt_cfg, params, opt_state, grads, lr)
-            return params, opt_state, {"grad_norm": grad_norm, "loss": loss.detach()}
-
-        return step
-
-    pure = detached_params(compiled(updating(adamw_update), how))
-    in_place = pure if how.compile else detached_params(updating(adamw_update_))
-
-    def step(params, opt_state, batch, lr, donate: bool = False):
-        return (in_place if donate else pure)(params, opt_state, batch, lr)
-
-    return step
+    return make_tuning_step(loss_fn, opt_cfg, how)
 
 
 def make_classify_eval_step(

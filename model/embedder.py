@@ -31,15 +31,7 @@ from torch import Tensor
 from cram.model.bert import encode
 from cram.model.classifier import pool
 from cram.model.config import Attention, ModelConfig, OptimizerConfig
-from cram.model.step import (
-    EAGER,
-    Compilation,
-    autocast,
-    compiled,
-    detached_params,
-    make_apply_step,
-    make_grad_all_reduce,
-)
+from cram.model.step import Compilation, autocast, compiled, make_grad_all_reduce, make_tuning_step
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -49,7 +41,7 @@ EMBEDDING_POOLINGS: tuple[str, ...] = ("mean", "first")
 SCALE = 20.0  # sentence-transformers' default: a temperature of 0.05 on cosine similarities
 
 Params = dict[str, Tensor]
-ContrastiveStep = Callable[[Params, Params, Params, Tensor], tuple[Params, Params, dict[str, Tensor]]]
+ContrastiveStep = Callable[..., tuple[Params, Params, dict[str, Tensor]]]
 # (documents [B * (1 + n), H], B) -> (positives, hard negatives or None, where this rank's pairs start)
 Candidates = Callable[[Tensor, int], tuple[Tensor, Tensor | None, int]]
 
@@ -90,32 +82,27 @@ def make_contrastive_step(
     world_size: int = 1,
     group: ProcessGroup | None = None,
 ) -> ContrastiveStep:
-    """step(params, opt_state, batch, lr: 0-dim tensor) -> (params, opt_state, {"loss", "grad_norm"}).
+    """step(params, opt_state, batch, lr: 0-dim tensor, donate=False) -> (params, opt_state, {"loss", "grad_norm"}).
 
     Both sides' forward, the loss, the gradient and the AdamW update in one graph per pair of batch
-    shapes (module docstring for the batch). With `world_size` > 1 (ranks of `group`, default the whole
-    world, already initialised) the candidates are every rank's documents and the gradients are averaged
-    across ranks; "loss" is this rank's anchors' mean."""
+    shapes (module docstring for the batch); `donate` as `step.make_tuning_step` says. With `world_size` > 1
+    (ranks of `group`, default the whole world, already initialised) the candidates are every rank's
+    documents and the gradients are averaged across ranks; "loss" is this rank's anchors' mean."""
     _check_pooling(pooling)
     candidates = _gathered_candidates(world_size, group) if world_size > 1 else _local_candidates
     reduce = make_grad_all_reduce(world_size, group) if world_size > 1 else None
-    apply = make_apply_step(opt_cfg, EAGER, reduce_grads=reduce)
 
     def loss_fn(params: Params, batch: Params) -> Tensor:
-        rate = batch["dropout"]
+        # A graph takes the rate as a tensor (one graph at every rate); eager takes it as a number, for
+        # F.dropout's one op instead of a drawn uniform mask's five (`bert.dropout`).
+        rate = batch["dropout"] if how.compile else float(batch["dropout"])
         with autocast(batch["query_ids"], how.autocast):
             queries = embed(params, cfg, batch["query_ids"], batch["query_mask"], pooling, how.attention, rate)
             docs = embed(params, cfg, batch["doc_ids"], batch["doc_mask"], pooling, how.attention, rate)
         positives, negatives, offset = candidates(docs, len(queries))
         return in_batch_loss(queries, positives, negatives, offset=offset)
 
-    def step(params, opt_state, batch, lr):
-        grads, loss = torch.func.grad_and_value(loss_fn)(params, batch)
-        one = torch.ones((), device=lr.device)
-        params, opt_state, metrics = apply(params, opt_state, grads, one, lr)
-        return params, opt_state, {**metrics, "loss": loss.detach()}
-
-    return detached_params(compiled(step, how))
+    return make_tuning_step(loss_fn, opt_cfg, how, reduce_grads=reduce)
 
 
 def _local_candidates(docs: Tensor, size: int) -> tuple[Tensor, Tensor | None, int]:

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from cram.model.bert import mlm_loss
 from cram.model.config import Attention, ModelConfig, OptimizerConfig
-from cram.model.optim import adamw_update
+from cram.model.optim import adamw_update, adamw_update_
 
 Params = dict[str, Tensor]
 GradReducer = Callable[[Params], Params]
@@ -68,6 +68,40 @@ def make_train_step(
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "accuracy": aux["accuracy"]}
 
     return detached_params(compiled(train_step, how))
+
+
+def make_tuning_step(
+    loss_fn: Callable[[Params, Params], Tensor],
+    opt_cfg: OptimizerConfig,
+    how: Compilation = Compilation(),
+    *,
+    reduce_grads: GradReducer | None = None,
+) -> Callable[..., tuple[Params, Params, dict[str, Tensor]]]:
+    """step(params, opt_state, batch, lr, donate=False) -> (params, opt_state, {"loss", "grad_norm"}): the
+    gradient of `loss_fn(params, batch)` over every param (reduced across ranks by `reduce_grads`) and an
+    AdamW update, in one graph per batch shape: a fine-tune's step, a classifier's or an embedder's.
+
+    `donate=True` says the caller owns `params` and `opt_state` and keeps only what the step returns:
+    eager, the step then writes the new params and moments into the tensors given (`adamw_update_`, one
+    fused kernel instead of a dozen ops per tensor); compiled, it is the same graph either way."""
+
+    def updating(update: Callable) -> Callable:
+        def step(params, opt_state, batch, lr):
+            grads, loss = torch.func.grad_and_value(loss_fn)(params, batch)
+            if reduce_grads is not None:
+                grads = reduce_grads(grads)
+            params, opt_state, grad_norm = update(opt_cfg, params, opt_state, grads, lr)
+            return params, opt_state, {"grad_norm": grad_norm, "loss": loss.detach()}
+
+        return step
+
+    pure = detached_params(compiled(updating(adamw_update), how))
+    in_place = pure if how.compile else detached_params(updating(adamw_update_))
+
+    def step(params, opt_state, batch, lr, donate: bool = False):
+        return (in_place if donate else pure)(params, opt_state, batch, lr)
+
+    return step
 
 
 def make_accumulate_step(

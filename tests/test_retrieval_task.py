@@ -17,7 +17,7 @@ from cram import model
 from cram.stages import StageError
 from cram.stages.finetuning.config import Config, TaskConfig
 from cram.stages.retrieval import pairs, results
-from cram.stages.retrieval.tuning import Embedder, Embedders, Making, RetrievalLoaded, embedder_graphs
+from cram.stages.retrieval.tuning import Embedder, Embedders, Making, RetrievalLoaded, embedder_graphs, epoch_batches
 from cram.stages.shared.precision import FP32
 from cram.stages.shared.tokenizer import Tokenizer
 
@@ -220,3 +220,27 @@ def test_keep_all_writes_every_seed_as_an_embedder_beside_the_classifiers(tmp_pa
         assert written["seed"] == seed and written["task_kind"] == "retrieval" and written["metric"] == "ndcg@10"
         assert sorted(p.name for p in folder.iterdir()) == ["embedder.json", "model.json", "params.safetensors"]
     assert (tmp_path / "out" / "classifiers" / "1-sent" / "seed-0" / "classifier.json").is_file()
+
+
+def test_eager_contrastive_batches_are_padded_to_their_longest_and_compiled_ones_to_buckets(tmp_path):
+    pairs_file = long_pairs(tmp_path / "pairs.jsonl")
+    config, loaded = task_of(write_beir(tmp_path / "set"), pairs=str(pairs_file), batch_size=8, query_max_length=8)
+    index = epoch_batches(loaded, 0, 0, "test")[0]
+    queries, positives = loaded.data.queries[1][index].max(), loaded.data.positives[1][index].max()
+    eager, compiled = (
+        embedder(config).batch(loaded, index, 0.0),
+        embedder(config, compile=True).batch(loaded, index, 0.0),
+    )
+    assert eager["query_ids"].shape[1] == queries and eager["doc_ids"].shape[1] == positives
+    assert compiled["query_ids"].shape[1] == 8 and compiled["doc_ids"].shape[1] in (16, 32)
+
+
+def test_an_eager_contrastive_fine_tune_leaves_the_pretrained_encoder_as_it_was(tmp_path):
+    config, loaded = task_of(write_beir(tmp_path / "set"), batch_size=8)
+    eager = embedder(config)
+    before = {k: v.clone() for k, v in eager.params.items()}
+    first, _ = eager.train(loaded, seed=0, where="test", label="test")
+    torch.testing.assert_close(eager.params, before, rtol=0, atol=0)
+    again, _ = eager.train(loaded, seed=0, where="test", label="test")
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    assert not torch.equal(first["layers.0.attn.qkv.weight"], before["layers.0.attn.qkv.weight"])

@@ -5,8 +5,11 @@ steps are made once per length bucket, and the fine-tuned encoder scored on the 
 Batches (`model/embedder.py` reads them): the queries padded to one length (the bucket of the task's
 `query_max_length`), the positives and hard negatives to the bucket of their longest, `batch_size` pairs
 each with no text twice (`loss.distinct_batches`): the contrastive step compiles once per document
-bucket. The corpus is embedded once per model in length-sorted batches, written to an `.npy` file in a
-scratch folder (removed after), and searched exactly for each query's best 100 (`search.top_k`).
+bucket. Eager steps have no graphs to bound: each batch is padded to its longest row, and the loop's
+AdamW writes into its own copy of the params (`donate`), as the classifier's eager fine-tune does.
+
+The corpus is embedded once per model in length-sorted batches, written to an `.npy` file in a scratch
+folder (removed after), and searched exactly for each query's best 100 (`search.top_k`).
 """
 
 from __future__ import annotations
@@ -122,6 +125,7 @@ class Embedder:
         options = how.precision.compile_options() if how.compile else None
         compilation = model.Compilation(how.compile, config.backend, how.precision.autocast(), how.attention, options)
         cfg = dataclasses.replace(cfg, dropout=0.0)  # the step's rate comes with each batch
+        config = dataclasses.replace(config, compile=how.compile)
         step = make_contrastive_step(cfg, opt_cfg, compilation, pooling=how.pooling)
         embed = make_embed_step(cfg, compilation, pooling=how.pooling)
         encoder = {k: v for k, v in params.items() if not k.startswith("head.")}
@@ -137,7 +141,8 @@ class Embedder:
 
         settings = loaded.settings
         torch.manual_seed(seed)  # dropout's masks: a seed's fine-tune is the same wherever it runs
-        params = dict(self.params)
+        # the loop's own copy, which its steps may overwrite (`donate`): every seed starts from self.params
+        params = {k: v.clone() for k, v in self.params.items()}
         opt_state = model.adamw_init(params)
         epochs = [epoch_batches(loaded, seed, epoch, where) for epoch in range(settings.epochs)]
         total, done, every = sum(map(len, epochs)), 0, Every(PROGRESS_EVERY_S)
@@ -149,7 +154,7 @@ class Embedder:
                 factor = model.lr_schedule(FINETUNE_OPTIMIZER["schedule"], done / total, warmup=self.config.warmup)
                 lr = to_device(torch.tensor(settings.lr * factor, dtype=torch.float32), self.device)
                 batch = self.batch(loaded, index, self.config.dropout)
-                params, opt_state, metrics = self.step(params, opt_state, batch, lr)
+                params, opt_state, metrics = self.step(params, opt_state, batch, lr, donate=True)
                 losses.append(metrics["loss"])
                 done += 1
                 if log is not None and every.due():  # the loss read here is the one host sync in 30 s
@@ -216,17 +221,20 @@ class Embedder:
 
         index = np.arange(len(rows)) if index is None else np.asarray(index)
         by_length = np.argsort(lengths[index], kind="stable")
-        batches = self._batches(params, rows, lengths, index[by_length], buckets or self.config.buckets)
+        batches = self._batches(
+            params, rows, lengths, index[by_length], self.config.buckets if buckets is None else buckets
+        )
         out = np.concatenate(list(batches))
         embeddings = np.empty_like(out)
         embeddings[by_length] = out
         return embeddings
 
     def _batches(self, params: dict, rows: list, lengths, order, buckets: tuple[int, ...]) -> Iterator[np.ndarray]:
-        """Embeddings of `rows[order]`, `eval_batch_size` rows a batch (fillers past the end), padded to buckets."""
+        """Embeddings of `rows[order]`, `eval_batch_size` rows a batch (fillers past the end), padded to buckets
+        (eager: to each batch's longest)."""
         import torch
 
-        size, padding = self.config.eval_batch_size, Padding(self.special, buckets, False)
+        size, padding = self.config.eval_batch_size, Padding(self.special, self._compiled(buckets), False)
         for start in range(0, len(order), size):
             index = order[start : start + size]
             arrays = padding.inputs(rows, lengths, index, size)
@@ -240,13 +248,15 @@ class Embedder:
         import torch
 
         data, index = loaded.data, np.asarray(index)
-        queries = Padding(self.special, self._query_buckets(loaded), False).inputs(*data.queries, index, len(index))
+        queries = Padding(self.special, self._compiled(self._query_buckets(loaded)), False)
+        queries = queries.inputs(*data.queries, index, len(index))
         doc_rows = [data.positives[0][i] for i in index]
         if data.negatives is not None:
             doc_rows += [data.negatives[0][i] for i in index]
         lengths = np.array([len(r) for r in doc_rows])
         everyone = np.arange(len(doc_rows))
-        docs = Padding(self.special, self.config.buckets, False).inputs(doc_rows, lengths, everyone, len(doc_rows))
+        padding = Padding(self.special, self._compiled(self.config.buckets), False)
+        docs = padding.inputs(doc_rows, lengths, everyone, len(doc_rows))
         arrays = {
             "query_ids": queries["input_ids"],
             "query_mask": queries["attention_mask"],
@@ -255,6 +265,11 @@ class Embedder:
             "dropout": np.array(dropout, dtype=np.float32),
         }
         return {k: to_device(torch.from_numpy(v), self.device) for k, v in arrays.items()}
+
+    def _compiled(self, buckets: tuple[int, ...]) -> tuple[int, ...]:
+        """`buckets` for compiled steps, which they bound the graphs of; none for eager ones, whose batches
+        are each padded to their longest row."""
+        return buckets if self.config.compile else ()
 
     def _query_buckets(self, loaded: RetrievalLoaded) -> tuple[int, ...]:
         """One length for every query of the task: the bucket of its `query_max_length`."""
