@@ -32,7 +32,7 @@ from cram.stages.shared import pretrained
 from cram.stages.shared.files import write_atomic
 
 NAME = "baseline"
-VERSION = "2"
+VERSION = "3"
 UPSTREAM = ("tokenize",)  # its tokenizer, and the held-out articles of a heldout-topic task
 RESUMABLE = False
 DISTRIBUTED = True  # under torchrun every rank fine-tunes a share of the (task, seed) pairs, as in evaluate

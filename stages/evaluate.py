@@ -50,7 +50,7 @@ from cram.stages.finetuning.scoring import (
 from cram.stages.shared import device as devices
 
 NAME = "evaluate"
-VERSION = "5"
+VERSION = "6"
 # baseline: the starting checkpoint's scores, with `baseline = "init"` alone (the planner leaves out a stage
 # that has nothing to do, and an upstream it left out is no part of this stage's key).
 UPSTREAM = ("tokenize", "pack", "pretrain", "baseline")

@@ -32,13 +32,13 @@ KEYS_BEFORE = {
         "tokenize": "b475f7bb577833966e2d85d06a2720ffdf272495e3c7885c04a8f1bd27caa9dd",
         "pack": "7335af0efd8ebd91dc863cf72d898e5fd033e4d98ef34c667d38f15ce574b944",
         "pretrain": "16dc41a4a817b90e3f176f81a9e59f7ce0dcc9577e031ff7f5525aaec591cd08",
-        "evaluate": "536a6b736ac58244823c8c1c1a8d0eb4de84c9b52cc36db638fe094a47bead36",  # VERSION 5: pairs cut anew
+        "evaluate": "1237533d5205cb95eba038deb312ecdb728f12c199fe95231e926cf5645879c7",  # VERSION 6: eager dropout
     },
     "configs/crammed-bert.toml": {
         "tokenize": "154fd62bd903288e2df5e42bd339223bafa2b3bd56cc21cf73541362b311bc0e",
         "pack": "b4fc1bfcf7e5e3da333cf3d89fac0993ff4fdde6d9016cd1bc3d8ae570fcc265",
         "pretrain": "82fa9734343fea6dd25c307e14c753970b49e478eac9511cfaddeaede070d16e",
-        "evaluate": "fb5b2dc0153fcbbf8b8a1b02a42e13e0596567a4980c851f914659db5d43fded",  # VERSION 5: pairs cut anew
+        "evaluate": "bf95c6bfa9f7b6fd339c15c6f9694ccc0d99f0a2b38773acbd00d206b93c3086",  # VERSION 6: eager dropout
     },
 }
 
