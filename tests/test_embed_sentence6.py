@@ -13,7 +13,7 @@ import pytest
 from test_init_headless import bert_model
 
 from cram.pipeline import config as pipeline_config
-from cram.pipeline import runner
+from cram.pipeline import errors, runner
 from cram.pipeline.commands.embed import embed
 from cram.stages.kept.embedding import Request
 from cram.stages.kept.fast_tokenizer import post_processor
@@ -40,13 +40,16 @@ def bert(tmp_path_factory) -> Path:
     return folder
 
 
-def saved(bert: Path, folder: Path, mode: str) -> sentence_transformers.SentenceTransformer:
-    """A SentenceTransformer of BERT, `mode` pooling and normalisation, saved by sentence-transformers to FOLDER."""
+def saved(bert: Path, folder: Path, mode: str, **settings: object) -> sentence_transformers.SentenceTransformer:
+    """A SentenceTransformer of BERT, `mode` pooling and normalisation, saved by sentence-transformers to
+    FOLDER; `settings`: its prompts, default_prompt_name, the Pooling module's include_prompt."""
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
 
     transformer = Transformer(str(bert), max_seq_length=LENGTH)
-    modules = [transformer, Pooling(transformer.get_embedding_dimension(), pooling_mode=mode), Normalize()]
-    model = sentence_transformers.SentenceTransformer(modules=modules, device="cpu")
+    include = {"include_prompt": settings.pop("include_prompt")} if "include_prompt" in settings else {}
+    pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode=mode, **include)
+    modules = [transformer, pooling, Normalize()]
+    model = sentence_transformers.SentenceTransformer(modules=modules, device="cpu", **settings)
     model.save(str(folder))
     return model
 
@@ -69,6 +72,38 @@ def test_cram_embeds_a_folder_sentence_transformers_6_saved_as_its_encode_does(t
     loaded = sentence_transformers.SentenceTransformer(str(folder), device="cpu")  # what it saved, read back
     assert np.abs(theirs - loaded.encode(TEXTS, batch_size=2)).max() < 1e-6
     assert pretrained.locate(folder).pooling == pooling
+
+
+PROMPTS = {"query": "query: ", "passage": "passage: "}
+
+
+@pytest.mark.parametrize("default", ["query", None])
+def test_cram_embed_puts_the_folders_prompt_before_each_text_as_encode_does(tmp_path, bert, default):
+    folder = tmp_path / "prompts"
+    model = saved(bert, folder, "mean", prompts=PROMPTS, default_prompt_name=default)
+    lines = tmp_path / "texts.txt"
+    lines.write_text("\n".join(TEXTS) + "\n")
+    for name in (None, "passage"):
+        out = tmp_path / f"{name}.npy"
+        request = Request(prompt=name)
+        embed(folder, [lines], out, request=request, settings=Settings(compile=False, batch_size=2))
+        theirs = model.encode(TEXTS, batch_size=2, prompt_name=name)
+        assert np.abs(np.load(out) - theirs).max() < 1e-4, name
+    plain = model.encode(TEXTS, batch_size=2, prompt="")
+    assert (np.abs(np.load(tmp_path / "None.npy") - plain).max() < 1e-6) == (default is None)
+
+
+def test_a_prompt_the_folder_lacks_or_pools_without_is_refused_naming_it(tmp_path, bert):
+    lines = tmp_path / "texts.txt"
+    lines.write_text("a text\n")
+    settings = Settings(compile=False)
+    saved(bert, tmp_path / "p", "mean", prompts=PROMPTS)
+    with pytest.raises(errors.CramError, match=r"--prompt doc: .* has the prompts .*passage, query"):
+        embed(tmp_path / "p", [lines], tmp_path / "v.npy", request=Request(prompt="doc"), settings=settings)
+    saved(bert, tmp_path / "left", "mean", prompts=PROMPTS, default_prompt_name="query", include_prompt=False)
+    with pytest.raises(errors.CramError, match=r"include_prompt false"):
+        embed(tmp_path / "left", [lines], tmp_path / "v.npy", settings=settings)
+    assert not (tmp_path / "v.npy").exists()
 
 
 def test_pretrain_init_of_a_sentence_transformers_6_folder_keeps_its_pooling(tmp_path, bert):

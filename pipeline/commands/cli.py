@@ -251,12 +251,17 @@ def embed_texts(
         False, "--compile/--no-compile", help="Compile the embedding (one graph per length bucket; eager is faster)."
     ),
     batch_size: int = typer.Option(128, "--batch-size", min=1, help="Texts per batch."),
+    prompt: Optional[str] = typer.Option(
+        None, "--prompt", help="A sentence-transformers folder's prompt to put before each text (default: its own)."
+    ),
 ) -> None:
     """Embed every text of FILES with a kept or exported embedding model into one .npy of unit vectors,
     or a .parquet of ids and vectors."""
     from cram.pipeline.commands import embed
 
-    request = embed.Request(field=field, query=query, dtype=dtype, id_field=id_field, precision=precision)
+    request = embed.Request(
+        field=field, query=query, dtype=dtype, id_field=id_field, precision=precision, prompt=prompt
+    )
     written = embed.embed(
         source, files, out_file, task, request, embed.Settings(compile=compile, batch_size=batch_size)
     )

@@ -58,13 +58,16 @@ class Request:
     model's query length) or documents, into vectors of `dtype`; `id_field`: the field of each record
     whose value a `.parquet` output holds beside its vector (None: the row number); `precision`: the
     encoder's arithmetic, fp32 (sentence-transformers' own, 1e-4) or bf16 autocast (faster where the CPU
-    multiplies bf16 natively; vectors within ~1e-3)."""
+    multiplies bf16 natively; vectors within ~1e-3); `prompt`: the name of a sentence-transformers
+    folder's prompt put before each text, as its `encode(prompt_name=...)` does (None: the folder's
+    default prompt, where it names one)."""
 
     field: str = "text"
     query: bool = False
     dtype: str = "float32"
     id_field: str | None = None
     precision: str = "fp32"
+    prompt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -110,11 +113,15 @@ class Embedding:
         padding = Padding(special, buckets, token_types=False)
         return cls(embedder, loaded, padding, on_device, graph, settings)
 
-    def vectors(self, texts: list[str], query: bool = False, done: Callable[[int], None] | None = None) -> np.ndarray:
-        """[N, H] fp32 unit vectors of `texts`, in their order, each cut as [CLS] text [SEP] at the
+    def vectors(
+        self, texts: list[str], query: bool = False, done: Callable[[int], None] | None = None, prompt: str = ""
+    ) -> np.ndarray:
+        """[N, H] fp32 unit vectors of `texts`, in their order, each cut as [CLS] prompt text [SEP] at the
         model's document length (`query`: its query length); `done(n)` after each batch of n."""
         length = self.embedder.max_length(query)
-        rows = [join((ids,), self.padding.special, length) for ids in self.tokenizer.encode(texts)]
+        rows = [
+            join((ids,), self.padding.special, length) for ids in self.tokenizer.encode([prompt + t for t in texts])
+        ]
         return run_sorted(self.graph, self.params, rows, self.padding, self.settings.batch_size, done)
 
 
@@ -139,12 +146,13 @@ def embed_files(embedding: Embedding, files: list[Path], out: Path, request: Req
     from cram.stages.retrieval.search import write_embeddings
 
     check_request(request, out)
+    prompt = prompt_text(embedding.embedder, request.prompt)
     size = embedding.settings.chunk
     count = sum(len(texts) for texts, _ in identified(files, request, size))  # all checked before any is embedded
     if not count:
         raise KeptError("no texts to embed: name at least one input file")
     with bar("embed", count, lines_every=PROGRESS_EVERY_S) as advance:
-        chunks = _embedded(embedding, identified(files, request, size), request.query, advance)
+        chunks = _embedded(embedding, identified(files, request, size), request.query, advance, prompt)
         try:
             if out.suffix.lower() == ".parquet":
                 write_parquet(out, chunks, count, request.dtype)
@@ -167,12 +175,33 @@ def check_request(request: Request, out: Path) -> None:
         raise KeptError(f"--id-field {request.id_field}: ids are written to a .parquet --out; {out.name} holds vectors")
 
 
+def prompt_text(embedder: Embedder, name: str | None) -> str:
+    """The text put before each text: the model's prompt `name`, or its default prompt (None); "" for a
+    model without one. KeptError where it has no such prompt, or pools without the prompt's tokens
+    (a Pooling module's `include_prompt: false`), which cram does not compute."""
+    prompts, default = embedder.meta.get("prompts") or {}, embedder.meta.get("default_prompt")
+    if name is not None and name not in prompts:
+        has = f"the prompts {', '.join(prompts)}" if prompts else "no prompts"
+        raise KeptError(f"--prompt {name}: {embedder.folder} has {has}")
+    text = prompts.get(name if name is not None else default, "")
+    if text and embedder.meta.get("pooled_prompt") is False:
+        raise KeptError(
+            f"{embedder.folder}: its Pooling module leaves the prompt {text!r} out of the pooling "
+            "(include_prompt false), which cram does not compute; embed it with sentence-transformers"
+        )
+    return text
+
+
 def _embedded(
-    embedding: Embedding, chunks: Iterator[tuple[list[str], Ids]], query: bool, advance: Callable[[int], None]
+    embedding: Embedding,
+    chunks: Iterator[tuple[list[str], Ids]],
+    query: bool,
+    advance: Callable[[int], None],
+    prompt: str,
 ) -> Iterator[tuple[np.ndarray, Ids]]:
     give_back_large_blocks()
     for texts, ids in chunks:
-        yield embedding.vectors(texts, query, advance), ids
+        yield embedding.vectors(texts, query, advance, prompt), ids
         give_back_freed_memory()
 
 

@@ -3,7 +3,7 @@ folder (the Transformer module, at the folder's root) with the modules that make
 
     modules.json                        Transformer (the root), Pooling, Normalize
     sentence_bert_config.json           max_seq_length: the document length (the query length is in the card)
-    config_sentence_transformers.json   cosine similarity, no prompts
+    config_sentence_transformers.json   cosine similarity, no prompts (read: the folder's prompts)
     1_Pooling/config.json               pooling_mode_mean_tokens ("mean") or pooling_mode_cls_token ("first")
     2_Normalize/                        unit vectors (no settings)
 
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 MODULES = "modules.json"
 CONFIG = "sentence_bert_config.json"
+SETTINGS = "config_sentence_transformers.json"  # its prompts, and the one encode adds by default
 _TYPE = "sentence_transformers.models."
 _OTHER_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
 _MODULES = ("Transformer", "Pooling", "Normalize")
@@ -43,7 +44,7 @@ def write_sentence_modules(out: Path, embedder: Embedder) -> None:
     _write(out / MODULES, modules)
     _write(out / CONFIG, {"max_seq_length": embedder.max_length(), "do_lower_case": False})
     _write(
-        out / "config_sentence_transformers.json",
+        out / SETTINGS,
         {"prompts": {}, "default_prompt_name": None, "similarity_fn_name": "cosine"},
     )
     from cram.stages.shared.pretrained import POOLING_FLAGS
@@ -81,6 +82,7 @@ def read_sentence_folder(folder: Path) -> tuple[Embedder, dict[str, Tensor], Pat
         raise KeptError(f"{folder}: no tokenizer.json")
     special = load_tokenizer(found.tokenizer).special_ids
     length = min(_max_length(folder), cfg.max_seq_len)
+    prompts, default = _prompts(folder)
     meta = {
         "kind": "embedder",
         "task": folder.name,
@@ -90,9 +92,31 @@ def read_sentence_folder(folder: Path) -> tuple[Embedder, dict[str, Tensor], Pat
         "query_max_length": length,  # one length for both: the format holds one
         "buckets": [b for b in _BUCKETS if b < length] + [length],
         "params": PARAMS,
+        "prompts": prompts,
+        "default_prompt": default,
+        "pooled_prompt": found.pooled_prompt,
     }
     check_embedder_meta(meta, folder / MODULES)
     return Embedder(folder, meta, cfg), params, found.tokenizer, special
+
+
+def _prompts(folder: Path) -> tuple[dict[str, str], str | None]:
+    """The folder's prompts by name and the name of the one `encode` adds by default (None: none), from
+    config_sentence_transformers.json (none without it)."""
+    if not (folder / SETTINGS).is_file():
+        return {}, None
+    settings = _read(folder / SETTINGS)
+    settings = settings if isinstance(settings, dict) else {}
+    prompts = settings.get("prompts") or {}
+    if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
+        raise KeptError(f"{folder / SETTINGS}: prompts {json.dumps(prompts)}: expected names and their texts")
+    default = settings.get("default_prompt_name")
+    if default is not None and default not in prompts:
+        raise KeptError(
+            f"{folder / SETTINGS}: default_prompt_name {json.dumps(default)} is none of its prompts "
+            f"({', '.join(prompts) or 'none'})"
+        )
+    return prompts, default
 
 
 def _max_length(folder: Path) -> int:

@@ -58,6 +58,7 @@ class Pretrained:
     pooling: str | None = None  # a sentence-transformers folder's pooling, "mean" or "first"; None: none said
     sentence: bool = False  # a sentence-transformers folder: an encoder trained for embeddings, not masked LM
     modules: tuple[str, ...] = ()  # a sentence-transformers folder's modules, by class name, in order
+    pooled_prompt: bool = True  # its Pooling module's include_prompt: a prompt's tokens are pooled with the text's
 
 
 def locate(path: Path) -> Pretrained:
@@ -178,12 +179,16 @@ def _sentence_transformers(root: Path) -> Pretrained:
     if not (folder / "config.json").is_file():
         raise PretrainedError(f"{root / _MODULES}: its Transformer module's folder {folder} has no config.json")
     found = _transformers(folder)
-    pooling = None
+    pooling, pooled_prompt = None, True
     if isinstance(paths.get("Pooling"), str):
-        pooling = sentence_pooling(_read_json(root / paths["Pooling"] / "config.json"))
+        settings = _read_json(root / paths["Pooling"] / "config.json")
+        pooling = sentence_pooling(settings)
+        pooled_prompt = not isinstance(settings, dict) or settings.get("include_prompt", True) is not False
     tokenizer = found.tokenizer or tokenizer_in(root)
     names = tuple(kind or "?" for kind in kinds)
-    return Pretrained(folder, "transformers", found.config_file, found.weights, tokenizer, pooling, True, names)
+    return Pretrained(
+        folder, "transformers", found.config_file, found.weights, tokenizer, pooling, True, names, pooled_prompt
+    )
 
 
 def sentence_module(kind: object) -> str | None:
