@@ -221,3 +221,15 @@ def test_inductor_bf16_train_step_equals_eager_in_the_precision_auto_chooses(lay
     assert fallback <= TOLERANCE, (
         f"{layout}: compiled bf16 differs from eager by {first:.3g}, at 256 bits {fallback:.3g}"
     )
+
+
+def test_the_pretrain_canary_reads_accuracy_as_a_fraction_and_loss_and_grad_norm_relatively():
+    from cram.stages.pretraining.loop import step_difference
+
+    eager = torch.tensor([9.03, 36 / 5200, 1.5])  # an untrained model: 36 of 5,200 masked tokens right
+    flipped = torch.tensor([9.03, 35 / 5200, 1.5])  # one near-tie flipped by bf16 rounding
+    assert step_difference(flipped, eager) == pytest.approx(1 / 5200, rel=1e-4)  # relatively it would be 1/36 > 0.02
+    assert step_difference(torch.tensor([9.03 * 1.03, 36 / 5200, 1.5]), eager) == pytest.approx(0.03, rel=1e-4)
+    assert step_difference(torch.tensor([9.03, 36 / 5200, 1.5 * 0.9]), eager) == pytest.approx(0.1, rel=1e-4)
+    assert step_difference(torch.tensor([9.03, 0.2, 1.5]), eager) > 0.19  # a wrong step's accuracy
+    assert step_difference(torch.tensor([float("nan"), 0.0, 1.5]), eager) == float("inf")

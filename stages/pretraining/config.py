@@ -124,8 +124,8 @@ class Config:
     val_blocks: int = 256  # held-out blocks for the loss before and after training; 0: skip
     prefetch: int = 4  # microbatches read ahead
     # Before the budget clock: this many steps compiled and eagerly from the same state on the same
-    # batches; a relative difference in loss, accuracy or gradient norm above the tolerance stops the
-    # stage before it spends the budget on a miscompiled step. 0: off (and off when compile is false).
+    # batches; a difference above the tolerance (relative in loss and gradient norm, absolute in accuracy)
+    # stops the stage before it spends the budget on a miscompiled step. 0: off (and off when compile is false).
     canary_steps: int = 2
     canary_tolerance: float = 0.02
     # torchrun with an hours budget: rank 0's clock is broadcast every this many steps, extrapolated between
