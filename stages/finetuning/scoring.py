@@ -258,9 +258,8 @@ def _tuner(
     `held_out`). Compiled, each candidate precision's graphs are checked against eager, each once: the
     fine-tune step and prediction at every head shape and bucket the tasks' rows fall in (`Tuner.canary`),
     the masked LM at each length (`mlm_canary`) and the retrieval tasks' contrastive steps and embeddings at
-    every bucket theirs fall in (`Embedders.check`); the
-    first candidate whose every graph agrees is kept (`precision.choose`), and its compiled graphs are the
-    ones the stage runs."""
+    every bucket theirs fall in (`Embedders.check`); the first candidate whose every graph agrees is kept
+    (`precision.choose`), and its compiled graphs are the ones the stage runs."""
     from cram.stages.finetuning.finetune import Tuner, graphs
     from cram.stages.retrieval.tuning import embedder_graphs
 
