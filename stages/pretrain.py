@@ -208,7 +208,7 @@ def _hooks(config: Config, ctx: Context, steps: Steps, out_dir: Path, bar: Progr
 
     hooks: list[Hook] = [
         DivergenceCheck(config.log_every_steps, out_dir / "checkpoints"),
-        Report(config.log_every_steps, config.budget, ctx, steps, MetricsLog(out_dir / "metrics.jsonl"), bar),
+        Report(config.log_every_steps, ctx, steps, MetricsLog(out_dir / "metrics.jsonl"), bar),
     ]
     if ctx.is_main:
         every = Checkpointing.of(config)

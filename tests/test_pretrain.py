@@ -159,11 +159,10 @@ def test_budget_by_time_counts_training_not_compiling(pack, tmp_path, make_ctx):
     config = small(budget=pretrain.Budget(hours=1.5 / 3600), compile=True, backend="aot_eager", log_every_steps=1)
     out = pretrain.run(config, {"pack": pack}, tmp_path / "out", make_ctx())
     assert out["wall_s"] >= 1.5 and out["compile_s"] > 0
-    # It stops at the first step past the budget (how far past, in seconds, is bench/'s to measure): each
-    # row's progress is read when the row is logged, a moment before the loop's own reading, so only the
-    # rows before the last are known to be short of it; the wall time above says the budget was spent.
+    # It stops at the first step past the budget (how far past, in seconds, is bench/'s to measure); each row
+    # shows the progress the loop read after its step.
     progress = [m["progress"] for m in metrics(tmp_path / "out")]
-    assert len(progress) == out["steps"] and all(p < 1.0 for p in progress[:-1])
+    assert len(progress) == out["steps"] and progress[-1] >= 1.0 and all(p < 1.0 for p in progress[:-1])
 
 
 def test_ramp_grows_accumulation_without_recompiling(pack, tmp_path, make_ctx):

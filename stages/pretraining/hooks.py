@@ -54,13 +54,11 @@ class DivergenceCheck:
 
 class Report:
     """At the log steps (every `every` steps): the interval's loss into the state (every rank), and on rank 0
-    its record, with the progress through `budget`, into `metrics.jsonl`, the experiment loggers, a console
-    line and the progress bar."""
+    its record, with the loop's reading of the budget's progress, into `metrics.jsonl`, the experiment loggers,
+    a console line and the progress bar."""
 
-    def __init__(
-        self, every: int, budget: Budget, ctx: Context, steps: Steps, metrics_log: MetricsLog, bar: ProgressBar
-    ):
-        self.every, self.budget, self.ctx, self.metrics_log, self.bar = every, budget, ctx, metrics_log, bar
+    def __init__(self, every: int, ctx: Context, steps: Steps, metrics_log: MetricsLog, bar: ProgressBar):
+        self.every, self.ctx, self.metrics_log, self.bar = every, ctx, metrics_log, bar
         self.device, self.autocast = steps.device, steps.autocast
 
     def due(self, info: StepInfo) -> bool:
@@ -81,7 +79,7 @@ class Report:
         tokens_per_s = stats["tokens_per_s"]
         return {
             "step": info.state.step,
-            "progress": round(progress(self.budget, info.state, elapsed), 6),
+            "progress": round(info.spent, 6),
             "elapsed_s": round(elapsed, 3),
             "loss": stats["loss"],
             "accuracy": stats["accuracy"],

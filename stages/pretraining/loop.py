@@ -226,6 +226,7 @@ class StepInfo:
     lr: float = 0.0
     batch: int = 0  # global sequences in the step
     seq_len: int = 0  # their length: the phase's
+    spent: float = 0.0  # the budget's progress after the step, as the loop reads it to decide whether to stop
     final: bool = False
 
     def sync(self) -> None:
@@ -260,7 +261,8 @@ def train(
     )
     metrics = Interval(state, data.wait_s, rows=state.unlogged)
     info = StepInfo(state, metrics, clock, data)
-    while (spent := progress(budget, state, clock.agreed(state.step))) < 1:
+    spent = info.spent = progress(budget, state, clock.agreed(state.step))
+    while spent < 1:
         enter(plan, state, spent)
         data.follow(state)
         span = plan.spans[state.phase]
@@ -273,6 +275,8 @@ def train(
         metrics.add(row)
         flops = span.head_flops_per_token if active is steps.head else span.flops_per_token
         state.advance(params, opt_state, info.batch, span.seq_len, flops)
+        # Read before the hooks, so that a row logged at the stopping step shows the budget spent.
+        spent = info.spent = progress(budget, state, clock.agreed(state.step))
         _run_due(hooks, info)
     info.final = True
     info.sync()
