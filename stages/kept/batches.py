@@ -99,7 +99,9 @@ def run_sorted(
 
     device = next(iter(params.values())).device
     lengths = np.array([len(r) for r in rows])
-    order = np.argsort(lengths, kind="stable")
+    # Longest first: the first batch holds the largest blocks, which the later, shorter ones reuse; and a batch
+    # too large for the memory fails at once, not at the end of the file.
+    order = np.argsort(-lengths, kind="stable")
     outputs = []
     limit = max(8, len(padding.buckets))
     with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):

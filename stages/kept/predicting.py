@@ -36,9 +36,10 @@ if TYPE_CHECKING:
     from cram.stages.shared.tokenizer import Tokenizer
 
 CHUNK = 4_096  # texts read, encoded, predicted and written at a time
-# glibc's malloc options (mallopt's parameter numbers) that make it give freed memory back at once.
+# glibc's malloc options (mallopt's parameter numbers) that make it give freed memory back.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-GIVE_BACK_ABOVE = 64 * 1024  # bytes: a block this large is mapped apart and unmapped when freed
+MAP_APART_ABOVE = 32 * 1024 * 1024  # bytes: glibc's largest mmap threshold on 64-bit; unmapped when freed
+TRIM_ABOVE = 64 * 1024  # bytes: free space at the heap's top past this goes back to the system
 OUTPUTS = (".jsonl", ".csv")
 PROGRESS_EVERY_S = 30.0
 
@@ -171,16 +172,18 @@ def _write_chunks(predictor: Predictor, files: list[Path], f: TextIO, out: Path 
 
 
 def give_back_large_blocks() -> None:
-    """Map every block of GIVE_BACK_ABOVE bytes or more apart and trim the heap past that much free space:
-    glibc otherwise raises its mapping threshold to the largest block freed (a batch's activations) and
-    keeps such blocks in the heap, where they fragment and the process grows with the file. A C library
-    without `mallopt` keeps its own policy."""
+    """Map blocks of MAP_APART_ABOVE bytes or more apart and trim the heap past TRIM_ABOVE bytes of free
+    space at its top: glibc otherwise raises its trim threshold with each large block freed (a batch's
+    activations) and keeps that memory, so the process grows with the file. Smaller blocks stay in the
+    heap, where the next batch reuses the pages the last one freed: mapping every block past 64 KiB apart
+    kept peak memory 25% lower but cost `cram embed` ~20% of its time in page faults (bench/README.md,
+    "cram embed"). A C library without `mallopt` keeps its own policy."""
     import ctypes
 
     try:
         libc = ctypes.CDLL(None)
-        libc.mallopt(M_MMAP_THRESHOLD, GIVE_BACK_ABOVE)
-        libc.mallopt(M_TRIM_THRESHOLD, GIVE_BACK_ABOVE)
+        libc.mallopt(M_MMAP_THRESHOLD, MAP_APART_ABOVE)
+        libc.mallopt(M_TRIM_THRESHOLD, TRIM_ABOVE)
     except (OSError, AttributeError):
         pass
 
