@@ -36,11 +36,12 @@ def test_one_file_or_several_give_the_texts_vectors_in_order(tmp_path, run):
     third.write_text("body,id\n" + "".join(f'"{t}",{i}\n' for i, t in enumerate(TEXTS[4:])))
     out = tmp_path / "several.npy"
     result = invoke(run, second, third, "--field", "body", "--out", out)
-    assert result.exit_code == 0 and "4 vectors (float32)" in result.output, result.output
+    assert result.exit_code == 0 and "4 vectors (float32, computed in fp32)" in result.output, result.output
     assert np.abs(np.load(out) - whole[2:]).max() < 1e-6
     # Chunks of 2 texts that straddle the files: the rows still come out in the inputs' order.
     chunked = dataclasses.replace(EAGER, chunk=3)
-    assert embed(run, [first, first], tmp_path / "twice.npy", request=Request(field="body"), settings=chunked) == 4
+    request = Request(field="body", precision="fp32")
+    assert embed(run, [first, first], tmp_path / "twice.npy", request=request, settings=chunked).rows == 4
     assert np.abs(np.load(tmp_path / "twice.npy") - np.concatenate([whole[:2], whole[:2]])).max() < 1e-6
 
 

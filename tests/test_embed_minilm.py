@@ -41,7 +41,8 @@ def test_cram_embeds_the_released_minilm_as_sentence_transformers_does(tmp_path,
     texts = tmp_path / "texts.txt"
     texts.write_text("\n".join(TEXTS) + "\n")
     out = tmp_path / "v.npy"
-    assert embed(minilm, [texts], out, request=Request(), settings=Settings(compile=False, batch_size=4)) == len(TEXTS)
+    settings = Settings(compile=False, batch_size=4)
+    assert embed(minilm, [texts], out, request=Request(precision="fp32"), settings=settings).rows == len(TEXTS)
     ours = np.load(out)
     model = sentence_transformers.SentenceTransformer(str(minilm), device="cpu")
     theirs = model.encode(TEXTS, batch_size=4)
@@ -49,4 +50,4 @@ def test_cram_embeds_the_released_minilm_as_sentence_transformers_does(tmp_path,
     assert np.abs(ours - theirs).max() < 1e-4
     assert ours[0] @ ours[2] < 0.5 < ours[0] @ ours[0]  # unrelated sentences are far apart: a trained encoder
     with pytest.raises(CramError, match="one model"):  # a released folder holds one model: no --task to pick
-        embed(minilm, [texts], tmp_path / "w.npy", task="search", request=Request(query=True))
+        embed(minilm, [texts], tmp_path / "w.npy", task="search", request=Request(query=True, precision="fp32"))

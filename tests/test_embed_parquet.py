@@ -1,7 +1,7 @@
 """`cram embed --out vectors.parquet`: an `id` column (each record's `--id-field`, else the row number) beside
 an `embedding` column holding the vectors the `.npy` holds, in order, across files and chunks; bad ids one
 line, exit 2, nothing written; progress as plain lines where stderr is no terminal, a bar where it is;
-`--precision bf16` near fp32's vectors."""
+`--precision bf16` near fp32's vectors, and "auto" (the default) bf16 only where the CPU multiplies it natively."""
 
 import dataclasses
 import json
@@ -36,13 +36,13 @@ def test_row_numbers_and_vectors_as_the_npy_holds_them(tmp_path, run):
     lines = tmp_path / "texts.txt"  # written by `vectors`
     out = tmp_path / "v.parquet"
     chunked = dataclasses.replace(EAGER, chunk=4)  # two chunks: two row groups, numbered on
-    assert embed(run, [lines], out, request=Request(), settings=chunked) == len(TEXTS)
+    assert embed(run, [lines], out, request=Request(precision="fp32"), settings=chunked).rows == len(TEXTS)
     ids, found, schema = table(out)
     assert ids == list(range(len(TEXTS))) and schema.field("id").type == pa.int64()
     assert schema.field("embedding").type == pa.list_(pa.float32(), FAMILIES["bert"].hidden)
     assert np.abs(found - whole).max() < 1e-6 and pq.ParquetFile(out).num_row_groups == 2
     half = tmp_path / "half.parquet"
-    embed(run, [lines], half, request=Request(dtype="float16"), settings=EAGER)
+    embed(run, [lines], half, request=Request(dtype="float16", precision="fp32"), settings=EAGER)
     assert pq.read_schema(half).field("embedding").type == pa.list_(pa.float16(), FAMILIES["bert"].hidden)
     assert np.abs(table(half)[1].astype(np.float32) - whole).max() < 1e-3
 
@@ -56,7 +56,7 @@ def test_the_id_field_of_each_record_across_files(tmp_path, run):
     second.write_text("doc,text\n" + "".join(f'x-{i},"{t}"\n' for i, t in enumerate(TEXTS[3:])))
     out = tmp_path / "ids.parquet"
     result = invoke(run, first, second, "--id-field", "doc", "--out", out)
-    assert result.exit_code == 0 and f"{len(TEXTS)} vectors (float32)" in result.output, result.output
+    assert result.exit_code == 0 and f"{len(TEXTS)} vectors (float32, computed in fp32)" in result.output, result.output
     ids, found, schema = table(out)
     assert ids == ["0", "d1", "2", "x-0", "x-1", "x-2"] and schema.field("id").type == pa.string()
     assert np.abs(found - whole).max() < 1e-6
@@ -108,8 +108,24 @@ def test_bf16_is_close_to_fp32_and_an_unknown_precision_is_refused(tmp_path, run
     assert half.dtype == np.float32 and 0 < np.abs(half - full).max() < 3e-2  # computed in bf16, near fp32's
     assert np.allclose(np.linalg.norm(half, axis=1), 1, atol=1e-5)
     result = invoke(run, tmp_path / "texts.txt", "--out", tmp_path / "x.npy", "--precision", "fp16")
-    assert result.exit_code == 2 and "--precision fp16: allowed fp32, bf16" in result.output, result.output
+    assert result.exit_code == 2 and "--precision fp16: allowed auto, fp32, bf16" in result.output, result.output
     assert not (tmp_path / "x.npy").exists()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_default_precision_is_bf16_where_the_cpu_multiplies_it_natively(tmp_path, run, monkeypatch, native):
+    from typer.testing import CliRunner
+
+    from cram.pipeline.commands import cli
+    from cram.stages.shared import device as devices
+
+    monkeypatch.setattr(devices, "native_cpu_bf16", lambda: native)
+    chosen = "bf16" if native else "fp32"
+    expected = vectors(run, tmp_path, name="set.npy", precision=chosen)
+    args = ["embed", str(run), str(tmp_path / "texts.txt"), "--out", str(tmp_path / "auto.npy"), "--no-compile"]
+    result = CliRunner().invoke(cli.app, args)  # no --precision: "auto"
+    assert result.exit_code == 0 and f"computed in {chosen}" in result.output, result.output
+    assert np.abs(np.load(tmp_path / "auto.npy") - expected).max() < 1e-6  # bf16 and fp32 are ~1e-3 apart
 
 
 def test_an_input_that_shrinks_after_the_count_leaves_no_parquet(tmp_path, run, monkeypatch):

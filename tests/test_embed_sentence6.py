@@ -65,7 +65,8 @@ def test_cram_embeds_a_folder_sentence_transformers_6_saved_as_its_encode_does(t
     lines = tmp_path / "texts.txt"
     lines.write_text("\n".join(TEXTS) + "\n")
     out = tmp_path / "v.npy"
-    assert embed(folder, [lines], out, request=Request(), settings=Settings(compile=False, batch_size=2)) == len(TEXTS)
+    settings = Settings(compile=False, batch_size=2)
+    assert embed(folder, [lines], out, request=Request(precision="fp32"), settings=settings).rows == len(TEXTS)
     ours = np.load(out)
     theirs = model.encode(TEXTS, batch_size=2)
     assert ours.shape == theirs.shape and np.abs(ours - theirs).max() < 1e-4
@@ -85,7 +86,7 @@ def test_cram_embed_puts_the_folders_prompt_before_each_text_as_encode_does(tmp_
     lines.write_text("\n".join(TEXTS) + "\n")
     for name in (None, "passage"):
         out = tmp_path / f"{name}.npy"
-        request = Request(prompt=name)
+        request = Request(prompt=name, precision="fp32")
         embed(folder, [lines], out, request=request, settings=Settings(compile=False, batch_size=2))
         theirs = model.encode(TEXTS, batch_size=2, prompt_name=name)
         assert np.abs(np.load(out) - theirs).max() < 1e-4, name

@@ -15,7 +15,7 @@ holding the `--field`. The output is one `.npy` of unit vectors [texts, hidden] 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from cram.pipeline import errors, rundir
 from cram.pipeline.commands import classifiers, predict
@@ -36,6 +36,13 @@ class EmbedError(errors.CramError):
     """An input, output or embedding model `cram embed` cannot use; one line, exit code 2."""
 
 
+class Embedded(NamedTuple):
+    """What `embed` wrote: how many vectors, and the precision the encoder computed them in."""
+
+    rows: int
+    precision: str
+
+
 def embed(
     source: Path,
     files: list[Path],
@@ -43,9 +50,9 @@ def embed(
     task: str | None = None,
     request: Request = Request(),
     settings: Settings = EAGER,
-) -> int:
+) -> Embedded:
     """Embed every text of FILES with SOURCE's embedding model (a run directory's, `task` naming it where
-    it kept several, or an exported folder) into OUT; return how many vectors were written."""
+    it kept several, or an exported folder) into OUT."""
     try:
         predict.check_paths(files, out, OUTPUTS)
     except predict.PredictError as e:
@@ -53,7 +60,7 @@ def embed(
     try:
         check_request(request, out)
         embedding = Embedding.make(*_embedder(source, task), settings, request.precision)
-        return embed_files(embedding, files, out, request)
+        return Embedded(embed_files(embedding, files, out, request), embedding.precision)
     except KeptError as e:
         raise EmbedError(str(e)) from None
     except StageError as e:  # an input file the reader refuses

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from cram.stages.shared.tokenizer import Tokenizer
 
 DTYPES = ("float32", "float16")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16")
 OUTPUTS = (".npy", ".parquet")
 Ids = Union[list[str], range]  # the records' ids, or the texts' row numbers
 
@@ -57,8 +57,9 @@ class Request:
     """What to embed: the text field of each record (plain text: each line), as queries (cut at the
     model's query length) or documents, into vectors of `dtype`; `id_field`: the field of each record
     whose value a `.parquet` output holds beside its vector (None: the row number); `precision`: the
-    encoder's arithmetic, fp32 (sentence-transformers' own, 1e-4) or bf16 autocast (faster where the CPU
-    multiplies bf16 natively; vectors within ~1e-3); `prompt`: the name of a sentence-transformers
+    encoder's arithmetic, fp32 (sentence-transformers' own, 1e-4), bf16 autocast (vectors within ~1e-3), or
+    "auto": bf16 on CUDA and on a CPU that multiplies bf16 natively, where it is 1.5-1.8x fp32's rows/s
+    (bench/README.md, "cram embed"), fp32 elsewhere; `prompt`: the name of a sentence-transformers
     folder's prompt put before each text, as its `encode(prompt_name=...)` does (None: the folder's
     default prompt, where it names one)."""
 
@@ -66,13 +67,14 @@ class Request:
     query: bool = False
     dtype: str = "float32"
     id_field: str | None = None
-    precision: str = "fp32"
+    precision: str = "auto"
     prompt: str | None = None
 
 
 @dataclass(frozen=True)
 class Embedding:
-    """An embedding model ready to embed: its params on the device, its tokenizer, the embedding graph."""
+    """An embedding model ready to embed: its params on the device, its tokenizer, the embedding graph, and
+    the precision it computes in ("fp32" or "bf16")."""
 
     embedder: Embedder
     tokenizer: Tokenizer
@@ -80,6 +82,7 @@ class Embedding:
     params: dict[str, torch.Tensor]
     graph: Graph
     settings: Settings
+    precision: str
 
     @classmethod
     def make(
@@ -89,11 +92,9 @@ class Embedding:
         tokenizer: Path,
         special: dict[str, int],
         settings: Settings,
-        precision: str = "fp32",
+        precision: str = "auto",
     ) -> Embedding:
-        """KeptError naming the tokenizer file where it cannot be read. `precision`: "fp32" or "bf16"."""
-        import torch
-
+        """KeptError naming the tokenizer file where it cannot be read. `precision`: one of PRECISIONS."""
         from cram.model.embedder import make_embed_step
         from cram.model.step import Compilation
         from cram.stages.shared import device as devices
@@ -103,15 +104,15 @@ class Embedding:
         # SDPA, not the written-out product the training step uses on a CPU, and eager batches padded to
         # their longest text, not to a bucket: all-MiniLM-L6-v2 eagerly embedded 256 texts of 50-256
         # tokens (batch 128, 2 cores at load 13) in 50-64 s against 102-106 s (bench/NOTEBOOK.md, "cram embed").
-        autocast = torch.bfloat16 if precision == "bf16" else None
+        device = devices.resolve("auto")
+        autocast = devices.autocast_dtype(precision, device)
         how = Compilation(compile=settings.compile, backend=settings.backend, autocast=autocast, attention="sdpa")
         graph = make_embed_step(cfg, how, pooling=embedder.pooling)
-        device = devices.resolve("auto")
         on_device = {k: v.to(device) for k, v in params.items()}
         buckets = tuple(embedder.meta["buckets"]) if settings.compile else ()
         # The embedding reads no token types: every text is one segment.
         padding = Padding(special, buckets, token_types=False)
-        return cls(embedder, loaded, padding, on_device, graph, settings)
+        return cls(embedder, loaded, padding, on_device, graph, settings, "fp32" if autocast is None else "bf16")
 
     def vectors(
         self, texts: list[str], query: bool = False, done: Callable[[int], None] | None = None, prompt: str = ""
