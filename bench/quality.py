@@ -23,10 +23,11 @@ token counts. Each model trains once per lr of `--lrs`; its best final loss is i
 The budget must fit in `--max-epochs` passes over the packed training blocks (default 1: no block
 is seen twice); a larger one is refused. Without `transformers` the peers are skipped with a note.
 `--variant` adds a cram model with `ModelConfig` overrides (e.g. `rope:position=rope`), and
-`pretrain.masking.rate` / `schedule` style keys `mask_rate=`, `schedule=`, `lrs=` per variant; and
-pretrain's options past 128 tokens: `end_rate=0.15` (the masking rate moves linearly from `mask_rate`
-to it), `phases=128@0.9/512` (sequence-length phases: 128 until 0.9 of the budget, then 512, each
-step holding the same tokens) and `documents=true` (attention within documents). Every model reads
+`pretrain.masking.rate` / `schedule` style keys `mask_rate=`, `schedule=`, `lrs=` per variant;
+`optimizer=muon` (cram's `OptimizerConfig.kind`); and pretrain's options past 128 tokens: `end_rate=0.15`
+(the masking rate moves linearly from `mask_rate` to it), `phases=128@0.9/512` (sequence-length phases:
+128 until 0.9 of the budget, then 512, each step holding the same tokens) and `documents=true` (attention
+within documents). Every model reads
 pretrain's own stream (`stages/pretraining/phases.py`, `batches.py`); the held-out batches stay at
 pack's length, masked at 0.25.
 """
@@ -60,7 +61,7 @@ from bf16_emulation import Bf16Matmuls, needed  # noqa: E402  (bench/bf16_emulat
 
 PEERS = ("bert", "modernbert")
 # per-variant training settings; the rest is ModelConfig
-RUN_KEYS = ("mask_rate", "end_rate", "phases", "documents", "schedule", "lrs", "dtype")
+RUN_KEYS = ("mask_rate", "end_rate", "phases", "documents", "schedule", "lrs", "dtype", "optimizer")
 
 
 def main() -> None:
@@ -119,6 +120,7 @@ class Spec:
     end_rate: float | None = None  # the masking rate at the end of the budget; None: mask_rate throughout
     phases: str = ""  # "128@0.9/512": LEN@UNTIL/.../LEN; "": pack's length throughout
     documents: bool = False  # attention within documents
+    optimizer: str = "adamw"  # cram's `OptimizerConfig.kind` (the peers train with AdamW)
 
     @property
     def stream(self) -> tuple:
@@ -150,7 +152,7 @@ def build_models(args: argparse.Namespace) -> list[Spec]:
             if key == "lrs":
                 spec.lrs = [float(x) for x in value.split("/")]
             elif key in RUN_KEYS:
-                setattr(spec, key, value if key in ("schedule", "dtype", "phases") else _parse(value))
+                setattr(spec, key, value if key in ("schedule", "dtype", "phases", "optimizer") else _parse(value))
             elif key in {f.name for f in dataclasses.fields(model.ModelConfig)}:
                 spec.overrides[key] = _parse(value)
             else:
@@ -163,8 +165,9 @@ def build_models(args: argparse.Namespace) -> list[Spec]:
             raise ValueError(f"dtype {spec.dtype!r}: allowed fp32, bf16")
         if spec.schedule not in model.SCHEDULES:
             raise ValueError(f"schedule {spec.schedule!r}: allowed {', '.join(model.SCHEDULES)}")
-        if spec.documents and spec.kind != "cram":
-            raise ValueError(f"{spec.name}: documents=true is for cram models")
+        if (spec.documents or spec.optimizer != "adamw") and spec.kind != "cram":
+            raise ValueError(f"{spec.name}: documents and optimizer are for cram models")
+        model.OptimizerConfig(kind=spec.optimizer)  # an unknown kind fails here
     if not specs:
         raise ValueError("no model to run")
     return specs
@@ -323,7 +326,7 @@ class Trainer:
         state = {"params": params, "opt": model.adamw_init(params)}
         train = model.make_train_step(
             self.cfg,
-            model.OptimizerConfig(),
+            model.OptimizerConfig(kind=self.spec.optimizer),
             model.Compilation(compile=compiled, backend=args.backend, autocast=self.autocast),
         )
         evaluate = model.make_eval_step(self.cfg, model.Compilation(compile=False, autocast=self.autocast))
