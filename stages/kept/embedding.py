@@ -58,7 +58,7 @@ class Request:
     model's query length) or documents, into vectors of `dtype`; `id_field`: the field of each record
     whose value a `.parquet` output holds beside its vector (None: the row number); `precision`: the
     encoder's arithmetic, fp32 (sentence-transformers' own, 1e-4), bf16 autocast (vectors within ~1e-3), or
-    "auto": bf16 on CUDA and on a CPU that multiplies bf16 natively, where it is 1.5-1.8x fp32's rows/s
+    "auto": bf16 on CUDA and on a CPU that multiplies bf16 natively, where it embeds 1.7x fp32's rows/s
     (bench/README.md, "cram embed"), fp32 elsewhere; `prompt`: the name of a sentence-transformers
     folder's prompt put before each text, as its `encode(prompt_name=...)` does (None: the folder's
     default prompt, where it names one)."""

@@ -176,8 +176,9 @@ def give_back_large_blocks() -> None:
     space at its top: glibc otherwise raises its trim threshold with each large block freed (a batch's
     activations) and keeps that memory, so the process grows with the file. Smaller blocks stay in the
     heap, where the next batch reuses the pages the last one freed: mapping every block past 64 KiB apart
-    kept peak memory 25% lower but cost `cram embed` ~20% of its time in page faults (bench/README.md,
-    "cram embed"). A C library without `mallopt` keeps its own policy."""
+    kept peak memory 9% lower in `cram predict` but made it 1.7-2.0x slower, and `cram embed` in bf16 1.2x,
+    all of it page faults (bench/README.md, "predict memory"). A C library without `mallopt` keeps its own
+    policy."""
     import ctypes
 
     try:
