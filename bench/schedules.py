@@ -39,6 +39,7 @@ VARIANTS: dict[str, list[str]] = {
     # The 2025 encoder recipe (ModernBERT, Ettin, mmBERT, NeoBERT), each measured on `--base default`:
     "default": [],  # pipeline.toml as it is
     "stable": ["pretrain.optimizer.kind='stable_adamw'", "pretrain.optimizer.clip_norm=0"],
+    "muon": ["pretrain.optimizer.kind='muon'"],  # issue 46's winner per token, here at equal wall time too
     "wsd": ["pretrain.schedule='wsd'", "pretrain.decay_shape='1-sqrt'", "pretrain.decay_to=0.02"],
     "tri1sqrt": ["pretrain.decay_shape='1-sqrt'", "pretrain.decay_to=0.02"],  # budget-triangle's decay so
     "m30": ["pretrain.masking.rate=0.3"],
