@@ -141,3 +141,22 @@ def test_two_tasks_never_share_a_kept_folder(tmp_path):
     assert len(set(kept.values())) == len(names)
     for i, name in enumerate(names):
         assert json.loads((tmp_path / "out" / kept[name] / "classifier.json").read_text())["task"] == name
+
+
+def test_sorted_batches_run_longest_first_and_come_back_in_input_order():
+    import numpy as np
+    import torch
+
+    from cram.stages.kept.batches import Padding, run_sorted
+
+    widths = []
+
+    def graph(params, batch):  # each row's length, and the batch's padded width
+        widths.append(batch["input_ids"].shape[1])
+        return batch["attention_mask"].sum(dim=1, keepdim=True).float()
+
+    rows = [np.arange(n) + 5 for n in (3, 9, 5, 7, 4)]
+    padding = Padding({"pad": 0, "cls": 2, "sep": 3}, (), token_types=False)
+    out = run_sorted(graph, {"w": torch.zeros(1)}, rows, padding, size=2)
+    assert widths == [9, 5, 3]  # the longest batch first: later ones fit in the blocks it freed
+    assert out[:, 0].tolist() == [3, 9, 5, 7, 4]
