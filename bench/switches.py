@@ -40,6 +40,12 @@ ROWS: dict[str, list[str]] = {
     "relu2": ["pretrain.model.activation='relu2'", "pretrain.model.glu=false", "pretrain.model.intermediate=384"],
     "muon": ["pretrain.optimizer.kind='muon'"],
     "muon_lr1e-2": ["pretrain.optimizer.kind='muon'", HIGH_LR],
+    # Joined to a row with +: Newton-Schulz costs a step the same at any batch, so its share of a step's time
+    # falls as the tokens per step grow; the lr may move with the batch.
+    "batch32": ["pretrain.microbatch=32", "pretrain.batch_size=32"],
+    "batch64": ["pretrain.microbatch=64", "pretrain.batch_size=64"],
+    "lr7e-3": ["pretrain.optimizer.lr=7e-3"],
+    "lr1e-2": [HIGH_LR],
     # Twice the layers at 0.69x the width, at the default's encoder parameters (its layers: 2 x 163,840 =
     # 327,680 weights): hidden 88 (2 heads of 44), intermediate 386, 4 layers of 4 x 88^2 + 1.5 x 88 x 386
     # = 81,928 weights each, 327,712 in all. The embeddings (vocab x hidden) shrink with the width.
