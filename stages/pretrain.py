@@ -77,6 +77,7 @@ NEW_OPTIONS = (
     "head_warmup",
     "head_lr",
     "init_lr",
+    "init_optimizer",
     "model.activation",
     "model.qk_norm",
     "model.value_residual",
@@ -148,7 +149,13 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         warn_of_data_limits(config, setup, ctx)
     config, setup, state = start.start(config, setup, out_dir, ctx)
     if config.init and ctx.is_main:
-        ctx.log.info("continuing", init=config.init, peak_lr=config.optimizer.lr, optimizer_lr=given)
+        ctx.log.info(
+            "continuing",
+            init=config.init,
+            peak_lr=config.optimizer.lr,
+            optimizer_lr=given,
+            optimizer=config.optimizer.kind,
+        )
     made = continued.made_head(config, continued.untrained(state.init_head_loss, setup.model.vocab_size))
     # A head made for a zero budget never trains: no held-out loss of it means anything.
     measured = config.val_blocks > 0 and not (made and config.budget.tokens == 0)

@@ -1,6 +1,8 @@
-"""`pretrain.init_lr`: a run that continues a checkpoint trains at most at the rate measured for continuing
-one of its kind ("auto"), or at the number given; a run whose lr the cap leaves alone keeps its key, and
-one it lowers trains (and is keyed) at the lower rate; an init_lr without init is refused before any stage."""
+"""`pretrain.init_lr` and `init_optimizer`: a run that continues a checkpoint trains at most at the rate measured
+for continuing one of its kind ("auto"), or at the number given; a run whose lr the cap leaves alone keeps its key,
+and one it lowers trains (and is keyed) at the lower rate. It trains with AdamW, with which those rates were
+measured, whatever optimizer a run from scratch takes ("auto"), or with the optimizer given. Either setting
+without init is refused before any stage."""
 
 from __future__ import annotations
 
@@ -9,14 +11,16 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 from test_head_warmup import continued, pack_of, refused_before_any_stage  # noqa: F401  (pack_of: a fixture)
 from test_init_headless import bert_model, sentence_transformers
 from test_pretrain import metrics
 
-from cram.model import ModelConfig, OptimizerConfig
+from cram.model import ModelConfig, OptimizerConfig, muon
 from cram.pipeline.planning import keyed_config
 from cram.stages import pretrain
-from cram.stages.pretraining.continued import continuation_lr, peak_lr
+from cram.stages.pretraining.continued import continuation_lr, optimizer_kind, peak_lr
 from cram.stages.shared import pretrained
 
 pytest.importorskip("transformers")
@@ -86,6 +90,32 @@ def test_a_continued_run_trains_and_reports_at_the_capped_peak(headless, pack_of
     assert max(lrs) <= 1.5e-3 and max(lrs) > 1.5e-3 / 4  # the schedule runs over the capped peak
 
 
+def test_a_continued_run_trains_with_adamw_unless_init_optimizer_names_another(headless):
+    muon = OptimizerConfig(lr=5e-3, kind="muon")
+    assert optimizer_kind(pretrain.Config(optimizer=muon)) == "muon"  # from scratch: as given
+    from_muon = pretrain.Config(init=str(headless), optimizer=muon, budget=pretrain.Budget(steps=8))
+    assert optimizer_kind(from_muon) == "adamw"
+    assert optimizer_kind(dataclasses.replace(from_muon, init_optimizer="muon")) == "muon"
+    # A continued run of a config whose from-scratch optimizer is Muon is the AdamW run, key and all.
+    assert keyed_config(pretrain, from_muon) == keyed_config(pretrain, at(5e-3, headless))
+    chosen = keyed_config(pretrain, dataclasses.replace(from_muon, init_optimizer="muon"))
+    assert chosen["optimizer"]["kind"] == "muon" and "init_optimizer" not in chosen
+
+
+def test_a_continued_run_of_a_muon_config_trains_as_the_adamw_one(headless, pack_of, tmp_path, make_ctx):  # noqa: F811
+    params = {}
+    for kind in ("adamw", "muon"):
+        config = continued(headless, optimizer=OptimizerConfig(lr=5e-3, kind=kind), head_warmup=0.0)
+        pretrain.run(config, {"pack": pack_of}, tmp_path / kind, make_ctx())
+        params[kind] = load_file(tmp_path / kind / "params.safetensors")
+    given = continued(headless, optimizer=OptimizerConfig(lr=5e-3), head_warmup=0.0, init_optimizer="muon")
+    pretrain.run(given, {"pack": pack_of}, tmp_path / "given", make_ctx())
+    muon_trained = load_file(tmp_path / "given" / "params.safetensors")
+    hidden = [name for name in params["adamw"] if muon.takes(name)]
+    assert hidden and all(torch.equal(params["adamw"][n], params["muon"][n]) for n in params["adamw"])
+    assert not any(torch.equal(params["adamw"][n], muon_trained[n]) for n in hidden)
+
+
 REFUSALS = {
     "without-init": (
         ['pretrain.init=""', "pretrain.init_lr=1e-4"],
@@ -93,6 +123,15 @@ REFUSALS = {
         r"has no init",
     ),
     "not-positive": (["pretrain.init_lr=0.0"], r"pretrain\] init_lr: 0\.0 must be > 0, or 'auto'"),
+    "optimizer-without-init": (
+        ['pretrain.init=""', "pretrain.init_optimizer='muon'"],
+        r"pretrain\] init_optimizer: 'muon' is the optimizer of continuing `pretrain\.init`'s checkpoint, and the "
+        r"run has no init: set pretrain\.optimizer\.kind instead",
+    ),
+    "unknown-optimizer": (
+        ["pretrain.init_optimizer='lion'"],
+        r"pretrain\] init_optimizer: 'lion': allowed auto, adamw, stable_adamw, muon",
+    ),
 }
 
 

@@ -12,7 +12,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-from cram.model.config import ModelConfig, OptimizerConfig
+from cram.model.config import OPTIMIZERS, ModelConfig, OptimizerConfig
 from cram.stages.shared.masking import Masking
 from cram.stages.shared.precision import check_canary
 
@@ -145,6 +145,10 @@ class Config:
     # capped at the rate measured for continuing such a checkpoint (1.5e-3 * 128 / hidden for a masked-LM
     # encoder, 3.3e-5 for a sentence encoder), so that a from-scratch lr, as above, does not undo it.
     init_lr: float | Literal["auto"] = "auto"
+    # The optimizer of a run that continues `init`'s checkpoint (continued.optimizer_kind): one of optimizer.kind's
+    # values, or "auto": AdamW, the one continuing was measured with, whatever optimizer.kind a run from scratch
+    # takes (the default pipeline's Muon was measured from scratch only).
+    init_optimizer: str = "auto"
     # A layout switch that adds parameters `init`'s checkpoint lacks (`pretrain.model.qk_norm`, `value_residual`):
     # false refuses it; true makes them as a fresh init does (QK-norm weights 1, value_mix 0.5), from the run's seed.
     init_switch_params: bool = False
@@ -185,6 +189,8 @@ class Config:
             raise ValueError(f"head_lr: {self.head_lr} must be > 0, or 0 for the peak lr")
         if self.init_lr != "auto" and not self.init_lr > 0:
             raise ValueError(f"init_lr: {self.init_lr} must be > 0, or 'auto'")
+        if self.init_optimizer not in ("auto", *OPTIMIZERS):
+            raise ValueError(f"init_optimizer: {self.init_optimizer!r}: allowed auto, {', '.join(OPTIMIZERS)}")
         self._check_init_settings()
 
     def _check_averaging(self) -> None:
@@ -219,6 +225,11 @@ class Config:
             raise ValueError(
                 f"init_lr: {self.init_lr} is the peak lr of continuing `pretrain.init`'s checkpoint, and the run "
                 "has no init: set pretrain.optimizer.lr instead, or pretrain.init"
+            )
+        if self.init_optimizer != "auto":
+            raise ValueError(
+                f"init_optimizer: {self.init_optimizer!r} is the optimizer of continuing `pretrain.init`'s checkpoint, "
+                "and the run has no init: set pretrain.optimizer.kind instead, or pretrain.init"
             )
         if self.init_switch_params:
             raise ValueError(

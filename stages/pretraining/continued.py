@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 # encoder gained at no rate tried and lost nothing beyond the spread at 3.3e-5 (all-MiniLM-L6-v2: +0.4;
 # 1e-4: -4.0).
 MASKED_LM_LR = 1.5e-3
+# `init_optimizer = "auto"`: every rate above was measured with AdamW.
+CONTINUED_OPTIMIZER = "adamw"
 MASKED_LM_LR_WIDTH = 128
 SENTENCE_ENCODER_LR = 1e-4 / 3
 # `head_warmup = "auto"` for a run whose checkpoint lacks its head: this fraction of the budget.
@@ -251,11 +253,20 @@ def continuation_lr(found: pretrained.Pretrained, cfg: ModelConfig) -> float:
     return MASKED_LM_LR * min(1.0, MASKED_LM_LR_WIDTH / cfg.hidden)
 
 
+def optimizer_kind(config: Config) -> str:
+    """The optimizer the run trains with: `optimizer.kind`, except in a run that continues `init`'s checkpoint:
+    there `init_optimizer`, and "auto" is AdamW, with which the continuation rates were measured."""
+    if not config.init:
+        return config.optimizer.kind
+    return CONTINUED_OPTIMIZER if config.init_optimizer == "auto" else config.init_optimizer
+
+
 def resolved(config: Config, untrained: bool = False) -> Config:
-    """`config` with `optimizer.lr` the peak lr the run trains at (`peak_lr`) and `init_lr` "auto" (left out
-    of the key): a continued run keeps its key where the cap leaves its lr as it was."""
-    optimizer = dataclasses.replace(config.optimizer, lr=peak_lr(config, untrained))
-    return dataclasses.replace(config, optimizer=optimizer, init_lr="auto")
+    """`config` with `optimizer.lr` the peak lr the run trains at (`peak_lr`), `optimizer.kind` the optimizer
+    (`optimizer_kind`), and `init_lr` and `init_optimizer` "auto" (left out of the key): a continued run keeps
+    its key where the cap leaves its lr as it was and its optimizer is the one it had."""
+    optimizer = dataclasses.replace(config.optimizer, lr=peak_lr(config, untrained), kind=optimizer_kind(config))
+    return dataclasses.replace(config, optimizer=optimizer, init_lr="auto", init_optimizer="auto")
 
 
 def switched(config: Config, cfg: ModelConfig) -> ModelConfig:
