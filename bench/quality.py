@@ -79,6 +79,11 @@ def main() -> None:
     parser.add_argument("--mask-rate", type=float, default=0.25)
     parser.add_argument("--evals", type=int, default=8, help="held-out evaluations over the budget")
     parser.add_argument("--val-blocks", type=int, default=128)
+    parser.add_argument(
+        "--val-batch",
+        type=int,
+        help="held-out sequences a batch (default --batch); fix it to compare two batches",
+    )
     parser.add_argument("--speed-rounds", type=int, default=12)
     parser.add_argument("--no-wall", action="store_true", help="skip the equal-wall-time trainings")
     parser.add_argument("--no-speed", action="store_true", help="losses at equal tokens only (ablations)")
@@ -217,10 +222,12 @@ class Data:
                 f"({len(self.train):,} blocks), {args.max_epochs:g} pass(es) allowed: that budget would repeat "
                 f"blocks; lower --tokens or allow --max-epochs {math.ceil(tokens / available)}"
             )
-        if len(self.val) < args.batch:
-            raise ValueError(f"{args.pack}: {len(self.val)} held-out blocks, fewer than one batch of {args.batch}")
         self.batch = args.batch
-        self.val_batches = min(args.val_blocks, len(self.val)) // args.batch
+        # The held-out masks are drawn per batch: one size keeps the held-out set identical across runs.
+        self.val_batch = args.val_batch or args.batch
+        if len(self.val) < self.val_batch:
+            raise ValueError(f"{args.pack}: {len(self.val)} held-out blocks, fewer than one batch of {self.val_batch}")
+        self.val_batches = min(args.val_blocks, len(self.val)) // self.val_batch
         self._masked: dict[tuple, list] = {}
         self.documents = boundary(self.meta["boundary"], self.meta["special_ids"]) if "boundary" in self.meta else None
 
@@ -269,8 +276,9 @@ class Data:
             spec, gen = self._masking(0.25)
             batches = []
             for i in range(self.val_batches):
-                first = i * self.batch
-                ids = torch.from_numpy(np.asarray(self.val[first : first + self.batch], dtype=np.int32)).to(self.device)
+                first = i * self.val_batch
+                rows = self.val[first : first + self.val_batch]
+                ids = torch.from_numpy(np.asarray(rows, dtype=np.int32)).to(self.device)
                 gen.manual_seed(mask_seed(self.seed, first, stream=1))
                 batch = mask_tokens(ids, spec, gen)
                 if "boundary" in self.meta:
