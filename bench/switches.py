@@ -43,6 +43,7 @@ ROWS: dict[str, list[str]] = {
     # Joined to a row with +: Newton-Schulz costs a step the same at any batch, so its share of a step's time
     # falls as the tokens per step grow; the lr may move with the batch.
     "batch32": ["pretrain.microbatch=32", "pretrain.batch_size=32"],
+    "batch48": ["pretrain.microbatch=48", "pretrain.batch_size=48"],
     "batch64": ["pretrain.microbatch=64", "pretrain.batch_size=64"],
     "lr7e-3": ["pretrain.optimizer.lr=7e-3"],
     "lr1e-2": [HIGH_LR],
