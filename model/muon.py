@@ -19,9 +19,7 @@ up and down projections. Embeddings, norms, the head transform and the tied deco
 (their rows are looked up or read per token, not a map between hidden spaces). A fused weight is
 orthogonalised as the matrices it stacks, each on its own: the qkv projection as its query, key and
 value matrices (the speedrun's [3, H, H]), a GLU up-projection as its two halves. Newton-Schulz runs in
-fp32 (the reference runs it in bf16, faster on a GPU): compiled and eager agree to rounding. On a matrix
-over 1.5 times as long as it is wide (the feed-forward's) it is carried on the short side's Gram matrix,
-the same iterations in 56% of the multiply-adds at 4:1 (`_through_gram`).
+fp32 (the reference runs it in bf16, faster on a GPU): compiled and eager agree to rounding.
 """
 
 from __future__ import annotations
@@ -58,38 +56,14 @@ def stacked(name: str, params: dict[str, Tensor]) -> int:
 def orthogonalise(update: Tensor) -> Tensor:
     """NS5 of each matrix of `update` [..., rows, cols]: its singular values moved near 1 (into about
     [0.7, 1.2]; the quintic trades exactness for speed), its singular vectors kept."""
+    a, b, c = NS_COEFFICIENTS
     wide = update.shape[-2] <= update.shape[-1]
     x = update if wide else update.mT  # the Gram matrix of the shorter side is the cheaper one
     x = x / torch.linalg.matrix_norm(x, keepdim=True).clamp(min=NS_EPS)  # spectral norm <= Frobenius norm = 1
-    m, n = x.shape[-2:]
-    x = _through_gram(x) if 2 * n > 3 * m else _iterated(x)
-    return x if wide else x.mT
-
-
-def _iterated(x: Tensor) -> Tensor:
-    """NS5 of a wide `x` as written: 5 x (2 m^2 n + m^3) multiply-adds."""
-    a, b, c = NS_COEFFICIENTS
     for _ in range(NS_STEPS):
         gram = x @ x.mT
         x = a * x + (b * gram + c * gram @ gram) @ x
-    return x
-
-
-def _through_gram(x: Tensor) -> Tensor:
-    """NS5 of a wide `x` [m, n] carried on m x m matrices, 2 m^2 n + 17 m^3 multiply-adds, fewer than
-    `_iterated`'s where n > 1.5 m (a 128 x 512 matrix: 25 m^3 against 45 m^3). Each iteration multiplies x on
-    the left by p = a + b g + c g^2 of its Gram matrix g, so after k of them x_k = q_k x_0 with q_k the product
-    of the p's, and g_k = q_k g_0 q_k^T: only q x_0 needs the long side. Equal to `_iterated` to rounding in fp32."""
-    a, b, c = NS_COEFFICIENTS
-    gram0 = x @ x.mT
-    eye = torch.eye(gram0.shape[-1], dtype=gram0.dtype, device=gram0.device)
-    gram, product = gram0, None
-    for step in range(NS_STEPS):
-        p = a * eye + b * gram + c * gram @ gram
-        product = p if product is None else p @ product
-        if step + 1 < NS_STEPS:
-            gram = product @ gram0 @ product.mT
-    return product @ x
+    return x if wide else x.mT
 
 
 def muon_param(
@@ -99,6 +73,6 @@ def muon_param(
     momentum = torch.lerp(momentum, grad, 1 - MOMENTUM)
     nesterov = torch.lerp(grad, momentum, MOMENTUM)
     rows, cols = weight.shape[0] // blocks, weight.shape[1]
-    update = orthogonalise(nesterov.view(blocks, rows, cols)).reshape_as(weight)
+    update = orthogonalise(nesterov.view(blocks, rows, cols)).view_as(weight)
     scale = RMS_MATCH * math.sqrt(max(rows, cols))
     return weight * (1 - lr * weight_decay) - (lr * scale) * update, momentum
