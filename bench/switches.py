@@ -46,6 +46,8 @@ ROWS: dict[str, list[str]] = {
     "batch48": ["pretrain.microbatch=48", "pretrain.batch_size=48"],
     "batch64": ["pretrain.microbatch=64", "pretrain.batch_size=64"],
     "lr7e-3": ["pretrain.optimizer.lr=7e-3"],
+    # `auto` falls back to fp32 where its canary fails: a row pinned to bf16 compares with bf16 rows as they ran.
+    "bf16": ["pretrain.precision='bf16'"],
     "lr1e-2": [HIGH_LR],
     # Twice the layers at 0.69x the width, at the default's encoder parameters (its layers: 2 x 163,840 =
     # 327,680 weights): hidden 88 (2 heads of 44), intermediate 386, 4 layers of 4 x 88^2 + 1.5 x 88 x 386
