@@ -40,6 +40,13 @@ VARIANTS: dict[str, list[str]] = {
     "default": [],  # pipeline.toml as it is
     "stable": ["pretrain.optimizer.kind='stable_adamw'", "pretrain.optimizer.clip_norm=0"],
     "muon": ["pretrain.optimizer.kind='muon'"],  # issue 46's winner per token, here at equal wall time too
+    # The default before Muon (issue 46): AdamW at batch 16, lr 5e-3
+    "adamw16": [
+        "pretrain.optimizer.kind='adamw'",
+        "pretrain.batch_size=16",
+        "pretrain.microbatch=16",
+        "pretrain.optimizer.lr=5e-3",
+    ],
     "wsd": ["pretrain.schedule='wsd'", "pretrain.decay_shape='1-sqrt'", "pretrain.decay_to=0.02"],
     "tri1sqrt": ["pretrain.decay_shape='1-sqrt'", "pretrain.decay_to=0.02"],  # budget-triangle's decay so
     "m30": ["pretrain.masking.rate=0.3"],
