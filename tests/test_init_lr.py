@@ -91,9 +91,9 @@ def test_a_continued_run_trains_and_reports_at_the_capped_peak(headless, pack_of
 
 
 def test_a_continued_run_trains_with_adamw_unless_init_optimizer_names_another(headless):
-    muon = OptimizerConfig(lr=5e-3, kind="muon")
-    assert optimizer_kind(pretrain.Config(optimizer=muon)) == "muon"  # from scratch: as given
-    from_muon = pretrain.Config(init=str(headless), optimizer=muon, budget=pretrain.Budget(steps=8))
+    with_muon = OptimizerConfig(lr=5e-3, kind="muon")
+    assert optimizer_kind(pretrain.Config(optimizer=with_muon)) == "muon"  # from scratch: as given
+    from_muon = pretrain.Config(init=str(headless), optimizer=with_muon, budget=pretrain.Budget(steps=8))
     assert optimizer_kind(from_muon) == "adamw"
     assert optimizer_kind(dataclasses.replace(from_muon, init_optimizer="muon")) == "muon"
     # A continued run of a config whose from-scratch optimizer is Muon is the AdamW run, key and all.

@@ -49,10 +49,10 @@ if TYPE_CHECKING:
 # encoder gained at no rate tried and lost nothing beyond the spread at 3.3e-5 (all-MiniLM-L6-v2: +0.4;
 # 1e-4: -4.0).
 MASKED_LM_LR = 1.5e-3
-# `init_optimizer = "auto"`: every rate above was measured with AdamW.
-CONTINUED_OPTIMIZER = "adamw"
 MASKED_LM_LR_WIDTH = 128
 SENTENCE_ENCODER_LR = 1e-4 / 3
+# `init_optimizer = "auto"`: every rate above was measured with AdamW.
+CONTINUED_OPTIMIZER = "adamw"
 # `head_warmup = "auto"` for a run whose checkpoint lacks its head: this fraction of the budget.
 AUTO_FRACTION = 0.1
 # A checkpoint's own masked-LM head within this many nats of the uniform guess over its vocabulary
