@@ -26,7 +26,7 @@ import torch
 from cram import model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step import make_batch  # noqa: E402  (bench/step.py, beside this file)
+from step import cram_row, make_batch  # noqa: E402  (bench/step.py, beside this file)
 
 VOCAB = 8192  # the default pipeline's tokenizer
 
@@ -50,21 +50,9 @@ class Arm:
 
 
 def build(arm: Arm, cfg: model.ModelConfig, autocast: torch.dtype | None):
-    """step(batch) -> loss: the arm's compiled train step over a state of its own."""
-    params = model.init(cfg, seed=0)
-    state = {"params": params, "opt": model.adamw_init(params)}
-    lr = torch.tensor(5e-3)
-    train_step = model.make_train_step(
-        cfg, model.OptimizerConfig(kind=arm.kind), model.Compilation(compile=True, autocast=autocast)
-    )
-    keys = ("input_ids", "mlm_positions", "mlm_labels", "document_ids")
-
-    def step(batch: dict) -> torch.Tensor:
-        state["params"], state["opt"], metrics = train_step(state["params"], state["opt"], batch, lr)
-        return metrics["loss"]
-
-    batches = [{k: v for k, v in make_batch(cfg, arm.batch, "cpu", s, True).items() if k in keys} for s in range(4)]
-    return step, batches
+    """step(batch) -> loss: the arm's compiled train step (bench/step.py's cram row) over a state of its own."""
+    make_step, _ = cram_row(cfg, torch.device("cpu"), autocast, "inductor", compiled=True, optimizer=arm.kind)
+    return make_step(), [make_batch(cfg, arm.batch, "cpu", seed, documents=True) for seed in range(4)]
 
 
 def main() -> None:

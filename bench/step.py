@@ -348,7 +348,7 @@ def make_batch(cfg, batch: int, device, seed: int, documents: bool = False) -> d
     return {key: value.to(device) for key, value in out.items()}
 
 
-def cram_row(cfg, device, autocast, backend: str, compiled: bool, attention: str = "auto"):
+def cram_row(cfg, device, autocast, backend: str, compiled: bool, attention: str = "auto", optimizer: str = "adamw"):
     import torch
 
     from cram import model
@@ -361,7 +361,7 @@ def cram_row(cfg, device, autocast, backend: str, compiled: bool, attention: str
     def make_step():
         train_step = model.make_train_step(
             cfg,
-            model.OptimizerConfig(),
+            model.OptimizerConfig(kind=optimizer),
             model.Compilation(compile=compiled, backend=backend, autocast=autocast, attention=attention),
         )
 
