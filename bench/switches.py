@@ -61,6 +61,8 @@ ROWS: dict[str, list[str]] = {
         "pretrain.checkpoint_every_steps=25",
         "pretrain.checkpoint_every_minutes=0",
     ],
+    # Joined after average_last3 at 10M tokens (2,441 steps): the same last 8% of the run.
+    "every125": ["pretrain.checkpoint_every_steps=125"],
 }
 LOSSES = ("mlm_loss@128", "mlm_loss@512")
 
