@@ -45,6 +45,10 @@ ROWS: dict[str, list[str]] = {
     "batch32": ["pretrain.microbatch=32", "pretrain.batch_size=32"],
     "batch48": ["pretrain.microbatch=48", "pretrain.batch_size=48"],
     "batch64": ["pretrain.microbatch=64", "pretrain.batch_size=64"],
+    # Cramming's batch ramp: batch_size (32) stays the target, one microbatch of 16 a step for the first 30%
+    # of the budget and two after (`ramp = 0.6`): more steps while the loss falls fastest, batch 32's
+    # Newton-Schulz share after.
+    "ramp16": ["pretrain.microbatch=16"],
     "lr5e-3": ["pretrain.optimizer.lr=5e-3"],
     "lr7e-3": ["pretrain.optimizer.lr=7e-3"],
     # `auto` falls back to fp32 where its canary fails: a row pinned to bf16 compares with bf16 rows as they ran.
