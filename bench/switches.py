@@ -39,9 +39,11 @@ ROWS: dict[str, list[str]] = {
     # (98,304 weights a layer); a plain MLP 128 x I and I x 128, so I = 98,304 / 256 = 384.
     "relu2": ["pretrain.model.activation='relu2'", "pretrain.model.glu=false", "pretrain.model.intermediate=384"],
     "muon": ["pretrain.optimizer.kind='muon'"],
+    "adamw": ["pretrain.optimizer.kind='adamw'"],  # adamw+batch16+lr5e-3: the default before Muon
     "muon_lr1e-2": ["pretrain.optimizer.kind='muon'", HIGH_LR],
     # Joined to a row with +: Newton-Schulz costs a step the same at any batch, so its share of a step's time
     # falls as the tokens per step grow; the lr may move with the batch.
+    "batch16": ["pretrain.microbatch=16", "pretrain.batch_size=16"],
     "batch32": ["pretrain.microbatch=32", "pretrain.batch_size=32"],
     "batch48": ["pretrain.microbatch=48", "pretrain.batch_size=48"],
     "batch64": ["pretrain.microbatch=64", "pretrain.batch_size=64"],
