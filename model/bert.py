@@ -13,8 +13,6 @@ I = intermediate, F = I // 2 with a GLU and I without, S = max_seq_len, T = toke
     layers.{i}.attn.qkv.bias     [3H]     linear_bias
     layers.{i}.attn.q_norm.weight [D]     qk_norm (D = H // heads): every head's queries share it
     layers.{i}.attn.k_norm.weight [D]     qk_norm: and its keys
-    layers.{i}.attn.value_mix    [1]      value_residual, layers after the first: the first layer's share
-                                          of the values, 0.5 at init (ResFormer)
     layers.{i}.attn.out.weight   [H, H]
     layers.{i}.attn.out.bias     [H]      linear_bias
     layers.{i}.ffn_norm.weight   [H]      post_norm: after the residual
@@ -49,7 +47,6 @@ from torch import Tensor
 from cram.model.config import ATTENTIONS, Attention, ModelConfig
 
 INIT_STD = 0.02  # cramming's and BERT's normal init for every matrix
-VALUE_MIX_INIT = 0.5  # ResFormer's and the speedrun's: half the first layer's values, half the layer's own
 # The output projections that `zero_init_out` starts at zero: each block adds nothing to the residual at first.
 OUTPUTS = (".attn.out.weight", ".ffn.down.weight")
 # BERT's pooler: kept from a checkpoint, never trained by the masked LM (pretraining carries it unchanged).
@@ -86,8 +83,6 @@ def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         linear(p + "attn.qkv", 3 * H, H)
         if cfg.qk_norm:
             out[p + "attn.q_norm.weight"] = out[p + "attn.k_norm.weight"] = (cfg.head_dim,)
-        if cfg.value_residual and i > 0:
-            out[p + "attn.value_mix"] = (1,)
         linear(p + "attn.out", H, H)
         norm(p + "ffn_norm")
         linear(p + "ffn.up", cfg.intermediate, H)
@@ -115,8 +110,6 @@ def init(cfg: ModelConfig, seed: int, names: list[str] | None = None) -> dict[st
         if name == "embed.positions.scale":
             scale = 1.0 / math.sqrt(cfg.hidden) if cfg.position_scale is None else cfg.position_scale
             params[name] = torch.full(shape, scale)
-        elif name.endswith(".attn.value_mix"):
-            params[name] = torch.full(shape, VALUE_MIX_INIT)
         elif name.endswith(".bias"):
             params[name] = torch.zeros(shape)
         elif len(shape) == 1:  # a norm's weight
@@ -155,7 +148,6 @@ def encode(
         if cfg.local_attention and theta is not None and theta != cfg.rope_theta:
             local_rope = _rope_tables(S, cfg.head_dim, theta, x.device)
     mask, local_mask = _masks(cfg, S, attention_mask, document_ids, x.device)
-    first_values = None  # value_residual: the first layer's values, which every later layer mixes in
     for i in range(cfg.layers):
         p = f"layers.{i}."
         kind = (local_mask, local_rope, attention, rate) if cfg.is_local(i) else (mask, rope, attention, rate)
@@ -163,16 +155,14 @@ def encode(
         # only that token's query, attention output and feed-forward (as sparse prediction in the MLM).
         queries = 1 if first_only and i == cfg.layers - 1 else None
         if cfg.post_norm:
-            attended, values = _attention(params, p, cfg, x, *kind, queries, first_values)
+            attended = _attention(params, p, cfg, x, *kind, queries)
             x = _norm(x[:, :queries] + attended, params, p + "attn_norm", cfg)
             x = _norm(x + _feed_forward(params, p, cfg, x, rate), params, p + "ffn_norm", cfg)
         else:
             h = _norm(x, params, p + "attn_norm", cfg) if i > 0 or cfg.first_attn_norm else x
-            attended, values = _attention(params, p, cfg, h, *kind, queries, first_values)
+            attended = _attention(params, p, cfg, h, *kind, queries)
             x = x[:, :queries] + attended
             x = x + _feed_forward(params, p, cfg, _norm(x, params, p + "ffn_norm", cfg), rate)
-        if cfg.value_residual and i == 0:
-            first_values = values
     return x if cfg.post_norm else _norm(x, params, "final_norm", cfg)
 
 
@@ -264,17 +254,15 @@ def _attention(
     attention: Attention,
     rate: float | Tensor,
     queries: int | None = None,
-    first_values: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Self-attention's output [B, S, H] and its own values [B, heads, S, head_dim]; with `queries`, the
-    output [B, queries, H] of the first `queries` tokens alone (reading every key). `first_values`: the
-    first layer's values, mixed in by the layer's `value_mix` (value_residual)."""
+) -> Tensor:
+    """Self-attention's output [B, S, H]; with `queries`, the output [B, queries, H] of the first `queries`
+    tokens alone (reading every key)."""
     B, S, H = x.shape
     if queries is None:
         qkv = _linear(x, params, p + "attn.qkv", cfg).view(B, S, 3, cfg.heads, cfg.head_dim)
-        q, k, values = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, S, head_dim]
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, S, head_dim]
     else:
-        q, k, values = _first_queries(params, p, cfg, x, queries)
+        q, k, v = _first_queries(params, p, cfg, x, queries)
         if mask is not None and mask.shape[-2] == S:  # a mask per query (documents, a local band)
             mask = mask[..., :queries, :]
     if cfg.qk_norm:
@@ -282,11 +270,8 @@ def _attention(
     if rope is not None:
         cos, sin = rope
         q, k = _rotate(q, cos[: q.shape[2]], sin[: q.shape[2]]), _rotate(k, cos, sin)
-    v = values
-    if first_values is not None:
-        v = torch.lerp(values, first_values, params[p + "attn.value_mix"].to(values.dtype))
     out = _attend(q, k, v, mask, rate, attention)
-    return dropout(_linear(out.transpose(1, 2).reshape(B, -1, H), params, p + "attn.out", cfg), rate), values
+    return dropout(_linear(out.transpose(1, 2).reshape(B, -1, H), params, p + "attn.out", cfg), rate)
 
 
 def _head_norm(x: Tensor, params: dict[str, Tensor], name: str, cfg: ModelConfig) -> Tensor:

@@ -98,11 +98,9 @@ class ModelConfig:
     # fine-tuning (`pooling = "pooler"`) and export; the masked LM never reads it, and pretraining leaves it as it is.
     pooler: bool = False
     # Past ModernBERT's layout (issue 46; docs/recipe.md, "Switches"): an RMSNorm with a learned weight on
-    # each head's queries and keys before RoPE (OLMo-2, the GPT-2 speedrun); every layer after the first
-    # mixing its values with the first layer's by a learned weight (ResFormer); the attention and
+    # each head's queries and keys before RoPE (OLMo-2, the GPT-2 speedrun); the attention and
     # feed-forward output projections zero at init (the speedrun).
     qk_norm: bool = False
-    value_residual: bool = False
     zero_init_out: bool = False
 
     def __post_init__(self) -> None:

@@ -62,9 +62,9 @@ BERT_LAYOUT = {
     "embedding_norm": True,
     "local_attention": 0,
 }
-# What both need: neither family has a norm of the queries and keys nor value residuals, and the export
+# What both need: neither family has a norm of the queries and keys, and the export
 # writes GELU as the activation (transformers' configs could name another; none is mapped yet).
-SWITCHES_OFF = {"qk_norm": False, "value_residual": False, "activation": "gelu"}
+SWITCHES_OFF = {"qk_norm": False, "activation": "gelu"}
 
 
 def from_transformers(

@@ -69,7 +69,6 @@ def parameters(cfg: ModelConfig) -> Parameters:
     per_layer += bias * (3 * H + H + cfg.intermediate + H)
     per_layer += 2 * cfg.head_dim if cfg.qk_norm else 0
     encoder = cfg.layers * per_layer + (0 if cfg.post_norm else norm)  # and the final norm
-    encoder += cfg.layers - 1 if cfg.value_residual else 0  # each later layer's value_mix
     encoder -= 0 if cfg.first_attn_norm else norm
     encoder += norm if cfg.embedding_norm else 0
     head = (H * H + bias * H + norm if cfg.head_transform else 0) + (cfg.vocab_size if cfg.decoder_bias else 0)

@@ -80,7 +80,6 @@ NEW_OPTIONS = (
     "init_optimizer",
     "model.activation",
     "model.qk_norm",
-    "model.value_residual",
     "model.zero_init_out",
     "average_last",
     "init_switch_params",

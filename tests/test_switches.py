@@ -1,7 +1,6 @@
-"""Issue 46's switches past ModernBERT's layout: QK-norm, value residuals, zero-initialised output
-projections, the feed-forward's activation and Muon. What each computes, that each compiles with the step
-into one graph that never recompiles and matches eager, and that export and continued pretraining refuse
-what they cannot hold."""
+"""Issue 46's switches past ModernBERT's layout: QK-norm, zero-initialised output projections, the
+feed-forward's activation and Muon. What each computes, that each compiles with the step into one graph that
+never recompiles and matches eager, and that export and continued pretraining refuse what they cannot hold."""
 
 import dataclasses
 import json
@@ -30,7 +29,7 @@ from cram.stages.shared import pretrained
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# Two layers (a value residual mixes the first layer's values into the second's), rope (QK-norm comes before it).
+# Two layers, rope (QK-norm comes before it).
 BASE = ModelConfig(
     vocab_size=256,
     hidden=32,
@@ -43,11 +42,10 @@ BASE = ModelConfig(
 )
 SWITCHES = {
     "qk_norm": dict(qk_norm=True),
-    "value_residual": dict(value_residual=True),
     "zero_init_out": dict(zero_init_out=True),
     "swiglu": dict(activation="silu"),
     "relu2": dict(activation="relu2", glu=False),
-    "all": dict(qk_norm=True, value_residual=True, zero_init_out=True, activation="relu2", glu=False),
+    "all": dict(qk_norm=True, zero_init_out=True, activation="relu2", glu=False),
 }
 ADAMW, MUON = OptimizerConfig(), OptimizerConfig(kind="muon")
 AOT_EAGER = model.Compilation(backend="aot_eager")
@@ -62,17 +60,15 @@ def cfg_of(switch: str) -> ModelConfig:
 
 def test_the_switches_are_off_by_default_and_add_their_parameters_only_when_on():
     plain = ModelConfig()
-    assert (plain.qk_norm, plain.value_residual, plain.zero_init_out, plain.activation) == (False, False, False, "gelu")
+    assert (plain.qk_norm, plain.zero_init_out, plain.activation) == (False, False, "gelu")
     assert set(bert.shapes(cfg_of("all"))) - set(bert.shapes(BASE)) == {
         "layers.0.attn.q_norm.weight",
         "layers.0.attn.k_norm.weight",
         "layers.1.attn.q_norm.weight",
         "layers.1.attn.k_norm.weight",
-        "layers.1.attn.value_mix",
     }
     params = model.init(cfg_of("all"), seed=0)
     assert params["layers.0.attn.q_norm.weight"].shape == (BASE.head_dim,)
-    assert params["layers.1.attn.value_mix"].tolist() == [0.5]
     with pytest.raises(ValueError, match="model.activation='tanh': allowed gelu, silu, relu2"):
         ModelConfig(activation="tanh")
 
@@ -111,26 +107,6 @@ def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys():
         scaled["layers.0.attn.qkv.weight"] = params["layers.0.attn.qkv.weight"] * rows
         same = torch.allclose(model.encode(params, cfg, ids), model.encode(scaled, cfg, ids), atol=1e-5)
         assert same == blind
-
-
-def test_a_value_residual_mixes_the_first_layers_values_by_its_learned_weight():
-    cfg = cfg_of("value_residual")
-    params = model.init(cfg, seed=0)
-    ids = torch.randint(5, BASE.vocab_size, (2, BASE.max_seq_len))
-    # value_mix = 1: layer 1 reads the first layer's values alone, so its own value rows change nothing.
-    whole = {**params, "layers.1.attn.value_mix": torch.ones(1)}
-    other_values = dict(whole)
-    other_values["layers.1.attn.qkv.weight"] = whole["layers.1.attn.qkv.weight"].clone()
-    other_values["layers.1.attn.qkv.weight"][2 * BASE.hidden :] *= -3
-    assert torch.allclose(model.encode(whole, cfg, ids), model.encode(other_values, cfg, ids), atol=1e-6)
-    # value_mix = 0: the model without value residuals.
-    none = {**params, "layers.1.attn.value_mix": torch.zeros(1)}
-    without = {k: v for k, v in params.items() if k != "layers.1.attn.value_mix"}
-    assert torch.allclose(model.encode(none, cfg, ids), model.encode(without, BASE, ids), atol=1e-6)
-    # Its gradient reaches the mixing weight.
-    batch = random_batch(cfg, 2, seed=0)
-    grads = torch.func.grad(lambda p: model.mlm_loss(p, cfg, batch)[0])(params)
-    assert grads["layers.1.attn.value_mix"].abs().item() > 0
 
 
 def test_a_cls_pooled_encoding_of_every_switch_matches_the_full_one():
@@ -290,7 +266,6 @@ def bert_zeros(params):
     "switch, named",
     [
         ("qk_norm", "pretrain.model.qk_norm=false"),
-        ("value_residual", "pretrain.model.value_residual=false"),
         ("swiglu", 'pretrain.model.activation="gelu"'),
         ("relu2", 'pretrain.model.activation="gelu"'),
     ],
@@ -307,11 +282,11 @@ def test_a_layout_transformers_cannot_hold_names_the_switch_in_both_families(swi
 
 
 def test_export_to_transformers_refuses_the_switches_by_name_and_cram_format_keeps_them(tmp_path, sp_model):  # noqa: F811
-    cfg = dataclasses.replace(MODERNBERT, qk_norm=True, value_residual=True)
+    cfg = dataclasses.replace(MODERNBERT, qk_norm=True, activation="relu2")
     run, params = fake_run(tmp_path, sp_model, cfg=cfg)
     result = CliRunner().invoke(cli.app, ["export", str(run), "--to", str(tmp_path / "hf"), "--format", "transformers"])
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
-    assert "set pretrain.model.qk_norm=false, pretrain.model.value_residual=false" in result.output
+    assert 'set pretrain.model.qk_norm=false, pretrain.model.activation="gelu"' in result.output
     assert not (tmp_path / "hf").exists()
     loaded_cfg, loaded, _ = load_export(export(run, tmp_path / "cram"))
     assert loaded_cfg == cfg and loaded.keys() == params.keys()
@@ -321,8 +296,8 @@ def test_export_to_transformers_refuses_the_switches_by_name_and_cram_format_kee
 # --- the pretrain stage: canary, checkpoints and resume, continuing a checkpoint ---------------------
 
 EVERY_SWITCH = pretrain.Architecture(
-    hidden=32, layers=2, heads=2, intermediate=64, position="rope", qk_norm=True, value_residual=True,
-    zero_init_out=True, activation="relu2", glu=False,
+    hidden=32, layers=2, heads=2, intermediate=64, position="rope", qk_norm=True, zero_init_out=True,
+    activation="relu2", glu=False,
 )  # fmt: skip
 
 
@@ -344,7 +319,7 @@ def test_every_switch_with_muon_passes_the_canary_checkpoints_and_resumes_bit_id
     assert straight["canary_diff"] is not None and straight["canary_diff"] < 1e-4
     assert straight["val_loss_end"] < straight["val_loss_start"]
     cfg = ModelConfig.from_json(straight_dir / "model.json")
-    assert (cfg.qk_norm, cfg.value_residual, cfg.zero_init_out, cfg.activation) == (True, True, True, "relu2")
+    assert (cfg.qk_norm, cfg.zero_init_out, cfg.activation) == (True, True, "relu2")
     params, opt_state, _ = checkpoints.load(straight_dir / "checkpoints" / "step-2")
     assert params.keys() == set(bert.shapes(cfg)) and opt_state.keys() == model.adamw_init(params).keys()
     # A run stopped after step 2 (its checkpoint copied alone into a fresh folder) resumes from it.
@@ -356,12 +331,11 @@ def test_every_switch_with_muon_passes_the_canary_checkpoints_and_resumes_bit_id
     assert same_tensors(resumed_dir / last, straight_dir / last)
 
 
-@pytest.mark.parametrize("switch", ["qk_norm", "value_residual"])
-def test_a_switch_that_adds_parameters_is_refused_on_a_checkpoint_without_them(ws, switch):  # noqa: F811
-    result = cram("run", "pipeline.toml", "--set", f"pretrain.model.{switch}=true", "--dry-run")
+def test_a_switch_that_adds_parameters_is_refused_on_a_checkpoint_without_them(ws):  # noqa: F811
+    result = cram("run", "pipeline.toml", "--set", "pretrain.model.qk_norm=true", "--dry-run")
     assert result.exit_code == 2, result.output
     assert len(result.output.strip().splitlines()) == 1
-    assert result.output.startswith(f"error: pretrain.model.{switch}: True contradicts the checkpoint's False")
+    assert result.output.startswith("error: pretrain.model.qk_norm: True contradicts the checkpoint's False")
 
 
 def test_the_refusal_says_how_to_make_the_missing_weights(ws):  # noqa: F811
@@ -373,20 +347,20 @@ def test_the_refusal_says_how_to_make_the_missing_weights(ws):  # noqa: F811
 
 def test_init_switch_params_makes_the_weights_a_checkpoint_lacks_as_a_fresh_init_does(ws):  # noqa: F811
     # A zero budget: pretrain's output is the model training would start from.
-    switches = ["pretrain.model.qk_norm=true", "pretrain.model.value_residual=true", "pretrain.init_switch_params=true"]
+    switches = ["pretrain.model.qk_norm=true", "pretrain.init_switch_params=true"]
     settings = [*switches, "pretrain.budget.steps=0", "pretrain.compile=false", "evaluate.tasks=[]"]
     result = cram("run", "pipeline.toml", *[arg for s in settings for arg in ("--set", s)])
     assert result.exit_code == 0, result.output
     out = Path("runs/base/pretrain")
     cfg = ModelConfig.from_json(out / "model.json")
-    assert (cfg.qk_norm, cfg.value_residual) == (True, True)
+    assert cfg.qk_norm
     params = checkpoints.read_tensors(out / "params.safetensors")
     assert params.keys() == set(bert.shapes(cfg))
     own, loaded = pretrained.load(pretrained.locate(Path("ckpt")))
     made = params.keys() - loaded.keys()
-    assert made == {name for name in params if name.endswith(("q_norm.weight", "k_norm.weight", "value_mix"))}
-    assert len(made) == 3 * own.layers - 1  # a q and a k norm in every layer, value_mix in all but the first
-    assert all(torch.all(params[name] == (0.5 if name.endswith("value_mix") else 1.0)) for name in made)
+    assert made == {name for name in params if name.endswith(("q_norm.weight", "k_norm.weight"))}
+    assert len(made) == 2 * own.layers  # a q and a k norm in every layer
+    assert all(torch.all(params[name] == 1.0) for name in made)
     assert all(torch.equal(params[name], loaded[name]) for name in loaded if name in params)
     # Trained, after its own head is judged as the checkpoint is (without the switches it lacks).
     settings = [*switches, "pretrain.compile=false", "evaluate.tasks=[]"]

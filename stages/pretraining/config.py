@@ -149,8 +149,8 @@ class Config:
     # values, or "auto": AdamW, the one continuing was measured with, whatever optimizer.kind a run from scratch
     # takes (the default pipeline's Muon was measured from scratch only).
     init_optimizer: str = "auto"
-    # A layout switch that adds parameters `init`'s checkpoint lacks (`pretrain.model.qk_norm`, `value_residual`):
-    # false refuses it; true makes them as a fresh init does (QK-norm weights 1, value_mix 0.5), from the run's seed.
+    # A layout switch that adds parameters `init`'s checkpoint lacks (`pretrain.model.qk_norm`): false refuses
+    # it; true makes them as a fresh init does (QK-norm weights 1).
     init_switch_params: bool = False
 
     def __post_init__(self) -> None:

@@ -62,9 +62,9 @@ AUTO_FRACTION = 0.1
 # from passing as trained.
 UNTRAINED_MARGIN = 0.1
 
-# The layout switches that add parameters (model/bert.py: `attn.q_norm`, `attn.k_norm`, `attn.value_mix`): on a
-# checkpoint without them, refused unless `init_switch_params` says to make them (`switched`).
-PARAM_SWITCHES = ("qk_norm", "value_residual")
+# The layout switches that add parameters (model/bert.py: `attn.q_norm`, `attn.k_norm`): on a checkpoint
+# without them, refused unless `init_switch_params` says to make them (`switched`).
+PARAM_SWITCHES = ("qk_norm",)
 
 
 def locate(config: Config) -> pretrained.Pretrained:
