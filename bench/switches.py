@@ -1,7 +1,7 @@
 """Issue 46's switches, one change per row against the default pipeline, at equal tokens, through the real pipeline.
 
     python bench/switches.py [--work bench-out/switches] [--tokens 2000000] [--seeds 0,1,2]
-        [--rows default,qk_norm,value_residual,muon,deep_thin] [--table]
+        [--rows default,qk_norm,zero_init_out,deep_thin] [--table]
 
 Each row is `pipeline.toml` with its overrides (`ROWS`; `a+b` joins rows, e.g. the winners combined), trained
 on `--tokens` tokens. Runs are interleaved (seed 0: every row, then seed 1: every row, ...) so that load from
@@ -32,7 +32,6 @@ ROWS: dict[str, list[str]] = {
     "default": [],  # pipeline.toml as it is: tiny preset, Muon at batch 32, lr 7e-3
     "qk_norm": ["pretrain.model.qk_norm=true"],
     "qk_norm_lr1e-2": ["pretrain.model.qk_norm=true", HIGH_LR],
-    "value_residual": ["pretrain.model.value_residual=true"],
     "zero_init_out": ["pretrain.model.zero_init_out=true"],
     "swiglu": ["pretrain.model.activation='silu'"],
     # ReLU^2 without a GLU at the default's parameters: a GLU's up-projection is 128 x 512 and its down 256 x 128
