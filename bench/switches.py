@@ -33,10 +33,6 @@ ROWS: dict[str, list[str]] = {
     "qk_norm": ["pretrain.model.qk_norm=true"],
     "qk_norm_lr1e-2": ["pretrain.model.qk_norm=true", HIGH_LR],
     "zero_init_out": ["pretrain.model.zero_init_out=true"],
-    "swiglu": ["pretrain.model.activation='silu'"],
-    # ReLU^2 without a GLU at the default's parameters: a GLU's up-projection is 128 x 512 and its down 256 x 128
-    # (98,304 weights a layer); a plain MLP 128 x I and I x 128, so I = 98,304 / 256 = 384.
-    "relu2": ["pretrain.model.activation='relu2'", "pretrain.model.glu=false", "pretrain.model.intermediate=384"],
     "muon": ["pretrain.optimizer.kind='muon'"],
     "adamw": ["pretrain.optimizer.kind='adamw'"],  # adamw+batch16+lr5e-3: the default before Muon
     "muon_lr1e-2": ["pretrain.optimizer.kind='muon'", HIGH_LR],

@@ -16,7 +16,7 @@ I = intermediate, F = I // 2 with a GLU and I without, S = max_seq_len, T = toke
     layers.{i}.attn.out.weight   [H, H]
     layers.{i}.attn.out.bias     [H]      linear_bias
     layers.{i}.ffn_norm.weight   [H]      post_norm: after the residual
-    layers.{i}.ffn.up.weight     [I, H]   GLU: first half is activated (`activation`), second half is the gate
+    layers.{i}.ffn.up.weight     [I, H]   GLU: first half goes through GELU, second half is the gate
     layers.{i}.ffn.up.bias       [I]      linear_bias
     layers.{i}.ffn.down.weight   [H, F]
     layers.{i}.ffn.down.bias     [H]      linear_bias
@@ -323,20 +323,12 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rate: float | 
 
 def _feed_forward(params: dict[str, Tensor], p: str, cfg: ModelConfig, x: Tensor, rate: float | Tensor) -> Tensor:
     h = _linear(x, params, p + "ffn.up", cfg)
-    activate = _ACTIVATIONS[cfg.activation]
     if cfg.glu:
         h, gate = h.chunk(2, dim=-1)
-        h = activate(h) * gate
+        h = F.gelu(h) * gate
     else:
-        h = activate(h)
+        h = F.gelu(h)
     return dropout(_linear(h, params, p + "ffn.down", cfg), rate)
-
-
-def _relu2(x: Tensor) -> Tensor:
-    return F.relu(x).square()
-
-
-_ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "relu2": _relu2}
 
 
 def dropout(x: Tensor, rate: float | Tensor) -> Tensor:

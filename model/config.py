@@ -42,7 +42,9 @@ class OptimizerConfig:
 
 
 POSITIONS = ("sinusoidal", "learned", "rope")
-ACTIVATIONS = ("gelu", "silu", "relu2")
+# Switches removed after they lost every setting measured (issue 46), at the value that builds the model
+# without them: what `from_json` accepts of them in a model.json written while they existed.
+RETIRED = {"value_residual": False, "activation": "gelu"}
 
 # How attention is computed, never what: "sdpa" is `F.scaled_dot_product_attention`, "written" the product
 # written out (softmax(q k^T) v), "auto" SDPA on a GPU and the written-out product on a CPU. A runtime
@@ -76,9 +78,6 @@ class ModelConfig:
     rope_theta: float = 10000.0
     position_scale: float | None = None  # sinusoidal: the learnable scale's start; None: 1/sqrt(hidden) (cramming)
     glu: bool = True  # GELU-GLU feed-forward; False: a plain GELU MLP
-    # The feed-forward's activation: "gelu" (with glu GELU-GLU), "silu" (with glu SwiGLU), "relu2" (ReLU
-    # squared; with glu=false the speedrun's MLP).
-    activation: Literal["gelu", "silu", "relu2"] = "gelu"
     head_transform: bool = False  # dense + GELU + norm before the tied decoder
     embedding_norm: bool = True
     first_attn_norm: bool = True  # False: the first block's attention reads the embeddings unnormalised
@@ -111,8 +110,6 @@ class ModelConfig:
             raise ValueError(f"model.heads={self.heads}: must divide model.hidden={self.hidden}")
         if self.position not in POSITIONS:
             raise ValueError(f"model.position={self.position!r}: allowed {', '.join(POSITIONS)}")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"model.activation={self.activation!r}: allowed {', '.join(ACTIVATIONS)}")
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError(f"model.heads={self.heads}: rope needs an even head size, got {self.head_dim}")
         if self.position == "sinusoidal" and self.hidden % 2:
@@ -149,7 +146,8 @@ class ModelConfig:
         """The ModelConfig of a `model.json` (what pretrain writes: the fields as a JSON object).
 
         A field the file leaves out takes its default, so files written before the field existed still
-        load. A key that is no field is refused: the file describes a model this code cannot build, and
+        load; a `RETIRED` field loads at the value that builds the model without it, files written while it
+        existed. A key that is no field is refused: the file describes a model this code cannot build, and
         dropping the key would build a different one. ModelConfigError names the file, and the key.
         """
         try:
@@ -158,6 +156,13 @@ class ModelConfig:
             raise ModelConfigError(f"{path}: not a readable model config ({e})") from None
         if not isinstance(data, dict):
             raise ModelConfigError(f"{path}: not a readable model config (a JSON object of fields expected)")
+        retired = next((key for key in data if key in RETIRED and data[key] != RETIRED[key]), None)
+        if retired is not None:
+            raise ModelConfigError(
+                f"{path}: not a readable model config ({retired}={json.dumps(data[retired])}: a switch this "
+                f"version no longer builds; only {retired}={json.dumps(RETIRED[retired])} loads)"
+            )
+        data = {key: value for key, value in data.items() if key not in RETIRED}
         names = {f.name for f in fields(cls)}
         unknown = [key for key in data if key not in names]
         if unknown:

@@ -62,9 +62,8 @@ BERT_LAYOUT = {
     "embedding_norm": True,
     "local_attention": 0,
 }
-# What both need: neither family has a norm of the queries and keys, and the export
-# writes GELU as the activation (transformers' configs could name another; none is mapped yet).
-SWITCHES_OFF = {"qk_norm": False, "activation": "gelu"}
+# What both need: neither family has a norm of the queries and keys.
+SWITCHES_OFF = {"qk_norm": False}
 
 
 def from_transformers(

@@ -78,7 +78,6 @@ NEW_OPTIONS = (
     "head_lr",
     "init_lr",
     "init_optimizer",
-    "model.activation",
     "model.qk_norm",
     "model.zero_init_out",
     "average_last",

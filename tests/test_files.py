@@ -94,6 +94,9 @@ def test_model_json_loads_back_and_a_missing_field_takes_its_default(tmp_path):
     assert ModelConfig.from_json(path).dropout == ModelConfig.dropout
     path.write_text(json.dumps({**dataclasses.asdict(cfg), "norm_eps": 1, "position_scale": None}))
     assert ModelConfig.from_json(path).norm_eps == 1.0  # an integer where a float belongs is a number
+    # A model.json written while the removed switches existed names them off: it loads as the same model.
+    path.write_text(json.dumps({**dataclasses.asdict(cfg), "value_residual": False, "activation": "gelu"}))
+    assert ModelConfig.from_json(path) == cfg
 
 
 @pytest.mark.parametrize(
@@ -108,6 +111,11 @@ def test_model_json_loads_back_and_a_missing_field_takes_its_default(tmp_path):
         ({"norm_eps": True}, "norm_eps=true; expected float"),
         ({"position": "alibi"}, "position=\"alibi\"; expected one of 'sinusoidal', 'learned', 'rope'"),
         ({"position_scale": "x"}, 'position_scale="x"; expected float | None'),
+        (
+            {"value_residual": True},
+            "value_residual=true: a switch this version no longer builds; only value_residual=false",
+        ),
+        ({"activation": "silu"}, 'activation="silu": a switch this version no longer builds; only activation="gelu"'),
         ("{", "Expecting property name"),
     ],
 )

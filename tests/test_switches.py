@@ -1,5 +1,5 @@
-"""Issue 46's switches past ModernBERT's layout: QK-norm, zero-initialised output projections, the
-feed-forward's activation and Muon. What each computes, that each compiles with the step into one graph that
+"""Issue 46's switches past ModernBERT's layout: QK-norm, zero-initialised output projections and Muon.
+What each computes, that each compiles with the step into one graph that
 never recompiles and matches eager, and that export and continued pretraining refuse what they cannot hold."""
 
 import dataclasses
@@ -43,9 +43,7 @@ BASE = ModelConfig(
 SWITCHES = {
     "qk_norm": dict(qk_norm=True),
     "zero_init_out": dict(zero_init_out=True),
-    "swiglu": dict(activation="silu"),
-    "relu2": dict(activation="relu2", glu=False),
-    "all": dict(qk_norm=True, zero_init_out=True, activation="relu2", glu=False),
+    "all": dict(qk_norm=True, zero_init_out=True),
 }
 ADAMW, MUON = OptimizerConfig(), OptimizerConfig(kind="muon")
 AOT_EAGER = model.Compilation(backend="aot_eager")
@@ -60,7 +58,7 @@ def cfg_of(switch: str) -> ModelConfig:
 
 def test_the_switches_are_off_by_default_and_add_their_parameters_only_when_on():
     plain = ModelConfig()
-    assert (plain.qk_norm, plain.zero_init_out, plain.activation) == (False, False, "gelu")
+    assert (plain.qk_norm, plain.zero_init_out) == (False, False)
     assert set(bert.shapes(cfg_of("all"))) - set(bert.shapes(BASE)) == {
         "layers.0.attn.q_norm.weight",
         "layers.0.attn.k_norm.weight",
@@ -69,8 +67,6 @@ def test_the_switches_are_off_by_default_and_add_their_parameters_only_when_on()
     }
     params = model.init(cfg_of("all"), seed=0)
     assert params["layers.0.attn.q_norm.weight"].shape == (BASE.head_dim,)
-    with pytest.raises(ValueError, match="model.activation='tanh': allowed gelu, silu, relu2"):
-        ModelConfig(activation="tanh")
 
 
 @pytest.mark.parametrize("switch", list(SWITCHES))
@@ -115,22 +111,6 @@ def test_a_cls_pooled_encoding_of_every_switch_matches_the_full_one():
     ids = torch.randint(5, BASE.vocab_size, (2, BASE.max_seq_len))
     full = model.encode(params, cfg, ids)[:, :1]
     assert torch.allclose(model.encode(params, cfg, ids, first_only=True), full, atol=1e-5)
-
-
-@pytest.mark.parametrize(
-    "switch, activate",
-    [
-        ("swiglu", lambda h: F.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1]),
-        ("relu2", lambda h: F.relu(h) ** 2),
-        ("zero_init_out", lambda h: F.gelu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1]),  # today's GELU-GLU
-    ],
-)
-def test_the_feed_forward_computes_its_activation(switch, activate):
-    cfg = cfg_of(switch)
-    params = {k: torch.randn_like(v) for k, v in model.init(cfg, seed=0).items()}
-    x = torch.randn(2, 5, BASE.hidden)
-    expected = activate(x @ params["layers.0.ffn.up.weight"].T) @ params["layers.0.ffn.down.weight"].T
-    assert torch.allclose(bert._feed_forward(params, "layers.0.", cfg, x, 0.0), expected, atol=1e-4)
 
 
 # --- Muon -----------------------------------------------------------------------------------------
@@ -262,16 +242,9 @@ def bert_zeros(params):
 # --- export ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "switch, named",
-    [
-        ("qk_norm", "pretrain.model.qk_norm=false"),
-        ("swiglu", 'pretrain.model.activation="gelu"'),
-        ("relu2", 'pretrain.model.activation="gelu"'),
-    ],
-)
-def test_a_layout_transformers_cannot_hold_names_the_switch_in_both_families(switch, named):
-    modernbert = dataclasses.replace(cfg_of(switch), head_transform=True, glu=True)
+def test_a_layout_transformers_cannot_hold_names_the_switch_in_both_families():
+    named = "pretrain.model.qk_norm=false"
+    modernbert = dataclasses.replace(cfg_of("qk_norm"), head_transform=True, glu=True)
     bert_layout = dataclasses.replace(
         modernbert, position="learned", first_attn_norm=True, glu=False, post_norm=True, linear_bias=True
     )
@@ -282,11 +255,11 @@ def test_a_layout_transformers_cannot_hold_names_the_switch_in_both_families(swi
 
 
 def test_export_to_transformers_refuses_the_switches_by_name_and_cram_format_keeps_them(tmp_path, sp_model):  # noqa: F811
-    cfg = dataclasses.replace(MODERNBERT, qk_norm=True, activation="relu2")
+    cfg = dataclasses.replace(MODERNBERT, qk_norm=True)
     run, params = fake_run(tmp_path, sp_model, cfg=cfg)
     result = CliRunner().invoke(cli.app, ["export", str(run), "--to", str(tmp_path / "hf"), "--format", "transformers"])
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
-    assert 'set pretrain.model.qk_norm=false, pretrain.model.activation="gelu"' in result.output
+    assert "set pretrain.model.qk_norm=false" in result.output
     assert not (tmp_path / "hf").exists()
     loaded_cfg, loaded, _ = load_export(export(run, tmp_path / "cram"))
     assert loaded_cfg == cfg and loaded.keys() == params.keys()
@@ -297,7 +270,6 @@ def test_export_to_transformers_refuses_the_switches_by_name_and_cram_format_kee
 
 EVERY_SWITCH = pretrain.Architecture(
     hidden=32, layers=2, heads=2, intermediate=64, position="rope", qk_norm=True, zero_init_out=True,
-    activation="relu2", glu=False,
 )  # fmt: skip
 
 
@@ -319,7 +291,7 @@ def test_every_switch_with_muon_passes_the_canary_checkpoints_and_resumes_bit_id
     assert straight["canary_diff"] is not None and straight["canary_diff"] < 1e-4
     assert straight["val_loss_end"] < straight["val_loss_start"]
     cfg = ModelConfig.from_json(straight_dir / "model.json")
-    assert (cfg.qk_norm, cfg.zero_init_out, cfg.activation) == (True, True, "relu2")
+    assert (cfg.qk_norm, cfg.zero_init_out) == (True, True)
     params, opt_state, _ = checkpoints.load(straight_dir / "checkpoints" / "step-2")
     assert params.keys() == set(bert.shapes(cfg)) and opt_state.keys() == model.adamw_init(params).keys()
     # A run stopped after step 2 (its checkpoint copied alone into a fresh folder) resumes from it.
