@@ -62,9 +62,6 @@ ROWS: dict[str, list[str]] = {
         "pretrain.checkpoint_every_steps=25",
         "pretrain.checkpoint_every_minutes=0",
     ],
-    # No warm-up and no decay: the setting weight averaging stands in for a decay in (LAWA; ModernBERT averages
-    # checkpoints of its annealing), to join with average_last3.
-    "constant": ["pretrain.schedule='constant'"],
     # Joined after average_last3 at 10M tokens (2,441 steps): the same last 8% of the run.
     "every125": ["pretrain.checkpoint_every_steps=125"],
 }
