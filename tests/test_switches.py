@@ -1,6 +1,6 @@
 """Issue 46's switches past ModernBERT's layout: QK-norm, zero-initialised output projections and Muon.
-What each computes, that each compiles with the step into one graph that
-never recompiles and matches eager, and that export and continued pretraining refuse what they cannot hold."""
+What each computes, that each compiles with the step into one graph that never recompiles and matches eager,
+and that export and continued pretraining refuse what they cannot hold."""
 
 import dataclasses
 import json
