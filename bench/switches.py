@@ -55,15 +55,6 @@ ROWS: dict[str, list[str]] = {
     # 327,680 weights): hidden 88 (2 heads of 44), intermediate 386, 4 layers of 4 x 88^2 + 1.5 x 88 x 386
     # = 81,928 weights each, 327,712 in all. The embeddings (vocab x hidden) shrink with the width.
     "deep_thin": ["pretrain.model.layers=4", "pretrain.model.hidden=88", "pretrain.model.intermediate=386"],
-    # The mean of the checkpoints at steps 450 and 475 and the end (488 steps of 4,096 tokens at 2M): the
-    # last 8% of the run, a third of the triangle's decay.
-    "average_last3": [
-        "pretrain.average_last=3",
-        "pretrain.checkpoint_every_steps=25",
-        "pretrain.checkpoint_every_minutes=0",
-    ],
-    # Joined after average_last3 at 10M tokens (2,441 steps): the same last 8% of the run.
-    "every125": ["pretrain.checkpoint_every_steps=125"],
 }
 LOSSES = ("mlm_loss@128", "mlm_loss@512")
 

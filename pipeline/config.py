@@ -16,7 +16,7 @@ import re
 import sys
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -121,6 +121,7 @@ def build(cls: type[T], data: object, where: str, source: str) -> T:
         raise ConfigError(f"{source}: [{where}] must be a table, got {data!r}")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = typing.get_type_hints(cls)
+    data = _without_retired(cls, data, where, source)
     for key in data:
         if key not in fields:
             raise ConfigError(
@@ -131,6 +132,21 @@ def build(cls: type[T], data: object, where: str, source: str) -> T:
         return cls(**values)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{source}: [{where}] {e}") from None
+
+
+def _without_retired(cls: type, data: dict[str, Any], where: str, source: str) -> dict[str, Any]:
+    """`data` less the keys `cls.RETIRED` names (a setting removed, mapped to the value that computes what
+    the code computes without it), so that a config saved while it existed still reads: a run folder's
+    config.toml, which `cram resume` reads back. Any other value of one is refused: dropping it would run
+    something else than the file says."""
+    retired: Mapping[str, object] = getattr(cls, "RETIRED", {})
+    for key in retired.keys() & data.keys():
+        if data[key] != retired[key] or type(data[key]) is not type(retired[key]):
+            raise ConfigError(
+                f"{source}: [{where}] {key} = {json.dumps(data[key], default=str)}: a setting this version no longer "
+                f"has; only {key} = {json.dumps(retired[key])} (what every run now does) is read, or leave it out"
+            )
+    return {key: value for key, value in data.items() if key not in retired}
 
 
 def _convert(tp: object, value: object, key: str, source: str) -> Any:

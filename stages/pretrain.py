@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cram.stages import Context, Pipeline, StageError, Upstream
-from cram.stages.pretraining import averaging, continued, start
+from cram.stages.pretraining import continued, start
 
 # The stage's config, re-exported: `pretrain.Config` is what the pipeline file's `[pretrain]` becomes.
 from cram.stages.pretraining.config import DEFAULT_HOURS, Architecture, Budget, Config, Phase  # noqa: F401
@@ -53,10 +53,15 @@ UPSTREAM = ("pack",)
 RESUMABLE = True
 DISTRIBUTED = True  # the runner calls `run` on every rank
 # How often it logs and checkpoints changes what it reports, not what it computes: not in the cache key,
-# so changing them keeps a finished result and resumes an interrupted one (`checkpoint_every_steps` is,
-# while `average_last` averages the checkpoints it places: `key_config`). Nor is where `init`'s checkpoint
+# so changing them keeps a finished result and resumes an interrupted one. Nor is where `init`'s checkpoint
 # lies: its contents are (`fingerprint`), so the same checkpoint moved or copied keeps the key.
-NOT_IN_KEY = ("log_every_steps", "checkpoint_every_minutes", "keep_checkpoints", "init")
+NOT_IN_KEY = (
+    "log_every_steps",
+    "checkpoint_every_minutes",
+    "checkpoint_every_steps",
+    "keep_checkpoints",
+    "init",
+)
 # Options added after the stage's key was fixed: at their default they are left out of it (planning.keyed_config).
 NEW_OPTIONS = (
     "model.local_attention",
@@ -80,9 +85,7 @@ NEW_OPTIONS = (
     "init_optimizer",
     "model.qk_norm",
     "model.zero_init_out",
-    "average_last",
     "init_switch_params",
-    "checkpoint_every_steps",  # left at its default 0 by `key_config` unless average_last reads it
 )
 
 
@@ -96,10 +99,7 @@ def key_config(config: Config) -> Config:
     runs, so that a run without a warm-up keeps the key it had before the option existed; `optimizer.lr`
     the peak it trains at (`continued.resolved`). A checkpoint that cannot be read leaves it as given: `validate`
     names the problem. Both as `init`'s files give them: a head that measures untrained at the start changes
-    them as a function of what the key holds (continued.py's docstring). The checkpoint cadence only where
-    `average_last` averages the checkpoints it places (`averaging.py`): 0 (left out) otherwise."""
-    if config.average_last == 1:
-        config = dataclasses.replace(config, checkpoint_every_steps=0)
+    them as a function of what the key holds (continued.py's docstring)."""
     try:
         runs = continued.warmup_setting(config)
         config = continued.resolved(config)
@@ -118,9 +118,8 @@ def validate(config: Config, pipeline: Pipeline) -> None:
     if config.init:
         continued.check_not_its_own(config, Path(pipeline.run.root) / pipeline.run.name)
         continued.check_has_tokenizer(config, pipeline.stages.get("tokenize"))
-    plan, cfg = planned_model(config, pipeline)
+    _, cfg = planned_model(config, pipeline)
     check_schedule(model, config)
-    averaging.check(config, plan)
     continued.check_head_warmup(config, cfg, pipeline.stages.get("pack"))
 
 
@@ -180,10 +179,8 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
         ctx.log.warning("the budget ended within pretrain.head_warmup: only the masked-LM head trained")
     if planned_passes(config, setup, ctx.world_size) is None:  # a time budget: the passes are known now
         warn_of_repeats(setup.plan.position(state) / setup.blocks.size, len(setup.blocks), ctx, "made")
-    val_blocks = config.val_blocks if measured else 0
-    averaged = _average(config, setup, state, out_dir, val_blocks)
     _write_model(out_dir / outputs["params"], out_dir / outputs["model_config"], setup, state)
-    figures = {**_figures(compiled, ctx, state, val_blocks), **averaged}
+    figures = _figures(compiled, ctx, state, config.val_blocks if measured else 0)
     ctx.log.info("trained", **figures)
     ctx.metrics.log(state.step, figures, prefix="final/")
     return {**outputs, **figures}
@@ -219,22 +216,6 @@ def _hooks(config: Config, ctx: Context, steps: Steps, out_dir: Path, bar: Progr
         every = Checkpointing.of(config)
         hooks.append(Checkpointer(every, config.budget, out_dir / "checkpoints", last_saved, ctx.log))
     return hooks
-
-
-def _average(config: Config, setup: Setup, state: TrainState, out_dir: Path, val_blocks: int) -> dict[str, Any]:
-    """With `average_last`: the state's params become the mean of the last checkpoints' (`averaging.py`; the
-    final state stays in its checkpoint); the figures say which steps, and the final state's held-out loss
-    on `val_blocks` blocks (0: none)."""
-    from cram.stages.pretraining.state import TrainState
-    from cram.stages.pretraining.steps import val_loss
-
-    if config.average_last == 1:
-        return {}
-    final_loss = val_loss(setup, state.params, val_blocks) if val_blocks else None
-    mean, steps = averaging.average(out_dir / "checkpoints", config.average_last)
-    trained, state.kept = TrainState.split(mean)
-    state.params = {name: p.to(setup.device) for name, p in trained.items()}
-    return {"averaged_steps": steps, "val_loss_unaveraged": final_loss}
 
 
 def _write_model(params_path: Path, config_path: Path, setup: Setup, state: TrainState) -> None:

@@ -26,7 +26,10 @@ JSON: TypeAlias = dict[str, "JSON"] | list["JSON"] | str | int | float | bool | 
 
 
 class StageConfig(Protocol):
-    """A stage's `Config` made from its TOML section (or `[run]`'s RunConfig): a frozen dataclass instance."""
+    """A stage's `Config` made from its TOML section (or `[run]`'s RunConfig): a frozen dataclass instance.
+    Its class, or a table's, may name removed settings in a `RETIRED` class attribute, each mapped to the
+    value that computes what the stage now does: the config reader drops them at that value and refuses
+    any other (`pipeline/config.py`)."""
 
     __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 

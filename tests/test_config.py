@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
+from typing import ClassVar, Literal
 
 import fake_stages
 import pytest
@@ -42,6 +43,13 @@ class Stage:
 
 
 CLASSES = {"train": Stage}
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Retiring:
+    RETIRED: ClassVar[dict[str, object]] = {"old": 1, "switch": False}
+    value: int = 0
 
 
 def load(text: str, overrides=(), tmp_path=None):
@@ -204,3 +212,70 @@ def test_cli_unknown_key_in_file_exits_2(tmp_path, monkeypatch):
     result = CliRunner().invoke(cli.app, ["run", str(path)], env={"COLUMNS": "250"})
     assert result.exit_code == 2
     assert f"{path}: [gamma] unknown key 'fial'; did you mean 'fail'?" in result.output
+
+
+def test_a_retired_key_reads_at_its_retired_value_and_is_refused_at_any_other(tmp_path):
+    path = tmp_path / "p.toml"
+    path.write_text("[train]\nvalue = 2\nold = 1\nswitch = false\n")
+    assert config.load(path, {"train": Retiring}).stages["train"] == Retiring(value=2)
+    for given, shown, only in (
+        ("old = 3", "old = 3", "old = 1"),
+        ("old = true", "old = true", "old = 1"),  # equal to 1 in Python, not in TOML
+        ("old = 1.0", "old = 1.0", "old = 1"),
+        ("switch = 'on'", 'switch = "on"', "switch = false"),
+    ):
+        path.write_text(f"[train]\n{given}\n")
+        with pytest.raises(config.ConfigError) as e:
+            config.load(path, {"train": Retiring})
+        assert str(e.value) == (
+            f"{path}: [train] {shown}: a setting this version no longer has; only {only} (what every run now "
+            "does) is read, or leave it out"
+        )
+    path.write_text("[train]\n")
+    with pytest.raises(config.ConfigError, match=r"^--set: \[train\] old = 2: a setting this version no longer"):
+        config.load(path, {"train": Retiring}, ["train.old=2"])
+
+
+def run_folder_saved_with(tmp_path: Path, **pretrain_keys: object) -> Path:
+    """A run folder whose config.toml is the default pipeline's as a version with `pretrain_keys` saved it."""
+    classes = runner.config_classes(runner.default_stages())
+    saved = config.load(REPO / "pipeline.toml", classes).to_dict()
+    for dotted, value in pretrain_keys.items():
+        *tables, key = dotted.split("__")
+        table = saved["pretrain"]
+        for name in tables:
+            table = table.setdefault(name, {})
+        table[key] = value
+    run_dir = tmp_path / "runs" / "default"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.toml").write_text(config.to_toml(saved))
+    return run_dir
+
+
+def test_a_run_folder_saved_while_the_retired_settings_existed_resumes_as_the_same_run(tmp_path):
+    run_dir = run_folder_saved_with(
+        tmp_path, average_last=1, init_switch_params=False, model__value_residual=False, model__activation="gelu"
+    )
+    modules = runner.default_stages()
+    today = config.load(REPO / "pipeline.toml", runner.config_classes(modules))
+    assert runner.load_saved(run_dir, modules) == today  # the same configs, so the same keys
+
+
+@pytest.mark.parametrize(
+    "saved, message",
+    [
+        (
+            dict(average_last=3),
+            "[pretrain] average_last = 3: a setting this version no longer has; only average_last = 1",
+        ),
+        (dict(model__value_residual=True), "[pretrain.model] value_residual = true: a setting this version no longer"),
+        (dict(model__activation="silu"), '[pretrain.model] activation = "silu": a setting this version no longer'),
+    ],
+)
+def test_resuming_a_run_saved_with_a_retired_setting_on_exits_2_naming_it_and_changes_nothing(tmp_path, saved, message):
+    run_dir = run_folder_saved_with(tmp_path, **saved)
+    before = (run_dir / "config.toml").read_text()
+    result = CliRunner().invoke(cli.app, ["resume", str(run_dir)], env={"COLUMNS": "300"})
+    assert result.exit_code == 2
+    assert f"{run_dir / 'config.toml'}: {message}" in " ".join(result.output.split())
+    assert [p.name for p in run_dir.iterdir()] == ["config.toml"] and (run_dir / "config.toml").read_text() == before

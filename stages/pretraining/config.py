@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
-from cram.model.config import OPTIMIZERS, ModelConfig, OptimizerConfig
+from cram.model.config import OPTIMIZERS, RETIRED, ModelConfig, OptimizerConfig
 from cram.stages.shared.masking import Masking
 from cram.stages.shared.precision import check_canary
 
@@ -53,6 +53,7 @@ Architecture = dataclasses.make_dataclass(
 )
 Architecture.__module__ = __name__  # pickled by name (torchrun workers, tests)
 Architecture.__doc__ = "A preset of `model.PRESETS` plus overrides of its `ModelConfig` fields (None: the preset's)."
+Architecture.RETIRED = RETIRED  # the switches model.json no longer holds read as model.json reads them
 
 
 DEFAULT_HOURS = 3.5 / 60  # the budget when no limit is given at all
@@ -91,6 +92,10 @@ class Budget:
 
 @dataclass(frozen=True)
 class Config:
+    # Settings removed after they won no setting in every seed (issue 46), at the value that computes what
+    # the stage now does: a run folder's config.toml written while they existed saves them, and still reads.
+    RETIRED: ClassVar[dict[str, object]] = {"average_last": 1}
+
     model: Architecture = field(default_factory=Architecture)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     budget: Budget = field(default_factory=Budget)
@@ -118,9 +123,6 @@ class Config:
     checkpoint_every_minutes: float = 10.0  # 0: off (the end of training still writes one)
     checkpoint_every_steps: int = 0  # 0: off
     keep_checkpoints: int = 2
-    # The params pretrain outputs: the mean of the last this many checkpoints' (the one at the end of the
-    # budget counted as one), at checkpoint_every_steps (`averaging.py`); 1: the final state alone.
-    average_last: int = 1
     val_blocks: int = 256  # held-out blocks for the loss before and after training; 0: skip
     prefetch: int = 4  # microbatches read ahead
     # Before the budget clock: this many steps compiled and eagerly from the same state on the same
@@ -177,7 +179,6 @@ class Config:
             raise ValueError(f"decay_to: {self.decay_to} must be in [0, 1) (a fraction of the peak lr)")
         if self.schedule == "constant" and (self.decay_shape or self.decay_to):
             raise ValueError("decay_shape, decay_to: schedule 'constant' has no decay for them to shape")
-        self._check_averaging()
         if self.val_blocks < 0:
             raise ValueError(f"val_blocks: {self.val_blocks} must be >= 0")
         warmup = self.head_warmup
@@ -192,29 +193,6 @@ class Config:
         if self.init_optimizer not in ("auto", *OPTIMIZERS):
             raise ValueError(f"init_optimizer: {self.init_optimizer!r}: allowed auto, {', '.join(OPTIMIZERS)}")
         self._check_init_settings()
-
-    def _check_averaging(self) -> None:
-        """`average_last` averages checkpoints at steps the config names: a step cadence, a steps or tokens
-        budget (`averaging.check` counts them before any stage runs)."""
-        if self.average_last < 1:
-            raise ValueError(f"average_last: {self.average_last} must be >= 1 (1: the final state alone)")
-        if self.average_last == 1:
-            return
-        if self.checkpoint_every_steps == 0:
-            raise ValueError(
-                f"average_last: {self.average_last} averages the checkpoints at checkpoint_every_steps, and it is 0: "
-                "set pretrain.checkpoint_every_steps"
-            )
-        if self.checkpoint_every_minutes:
-            raise ValueError(
-                f"checkpoint_every_minutes: {self.checkpoint_every_minutes} writes checkpoints at steps no config "
-                f"names, among those average_last = {self.average_last} averages: set it to 0"
-            )
-        if self.budget.hours is not None:
-            raise ValueError(
-                f"budget.hours: {self.budget.hours} ends at a step no config names, so average_last = "
-                f"{self.average_last} cannot say which checkpoints it averages: set it to 0 (a steps or tokens budget)"
-            )
 
     def _check_init_settings(self) -> None:
         """The settings of continuing `init`'s checkpoint, refused without one whether or not pretrain runs

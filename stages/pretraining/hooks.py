@@ -104,8 +104,7 @@ class Report:
 
 @dataclass(frozen=True)
 class Checkpointing:
-    """When checkpoints are written, by steps or by minutes (0: off), and how many are kept: at least the
-    `average_last` that the end of the budget averages."""
+    """When checkpoints are written, by steps or by minutes (0: off), and how many are kept."""
 
     every_steps: int
     every_minutes: float
@@ -113,8 +112,7 @@ class Checkpointing:
 
     @classmethod
     def of(cls, config: Config) -> Checkpointing:
-        keep = max(config.keep_checkpoints, config.average_last)
-        return cls(config.checkpoint_every_steps, config.checkpoint_every_minutes, keep)
+        return cls(config.checkpoint_every_steps, config.checkpoint_every_minutes, config.keep_checkpoints)
 
     def due(self, step: int, last_saved_at: float) -> bool:
         """Whether a checkpoint is due at `step`, the last one written at `last_saved_at` (perf_counter)."""

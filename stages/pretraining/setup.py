@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from cram.model.config import ModelConfig
 from cram.stages import Context, Pipeline, StageError, Upstream
-from cram.stages.pretraining import averaging, continued
+from cram.stages.pretraining import continued
 from cram.stages.pretraining.config import Config
 from cram.stages.pretraining.phases import Plan, Span
 from cram.stages.pretraining.phases import plan as plan_phases
@@ -105,7 +105,6 @@ def prepare(config: Config, pack: Upstream, ctx: Context) -> Setup:
             f"({ctx.world_size * config.microbatch})"
         )
     plan = plan_phases(config, seq_len, special, vocab_size, ctx.world_size)
-    averaging.check(config, plan, ctx.world_size)
     cfg = _model_config(model, config, vocab_size, plan.chunk, special["pad"])
     plan = plan.with_flops(lambda span, encoder_trained: _flops_per_token(model, cfg, span, encoder_trained))
     first = plan.spans[0].seq_len
