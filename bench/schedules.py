@@ -2,7 +2,7 @@
 
     python bench/schedules.py [--work bench-out/schedules] [--tokens 2000000 | --hours 0.0583]
         [--seeds 0,1,2] [--variants m25,m40,m30-15,m40-20,docs,long512,m40+docs] [--set KEY=VALUE ...]
-        [--base old|default]
+        [--base old|default] [--tasks]
 
 Each variant is `pipeline.toml` with `BASE` (25% masking, attention across documents, one length; or
 nothing with `--base default`: the pipeline as it is) and its overrides (`VARIANTS`; `a+b` joins them),
@@ -11,10 +11,12 @@ token count (`--tokens`, the default: compares what each learns per token) or a 
 what each learns per second, on this machine, under its load). Runs are interleaved (seed 0: every
 variant, then seed 1: every variant, ...) so that load from other work hits all alike, and the
 variants of one seed share its tokenize and pack through the store. Evaluate measures the held-out
-masked-LM loss at 128 and 512 tokens at one masking rate (25%) for every variant, and no task.
+masked-LM loss at 128 and 512 tokens at one masking rate (25%) for every variant, and no task (`--tasks`:
+pipeline.toml's, the topic classifier and the retrieval fine-tune, each after the variant's pretraining).
 
 Prints one row per variant: the median over seeds (then each seed) of evaluate's `mlm_loss@128` and
-`mlm_loss@512`, pretrain's wall time (the budget clock: compiling is before it) and tokens per second.
+`mlm_loss@512` (with `--tasks`: `topic_accuracy` and `retrieval_ndcg@10`), pretrain's wall time (the budget
+clock: compiling is before it) and tokens per second.
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ VARIANTS: dict[str, list[str]] = {
     "m50": ["pretrain.masking.rate=0.5"],
     "b95": ["pretrain.optimizer.betas=[0.9, 0.95]"],
     "b32": ["pretrain.batch_size=32", "pretrain.microbatch=32", "pretrain.optimizer.lr=3e-3"],  # b16's and lr5's base
+    # The step's precision pinned: a CPU without native bf16 (AVX2-only, Apple silicon) trains in fp32, and `auto`
+    # falls back to fp32 where bf16's canary fails.
+    "fp32": ["pretrain.precision='fp32'"],
+    "bf16": ["pretrain.precision='bf16'"],
 }
 BASES = {"old": BASE, "default": []}
 # The held-out loss at one masking rate and one corruption (80/10/10), whatever each variant trained with.
@@ -76,6 +82,7 @@ EVALUATE = [
     "evaluate.mlm_corruption='bert'",
 ]
 FIGURES = ("mlm_loss@128", "mlm_loss@512", "wall_s", "tokens_per_s")
+TASK_FIGURES = ("topic_accuracy", "retrieval_ndcg@10")  # with --tasks: each the median of its fine-tune seeds
 
 
 def run(name: str, overrides: list[str]) -> None:
@@ -94,6 +101,7 @@ def figures(run_dir: Path) -> dict[str, float]:
         "mlm_loss@512": evaluate["mlm_loss@512"],
         "wall_s": pretrain["wall_s"],
         "tokens_per_s": pretrain["tokens_per_s"],
+        **{name: evaluate[name] for name in TASK_FIGURES if name in evaluate},
     }
 
 
@@ -107,6 +115,9 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--set", action="append", default=[], help="a further override for every variant")
     parser.add_argument(
+        "--tasks", action="store_true", help="keep pipeline.toml's fine-tuning tasks: topic accuracy, retrieval nDCG@10"
+    )
+    parser.add_argument(
         "--base", choices=tuple(BASES), default="old", help="old: BASE under every variant; default: pipeline.toml"
     )
     args = parser.parse_args()
@@ -117,7 +128,9 @@ def main() -> None:
     limit = f"pretrain.budget.hours={args.hours}" if args.hours else f"pretrain.budget.tokens={args.tokens}"
     off = "pretrain.budget.tokens=0" if args.hours else "pretrain.budget.hours=0"
     work = args.work.resolve()
-    common = [f"run.root={json.dumps(str(work / 'runs'))}", off, limit, *EVALUATE, *args.set]
+    evaluate = [item for item in EVALUATE if not (args.tasks and item.startswith("evaluate.tasks="))]
+    common = [f"run.root={json.dumps(str(work / 'runs'))}", off, limit, *evaluate, *args.set]
+    shown = FIGURES + TASK_FIGURES if args.tasks else FIGURES
     budget_name = f"{args.hours}h" if args.hours else f"{args.tokens}t"
     runs = {  # seed by seed, every variant: interleaved
         f"{variant.replace('+', '_')}-{budget_name}-s{seed}": (
@@ -135,10 +148,10 @@ def main() -> None:
         print(f"= {name}: " + " ".join(f"{k} {v:.3f}" for k, v in figured.items()), flush=True)
 
     print(f"\nbudget {budget_name}, seeds {args.seeds} (median; then each seed)")
-    print("| variant | " + " | ".join(FIGURES) + " |\n|---|" + "---:|" * len(FIGURES))
+    print("| variant | " + " | ".join(shown) + " |\n|---|" + "---:|" * len(shown))
     for variant, measured in rows.items():
-        medians = " | ".join(f"{statistics.median(r[k] for r in measured):.3f}" for k in FIGURES)
-        each = "; ".join(" ".join(f"{r[k]:.3f}" for k in FIGURES[:2]) for r in measured)
+        medians = " | ".join(f"{statistics.median(r[k] for r in measured):.3f}" for k in shown)
+        each = "; ".join(" ".join(f"{r[k]:.3f}" for k in (*FIGURES[:2], *shown[4:])) for r in measured)
         print(f"| {variant} | {medians} |   ({each})", flush=True)
 
 
