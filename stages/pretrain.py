@@ -28,9 +28,10 @@ from cram.stages import Context, Pipeline, StageError, Upstream
 from cram.stages.pretraining import continued, start
 
 # The stage's config, re-exported: `pretrain.Config` is what the pipeline file's `[pretrain]` becomes.
-from cram.stages.pretraining.config import DEFAULT_HOURS, Architecture, Budget, Config, Phase  # noqa: F401
+from cram.stages.pretraining.config import DEFAULT_HOURS, Architecture, Budget, Config, InFp32, Phase  # noqa: F401
 from cram.stages.pretraining.setup import (
     Setup,
+    as_trained,
     check_memory,
     check_schedule,
     planned_model,
@@ -86,6 +87,7 @@ NEW_OPTIONS = (
     "model.qk_norm",
     "model.zero_init_out",
     "init_switch_params",
+    "fp32",
 )
 
 
@@ -126,9 +128,10 @@ def validate(config: Config, pipeline: Pipeline) -> None:
 def validate_runtime(config: Config, pipeline: Pipeline) -> None:
     """What `validate` leaves to a stage that runs in this invocation, since it loads torch: the device,
     the compile backend, and a model and microbatch that cannot fit in the device's memory (in any phase)."""
-    plan, cfg = planned_model(config, pipeline)
     devices.check(pipeline.run.device)
     devices.check_backend(config.backend, "pretrain.backend")
+    config, _ = as_trained(config, pipeline.run.device)
+    plan, cfg = planned_model(config, pipeline)
     for span in plan.spans:
         check_memory(config, cfg, span, pipeline.run.device)
 
@@ -140,11 +143,14 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     from cram.stages.pretraining.loop import Course, train
     from cram.stages.pretraining.telemetry import ProgressBar, peak_flops
 
+    config, by_fp32 = as_trained(config, ctx.device)
     given = config.optimizer.lr
     setup = prepare(config, inputs["pack"], ctx)
     if ctx.is_main:
+        if by_fp32:
+            ctx.log.info("fp32 step", by="pretrain.fp32", batch_size=config.batch_size, lr=given)
         warn_of_data_limits(config, setup, ctx)
-    config, setup, state = start.start(config, setup, out_dir, ctx)
+    config, setup, state = start.start(config, setup, out_dir, ctx, by_fp32)
     if config.init and ctx.is_main:
         ctx.log.info(
             "continuing",
@@ -197,6 +203,7 @@ def _outputs(config: Config, setup: Setup, state: TrainState, made: list[str]) -
         "seq_lens": setup.plan.lengths,
         "document_attention": config.document_attention,
         "peak_lr": config.optimizer.lr,
+        "batch_size": config.batch_size,  # the target global batch, `[pretrain.fp32]`'s where it applied
         **({"head_initialised": made} if made else {}),
         # The budget's progress at which the whole model began training after the head's warm-up.
         **({"head_warmup_until": state.full_start} if setup.warmup else {}),

@@ -56,8 +56,9 @@ SINCE = {
         'evaluate.backend="aot_eager"',
         # issue 45: the held-out retrieval task joined the topic task
         'evaluate.tasks=[{kind="heldout-topic", name="topic", epochs=2, seeds=3, lr=1e-3, max_length=64}]',
-        # issue 46: Muon (OVERRIDES sets the lr)
+        # issue 46: Muon (OVERRIDES sets the lr), and another batch and lr where the step trains in fp32
         'pretrain.optimizer.kind="adamw"',
+        "pretrain.fp32={}",
     ],
     "configs/crammed-bert.toml": [],
 }

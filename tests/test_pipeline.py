@@ -66,7 +66,8 @@ def test_fresh_cached_and_changed_runs(tmp_path, monkeypatch):
     assert status.count("done") == 4 and "val_loss_end=" in status
     # The budget carries across hardware: tokens, steps and FLOPs are recorded, and inspect prints the
     # overrides that replay the same token budget (the time limit dropped).
-    assert trained["flops_seen"] > 0 and trained["tokens_seen"] == 12 * 32 * 128  # pipeline.toml: batch 32
+    # pipeline.toml's batch where the step trains in fp32, as SMALL pins it: [pretrain.fp32]'s 16
+    assert trained["flops_seen"] > 0 and trained["tokens_seen"] == 12 * 16 * 128 and trained["batch_size"] == 16
     replay = f"--set pretrain.budget.tokens={trained['tokens_seen']} --set pretrain.budget.hours=0"
     assert replay in cram("inspect", str(run_dir), "pretrain")
 

@@ -1,8 +1,8 @@
 """Pretrain's config: what `[pretrain]` in a pipeline file holds, checked as it is read.
 
 `Config` is the whole section; `Architecture` its `[pretrain.model]`, `Budget` its `[pretrain.budget]`,
-`Phase` an entry of its `phases`. `stages/pretrain.py` re-exports them (`pretrain.Config`), and the
-stage's helpers under `stages/pretraining/` are typed with them.
+`InFp32` its `[pretrain.fp32]`, `Phase` an entry of its `phases`. `stages/pretrain.py` re-exports them
+(`pretrain.Config`), and the stage's helpers under `stages/pretraining/` are typed with them.
 """
 
 from __future__ import annotations
@@ -91,6 +91,24 @@ class Budget:
 
 
 @dataclass(frozen=True)
+class InFp32:
+    """`[pretrain.fp32]`: the batch and peak lr a run takes where its step trains in fp32 (`precision = "fp32"`,
+    or "auto" on a CPU without native bf16), in place of `[pretrain]`'s; None: `[pretrain]`'s. Such a CPU
+    trains a fraction of the tokens a bf16 one does in the same hours, and few tokens want more, smaller
+    steps (bench/README.md, "switches"). The precision `auto` picks decides, not a canary's fall back."""
+
+    microbatch: int | None = None
+    batch_size: int | None = None
+    lr: float | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("microbatch", "batch_size", "lr"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                raise ValueError(f"{key}: {value} must be > 0")
+
+
+@dataclass(frozen=True)
 class Config:
     # Settings removed after they won no setting in every seed (issue 46), at the value that computes what
     # the stage now does: a run folder's config.toml written while they existed saves them, and still reads.
@@ -99,6 +117,7 @@ class Config:
     model: Architecture = field(default_factory=Architecture)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     budget: Budget = field(default_factory=Budget)
+    fp32: InFp32 = field(default_factory=InFp32)
     masking: Masking = field(default_factory=Masking)
     schedule: str = "budget-triangle"  # a name in model.SCHEDULES
     schedule_args: dict[str, float] = field(default_factory=dict)  # e.g. {warmup = 0.1}
@@ -173,6 +192,12 @@ class Config:
                 raise ValueError(f"{key}: {getattr(self, key)} must be > 0, or 0 for off")
         if self.batch_size % self.microbatch:
             raise ValueError(f"batch_size: {self.batch_size} must be a multiple of microbatch ({self.microbatch})")
+        microbatch, batch_size = self.fp32.microbatch or self.microbatch, self.fp32.batch_size or self.batch_size
+        if batch_size % microbatch:
+            raise ValueError(
+                f"fp32: batch_size {batch_size} must be a multiple of microbatch ({microbatch}) where the step "
+                "trains in fp32 ([pretrain.fp32] or [pretrain]'s where it leaves one out)"
+            )
         if not 0 <= self.ramp <= 1:
             raise ValueError(f"ramp: {self.ramp} must be in [0, 1]")
         if not 0 <= self.decay_to < 1:
@@ -193,6 +218,19 @@ class Config:
         if self.init_optimizer not in ("auto", *OPTIMIZERS):
             raise ValueError(f"init_optimizer: {self.init_optimizer!r}: allowed auto, {', '.join(OPTIMIZERS)}")
         self._check_init_settings()
+
+    def in_fp32(self) -> Config:
+        """The config a run whose step trains in fp32 trains with: `fp32`'s batch and lr in place of these."""
+        if self.fp32 == InFp32():
+            return self
+        table = self.fp32
+        return dataclasses.replace(
+            self,
+            microbatch=table.microbatch or self.microbatch,
+            batch_size=table.batch_size or self.batch_size,
+            optimizer=dataclasses.replace(self.optimizer, lr=table.lr or self.optimizer.lr),
+            fp32=InFp32(),
+        )
 
     def _check_init_settings(self) -> None:
         """The settings of continuing `init`'s checkpoint, refused without one whether or not pretrain runs

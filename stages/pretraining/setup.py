@@ -86,6 +86,14 @@ class Setup:
         return Compilation(compile, backend, self.autocast, self.attention, self.precision.compile_options())
 
 
+def as_trained(config: Config, device_name: str) -> tuple[Config, bool]:
+    """`config` as this device trains it, and whether `[pretrain.fp32]` set its batch and lr: where the step
+    trains in fp32 (`precision`'s first candidate on the device), `Config.in_fp32`."""
+    in_fp32 = devices.autocast_dtype(config.precision, devices.resolve(device_name)) is None
+    trained = config.in_fp32() if in_fp32 else config
+    return trained, trained is not config
+
+
 def prepare(config: Config, pack: Upstream, ctx: Context) -> Setup:
     """The packed data and the model config, checked; what `StageError`s a bad config or input raises."""
     import numpy as np

@@ -22,9 +22,12 @@ if TYPE_CHECKING:
 JUDGED_BLOCKS = 64
 
 
-def start(config: Config, setup: Setup, out_dir: Path, ctx: Context) -> tuple[Config, Setup, TrainState]:
+def start(
+    config: Config, setup: Setup, out_dir: Path, ctx: Context, fp32_batch: bool
+) -> tuple[Config, Setup, TrainState]:
     """The state of the newest checkpoint (the one rank 0 sees, on every rank), or a fresh one (the init's,
-    which a checkpoint would only repeat), on the device; with `config` at the peak lr it trains at
+    which a checkpoint would only repeat), on the device, trained at `[pretrain.fp32]`'s batch and lr where
+    `fp32_batch` (a checkpoint trained otherwise is refused); with `config` at the peak lr it trains at
     (`continued.resolved`) and `setup` with its head warm-up, as `init`'s head measured (`TrainState.
     init_head_loss`). Rank 0's metrics.jsonl loses the lines written after that state (a killed run's),
     all of them on a fresh start."""
@@ -36,11 +39,18 @@ def start(config: Config, setup: Setup, out_dir: Path, ctx: Context) -> tuple[Co
     resume_from = agree_on(checkpoint.latest(out_dir / "checkpoints", ctx.log), ctx.world_size)
     if resume_from is None:
         state = _fresh(config, setup, ctx)
+        state.fp32_batch = fp32_batch
     else:
         params, opt_state, counters = checkpoint.load(resume_from)
         state = TrainState.from_json(counters, params, opt_state)
         if state.seed != ctx.seed:
             raise StageError(f"{resume_from}: saved with seed {state.seed}, the run has seed {ctx.seed}")
+        if state.fp32_batch != fp32_batch:
+            raise StageError(
+                f"{resume_from}: trained at {'' if state.fp32_batch else 'no '}[pretrain.fp32] batch and lr, and "
+                f"this machine's step trains {'in fp32, at' if fp32_batch else 'in bf16, without'} them: resume "
+                "on the kind of machine the run started on, or set pretrain.precision to the one it trained in"
+            )
         ctx.log.info("resume", checkpoint=str(resume_from), step=state.step, elapsed_s=state.elapsed_s)
     untrained = continued.untrained(state.init_head_loss, setup.model.vocab_size)
     config = continued.resolved(config, untrained)

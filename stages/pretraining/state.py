@@ -20,7 +20,14 @@ Params = dict[str, "Tensor"]
 _TENSORS = ("params", "opt_state", "kept")
 # Counters added after the format was fixed: left out while at their default, so a checkpoint that
 # lacks them reads and writes back as it was (its run had one phase; its FLOPs count restarts at 0).
-_NEW = {"phase": 0, "phase_start": 0, "flops_seen": 0.0, "full_start": 0.0, "init_head_loss": None}
+_NEW = {
+    "phase": 0,
+    "phase_start": 0,
+    "flops_seen": 0.0,
+    "full_start": 0.0,
+    "init_head_loss": None,
+    "fp32_batch": False,
+}
 
 
 @dataclass(kw_only=True)
@@ -44,6 +51,9 @@ class TrainState:
     # The held-out loss of `init`'s own masked-LM head before training (continued.untrained); None: not
     # measured. Kept so that a resume continues with the head, lr and warm-up the start chose.
     init_head_loss: float | None = None
+    # Whether `[pretrain.fp32]` set the batch and lr (the step trained in fp32): a resume on a machine that
+    # decides otherwise would continue at another batch, which is refused (start.py).
+    fp32_batch: bool = False
     unlogged: list[list[float]] = field(default_factory=list)  # [loss, accuracy, grad_norm] of the steps
     # since the last log line, so that a resumed run logs the curve an uninterrupted one would
     params: Params = field(default_factory=dict, repr=False)

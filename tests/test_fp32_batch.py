@@ -1,0 +1,83 @@
+"""`[pretrain.fp32]`: the batch and peak lr a run takes where its step trains in fp32, in place of
+`[pretrain]`'s; read and checked with the config, in the key only where set, applied by the precision the
+device gives the step, and a checkpoint trained under the other decision refused on resume."""
+
+import dataclasses
+
+import pytest
+from test_pretrain import pack, small  # noqa: F401 (pack: a fixture)
+
+from cram.pipeline import config as cfg
+from cram.pipeline import runner
+from cram.pipeline.planning import keyed_config
+from cram.stages import StageError, pretrain
+from cram.stages.pretraining.setup import as_trained
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TABLE = pretrain.InFp32(microbatch=4, batch_size=4, lr=2e-3)
+
+
+def test_the_table_replaces_batch_and_lr_and_an_empty_one_changes_nothing():
+    config = small(microbatch=8, batch_size=16, fp32=pretrain.InFp32(batch_size=8, lr=2e-3))
+    trained = config.in_fp32()
+    assert (trained.microbatch, trained.batch_size, trained.optimizer.lr) == (8, 8, 2e-3)
+    assert trained == dataclasses.replace(
+        config, batch_size=8, optimizer=dataclasses.replace(config.optimizer, lr=2e-3), fp32=pretrain.InFp32()
+    )
+    plain = small()
+    assert plain.in_fp32() is plain
+
+
+def test_the_precision_the_device_gives_the_step_decides():
+    config = small(fp32=TABLE)
+    assert as_trained(dataclasses.replace(config, precision="fp32"), "cpu") == (config.in_fp32(), True)
+    assert as_trained(dataclasses.replace(config, precision="bf16"), "cpu") == (
+        dataclasses.replace(config, precision="bf16"),
+        False,
+    )
+    assert as_trained(dataclasses.replace(config, precision="fp32", fp32=pretrain.InFp32()), "cpu")[1] is False
+
+
+def test_the_table_is_in_the_key_only_where_set():
+    assert "fp32" not in keyed_config(pretrain, pretrain.Config())
+    assert keyed_config(pretrain, pretrain.Config(fp32=TABLE))["fp32"] == {"microbatch": 4, "batch_size": 4, "lr": 2e-3}
+
+
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        (
+            "batch_size = 24\nmicrobatch = 16",
+            "fp32: batch_size 24 must be a multiple of microbatch (16) where",
+        ),
+        ("batch_size = 20", "fp32: batch_size 20 must be a multiple of microbatch (32)"),
+        ("lr = 0", "[pretrain.fp32] lr: 0.0 must be > 0"),
+        ("batch = 16", "[pretrain.fp32] unknown key 'batch'"),
+    ],
+)
+def test_a_bad_table_is_refused_naming_it(tmp_path, table, message):
+    path = tmp_path / "p.toml"
+    path.write_text(f"[pretrain.fp32]\n{table}\n")
+    with pytest.raises(cfg.ConfigError) as e:
+        cfg.load(path, runner.config_classes(runner.default_stages()))
+    assert message in str(e.value)
+
+
+def test_an_fp32_step_trains_at_the_tables_batch_and_lr_and_a_bf16_one_at_pretrains(pack, tmp_path, make_ctx):  # noqa: F811
+    budget = pretrain.Budget(steps=2)
+    fp32 = pretrain.run(small(budget=budget, fp32=TABLE), {"pack": pack}, tmp_path / "fp32", make_ctx())
+    assert (fp32["batch_size"], fp32["peak_lr"]) == (4, 2e-3)
+    bf16 = pretrain.run(small(budget=budget, fp32=TABLE, precision="bf16"), {"pack": pack}, tmp_path / "b", make_ctx())
+    assert (bf16["batch_size"], bf16["peak_lr"]) == (8, small().optimizer.lr)
+    assert fp32["tokens_seen"] * 2 == bf16["tokens_seen"]  # two steps of 4 blocks against two of 8
+
+
+def test_a_checkpoint_trained_under_the_other_decision_is_refused_on_resume(pack, tmp_path, make_ctx):  # noqa: F811
+    out = tmp_path / "out"
+    config = small(budget=pretrain.Budget(steps=2), fp32=TABLE, precision="bf16")
+    pretrain.run(config, {"pack": pack}, out, make_ctx())
+    with pytest.raises(StageError, match=r"step-2: trained at no \[pretrain.fp32\] batch and lr, and this machine's"):
+        pretrain.run(dataclasses.replace(config, precision="fp32"), {"pack": pack}, out, make_ctx())
+    again = pretrain.run(config, {"pack": pack}, out, make_ctx())  # the same decision resumes
+    assert again["steps"] == 2
