@@ -73,11 +73,30 @@ def test_an_fp32_step_trains_at_the_tables_batch_and_lr_and_a_bf16_one_at_pretra
     assert fp32["tokens_seen"] * 2 == bf16["tokens_seen"]  # two steps of 4 blocks against two of 8
 
 
-def test_a_checkpoint_trained_under_the_other_decision_is_refused_on_resume(pack, tmp_path, make_ctx):  # noqa: F811
+@pytest.mark.parametrize(
+    "started, resumed, then, now",
+    [
+        ("bf16", "fp32", r"\[pretrain\]'s", r"\[pretrain.fp32\]'s"),
+        ("fp32", "bf16", r"\[pretrain.fp32\]'s", r"\[pretrain\]'s"),
+    ],
+)
+def test_a_checkpoint_trained_under_the_other_decision_is_refused_on_resume(
+    pack,  # noqa: F811
+    tmp_path,
+    make_ctx,
+    started,
+    resumed,
+    then,
+    now,
+):
     out = tmp_path / "out"
-    config = small(budget=pretrain.Budget(steps=2), fp32=TABLE, precision="bf16")
+    config = small(budget=pretrain.Budget(steps=2), fp32=TABLE, precision=started)
     pretrain.run(config, {"pack": pack}, out, make_ctx())
-    with pytest.raises(StageError, match=r"step-2: trained at no \[pretrain.fp32\] batch and lr, and this machine's"):
-        pretrain.run(dataclasses.replace(config, precision="fp32"), {"pack": pack}, out, make_ctx())
+    with pytest.raises(
+        StageError,
+        match=rf"step-2: trained at {then} batch and lr, and this machine's step would train at {now}: "
+        rf".* pretrain.precision = '{started}'",
+    ):
+        pretrain.run(dataclasses.replace(config, precision=resumed), {"pack": pack}, out, make_ctx())
     again = pretrain.run(config, {"pack": pack}, out, make_ctx())  # the same decision resumes
     assert again["steps"] == 2

@@ -46,10 +46,12 @@ def start(
         if state.seed != ctx.seed:
             raise StageError(f"{resume_from}: saved with seed {state.seed}, the run has seed {ctx.seed}")
         if state.fp32_batch != fp32_batch:
+            tables = ("[pretrain]'s", "[pretrain.fp32]'s")
+            then, now = tables[::-1] if state.fp32_batch else tables
             raise StageError(
-                f"{resume_from}: trained at {'' if state.fp32_batch else 'no '}[pretrain.fp32] batch and lr, and "
-                f"this machine's step trains {'in fp32, at' if fp32_batch else 'in bf16, without'} them: resume "
-                "on the kind of machine the run started on, or set pretrain.precision to the one it trained in"
+                f"{resume_from}: trained at {then} batch and lr, and this machine's step would train at {now}: "
+                "resume it on the kind of machine it started on, or set pretrain.precision = "
+                f"{'fp32' if state.fp32_batch else 'bf16'!r}"
             )
         ctx.log.info("resume", checkpoint=str(resume_from), step=state.step, elapsed_s=state.elapsed_s)
     untrained = continued.untrained(state.init_head_loss, setup.model.vocab_size)
