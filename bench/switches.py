@@ -30,6 +30,8 @@ from schedules import EVALUATE, REPO, run  # noqa: E402  (bench/schedules.py, be
 HIGH_LR = "pretrain.optimizer.lr=1e-2"  # above the default's lr: QK-norm and Muon are said to take more
 ROWS: dict[str, list[str]] = {
     "default": [],  # pipeline.toml as it is: tiny preset, Muon at batch 32, lr 7e-3
+    # The second preset (4 layers, hidden 256): joined to a row, e.g. small+adamw+batch16+lr5e-3
+    "small": ["pretrain.model.preset='small'"],
     "qk_norm": ["pretrain.model.qk_norm=true"],
     "qk_norm_lr1e-2": ["pretrain.model.qk_norm=true", HIGH_LR],
     "zero_init_out": ["pretrain.model.zero_init_out=true"],
