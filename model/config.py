@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
@@ -45,6 +46,18 @@ POSITIONS = ("sinusoidal", "learned", "rope")
 # Switches removed after they won no setting in every seed (issue 46), at the value that builds the model
 # without them: what `from_json` accepts of them in a model.json written while they existed.
 RETIRED = {"value_residual": False, "activation": "gelu"}
+
+
+def misvalued_retired(data: Mapping[str, object], retired: Mapping[str, object]) -> str | None:
+    """The first key of `data` that `retired` names at another value than its retired one (of its type too:
+    `true` is not `1`), or None: a file that can be read without those keys only where there is none."""
+    wrong = (
+        key
+        for key in data
+        if key in retired and (data[key] != retired[key] or type(data[key]) is not type(retired[key]))
+    )
+    return next(wrong, None)
+
 
 # How attention is computed, never what: "sdpa" is `F.scaled_dot_product_attention`, "written" the product
 # written out (softmax(q k^T) v), "auto" SDPA on a GPU and the written-out product on a CPU. A runtime
@@ -156,7 +169,7 @@ class ModelConfig:
             raise ModelConfigError(f"{path}: not a readable model config ({e})") from None
         if not isinstance(data, dict):
             raise ModelConfigError(f"{path}: not a readable model config (a JSON object of fields expected)")
-        retired = next((key for key in data if key in RETIRED and data[key] != RETIRED[key]), None)
+        retired = misvalued_retired(data, RETIRED)
         if retired is not None:
             raise ModelConfigError(
                 f"{path}: not a readable model config ({retired}={json.dumps(data[retired])}: a switch this "

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from cram.model.config import Attention
+from cram.model.config import Attention, misvalued_retired
 from cram.stages import protocols
 from cram.stages.shared import loggers as stage_loggers
 
@@ -140,12 +140,12 @@ def _without_retired(cls: type, data: dict[str, Any], where: str, source: str) -
     config.toml, which `cram resume` reads back. Any other value of one is refused: dropping it would run
     something else than the file says."""
     retired: Mapping[str, object] = getattr(cls, "RETIRED", {})
-    for key in retired.keys() & data.keys():
-        if data[key] != retired[key] or type(data[key]) is not type(retired[key]):
-            raise ConfigError(
-                f"{source}: [{where}] {key} = {json.dumps(data[key], default=str)}: a setting this version no longer "
-                f"has; only {key} = {json.dumps(retired[key])} (what every run now does) is read, or leave it out"
-            )
+    key = misvalued_retired(data, retired)
+    if key is not None:
+        raise ConfigError(
+            f"{source}: [{where}] {key} = {json.dumps(data[key], default=str)}: a setting this version no longer "
+            f"has; only {key} = {json.dumps(retired[key])} (what every run now does) is read, or leave it out"
+        )
     return {key: value for key, value in data.items() if key not in retired}
 
 
