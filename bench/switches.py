@@ -11,8 +11,9 @@ masking rate (25%, 80/10/10) for every row, and no fine-tuning task (`evaluate.t
 Each finished run's figures are appended to `WORK/results.jsonl` as it ends, and a run already there is not
 run again: a killed measurement resumes, and a partial table can be printed at any time with `--table`.
 The table: per row, the mean over seeds of `mlm_loss@128` and `mlm_loss@512`, each seed's value, the
-seeds the row beats the default in (lower loss at the same seed) and each seed's difference, tokens/s and
-the parameter count.
+seeds the row beats its baseline in (lower loss at the same seed) and each seed's difference, tokens/s and
+the parameter count. A row's baseline is `default`, or `small` for a row joined to it (`small+adamw` against
+`small`): one change per row, at each preset.
 """
 
 from __future__ import annotations
@@ -57,8 +58,18 @@ ROWS: dict[str, list[str]] = {
     # 327,680 weights): hidden 88 (2 heads of 44), intermediate 386, 4 layers of 4 x 88^2 + 1.5 x 88 x 386
     # = 81,928 weights each, 327,712 in all. The embeddings (vocab x hidden) shrink with the width.
     "deep_thin": ["pretrain.model.layers=4", "pretrain.model.hidden=88", "pretrain.model.intermediate=386"],
+    # The same shape change at the small preset (joined to it: small+deep_thin_small): its layers are 4 x
+    # 655,360 = 2,621,440 weights; 8 layers at hidden 176 (4 heads of 44), intermediate 772: 8 x (4 x 176^2 +
+    # 1.5 x 176 x 772) = 2,621,696.
+    "deep_thin_small": ["pretrain.model.layers=8", "pretrain.model.hidden=176", "pretrain.model.intermediate=772"],
 }
 LOSSES = ("mlm_loss@128", "mlm_loss@512")
+PRESET_ROWS = ("small",)  # a row joined to one of these is measured against it, not against the default
+
+
+def baseline_of(row: str) -> str:
+    first = row.split("+")[0]
+    return first if first in PRESET_ROWS and row != first else "default"
 
 
 def overrides_of(row: str) -> list[str]:
@@ -84,13 +95,12 @@ def load(results: Path) -> list[dict]:
 
 
 def table(results: list[dict]) -> str:
-    """The markdown table of `results`: per row, mean and per-seed losses, wins against the default."""
+    """The markdown table of `results`: per row, mean and per-seed losses, wins against its baseline."""
     by_row: dict[str, dict[int, dict]] = {}
     for r in results:
         by_row.setdefault(r["row"], {})[r["seed"]] = r
-    base = by_row.get("default", {})
     lines = [
-        "| row | seeds | MLM @128 mean (per seed) | @512 mean (per seed) | wins vs default @128; @512 "
+        "| row | seeds | MLM @128 mean (per seed) | @512 mean (per seed) | wins vs baseline @128; @512 "
         "(per-seed difference) | tokens/s | params |",
         "|---|---|---|---|---|---:|---:|",
     ]
@@ -99,8 +109,9 @@ def table(results: list[dict]) -> str:
         for key in LOSSES:
             values = [seeds[s][key] for s in sorted(seeds)]
             cells.append(f"{statistics.mean(values):.3f} ({', '.join(f'{v:.3f}' for v in values)})")
+        base = by_row.get(baseline_of(row), {})
         shared = sorted(s for s in seeds if s in base)
-        if row == "default" or not shared:
+        if row in ("default", *PRESET_ROWS) or not shared:
             versus = ""
         else:
             parts = []
