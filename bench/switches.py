@@ -67,9 +67,13 @@ LOSSES = ("mlm_loss@128", "mlm_loss@512")
 PRESET_ROWS = ("small",)  # a row joined to one of these is measured against it, not against the default
 
 
-def baseline_of(row: str) -> str:
+def baseline_of(row: str) -> str | None:
+    """The row `row` is measured against: the preset's where it is joined to one, else the default; None for
+    those baselines themselves."""
+    if row == "default" or row in PRESET_ROWS:
+        return None
     first = row.split("+")[0]
-    return first if first in PRESET_ROWS and row != first else "default"
+    return first if first in PRESET_ROWS else "default"
 
 
 def overrides_of(row: str) -> list[str]:
@@ -109,9 +113,10 @@ def table(results: list[dict]) -> str:
         for key in LOSSES:
             values = [seeds[s][key] for s in sorted(seeds)]
             cells.append(f"{statistics.mean(values):.3f} ({', '.join(f'{v:.3f}' for v in values)})")
-        base = by_row.get(baseline_of(row), {})
+        baseline = baseline_of(row)
+        base = by_row.get(baseline, {}) if baseline else {}
         shared = sorted(s for s in seeds if s in base)
-        if row in ("default", *PRESET_ROWS) or not shared:
+        if not shared:
             versus = ""
         else:
             parts = []

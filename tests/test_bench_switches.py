@@ -16,10 +16,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 import switches  # noqa: E402
 
-PRESET_ROWS = [f"{preset}+{row}" for preset in switches.PRESET_ROWS for row in switches.ROWS if row != preset]
+JOINED_ROWS = [f"{preset}+{row}" for preset in switches.PRESET_ROWS for row in switches.ROWS if row != preset]
 
 
-@pytest.mark.parametrize("row", [*switches.ROWS, *PRESET_ROWS])
+@pytest.mark.parametrize("row", [*switches.ROWS, *JOINED_ROWS])
 def test_every_row_is_a_pipeline_every_stage_accepts(row, tmp_path):
     modules = runner.default_stages()
     overrides = [f"run.root={str(tmp_path)!r}", "pretrain.budget.hours=0", "pretrain.budget.tokens=10000000"]
