@@ -85,6 +85,11 @@ FIGURES = ("mlm_loss@128", "mlm_loss@512", "wall_s", "tokens_per_s")
 TASK_FIGURES = ("topic_accuracy", "retrieval_ndcg@10")  # with --tasks: each the median of its fine-tune seeds
 
 
+def evaluate_overrides(tasks: bool) -> list[str]:
+    """EVALUATE, keeping pipeline.toml's fine-tuning tasks where `tasks`."""
+    return [item for item in EVALUATE if not (tasks and item.startswith("evaluate.tasks="))]
+
+
 def run(name: str, overrides: list[str]) -> None:
     args = [sys.executable, "-m", "cram.pipeline.commands.cli", "run", "pipeline.toml", "--name", name]
     for item in overrides:
@@ -128,8 +133,7 @@ def main() -> None:
     limit = f"pretrain.budget.hours={args.hours}" if args.hours else f"pretrain.budget.tokens={args.tokens}"
     off = "pretrain.budget.tokens=0" if args.hours else "pretrain.budget.hours=0"
     work = args.work.resolve()
-    evaluate = [item for item in EVALUATE if not (args.tasks and item.startswith("evaluate.tasks="))]
-    common = [f"run.root={json.dumps(str(work / 'runs'))}", off, limit, *evaluate, *args.set]
+    common = [f"run.root={json.dumps(str(work / 'runs'))}", off, limit, *evaluate_overrides(args.tasks), *args.set]
     shown = FIGURES + TASK_FIGURES if args.tasks else FIGURES
     budget_name = f"{args.hours}h" if args.hours else f"{args.tokens}t"
     runs = {  # seed by seed, every variant: interleaved

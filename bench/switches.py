@@ -1,19 +1,22 @@
 """Issue 46's switches, one change per row against the default pipeline, at equal tokens, through the real pipeline.
 
     python bench/switches.py [--work bench-out/switches] [--tokens 2000000] [--seeds 0,1,2]
-        [--rows default,qk_norm,zero_init_out,deep_thin] [--table]
+        [--rows default,qk_norm,zero_init_out,deep_thin] [--tasks] [--table]
 
 Each row is `pipeline.toml` with its overrides (`ROWS`; `a+b` joins rows, e.g. the winners combined), trained
 on `--tokens` tokens. Runs are interleaved (seed 0: every row, then seed 1: every row, ...) so that load from
 other work hits all rows alike. Evaluate measures the held-out masked-LM loss at 128 and 512 tokens at one
-masking rate (25%, 80/10/10) for every row, and no fine-tuning task (`evaluate.tasks=[]`).
+masking rate (25%, 80/10/10) for every row, and no fine-tuning task (`evaluate.tasks=[]`; `--tasks`:
+pipeline.toml's, the topic classifier and the retrieval fine-tune, in runs named `...-tasks` whose pretraining
+is reused from the store where the row already ran at those tokens and seed).
 
 Each finished run's figures are appended to `WORK/results.jsonl` as it ends, and a run already there is not
 run again: a killed measurement resumes, and a partial table can be printed at any time with `--table`.
-The table: per row, the mean over seeds of `mlm_loss@128` and `mlm_loss@512`, each seed's value, the
-seeds the row beats its baseline in (lower loss at the same seed) and each seed's difference, tokens/s and
-the parameter count. A row's baseline is `default`, or `small` for a row joined to it (`small+adamw` against
-`small`): one change per row, at each preset.
+The table (of the runs with or without `--tasks`, as asked): per row, the mean over seeds of `mlm_loss@128`
+and `mlm_loss@512` (with `--tasks`, of `topic_accuracy` and `retrieval_ndcg@10` too), each seed's value, the
+seeds the row beats its baseline in (a lower loss, a higher score, at the same seed) and each seed's
+difference, tokens/s and the parameter count. A row's baseline is `default`, or `small` for a row joined to it
+(`small+adamw` against `small`): one change per row, at each preset.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The same held-out loss (one masking rate, 80/10/10, whatever a row trained with) and runner as the recipe's
-from schedules import EVALUATE, REPO, run  # noqa: E402  (bench/schedules.py, beside this file)
+from schedules import REPO, TASK_FIGURES, evaluate_overrides, run  # noqa: E402  (bench/schedules.py, beside this file)
 
 HIGH_LR = "pretrain.optimizer.lr=1e-2"  # above the default's lr: QK-norm and Muon are said to take more
 ROWS: dict[str, list[str]] = {
@@ -89,6 +92,7 @@ def figures(run_dir: Path) -> dict[str, float | str]:
         "wall_s": pretrain["wall_s"],
         "num_params": pretrain["num_params"],
         "precision": pretrain["precision"],
+        **{k: evaluate[k] for k in TASK_FIGURES if k in evaluate},
     }
 
 
@@ -99,36 +103,36 @@ def load(results: Path) -> list[dict]:
 
 
 def table(results: list[dict]) -> str:
-    """The markdown table of `results`: per row, mean and per-seed losses, wins against its baseline."""
+    """The markdown table of `results`: per row, mean and per-seed losses (and task scores where the runs have
+    them), wins against its baseline."""
     by_row: dict[str, dict[int, dict]] = {}
     for r in results:
         by_row.setdefault(r["row"], {})[r["seed"]] = r
+    keys = [*LOSSES, *(k for k in TASK_FIGURES if all(k in r for r in results))] if results else list(LOSSES)
     lines = [
-        "| row | seeds | MLM @128 mean (per seed) | @512 mean (per seed) | wins vs baseline @128; @512 "
-        "(per-seed difference) | tokens/s | params |",
-        "|---|---|---|---|---|---:|---:|",
+        f"| row | seeds | {' | '.join(f'{k} mean (per seed)' for k in keys)} | wins vs baseline "
+        f"{'; '.join(keys)} (per-seed difference) | tokens/s | params |",
+        "|---|---|" + "---|" * len(keys) + "---|---:|---:|",
     ]
     for row, seeds in by_row.items():
         cells = []
-        for key in LOSSES:
+        for key in keys:
             values = [seeds[s][key] for s in sorted(seeds)]
             cells.append(f"{statistics.mean(values):.3f} ({', '.join(f'{v:.3f}' for v in values)})")
         baseline = baseline_of(row)
         base = by_row.get(baseline, {}) if baseline else {}
         shared = sorted(s for s in seeds if s in base)
-        if not shared:
-            versus = ""
-        else:
-            parts = []
-            for key in LOSSES:
-                diffs = [seeds[s][key] - base[s][key] for s in shared]
-                parts.append(f"{sum(d < 0 for d in diffs)}/{len(diffs)} ({', '.join(f'{d:+.3f}' for d in diffs)})")
-            versus = "; ".join(parts)
+        parts = []
+        for key in keys if shared else ():
+            diffs = [seeds[s][key] - base[s][key] for s in shared]
+            better = -1 if key in LOSSES else 1  # a loss wins lower, a task score higher
+            wins = sum(d * better > 0 for d in diffs)
+            parts.append(f"{wins}/{len(diffs)} ({', '.join(f'{d:+.3f}' for d in diffs)})")
         speed = statistics.mean(seeds[s]["tokens_per_s"] for s in seeds)
         params = seeds[next(iter(seeds))]["num_params"]
         lines.append(
-            f"| {row} | {','.join(map(str, sorted(seeds)))} | {cells[0]} | {cells[1]} | {versus} | {speed:,.0f} | "
-            f"{params:,} |"
+            f"| {row} | {','.join(map(str, sorted(seeds)))} | {' | '.join(cells)} | {'; '.join(parts)} | "
+            f"{speed:,.0f} | {params:,} |"
         )
     return "\n".join(lines)
 
@@ -139,12 +143,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2_000_000)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument(
+        "--tasks", action="store_true", help="keep pipeline.toml's fine-tuning tasks: topic accuracy, retrieval nDCG@10"
+    )
     parser.add_argument("--table", action="store_true", help="print the table of the results so far, run nothing")
     args = parser.parse_args()
     work = args.work.resolve()
     results_path = work / "results.jsonl"
     if args.table:
-        print(table([r for r in load(results_path) if r["tokens"] == args.tokens]))
+        asked = (args.tokens, args.tasks)
+        print(table([r for r in load(results_path) if (r["tokens"], r.get("tasks", False)) == asked]))
         return
     rows = args.rows.split(",")
     unknown = [part for row in rows for part in row.split("+") if part not in ROWS]
@@ -154,16 +162,17 @@ def main() -> None:
         f"run.root={json.dumps(str(work / 'runs'))}",
         "pretrain.budget.hours=0",
         f"pretrain.budget.tokens={args.tokens}",
-        *EVALUATE,
+        *evaluate_overrides(args.tasks),
     ]
     done = {r["name"] for r in load(results_path)}
     for seed in map(int, args.seeds.split(",")):
         for row in rows:
-            name = f"{row.replace('+', '_')}-{args.tokens}t-s{seed}"
+            name = f"{row.replace('+', '_')}-{args.tokens}t-s{seed}" + ("-tasks" if args.tasks else "")
             if name in done:
                 continue
             run(name, [*common, f"run.seed={seed}", *overrides_of(row)])
-            record = {"name": name, "row": row, "seed": seed, "tokens": args.tokens, **figures(work / "runs" / name)}
+            record = {"name": name, "row": row, "seed": seed, "tokens": args.tokens, "tasks": args.tasks}
+            record.update(figures(work / "runs" / name))
             with open(results_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
             print(f"= {json.dumps(record)}", flush=True)

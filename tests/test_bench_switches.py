@@ -58,3 +58,11 @@ def test_a_row_joined_to_a_preset_is_measured_against_that_preset():
     assert "0/1 (+0.200)" in lines["small+adamw"]
     assert "1/1 (-0.100)" in lines["qk_norm"]
     assert "/1" not in lines["small"] and "/1" not in lines["default"]
+
+
+def test_a_task_score_wins_higher_where_a_loss_wins_lower():
+    base = {**_result("default", 0, 3.5), "topic_accuracy": 0.80, "retrieval_ndcg@10": 0.70}
+    row = {**_result("qk_norm", 0, 3.4), "topic_accuracy": 0.75, "retrieval_ndcg@10": 0.72}
+    line = switches.table([base, row]).splitlines()[-1]
+    assert "1/1 (-0.100); 1/1 (-0.100); 0/1 (-0.050); 1/1 (+0.020)" in line
+    assert "0.750 (0.750)" in line and "0.720 (0.720)" in line
