@@ -15,8 +15,9 @@ run again: a killed measurement resumes, and a partial table can be printed at a
 The table (of the runs with or without `--tasks`, as asked): per row, the mean over seeds of `mlm_loss@128`
 and `mlm_loss@512` (with `--tasks`, of `topic_accuracy` and `retrieval_ndcg@10` too), each seed's value, the
 seeds the row beats its baseline in (a lower loss, a higher score, at the same seed) and each seed's
-difference, tokens/s and the parameter count. A row's baseline is `default`, or `small` for a row joined to it
-(`small+adamw` against `small`): one change per row, at each preset.
+difference, tokens/s (the median over seeds: one run slowed by other work moves it least) and the parameter
+count. A row's baseline is `default`, or `small` for a row joined to it (`small+adamw` against `small`): one
+change per row, at each preset.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def table(results: list[dict]) -> str:
             better = -1 if key in LOSSES else 1  # a loss wins lower, a task score higher
             wins = sum(d * better > 0 for d in diffs)
             parts.append(f"{wins}/{len(diffs)} ({', '.join(f'{d:+.3f}' for d in diffs)})")
-        speed = statistics.mean(seeds[s]["tokens_per_s"] for s in seeds)
+        speed = statistics.median(seeds[s]["tokens_per_s"] for s in seeds)
         params = seeds[next(iter(seeds))]["num_params"]
         lines.append(
             f"| {row} | {','.join(map(str, sorted(seeds)))} | {' | '.join(cells)} | {'; '.join(parts)} | "
