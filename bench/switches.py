@@ -93,6 +93,9 @@ def figures(run_dir: Path) -> dict[str, float | str]:
         "wall_s": pretrain["wall_s"],
         "num_params": pretrain["num_params"],
         "precision": pretrain["precision"],
+        # A `--tasks` run takes its pretraining from the store only where the row already ran under this --work:
+        # the record says which, since its tokens/s then dates from that run.
+        "pretraining_reused": stages["pretrain"].get("reused") is not None,
         **{k: evaluate[k] for k in TASK_FIGURES if k in evaluate},
     }
 

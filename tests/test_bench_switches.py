@@ -4,6 +4,7 @@ stage's checks accept, and its table measures each row against the baseline of i
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -66,3 +67,14 @@ def test_a_task_score_wins_higher_where_a_loss_wins_lower():
     line = switches.table([base, row]).splitlines()[-1]
     assert "1/1 (-0.100); 1/1 (-0.100); 0/1 (-0.050); 1/1 (+0.020)" in line
     assert "0.750 (0.750)" in line and "0.720 (0.720)" in line
+
+
+@pytest.mark.parametrize("reused", [None, "2026-12-05T16:27:24.314+00:00"])
+def test_a_record_says_whether_its_pretraining_came_from_the_store(reused, tmp_path):
+    pretrain = {"outputs": {"tokens_per_s": 1.0, "wall_s": 2.0, "num_params": 3, "precision": "bf16"}}
+    evaluate = {"outputs": {"mlm_loss@128": 3.5, "mlm_loss@512": 3.4, "retrieval_ndcg@10": 0.7}}
+    stages = {"pretrain": {**pretrain, **({"reused": reused} if reused else {})}, "evaluate": evaluate}
+    (tmp_path / "manifest.json").write_text(json.dumps({"stages": stages}))
+    record = switches.figures(tmp_path)
+    assert record["pretraining_reused"] is (reused is not None)
+    assert record["retrieval_ndcg@10"] == 0.7 and "topic_accuracy" not in record
