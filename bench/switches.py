@@ -84,7 +84,7 @@ def overrides_of(row: str) -> list[str]:
     return [o for part in row.split("+") for o in ROWS[part]]
 
 
-def figures(run_dir: Path) -> dict[str, float | str]:
+def figures(run_dir: Path) -> dict[str, float | str | bool]:
     stages = json.loads((run_dir / "manifest.json").read_text())["stages"]
     pretrain, evaluate = stages["pretrain"]["outputs"], stages["evaluate"]["outputs"]
     return {
