@@ -74,3 +74,46 @@ def test_bm25_on_a_beir_folder_scores_through_the_metrics(tmp_path):
     # No stemming: "purrs" does not find "purr", so q1 retrieves nothing; q2 finds d2 first.
     assert run["q1"] == {} and list(run["q2"]) == ["d2"]
     assert scores.mean == {"ndcg@10": 0.5, "recall@100": 0.5, "mrr@10": 0.5}
+
+
+def _brute_force(corpus: list[str], query: str) -> np.ndarray:
+    """Every document's BM25 score straight from the formula, one document at a time."""
+    bags = [words(text) for text in corpus]
+    avgdl = sum(map(len, bags)) / len(bags)
+    scores = np.zeros(len(bags))
+    for word in set(words(query)):
+        df = sum(word in bag for bag in bags)
+        idf = math.log(1 + (len(bags) - df + 0.5) / (df + 0.5))
+        for d, bag in enumerate(bags):
+            tf = bag.count(word)
+            if tf:
+                scores[d] += words(query).count(word) * idf * saturated_at(tf, len(bag), avgdl)
+    return scores
+
+
+def saturated_at(tf: int, length: int, avgdl: float) -> float:
+    return tf * (K1 + 1) / (tf + K1 * (1 - B + B * length / avgdl))
+
+
+def test_a_streamed_build_in_small_chunks_scores_as_the_formula(monkeypatch):
+    # Postings of one word spread over several chunks must keep their documents in order and their counts.
+    rng = np.random.default_rng(0)
+    vocabulary = [f"w{i}" for i in range(40)]
+    corpus = [" ".join(rng.choice(vocabulary, size=rng.integers(1, 12))) for _ in range(57)]
+    monkeypatch.setattr("cram.stages.retrieval.bm25.CHUNK_DOCS", 5)
+    idx = index(text for text in corpus)  # a generator: read once
+    assert idx.docs.dtype == np.int32 and idx.tfs.dtype == np.uint16
+    for query in ["w1 w2 w2", "w39", "w0 w5 w7 w11 w13"]:
+        expected = _brute_force(corpus, query)
+        docs, scores = search(idx, query, 100)
+        assert np.allclose(scores, expected[docs], rtol=1e-12)
+        assert sorted(docs.tolist()) == np.flatnonzero(expected > 0).tolist()
+
+
+def test_a_count_past_uint16_widens_the_counts_not_clips_them():
+    idx = index(["big " * 70_000, "big small"])
+    assert idx.tfs.dtype == np.uint32 and int(idx.tfs.max()) == 70_000
+    docs, scores = search(idx, "big", 2)
+    assert scores[docs.tolist().index(0)] == pytest.approx(
+        math.log(1 + 0.5 / 2.5) * saturated_at(70_000, 70_000, 35_001), rel=1e-12
+    )

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,36 +32,102 @@ def words(text: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Index:
-    """The corpus as postings: for the term with id t, documents `docs[starts[t]:starts[t + 1]]` and
-    their BM25 weights `weights[...]` (idf and saturated tf already multiplied)."""
+    """The corpus as postings: for the term with id t, documents `docs[starts[t]:starts[t + 1]]` (in
+    document order) and how often t occurs in each, `tfs[...]`. A posting costs 6 bytes (int32 document,
+    uint16 count; uint32 where a count passes 65,535); BM25's weight is made from it at search time, from
+    the term's `idf` and the document's length factor `norm`, exactly as an index of weights would hold it."""
 
     vocabulary: dict[str, int]
     starts: np.ndarray  # int64, one more than the vocabulary
-    docs: np.ndarray  # int64 document indices
-    weights: np.ndarray  # float64
-    n_docs: int
+    docs: np.ndarray  # int32 document indices
+    tfs: np.ndarray  # uint16 (or uint32) term counts
+    idf: np.ndarray  # float64, one a term
+    norm: np.ndarray  # float64, one a document: k1 * (1 - b + b * |d| / avgdl)
+    k1: float
+
+    @property
+    def n_docs(self) -> int:
+        return len(self.norm)
 
 
-def index(texts: Sequence[str], k1: float = K1, b: float = B) -> Index:
+CHUNK_DOCS = 20_000  # documents gathered in Python lists before they become compact arrays
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    terms: np.ndarray  # int32 term id of each (document, term) pair, documents in order
+    tfs: np.ndarray
+    postings: np.ndarray  # int32 distinct terms of each document
+    first_doc: int
+
+
+def index(texts: Iterable[str], k1: float = K1, b: float = B) -> Index:
+    """BM25's index of `texts`, read once as a stream: the build holds each posting in at most 12 bytes
+    (the chunks' compact arrays, then the index's own), so a corpus need not fit in Python objects."""
     vocabulary: dict[str, int] = {}
-    terms, docs, tfs, lengths = [], [], [], []
-    for d, text in enumerate(texts):
+    chunks: list[_Chunk] = []
+    lengths: list[int] = []
+    for batch in _batched(texts, CHUNK_DOCS):
+        chunks.append(_chunk(batch, vocabulary, lengths, first_doc=len(lengths)))
+    df = np.zeros(len(vocabulary), np.int64)
+    for chunk in chunks:
+        df += np.bincount(chunk.terms, minlength=len(vocabulary))
+    starts = np.concatenate(([0], np.cumsum(df)))
+    docs = np.empty(int(starts[-1]), np.int32)
+    tfs = np.empty(int(starts[-1]), np.result_type(np.uint16, *(chunk.tfs.dtype for chunk in chunks)))
+    filled = starts[:-1].copy()
+    while chunks:
+        _place(chunks.pop(0), docs, tfs, filled)  # each chunk freed as soon as its postings are placed
+    length = np.array(lengths, np.float64)
+    avgdl = length.mean() if len(length) else 0.0
+    idf = np.log1p((len(length) - df + 0.5) / (df + 0.5))
+    norm = k1 * (1 - b + b * length / max(avgdl, 1e-12))
+    return Index(vocabulary, starts, docs, tfs, idf, norm, k1)
+
+
+def _batched(texts: Iterable[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _chunk(texts: list[str], vocabulary: dict[str, int], lengths: list[int], first_doc: int) -> _Chunk:
+    terms: list[int] = []
+    tfs: list[int] = []
+    postings: list[int] = []
+    for text in texts:
         counts = Counter(words(text))
         lengths.append(sum(counts.values()))
-        for word, tf in counts.items():
-            terms.append(vocabulary.setdefault(word, len(vocabulary)))
-            docs.append(d)
-            tfs.append(tf)
-    term_of, doc_of, tf = np.array(terms, np.int64), np.array(docs, np.int64), np.array(tfs, np.float64)
-    df = np.bincount(term_of, minlength=len(vocabulary))
-    length = np.array(lengths, np.float64)
-    avgdl = length.mean() if len(texts) else 0.0
-    idf = np.log1p((len(texts) - df + 0.5) / (df + 0.5))
-    norm = k1 * (1 - b + b * length[doc_of] / max(avgdl, 1e-12))
-    weights = idf[term_of] * tf * (k1 + 1) / (tf + norm)
-    order = np.argsort(term_of, kind="stable")
-    starts = np.concatenate(([0], np.cumsum(df)))
-    return Index(vocabulary, starts, doc_of[order], weights[order], len(texts))
+        postings.append(len(counts))
+        terms.extend(vocabulary.setdefault(word, len(vocabulary)) for word in counts)
+        tfs.extend(counts.values())
+    wide = max(tfs, default=0) > np.iinfo(np.uint16).max
+    return _Chunk(
+        np.array(terms, np.int32),
+        np.array(tfs, np.uint32 if wide else np.uint16),
+        np.array(postings, np.int32),
+        first_doc,
+    )
+
+
+def _place(chunk: _Chunk, docs: np.ndarray, tfs: np.ndarray, filled: np.ndarray) -> None:
+    """Write a chunk's postings after those of earlier chunks, term by term; a stable sort keeps each
+    term's documents in order."""
+    doc_of = np.repeat(
+        np.arange(chunk.first_doc, chunk.first_doc + len(chunk.postings), dtype=np.int32), chunk.postings
+    )
+    order = np.argsort(chunk.terms, kind="stable")
+    terms = chunk.terms[order]
+    present, first, count = np.unique(terms, return_index=True, return_counts=True)
+    at = filled[terms] + (np.arange(len(terms)) - np.repeat(first, count))
+    docs[at] = doc_of[order]
+    tfs[at] = chunk.tfs[order]
+    filled[present] += count
 
 
 def search(idx: Index, query: str, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -73,7 +139,9 @@ def search(idx: Index, query: str, k: int) -> tuple[np.ndarray, np.ndarray]:
         t = idx.vocabulary.get(word)
         if t is not None:
             lo, hi = idx.starts[t], idx.starts[t + 1]
-            scores[idx.docs[lo:hi]] += qtf * idx.weights[lo:hi]  # a term lists a document once
+            docs, tf = idx.docs[lo:hi], idx.tfs[lo:hi].astype(np.float64)
+            weight = idx.idf[t] * tf * (idx.k1 + 1) / (tf + idx.norm[docs])
+            scores[docs] += qtf * weight  # a term lists a document once
     hit = np.flatnonzero(scores > 0)
     best = hit[np.lexsort((hit, -scores[hit]))[:k]]
     return best, scores[best]
