@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cram.stages.retrieval.beir import read_beir
-from cram.stages.retrieval.bm25 import index, search, words
+from cram.stages.retrieval.bm25 import index, load, save, search, words
 from cram.stages.retrieval.metrics import score_run
 
 # N = 3 documents, 8 words: avgdl = 8/3. df: the 2, cat 2, dog 2, sat 1.
@@ -117,3 +117,13 @@ def test_a_count_past_uint16_widens_the_counts_not_clips_them():
     assert scores[docs.tolist().index(0)] == pytest.approx(
         math.log(1 + 0.5 / 2.5) * saturated_at(70_000, 70_000, 35_001), rel=1e-12
     )
+
+
+def test_a_saved_index_loads_mapped_and_searches_the_same(tmp_path):
+    idx = index(CORPUS)
+    save(idx, tmp_path / "bm25")
+    loaded = load(tmp_path / "bm25")
+    assert isinstance(loaded.docs, np.memmap) and loaded.vocabulary == idx.vocabulary
+    for query in ["Cat?", "the dog dog", "sat", "zebra"]:
+        expected, got = search(idx, query, 10), search(loaded, query, 10)
+        assert got[0].tolist() == expected[0].tolist() and got[1].tolist() == expected[1].tolist()

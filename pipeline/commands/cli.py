@@ -271,6 +271,37 @@ def embed_texts(
     out.print(f"{written.rows:,} vectors ({dtype}, computed in {written.precision}): {out_file}")
 
 
+@app.command("search")
+def search_corpus(
+    source: Path = typer.Argument(..., help="A run directory, or an exported embedding model's folder."),
+    queries: List[Path] = typer.Argument(..., help="Query files: text (a line a query), CSV, TSV or JSON lines."),
+    corpus: List[Path] = typer.Option(..., "--corpus", help="A corpus file (repeatable): text, CSV, TSV, JSON lines."),
+    out_file: Path = typer.Option(..., "--out", help="The .jsonl to write: a line a query, its hits' ids and scores."),
+    task: Optional[str] = typer.Option(None, "--task", help="The task whose kept embedding model to use."),
+    top_k: int = typer.Option(10, "--top-k", help="Hits a query."),
+    mode: str = typer.Option("hybrid", "--mode", help="hybrid (dense and BM25 fused), dense or bm25."),
+    fusion: str = typer.Option("convex", "--fusion", help="convex (a mix of min-max scores) or rrf."),
+    weight: float = typer.Option(0.5, "--weight", help="The dense run's share in the convex mix, in [0, 1]."),
+    field: str = typer.Option("text", "--field", help="The corpus field holding the text (CSV, TSV, JSON lines)."),
+    id_field: Optional[str] = typer.Option(None, "--id-field", help="The corpus field of ids (default: row numbers)."),
+    query_field: str = typer.Option("text", "--query-field", help="The query files' text field."),
+    query_id_field: Optional[str] = typer.Option(
+        None, "--query-id-field", help="The query files' id field (default: row numbers)."
+    ),
+    cache: Path = typer.Option(Path(".cram-search"), "--cache", help="Where corpus indexes are kept and reused."),
+    precision: str = typer.Option("auto", "--precision", help="auto, fp32 or bf16: the encoder's arithmetic."),
+) -> None:
+    """Search a corpus for each query of QUERIES: hybrid (an embedding model and BM25 fused) by default; the
+    corpus's index is built once and reused."""
+    from cram.pipeline.commands import search
+    from cram.stages.kept.searching import Corpus
+
+    how = search.query_settings(mode, top_k, fusion, weight, query_field, query_id_field)
+    done = search.search(source, queries, out_file, Corpus(tuple(corpus), field, id_field), how, task, cache, precision)
+    index = "reused" if done.reused else "built"
+    out.print(f"{done.queries:,} queries over {done.documents:,} documents ({mode}, index {index}): {out_file}")
+
+
 @app.command("ls")
 def list_runs(root: Path = typer.Argument(Path("runs"), help="The runs root.")) -> None:
     """The runs under ROOT with their newest stage and its status."""

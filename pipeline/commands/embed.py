@@ -59,7 +59,7 @@ def embed(
         raise EmbedError(str(e)) from None
     try:
         check_request(request, out)
-        embedding = Embedding.make(*_embedder(source, task), settings, request.precision)
+        embedding = Embedding.make(*open_source(source, task), settings, request.precision)
         return Embedded(embed_files(embedding, files, out, request), embedding.precision)
     except KeptError as e:
         raise EmbedError(str(e)) from None
@@ -67,7 +67,7 @@ def embed(
         raise EmbedError(f"{e} (--field names the field that holds the text)") from None
 
 
-def _embedder(source: Path, task: str | None) -> tuple[Embedder, dict[str, torch.Tensor], Path, dict[str, int]]:
+def open_source(source: Path, task: str | None) -> tuple[Embedder, dict[str, torch.Tensor], Path, dict[str, int]]:
     """(the embedding model, its params, its tokenizer file, the special ids) of a run directory or an
     exported folder."""
     if (source / rundir.MANIFEST).is_file():

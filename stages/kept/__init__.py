@@ -8,6 +8,7 @@ predict` and `cram export`; the commands parse, call this room and print.
                        prediction and embedding give them
     predicting.py      a classifier run on files a chunk at a time (`Predictor`, `predict_files`)
     embedding.py       an embedding model run on files a chunk at a time into one .npy (`Embedding`, `embed_files`)
+    searching.py       a corpus indexed once (embeddings, BM25) and searched dense, bm25 or hybrid (`cram search`)
     exporting.py       cram's format, transformers' and sentence-transformers' (`write_export`), read back
                        (`load_export`, `open_export`, `open_embedder_export`)
     sentence.py        the sentence-transformers modules of an export, and such a folder read as an embedding model

@@ -15,10 +15,12 @@ BEIR figures run a little higher). The baseline then needs no model and reads ev
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -145,3 +147,25 @@ def search(idx: Index, query: str, k: int) -> tuple[np.ndarray, np.ndarray]:
     hit = np.flatnonzero(scores > 0)
     best = hit[np.lexsort((hit, -scores[hit]))[:k]]
     return best, scores[best]
+
+
+_ARRAYS = ("starts", "docs", "tfs", "idf", "norm")
+_VOCABULARY = "vocabulary.json"  # the words in id order
+_SETTINGS = "bm25.json"
+
+
+def save(idx: Index, folder: Path) -> None:
+    """The index as files in `folder` (made here): one `.npy` per array, the words in id order, k1."""
+    folder.mkdir(parents=True)
+    for name in _ARRAYS:
+        np.save(folder / f"{name}.npy", getattr(idx, name))
+    (folder / _VOCABULARY).write_text(json.dumps(list(idx.vocabulary), ensure_ascii=False), encoding="utf-8")
+    (folder / _SETTINGS).write_text(json.dumps({"k1": idx.k1}), encoding="utf-8")
+
+
+def load(folder: Path) -> Index:
+    """An index `save` wrote, its arrays mapped from disk (pages read as queries touch them), not read."""
+    arrays = {name: np.load(folder / f"{name}.npy", mmap_mode="r") for name in _ARRAYS}
+    words_in_order = json.loads((folder / _VOCABULARY).read_text(encoding="utf-8"))
+    k1 = float(json.loads((folder / _SETTINGS).read_text(encoding="utf-8"))["k1"])
+    return Index({word: t for t, word in enumerate(words_in_order)}, k1=k1, **arrays)
