@@ -88,7 +88,7 @@ def make_contrastive_step(
     shapes (module docstring for the batch); `donate` as `step.make_tuning_step` says. With `world_size` > 1
     (ranks of `group`, default the whole world, already initialised) the candidates are every rank's
     documents and the gradients are averaged across ranks; "loss" is this rank's anchors' mean."""
-    _check_pooling(pooling)
+    check_pooling(pooling)
     candidates = _gathered_candidates(world_size, group) if world_size > 1 else _local_candidates
     reduce = make_grad_all_reduce(world_size, group) if world_size > 1 else None
 
@@ -157,7 +157,7 @@ def make_embed_step(
 ) -> Callable[[Params, Params], Tensor]:
     """embed(params, {"input_ids", "attention_mask"}) -> [B, H] fp32 unit vectors, without dropout; one
     graph per batch shape."""
-    _check_pooling(pooling)
+    check_pooling(pooling)
 
     @torch.no_grad()
     def embed_step(params, batch):
@@ -167,6 +167,6 @@ def make_embed_step(
     return compiled(embed_step, how)
 
 
-def _check_pooling(pooling: str) -> None:
+def check_pooling(pooling: str) -> None:
     if pooling not in EMBEDDING_POOLINGS:
         raise ValueError(f"pooling={pooling!r}: allowed {', '.join(EMBEDDING_POOLINGS)}")
