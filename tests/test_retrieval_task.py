@@ -198,6 +198,36 @@ def test_results_json_entry_holds_what_the_issue_asks(tmp_path, make_ctx):
     assert "BM25" in result["baseline_method"] and "word split" in result["baseline_method"]
 
 
+def test_queries_without_a_relevant_document_are_left_out_counted_and_said(tmp_path, make_ctx):
+    from structlog.testing import capture_logs
+
+    from cram.stages.shared.figures import is_number
+
+    folder = write_beir(tmp_path / "set")
+    with open(folder / "queries.jsonl", "a") as f:
+        f.write(json.dumps({"_id": "unjudged", "text": "a query judged but with nothing relevant"}) + "\n")
+    with open(folder / "qrels" / "test.tsv", "a") as f:
+        f.write("unjudged\td0\t0\n")
+    config, loaded = task_of(folder, epochs=1, batch_size=8)
+    ctx = make_ctx()
+    with capture_logs() as logs:
+        runs = [results.retrieve_seed(embedder(config), loaded, 0, ctx, tmp_path)]
+        result = results.retrieval_result(loaded, [0], runs, ctx)
+    assert (result["test_queries"], result["queries_scored"], result["queries_left_out"]) == (11, 10, 1)
+    said = [e for e in logs if e["event"].startswith("test queries left out")]
+    assert len(said) == 1 and (said[0]["left_out"], said[0]["scored"]) == (1, 10), logs
+
+    def figures(value: object) -> list:
+        if isinstance(value, dict):
+            return [f for v in value.values() for f in figures(v)]
+        if isinstance(value, list):
+            return [f for v in value for f in figures(v)]
+        return [value] if isinstance(value, float) else []
+
+    # Every float of the entry is a figure (no NaN, no infinity): json.dumps would write NaN, which is no JSON.
+    assert all(is_number(f) for f in figures(result)) and json.loads(json.dumps(result, allow_nan=False))
+
+
 def test_keep_all_writes_every_seed_as_an_embedder_beside_the_classifiers(tmp_path):
     from cram.stages.finetuning.kept import Keeper, kept_outputs
 
