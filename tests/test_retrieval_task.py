@@ -154,13 +154,27 @@ def test_training_pairs_come_from_train_qrels_then_a_pairs_file_then_the_corpus(
     assert not any(a <= set(f"{p.query} {p.positive}".split()) for p in untitled.pairs for a in answers)
 
 
-def test_a_hard_negative_batch_trains(tmp_path):
+def test_a_hard_negative_batch_has_the_loss_of_infonce_written_out_with_its_negatives(tmp_path):
     file = write_pairs(tmp_path / "pairs.jsonl", negative=True)
     config, loaded = task_of(write_beir(tmp_path / "set"), pairs=str(file), batch_size=8)
-    batch = embedder(config).batch(loaded, list(range(8)), 0.0)
+    tuner, index = embedder(config), list(range(8))
+    batch = tuner.batch(loaded, index, 0.0)
     assert batch["query_ids"].shape[0] == 8 and batch["doc_ids"].shape[0] == 16
-    _, loss = embedder(config).train(loaded, seed=0, where="test", label="test")
-    assert loss == loss  # finite: not NaN
+    params = {k: v.clone() for k, v in tuner.params.items()}
+    _, _, metrics = tuner.step(params, model.adamw_init(params), batch, torch.tensor(0.0))
+    # By hand: each text embedded on its own by the search's embedding (unit vectors), then the cross-entropy
+    # of 20 x cosine over the 8 positives and the 8 hard negatives, each query's own positive the answer.
+    data = loaded.data
+
+    def embedded(rows: tuple) -> torch.Tensor:
+        return torch.from_numpy(tuner.embedded(tuner.params, *rows, index=index)).double()
+
+    queries, candidates = embedded(data.queries), torch.cat([embedded(data.positives), embedded(data.negatives)])
+    scores = 20.0 * queries @ candidates.T
+    by_hand = (torch.logsumexp(scores, dim=1) - scores.diagonal()).mean().item()
+    assert metrics["loss"].item() == pytest.approx(by_hand, rel=1e-5, abs=1e-6)
+    without = (torch.logsumexp(scores[:, :8], dim=1) - scores.diagonal()).mean().item()
+    assert by_hand - without > 0.05  # the negatives count: a loss without them would fail the check above
 
 
 def test_held_out_documents_split_by_title_into_queries_and_pairs(tmp_path):
