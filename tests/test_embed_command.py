@@ -193,3 +193,24 @@ def test_a_sentence_transformers_folder_whose_vectors_cram_cannot_compute_is_ref
         (folder / name).write_text(original)
     assert not (tmp_path / "v.npy").exists()
     assert invoke(folder, texts, "--out", tmp_path / "v.npy").exit_code == 0  # as exported, it embeds
+
+
+def test_an_export_without_checksums_is_read_with_one_warning_naming_it(tmp_path, run, caplog):
+    texts = tmp_path / "t.txt"
+    texts.write_text("a text\n")
+
+    def warnings(folder) -> list[str]:
+        caplog.clear()
+        result = invoke(folder, texts, "--out", tmp_path / "v.npy")
+        assert result.exit_code == 0, result.output
+        said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        return [message for message in said if "checksums.json" in message]
+
+    for fmt in ("cram", "sentence-transformers"):
+        folder = export(run, tmp_path / fmt, fmt=fmt, task="search")
+        assert warnings(folder) == []  # checked against them
+        (folder / "checksums.json").unlink()
+        (warned,) = warnings(folder)
+        assert warned.startswith(f"{folder}: no checksums.json, so its files are read unverified"), warned
+    (folder / ".cram-export").unlink()  # a sentence-transformers folder cram did not write never had them
+    assert warnings(folder) == []

@@ -22,7 +22,6 @@ description file, reader and runner, sharing the folder's files, checksums and e
 from cram.stages.kept.card import Card
 from cram.stages.kept.exporting import (
     FORMATS,
-    MARKER,
     Source,
     check_transformers,
     load_export,
@@ -32,6 +31,7 @@ from cram.stages.kept.exporting import (
 )
 from cram.stages.kept.folder import (
     EMBEDDER,
+    MARKER,
     META,
     MODEL,
     PARAMS,

@@ -33,6 +33,7 @@ from cram.model.config import ModelConfig, ModelConfigError
 from cram.stages.kept.card import Card, model_card
 from cram.stages.kept.folder import (
     EMBEDDER,
+    MARKER,
     META,
     MODEL,
     PARAMS,
@@ -50,7 +51,6 @@ from cram.stages.shared.tokenizer import in_folder as tokenizer_in
 
 FORMATS = ("cram", "transformers", "sentence-transformers")
 SENTENCE = "sentence-transformers"  # an embedding model's alone
-MARKER = ".cram-export"  # in every export: `--force` replaces a folder only when it holds this file
 SPECIAL_IDS = "special_ids.json"
 
 

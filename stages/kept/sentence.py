@@ -21,7 +21,15 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cram.stages.kept.folder import PARAMS, Embedder, KeptError, check_embedder_meta, load_tokenizer, verify_checksums
+from cram.stages.kept.folder import (
+    MARKER,
+    PARAMS,
+    Embedder,
+    KeptError,
+    check_embedder_meta,
+    load_tokenizer,
+    verify_checksums,
+)
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -59,10 +67,11 @@ def write_sentence_modules(out: Path, embedder: Embedder) -> None:
 def read_sentence_folder(folder: Path) -> tuple[Embedder, dict[str, Tensor], Path, dict[str, int]]:
     """(the embedding model, its fp32 params, its tokenizer file, the special ids) of a sentence-transformers
     folder whose vectors cram computes exactly: mean or first-token pooling, normalised. Its files are
-    checked against checksums.json first where it has one (an export of cram's)."""
+    checked against checksums.json first where it has one (an export of cram's; one without it is read
+    with a warning, a released model's folder in silence)."""
     from cram.stages.shared import pretrained
 
-    verify_checksums(folder)
+    verify_checksums(folder, ours=(folder / MARKER).is_file())
     try:
         found = pretrained.locate(folder)
         cfg, params = pretrained.load(found)
