@@ -181,10 +181,12 @@ def test_a_sentence_transformers_folder_whose_vectors_cram_cannot_compute_is_ref
         ("1_Pooling/config.json", {"embedding_dimension": 16, "pooling_mode": ["mean", "cls"]}),
         ("modules.json", modules[:2]),  # no Normalize
         ("modules.json", [*modules[:2], dense, modules[2]]),  # a projection after the pooling
+        ("sentence_bert_config.json", {"max_seq_length": 16, "do_lower_case": True}),  # texts lower-cased first
     ]
     pooling_refused = 'names a pooling cram does not compute; it computes pooling_mode "mean" or "cls"'
     expected = "cram embeds with Transformer, Pooling, Normalize, in that order"
     messages = [pooling_refused] * 4 + [f"Transformer, Pooling; {expected}", f"Pooling, Dense, Normalize; {expected}"]
+    messages.append("sentence_bert_config.json: do_lower_case true: sentence-transformers lower-cases each text")
     for (name, value), message in zip(edits, messages):
         original = (folder / name).read_text()
         (folder / name).write_text(json.dumps(value))
@@ -193,3 +195,42 @@ def test_a_sentence_transformers_folder_whose_vectors_cram_cannot_compute_is_ref
         (folder / name).write_text(original)
     assert not (tmp_path / "v.npy").exists()
     assert invoke(folder, texts, "--out", tmp_path / "v.npy").exit_code == 0  # as exported, it embeds
+
+
+def test_an_export_without_checksums_is_read_with_one_warning_naming_it(tmp_path, run, caplog):
+    texts = tmp_path / "t.txt"
+    texts.write_text("a text\n")
+
+    def warnings(folder) -> list[str]:
+        caplog.clear()
+        result = invoke(folder, texts, "--out", tmp_path / "v.npy")
+        assert result.exit_code == 0, result.output
+        said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        return [message for message in said if "checksums.json" in message]
+
+    for fmt in ("cram", "sentence-transformers"):
+        folder = export(run, tmp_path / fmt, fmt=fmt, task="search")
+        assert warnings(folder) == []  # checked against them
+        (folder / "checksums.json").unlink()
+        (warned,) = warnings(folder)
+        assert warned.startswith(f"{folder}: no checksums.json, so its files are read unverified"), warned
+    (folder / ".cram-export").unlink()  # a sentence-transformers folder cram did not write never had them
+    assert warnings(folder) == []
+
+
+@pytest.mark.parametrize("module, kind", [("0_Transformer", "Transformer"), ("0_BERT", "BERT")])
+def test_an_older_sentence_transformers_layout_embeds_as_the_export_it_came_from(tmp_path, run, module, kind):
+    """The transformer in a sub-folder of its own, its length and tokenizer beside it there, as older
+    sentence-transformers versions saved it (`0_Transformer/`, and the earliest `0_BERT/` with the class
+    `models.BERT`): read as the same model."""
+    folder = export(run, tmp_path / "st", fmt="sentence-transformers", task="search")
+    expected = vectors(folder, tmp_path, name="root.npy")
+    (folder / "checksums.json").unlink()  # the files move: the export's checksums no longer hold
+    (folder / module).mkdir()
+    for name in ("config.json", "model.safetensors", "sentence_bert_config.json", "tokenizer.json"):
+        (folder / name).rename(folder / module / name)
+    (folder / "tokenizer_config.json").rename(folder / module / "tokenizer_config.json")
+    modules = json.loads((folder / "modules.json").read_text())
+    modules[0] = {**modules[0], "path": module, "type": f"sentence_transformers.models.{kind}"}
+    (folder / "modules.json").write_text(json.dumps(modules))
+    assert np.abs(vectors(folder, tmp_path, name="moved.npy") - expected).max() < 1e-6

@@ -70,6 +70,12 @@ BAD_FOLDERS = [
     ({"test": TEST + "q1\td1\t1\n"}, r"qrels/test.tsv:5: query 'q1' judges document 'd1' a second time"),
     ({"test": "q1\td1\t1\n"}, r"qrels/test.tsv: no header line"),
     ({"test": "query-id\tcorpus-id\tscore\n"}, r"qrels/test.tsv: no judgements"),
+    # Judged, but nothing relevant: no test query could be scored (each metric would be 0 / 0, a NaN).
+    (
+        {"test": "query-id\tcorpus-id\tscore\nq1\td1\t0\nq2\td2\t0\nq2\td1\t-1\n"},
+        r"qrels/test.tsv: every judgement scores 0 or less, so no query has a relevant document and no test query",
+    ),
+    ({"train": "query-id\tcorpus-id\tscore\nq3\t3\t0\n"}, r"qrels/train.tsv: every judgement .* no training pairs"),
     ({"corpus": [*CORPUS, {"_id": "d1", "text": "again"}]}, r"corpus.jsonl: 1 id given more than once, the first 'd1'"),
     ({"queries": [*QUERIES, {"_id": "q2", "text": "x"}]}, r"queries.jsonl: 1 id given more than once, the first 'q2'"),
     ({"corpus": [*CORPUS, {"_id": "d4", "title": " ", "text": ""}]}, r"corpus.jsonl: document 'd4' has an empty"),
@@ -112,6 +118,13 @@ BAD_PAIRS = [
         r"p.jsonl: 1 of 2 records have a 'negative' \(record 2 has none\)",
     ),
     ([], r"p.jsonl: no pairs"),
+    # Two texts of a record that are one text (whitespace at either end aside): named by line and record.
+    (
+        [{"query": "a", "positive": "b", "negative": "c"}, {"query": "d", "positive": "e", "negative": " e\n"}],
+        r"p.jsonl:2: record 2: its 'negative' is the same text as its 'positive'; a pair's texts must differ",
+    ),
+    ([{"query": "a", "positive": "b"}, {"query": "same", "positive": "same"}], r"p.jsonl:2: .*'positive' .* 'query'"),
+    ([{"query": "a", "positive": "b", "negative": "a"}], r"p.jsonl:1: record 1: its 'negative' .* its 'query'"),
 ]
 
 

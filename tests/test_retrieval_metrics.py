@@ -49,10 +49,9 @@ def test_scores_match_the_table_worked_by_hand():
     assert round(scores.per_query["q1"]["ndcg@10"], 4) == 0.7303
 
 
-def test_no_scored_query_gives_nan_means_and_counts_them_all():
-    scores = score_run({"q": {"a": 1.0}}, {"q": {"a": 0}, "r": {"b": -1}})
-    assert scores.per_query == {} and scores.left_out == 2
-    assert all(math.isnan(v) for v in scores.mean.values())
+def test_no_scorable_query_is_refused_not_a_nan_mean():
+    with pytest.raises(ValueError, match="none of the 2 queries has a relevant document"):
+        score_run({"q": {"a": 1.0}}, {"q": {"a": 0}, "r": {"b": -1}})
 
 
 def random_case(rng: random.Random, queries: int) -> tuple[dict, dict]:
@@ -82,3 +81,7 @@ def test_scores_equal_pytrec_eval_on_random_runs_with_ties():
         assert mine["mrr@10"] == pytest.approx(mrr[query]["recip_rank"], abs=1e-12), query
     # The queries left out are exactly those pytrec_eval scores with no relevant document to find.
     assert ours.left_out == sum(not any(r > 0 for r in judged.values()) for judged in qrels.values())
+    # pytrec_eval scores those 0 and averages them in: its mean is ours scaled by the share scored.
+    share = len(ours.per_query) / len(qrels)
+    theirs_mean = sum(t["ndcg_cut_10"] for t in theirs.values()) / len(theirs)
+    assert len(theirs) == len(qrels) and theirs_mean == pytest.approx(ours.mean["ndcg@10"] * share, abs=1e-12)

@@ -154,13 +154,27 @@ def test_training_pairs_come_from_train_qrels_then_a_pairs_file_then_the_corpus(
     assert not any(a <= set(f"{p.query} {p.positive}".split()) for p in untitled.pairs for a in answers)
 
 
-def test_a_hard_negative_batch_trains(tmp_path):
+def test_a_hard_negative_batch_has_the_loss_of_infonce_written_out_with_its_negatives(tmp_path):
     file = write_pairs(tmp_path / "pairs.jsonl", negative=True)
     config, loaded = task_of(write_beir(tmp_path / "set"), pairs=str(file), batch_size=8)
-    batch = embedder(config).batch(loaded, list(range(8)), 0.0)
+    tuner, index = embedder(config), list(range(8))
+    batch = tuner.batch(loaded, index, 0.0)
     assert batch["query_ids"].shape[0] == 8 and batch["doc_ids"].shape[0] == 16
-    _, loss = embedder(config).train(loaded, seed=0, where="test", label="test")
-    assert loss == loss  # finite: not NaN
+    params = {k: v.clone() for k, v in tuner.params.items()}
+    _, _, metrics = tuner.step(params, model.adamw_init(params), batch, torch.tensor(0.0))
+    # By hand: each text embedded on its own by the search's embedding (unit vectors), then the cross-entropy
+    # of 20 x cosine over the 8 positives and the 8 hard negatives, each query's own positive the answer.
+    data = loaded.data
+
+    def embedded(rows: tuple) -> torch.Tensor:
+        return torch.from_numpy(tuner.embedded(tuner.params, *rows, index=index)).double()
+
+    queries, candidates = embedded(data.queries), torch.cat([embedded(data.positives), embedded(data.negatives)])
+    scores = 20.0 * queries @ candidates.T
+    by_hand = (torch.logsumexp(scores, dim=1) - scores.diagonal()).mean().item()
+    assert metrics["loss"].item() == pytest.approx(by_hand, rel=1e-5, abs=1e-6)
+    without = (torch.logsumexp(scores[:, :8], dim=1) - scores.diagonal()).mean().item()
+    assert by_hand - without > 0.05  # the negatives count: a loss without them would fail the check above
 
 
 def test_held_out_documents_split_by_title_into_queries_and_pairs(tmp_path):
@@ -196,6 +210,36 @@ def test_results_json_entry_holds_what_the_issue_asks(tmp_path, make_ctx):
     assert set(result["median"]["test"]) == {"ndcg@10", "recall@100", "mrr@10"}
     assert len(result["scores"]["test"]["ndcg@10"]) == 2 and set(result["baseline"]["test"]) == set(result["metrics"])
     assert "BM25" in result["baseline_method"] and "word split" in result["baseline_method"]
+
+
+def test_queries_without_a_relevant_document_are_left_out_counted_and_said(tmp_path, make_ctx):
+    from structlog.testing import capture_logs
+
+    from cram.stages.shared.figures import is_number
+
+    folder = write_beir(tmp_path / "set")
+    with open(folder / "queries.jsonl", "a") as f:
+        f.write(json.dumps({"_id": "unjudged", "text": "a query judged but with nothing relevant"}) + "\n")
+    with open(folder / "qrels" / "test.tsv", "a") as f:
+        f.write("unjudged\td0\t0\n")
+    config, loaded = task_of(folder, epochs=1, batch_size=8)
+    ctx = make_ctx()
+    with capture_logs() as logs:
+        runs = [results.retrieve_seed(embedder(config), loaded, 0, ctx, tmp_path)]
+        result = results.retrieval_result(loaded, [0], runs, ctx)
+    assert (result["test_queries"], result["queries_scored"], result["queries_left_out"]) == (11, 10, 1)
+    said = [e for e in logs if e["event"].startswith("test queries left out")]
+    assert len(said) == 1 and (said[0]["left_out"], said[0]["scored"]) == (1, 10), logs
+
+    def figures(value: object) -> list:
+        if isinstance(value, dict):
+            return [f for v in value.values() for f in figures(v)]
+        if isinstance(value, list):
+            return [f for v in value for f in figures(v)]
+        return [value] if isinstance(value, float) else []
+
+    # Every float of the entry is a figure (no NaN, no infinity): json.dumps would write NaN, which is no JSON.
+    assert all(is_number(f) for f in figures(result)) and json.loads(json.dumps(result, allow_nan=False))
 
 
 def test_keep_all_writes_every_seed_as_an_embedder_beside_the_classifiers(tmp_path):

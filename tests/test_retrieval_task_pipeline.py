@@ -82,17 +82,24 @@ def _append(path: str, text: str):
     return setup
 
 
-def _pairs(negative: bool = False, drop: str = "", leak: bool = False):
+def _pairs(negative: bool = False, drop: str = "", leak: bool = False, degenerate: bool = False):
     def setup(ws: Path) -> None:
         path = write_pairs(ws / "pairs.jsonl", negative=negative)
         rows = [json.loads(line) for line in path.read_text().splitlines()]
         if drop:
             rows[3].pop(drop)
+        if degenerate:
+            rows[3]["negative"] = rows[3]["positive"]
         if leak:
             rows[0]["query"] = json.loads((ws / "beir" / "queries.jsonl").read_text().splitlines()[0])["text"]
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     return setup
+
+
+def _unjudged(ws: Path) -> None:
+    path = ws / "beir" / "qrels" / "test.tsv"
+    path.write_text(path.read_text().replace("\t1\n", "\t0\n"))
 
 
 def _remove(path: str):
@@ -107,6 +114,8 @@ BAD = [
     ("qrels id unknown", _append("beir/qrels/test.tsv", "q11\tnowhere\t1\n"), RETRIEVAL, "not in corpus.jsonl"),
     ("pairs without positive", _pairs(drop="positive"), WITH_PAIRS, "record 4 has no 'positive'"),
     ("pairs leak a test query", _pairs(leak=True), WITH_PAIRS, "also test queries of"),
+    ("negative is positive", _pairs(negative=True, degenerate=True), WITH_PAIRS, "pairs.jsonl:4: record 4: its 'neg"),
+    ("no test judgement above 0", _unjudged, RETRIEVAL, "qrels/test.tsv: every judgement scores 0 or less"),
     ("no pairs possible", _no_title_short_docs, RETRIEVAL, "evaluate.tasks[0]: no training pairs"),
     ("batch larger than pairs", lambda ws: None, RETRIEVAL.replace("batch_size=8", "batch_size=64"), "one batch of 64"),
     ("a classifier's setting", lambda ws: None, RETRIEVAL.replace("}", ', metrics=["accuracy"]}'), "metrics"),

@@ -23,7 +23,6 @@ description file, reader and runner, sharing the folder's files, checksums and e
 from cram.stages.kept.card import Card
 from cram.stages.kept.exporting import (
     FORMATS,
-    MARKER,
     Source,
     check_transformers,
     load_export,
@@ -33,6 +32,7 @@ from cram.stages.kept.exporting import (
 )
 from cram.stages.kept.folder import (
     EMBEDDER,
+    MARKER,
     META,
     MODEL,
     PARAMS,

@@ -33,6 +33,7 @@ from cram.model.config import ModelConfig, ModelConfigError
 from cram.stages.kept.card import Card, model_card
 from cram.stages.kept.folder import (
     EMBEDDER,
+    MARKER,
     META,
     MODEL,
     PARAMS,
@@ -50,7 +51,6 @@ from cram.stages.shared.tokenizer import in_folder as tokenizer_in
 
 FORMATS = ("cram", "transformers", "sentence-transformers")
 SENTENCE = "sentence-transformers"  # an embedding model's alone
-MARKER = ".cram-export"  # in every export: `--force` replaces a folder only when it holds this file
 SPECIAL_IDS = "special_ids.json"
 
 
@@ -208,11 +208,13 @@ def _write_transformers(source: Source, out: Path) -> None:
     from safetensors.torch import load_file, save_file
 
     from cram.model import hf
-    from cram.stages.kept.fast_tokenizer import fast_tokenizer, read_json
+    from cram.stages.kept.fast_tokenizer import SPLIT_SPECIAL, fast_tokenizer, read_json
 
     cfg, special, classifier, embedder = source.config(), source.special_ids, source.classifier, source.embedder
+    # a kept model reads a typed special token as cram's sentencepiece model does: as text
+    typed_as_text = source.tokenizer.suffix != ".json" and source.task is not None
     if source.tokenizer.suffix != ".json":
-        tokenizer = fast_tokenizer(source.tokenizer, special)
+        tokenizer = fast_tokenizer(source.tokenizer, special, typed_special=not typed_as_text)
         tokenizer.save(str(out / "tokenizer.json"))
     elif source.task is None:  # an encoder encodes no pairs: the tokenizer it was given, byte for byte
         tokenizer = read_json(source.tokenizer, special, layout=False)
@@ -238,5 +240,6 @@ def _write_transformers(source: Source, out: Path) -> None:
         "model_max_length": cfg.max_seq_len if source.task is None else (classifier or embedder).meta["max_length"],
         # BERT's segments where the model reads them: a pair's second text is segment 1, as cram fine-tunes
         "model_input_names": ["input_ids", "attention_mask"] + (["token_type_ids"] if cfg.token_types > 1 else []),
+        **(SPLIT_SPECIAL if typed_as_text else {}),
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")

@@ -1,6 +1,12 @@
 """The fast tokenizer (`tokenizers`' tokenizer.json) of an export to transformers: built from cram's
 sentencepiece model, or the run's own tokenizer.json; either way its post-processor lays out a text
 or a pair as cram fine-tunes on it ([CLS] a [SEP] b [SEP], the second text and its [SEP] segment 1).
+
+A special token typed in a text ("[SEP]", "[MASK]") is text to cram's sentencepiece models (tokenize
+makes them control symbols). The fast tokenizer of an encoder reads it as the token, what fill-mask
+needs; that of a kept model (`typed_special=False`) reads it as text, so that its predictions and
+vectors are cram's (`SPLIT_SPECIAL`). A run's own tokenizer.json is left as it is: cram encodes with
+it as the `tokenizers` library does, a typed special token its id.
 """
 
 from __future__ import annotations
@@ -10,13 +16,18 @@ from typing import Any
 
 from cram.stages.kept.folder import KeptError
 
+# tokenizer_config.json's setting by which transformers (and sentence-transformers through it) reads a
+# typed special token as text; tokenizer.json has no place for it.
+SPLIT_SPECIAL = {"split_special_tokens": True}
 
-def fast_tokenizer(sp_model: Path, special_ids: dict[str, int]) -> Any:
+
+def fast_tokenizer(sp_model: Path, special_ids: dict[str, int], typed_special: bool = True) -> Any:
     """A `tokenizers.Tokenizer` that encodes like the sentencepiece model, wrapped in [CLS] ... [SEP].
 
     Built from the model's own pieces, scores and normaliser (the approach of transformers'
     `SpmConverter`): BPE merges ranked by the score of the merged piece, or the unigram pieces with
-    their scores. Unlike sentencepiece, the special pieces typed in the text ("[MASK]") become their ids.
+    their scores. `typed_special`: the special pieces typed in a text ("[MASK]") become their ids, as
+    added tokens, unlike sentencepiece; else they stay text, as sentencepiece reads them.
     """
     try:
         from sentencepiece import sentencepiece_model_pb2
@@ -43,7 +54,7 @@ def fast_tokenizer(sp_model: Path, special_ids: dict[str, int]) -> Any:
         vocab = {piece: i for i, (piece, _) in enumerate(pieces)}
         tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True))
     elif proto.trainer_spec.model_type == proto.trainer_spec.UNIGRAM:
-        tokenizer = Tokenizer(Unigram(pieces, unk_id=proto.trainer_spec.unk_id))
+        tokenizer = Tokenizer(Unigram(_unigram_pieces(proto), unk_id=proto.trainer_spec.unk_id))
     else:
         raise KeptError(f"{sp_model}: a sentencepiece {proto.trainer_spec.model_type} model; only bpe and unigram map")
 
@@ -61,9 +72,22 @@ def fast_tokenizer(sp_model: Path, special_ids: dict[str, int]) -> Any:
     tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=False)
 
     names = {role: pieces[i][0] for role, i in special_ids.items()}
-    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in names.values()])
+    if typed_special:
+        tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in names.values()])
     tokenizer.post_processor = post_processor(special_ids, names)
     return tokenizer
+
+
+def _unigram_pieces(proto: Any) -> list[tuple[str, float]]:
+    """The unigram model's pieces and scores, a piece sentencepiece never cuts a text into (a control
+    symbol, the unknown piece: score 0, the best there is) scored below any run of normal pieces that
+    spells it, so that the `tokenizers` model, which knows no piece types, does not pick it either. Not
+    where a character of it is outside the model's alphabet: sentencepiece gives that character the
+    unknown piece, which the `tokenizers` model scores below its lowest piece, so the whole piece wins
+    there. A model trained on real text knows "[", "]", "<", ">" and the letters of the names."""
+    normal = [p.score for p in proto.pieces if p.type == p.NORMAL]
+    never = 100 * min(min(normal, default=-1.0), -1.0)
+    return [(p.piece, p.score if p.type in (p.NORMAL, p.USER_DEFINED) else never) for p in proto.pieces]
 
 
 def post_processor(special_ids: dict[str, int], names: dict[str, str]) -> Any:

@@ -6,6 +6,7 @@ every file checked: the file names, the checksums, and the classifier it holds.
     classifier.json      what prediction needs: labels, text fields, max_length, buckets, pooling, head
     embedder.json        (an embedding model, instead) pooling, normalisation, document and query lengths, buckets
     checksums.json       (an export) each file's sha256; a kept folder in a run is checked by the store
+    .cram-export         (an export) the marker of a folder cram wrote
 
 An embedding model is the second kind of kept model: `params.safetensors` holds the encoder alone and
 `embedder.json` says how its texts become vectors (`read_embedder`).
@@ -14,6 +15,7 @@ An embedding model is the second kind of kept model: `params.safetensors` holds 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +32,9 @@ if TYPE_CHECKING:
 PARAMS, MODEL, META = "params.safetensors", "model.json", "classifier.json"
 EMBEDDER = "embedder.json"
 CHECKSUMS = "checksums.json"
+MARKER = ".cram-export"  # in every export (exporting.py): `--force` replaces a folder only when it holds this
+
+_log = logging.getLogger(__name__)
 
 
 class KeptError(StageError):
@@ -109,11 +114,18 @@ def write_checksums(folder: Path) -> None:
     write_atomic(folder / CHECKSUMS, json.dumps(hashes, indent=1) + "\n")
 
 
-def verify_checksums(folder: Path) -> None:
-    """KeptError naming the first file of `folder` that is missing or is not what CHECKSUMS recorded;
-    nothing for a folder without CHECKSUMS (an export written before them)."""
+def verify_checksums(folder: Path, ours: bool = True) -> None:
+    """KeptError naming the first file of `folder` that is missing or is not what CHECKSUMS recorded. A
+    folder without CHECKSUMS is read unchecked, with one warning naming it where it is `ours` (cram wrote
+    it: an export written before checksums, or one whose checksums.json was removed); a folder cram did
+    not write (a released sentence-transformers model) never had them."""
     path = folder / CHECKSUMS
     if not path.is_file():
+        if ours:
+            _log.warning(
+                f"{folder}: no {CHECKSUMS}, so its files are read unverified (a damaged or edited file goes "
+                "unnoticed); export it again to have them checked"
+            )
         return
     try:
         hashes = json.loads(path.read_text(encoding="utf-8"))

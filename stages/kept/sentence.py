@@ -21,7 +21,15 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cram.stages.kept.folder import PARAMS, Embedder, KeptError, check_embedder_meta, load_tokenizer, verify_checksums
+from cram.stages.kept.folder import (
+    MARKER,
+    PARAMS,
+    Embedder,
+    KeptError,
+    check_embedder_meta,
+    load_tokenizer,
+    verify_checksums,
+)
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -59,10 +67,11 @@ def write_sentence_modules(out: Path, embedder: Embedder) -> None:
 def read_sentence_folder(folder: Path) -> tuple[Embedder, dict[str, Tensor], Path, dict[str, int]]:
     """(the embedding model, its fp32 params, its tokenizer file, the special ids) of a sentence-transformers
     folder whose vectors cram computes exactly: mean or first-token pooling, normalised. Its files are
-    checked against checksums.json first where it has one (an export of cram's)."""
+    checked against checksums.json first where it has one (an export of cram's; one without it is read
+    with a warning, a released model's folder in silence)."""
     from cram.stages.shared import pretrained
 
-    verify_checksums(folder)
+    verify_checksums(folder, ours=(folder / MARKER).is_file())
     try:
         found = pretrained.locate(folder)
         cfg, params = pretrained.load(found)
@@ -81,7 +90,8 @@ def read_sentence_folder(folder: Path) -> tuple[Embedder, dict[str, Tensor], Pat
     if found.tokenizer is None:
         raise KeptError(f"{folder}: no tokenizer.json")
     special = load_tokenizer(found.tokenizer).special_ids
-    length = min(_max_length(folder), cfg.max_seq_len)
+    _check_case(found.folder)
+    length = min(_max_length(found.folder, folder), cfg.max_seq_len)
     prompts, default = _prompts(folder)
     meta = {
         "kind": "embedder",
@@ -119,16 +129,30 @@ def _prompts(folder: Path) -> tuple[dict[str, str], str | None]:
     return prompts, default
 
 
-def _max_length(folder: Path) -> int:
+def _check_case(module: Path) -> None:
+    """KeptError where the Transformer module lower-cases each text before its tokenizer (its
+    sentence_bert_config.json's do_lower_case, which some older folders set): cram embeds a text as written."""
+    path = module / CONFIG
+    settings = _read(path) if path.is_file() else None
+    if isinstance(settings, dict) and settings.get("do_lower_case") is True:
+        raise KeptError(
+            f"{path}: do_lower_case true: sentence-transformers lower-cases each text before its tokenizer, "
+            "cram embeds it as written, so their vectors would differ"
+        )
+
+
+def _max_length(module: Path, root: Path) -> int:
     """Where the folder's model cuts a text: sentence_bert_config.json's max_seq_length, else its
-    tokenizer's model_max_length."""
-    for name, key in ((CONFIG, "max_seq_length"), ("tokenizer_config.json", "model_max_length")):
-        if (folder / name).is_file():
-            settings = _read(folder / name)
-            value = settings.get(key) if isinstance(settings, dict) else None
-            if type(value) is int and value >= 3:
-                return value
-    raise KeptError(f"{folder / CONFIG}: no max_seq_length (nor a model_max_length in tokenizer_config.json)")
+    tokenizer's model_max_length, read where sentence-transformers reads them: in the Transformer module's
+    folder (`module`: the root, or a sub-folder such as `0_Transformer/` in older layouts), then the root."""
+    for folder in dict.fromkeys((module, root)):
+        for name, key in ((CONFIG, "max_seq_length"), ("tokenizer_config.json", "model_max_length")):
+            if (folder / name).is_file():
+                settings = _read(folder / name)
+                value = settings.get(key) if isinstance(settings, dict) else None
+                if type(value) is int and value >= 3:
+                    return value
+    raise KeptError(f"{module / CONFIG}: no max_seq_length (nor a model_max_length in tokenizer_config.json)")
 
 
 def _read(path: Path) -> Any:

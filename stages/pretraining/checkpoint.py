@@ -105,20 +105,6 @@ def load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], 
         raise CheckpointError(str(e)) from None
 
 
-def newest(root: Path, count: int) -> list[Path]:
-    """The newest `count` complete checkpoints under `root` (fewer where fewer are there), oldest first, each
-    verified: CheckpointError names the first file that does not match its checksum."""
-    paths = _complete(root)[-count:]
-    for path in paths:
-        verify(path)
-    return paths
-
-
-def step_of(path: Path) -> int:
-    """The step of the checkpoint folder `path` (`step-N`)."""
-    return int(_NAME.fullmatch(path.name).group(1))
-
-
 def _complete(root: Path) -> list[Path]:
     if not root.is_dir():
         return []

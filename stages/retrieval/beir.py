@@ -11,6 +11,7 @@ reader of a task's JSON-lines files.
 from __future__ import annotations
 
 import csv
+import itertools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,6 +68,8 @@ def read_beir(folder: Path) -> BeirSet:
         if path.is_file():
             qrels[split] = read_qrels(path)
             _check_known(path, qrels[split], corpus, queries)
+            if split != "dev":  # dev is not read
+                _check_relevant(path, qrels[split], split)
     return BeirSet(folder, corpus, queries, qrels)
 
 
@@ -100,7 +103,7 @@ def read_pairs(path: Path) -> tuple[Pair, ...]:
     """Training pairs from a JSON-lines file: `query` and `positive` in each record, `negative` optional
     (in every record or in none: a batch's hard-negative column is all or nothing)."""
     pairs = []
-    for n, record in enumerate(_parse(path), 1):
+    for n, (where, record) in enumerate(iter_records(path), 1):
         texts = {}
         for key in ("query", "positive", "negative"):
             value = record.get(key)
@@ -113,6 +116,7 @@ def read_pairs(path: Path) -> tuple[Pair, ...]:
             if not value.strip():
                 raise StageError(f"{path}: record {n} has an empty {key!r}")
             texts[key] = value
+        _check_distinct(texts, where)
         pairs.append(Pair(**texts))
     if not pairs:
         raise StageError(f"{path}: no pairs")
@@ -124,6 +128,15 @@ def read_pairs(path: Path) -> tuple[Pair, ...]:
             "give one to every record or to none"
         )
     return tuple(pairs)
+
+
+def _check_distinct(texts: dict[str, str], where: str) -> None:
+    """Refuse a record two of whose texts are one text (compared as the leak check compares them, without
+    the whitespace at either end): a positive that is its query teaches nothing, a negative that is its
+    positive (or its query) is trained both toward and away from it."""
+    for first, second in itertools.combinations(texts, 2):
+        if texts[first].strip() == texts[second].strip():
+            raise StageError(f"{where}: its {second!r} is the same text as its {first!r}; a pair's texts must differ")
 
 
 def qrels_pairs(beir: BeirSet, split: str = "train") -> tuple[Pair, ...]:
@@ -214,6 +227,19 @@ def _check_known(path: Path, qrels: Qrels, corpus: dict[str, Document], queries:
                 f"{path}: {len(unknown)} {what} id{'s' if len(unknown) > 1 else ''} not in {file}, "
                 f"the first {unknown[0]!r}"
             )
+
+
+def _check_relevant(path: Path, qrels: Qrels, split: str) -> None:
+    """A split whose every judgement scores 0 or less holds no relevant document: its test queries could
+    not be scored (each metric divides by the query's relevant documents), its training queries pair with
+    nothing."""
+    if any(relevance > 0 for judged in qrels.values() for relevance in judged.values()):
+        return
+    what = "no test query can be scored" if split == "test" else "it gives no training pairs"
+    raise StageError(
+        f"{path}: every judgement scores 0 or less, so no query has a relevant document and {what}; "
+        "a relevant document scores 1 or more"
+    )
 
 
 def _integer(text: str) -> int | None:

@@ -12,8 +12,11 @@ trec_eval's rules, read in its source (usnistgov/trec_eval: form_res_rels.c, m_n
 MRR@10 is trec_eval's recip_rank on the run cut at 10 (trec_eval has no cut of its own for it; BEIR's
 MRR@k is the same): 1 / the rank of the first relevant document, 0 where none is in the first 10.
 
-A query whose qrels hold no relevant document scores nothing either way: it is left out of the means
-and counted (trec_eval would average in its zeros).
+A query whose qrels hold no relevant document has nothing to find: it is left out of the means and
+counted. trec_eval (pytrec_eval, and so BEIR's evaluator) scores it 0 on every metric and averages the
+zeros in: where queries are left out, its mean is this one times scored / (scored + left out). A run
+where no query has a relevant document has no score at all: `score_run` refuses it (ValueError) rather
+than report a mean of nothing (NaN); the BEIR reader refuses such qrels first (`beir.read_beir`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ METRICS = ("ndcg@10", "recall@100", "mrr@10")
 @dataclass(frozen=True)
 class Scores:
     per_query: dict[str, dict[str, float]]  # query id -> metric -> score
-    mean: dict[str, float]  # metric -> mean over the scored queries (nan where none is)
+    mean: dict[str, float]  # metric -> mean over the scored queries
     left_out: int  # test queries with no relevant document in their qrels
 
 
@@ -41,7 +44,7 @@ def ranking(scores: dict[str, float]) -> list[str]:
 
 def score_run(run: Run, qrels: Qrels) -> Scores:
     """Every metric of every query in `qrels` with a relevant document; a query the run lacks ranks
-    nothing and scores 0."""
+    nothing and scores 0. ValueError where no query has a relevant document."""
     per_query = {}
     for query, judged in qrels.items():
         if not any(relevance > 0 for relevance in judged.values()):
@@ -52,10 +55,9 @@ def score_run(run: Run, qrels: Qrels) -> Scores:
             "recall@100": recall(ranked, judged, 100),
             "mrr@10": reciprocal_rank(ranked, 10),
         }
-    mean = {
-        metric: math.fsum(s[metric] for s in per_query.values()) / len(per_query) if per_query else math.nan
-        for metric in METRICS
-    }
+    if not per_query:
+        raise ValueError(f"none of the {len(qrels)} queries has a relevant document (a judgement above 0): no score")
+    mean = {metric: math.fsum(s[metric] for s in per_query.values()) / len(per_query) for metric in METRICS}
     return Scores(per_query, mean, len(qrels) - len(per_query))
 
 

@@ -119,6 +119,13 @@ def retrieval_result(task: RetrievalLoaded, seeds: list[int], runs: list[dict], 
         "time_s": round(sum(r["time_s"] for r in runs), 3),
     }
     ctx.log.info("task", task=task.task.name, median=result["median"], baseline=baseline.mean, time_s=result["time_s"])
+    if result["queries_left_out"]:
+        ctx.log.info(
+            "test queries left out: no relevant document in their qrels",
+            task=task.task.name,
+            left_out=result["queries_left_out"],
+            scored=result["queries_scored"],
+        )
     return result
 
 

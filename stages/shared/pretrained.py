@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 _SHARD_INDEX = "model.safetensors.index.json"
 _MODULES = "modules.json"  # a sentence-transformers folder
 _ST = "sentence_transformers."
+_FAMILY_MODULES = ("BERT", "RoBERTa", "DistilBERT", "XLMRoBERTa", "ALBERT", "CamemBERT", "XLNet", "T5")
 # A Pooling module's modes as evaluate's `pooling` names them, in sentence-transformers 2 to 5's spelling
 # (a flag each) and 6's (`pooling_mode`, a name or a list of them); other modes (max, weighted mean) have none.
 POOLING_FLAGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "first"}
@@ -194,10 +195,13 @@ def _sentence_transformers(root: Path) -> Pretrained:
 def sentence_module(kind: object) -> str | None:
     """The class name a modules.json `type` names, where it is one of sentence-transformers' own: the last
     part of `sentence_transformers.models.Pooling` (2 to 5) or of
-    `sentence_transformers.sentence_transformer.modules.pooling.Pooling` (6)."""
+    `sentence_transformers.sentence_transformer.modules.pooling.Pooling` (6). The earliest versions'
+    per-family classes (`sentence_transformers.models.BERT` in a `0_BERT/` folder) are the Transformer
+    module's forerunners: a transformers model folder, read the same way."""
     if not isinstance(kind, str) or not kind.startswith(_ST):
         return None
-    return kind.rsplit(".", 1)[-1]
+    name = kind.rsplit(".", 1)[-1]
+    return "Transformer" if name in _FAMILY_MODULES else name
 
 
 def sentence_pooling(settings: object) -> str | None:
