@@ -154,6 +154,15 @@ def test_training_pairs_come_from_train_qrels_then_a_pairs_file_then_the_corpus(
     assert not any(a <= set(f"{p.query} {p.positive}".split()) for p in untitled.pairs for a in answers)
 
 
+def test_a_training_pair_whose_query_is_a_test_query_is_dropped_and_counted(tmp_path):
+    folder, file = write_beir(tmp_path / "set"), write_pairs(tmp_path / "pairs.jsonl")
+    rows = [json.loads(line) for line in file.read_text().splitlines()]
+    rows[0]["query"] = json.loads((folder / "queries.jsonl").read_text().splitlines()[0])["text"] + " "
+    file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = pairs.load_beir_task("t", str(folder), str(file), "evaluate.tasks[0]")
+    assert task.pairs_dropped == 1 and len(task.pairs) == len(rows) - 1
+
+
 def test_a_hard_negative_batch_has_the_loss_of_infonce_written_out_with_its_negatives(tmp_path):
     file = write_pairs(tmp_path / "pairs.jsonl", negative=True)
     config, loaded = task_of(write_beir(tmp_path / "set"), pairs=str(file), batch_size=8)

@@ -36,7 +36,12 @@ def test_a_retrieval_task_is_scored_beside_bm25_and_kept_as_an_embedder(tmp_path
     stage = tmp_path / "runs" / "base" / "evaluate"
     task = json.loads((stage / "results.json").read_text())["tasks"]["topics"]
     assert task["kind"] == "retrieval" and task["seeds"] == [0, 1] and task["pairs_source"] == "titles"
-    assert (task["train_pairs"], task["queries_scored"], task["queries_left_out"]) == (30, 10, 0)
+    assert (task["train_pairs"], task["queries_scored"], task["queries_left_out"], task["pairs_dropped"]) == (
+        30,
+        10,
+        0,
+        0,
+    )
     assert set(task["median"]["test"]) == set(task["baseline"]["test"]) == {"ndcg@10", "recall@100", "mrr@10"}
     inspect = cram("inspect", "runs/base", "evaluate", "--lines", "0").output
     assert '"topics_ndcg@10"' in inspect and '"topics_baseline"' in inspect, inspect
@@ -83,6 +88,8 @@ def _append(path: str, text: str):
 
 
 def _pairs(negative: bool = False, drop: str = "", leak: bool = False, degenerate: bool = False):
+    """A pairs file; `leak`: every pair's query a test query's text."""
+
     def setup(ws: Path) -> None:
         path = write_pairs(ws / "pairs.jsonl", negative=negative)
         rows = [json.loads(line) for line in path.read_text().splitlines()]
@@ -91,7 +98,8 @@ def _pairs(negative: bool = False, drop: str = "", leak: bool = False, degenerat
         if degenerate:
             rows[3]["negative"] = rows[3]["positive"]
         if leak:
-            rows[0]["query"] = json.loads((ws / "beir" / "queries.jsonl").read_text().splitlines()[0])["text"]
+            test = json.loads((ws / "beir" / "queries.jsonl").read_text().splitlines()[0])["text"]
+            rows = [{**row, "query": test} for row in rows]
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     return setup
@@ -113,7 +121,7 @@ BAD = [
     ("score not an integer", _append("beir/qrels/test.tsv", "q11\td11\thigh\n"), RETRIEVAL, "is not an integer"),
     ("qrels id unknown", _append("beir/qrels/test.tsv", "q11\tnowhere\t1\n"), RETRIEVAL, "not in corpus.jsonl"),
     ("pairs without positive", _pairs(drop="positive"), WITH_PAIRS, "record 4 has no 'positive'"),
-    ("pairs leak a test query", _pairs(leak=True), WITH_PAIRS, "also test queries of"),
+    ("every pair leaks a test query", _pairs(leak=True), WITH_PAIRS, "no pairs are left to train on"),
     ("negative is positive", _pairs(negative=True, degenerate=True), WITH_PAIRS, "pairs.jsonl:4: record 4: its 'neg"),
     ("no test judgement above 0", _unjudged, RETRIEVAL, "qrels/test.tsv: every judgement scores 0 or less"),
     ("no pairs possible", _no_title_short_docs, RETRIEVAL, "evaluate.tasks[0]: no training pairs"),

@@ -5,8 +5,8 @@ training pairs, from a BEIR folder (`kind = "retrieval"`) or from tokenize's hel
 Training pairs, in this order of preference: the folder's `qrels/train.tsv` ("qrels"); the task's pairs
 file ("pairs"); else pairs made from the corpus itself, from documents no test query finds relevant: a
 document's title against its text where documents have titles ("titles"), else a span of a document
-against the rest of it ("inverse-cloze", Lee et al. 2019's pretext task). No test query may be a
-training query (`beir.check_no_leak`).
+against the rest of it ("inverse-cloze", Lee et al. 2019's pretext task). A training pair whose query
+is a test query's text is dropped and counted (`beir.without_leaks`).
 
 The held-out documents are split by a hash of their title (of their text when untitled) into train and
 test, as the topic task splits them: the test documents' texts form the corpus and their titles the
@@ -42,6 +42,7 @@ class RetrievalTask:
     qrels: Qrels  # the test judgements
     pairs: tuple[Pair, ...]  # training pairs
     source: str  # SOURCES: where the pairs came from
+    pairs_dropped: int = 0  # training pairs whose query was a test query's text
 
     metrics = METRICS
     tests = ("test",)
@@ -69,9 +70,14 @@ def load_beir_task(name: str, path: str, pairs_file: str, where: str) -> Retriev
                 f"{where}: no training pairs: {folder} has no qrels/train.tsv, no pairs file is given, and its "
                 f"documents not judged relevant to a test query have neither titles nor {CLOZE_MIN_WORDS} words"
             )
-    beir.check_no_leak(found, pairs, where)
+    pairs, dropped = beir.without_leaks(found, pairs)
+    if not pairs:
+        raise StageError(
+            f"{where}: every one of the {dropped} training pairs ({source}) has a test query of "
+            f"{folder / 'qrels/test.tsv'} as its query: no pairs are left to train on"
+        )
     queries = {q: found.queries[q] for q in test}
-    return RetrievalTask(name, found.corpus, queries, test, pairs, source)
+    return RetrievalTask(name, found.corpus, queries, test, pairs, source, dropped)
 
 
 def load_heldout_task(name: str, path: Path, test_fraction: float) -> RetrievalTask:

@@ -99,6 +99,7 @@ def retrieval_result(task: RetrievalLoaded, seeds: list[int], runs: list[dict], 
         "metrics": list(METRICS),
         "train_pairs": len(task.task.pairs),
         "pairs_source": task.task.source,
+        "pairs_dropped": task.task.pairs_dropped,
         "corpus_documents": len(task.task.corpus),
         "test_queries": len(task.task.queries),
         "queries_scored": runs[0]["queries_scored"],
@@ -119,6 +120,13 @@ def retrieval_result(task: RetrievalLoaded, seeds: list[int], runs: list[dict], 
         "time_s": round(sum(r["time_s"] for r in runs), 3),
     }
     ctx.log.info("task", task=task.task.name, median=result["median"], baseline=baseline.mean, time_s=result["time_s"])
+    if task.task.pairs_dropped:
+        ctx.log.info(
+            "training pairs dropped: their query is a test query's text",
+            task=task.task.name,
+            dropped=task.task.pairs_dropped,
+            kept=len(task.task.pairs),
+        )
     if result["queries_left_out"]:
         ctx.log.info(
             "test queries left out: no relevant document in their qrels",
