@@ -85,3 +85,12 @@ def test_scores_equal_pytrec_eval_on_random_runs_with_ties():
     share = len(ours.per_query) / len(qrels)
     theirs_mean = sum(t["ndcg_cut_10"] for t in theirs.values()) / len(theirs)
     assert len(theirs) == len(qrels) and theirs_mean == pytest.approx(ours.mean["ndcg@10"] * share, abs=1e-12)
+
+
+def test_a_document_whose_id_is_the_querys_is_dropped_as_beir_drops_it():
+    # ArguAna's way: the query is a corpus document too and finds itself first.
+    run = {"q1": {"q1": 9.0, "a": 5.0, "b": 4.0}}
+    qrels = {"q1": {"a": 1}}
+    assert score_run(run, qrels).mean == {"ndcg@10": 1.0, "recall@100": 1.0, "mrr@10": 1.0}
+    kept = score_run(run, qrels, ignore_identical_ids=False).mean
+    assert kept["mrr@10"] == 0.5 and kept["ndcg@10"] == pytest.approx(1 / math.log2(3))

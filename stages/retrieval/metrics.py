@@ -42,14 +42,20 @@ def ranking(scores: dict[str, float]) -> list[str]:
     return sorted(by_id, key=lambda doc: -scores[doc])  # stable: equal scores keep the id order
 
 
-def score_run(run: Run, qrels: Qrels) -> Scores:
+def score_run(run: Run, qrels: Qrels, ignore_identical_ids: bool = True) -> Scores:
     """Every metric of every query in `qrels` with a relevant document; a query the run lacks ranks
-    nothing and scores 0. ValueError where no query has a relevant document."""
+    nothing and scores 0. ValueError where no query has a relevant document. `ignore_identical_ids`: a
+    retrieved document whose id is the query's is dropped first, as BEIR's evaluator drops it (in
+    ArguAna and Quora a query is also a corpus document, which would find itself first); retrieve one
+    more than the deepest cut (Recall@100) so that the cut stays full."""
     per_query = {}
     for query, judged in qrels.items():
         if not any(relevance > 0 for relevance in judged.values()):
             continue
-        ranked = [judged.get(doc, 0) for doc in ranking(run.get(query, {}))]
+        found = run.get(query, {})
+        if ignore_identical_ids and query in found:
+            found = {doc: score for doc, score in found.items() if doc != query}
+        ranked = [judged.get(doc, 0) for doc in ranking(found)]
         per_query[query] = {
             "ndcg@10": ndcg(ranked, judged, 10),
             "recall@100": recall(ranked, judged, 100),

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
     Rows: TypeAlias = tuple[list[np.ndarray], np.ndarray]  # (ragged rows of ids, their lengths)
 
-TOP_K = 100  # documents retrieved per query: Recall@100's depth
+TOP_K = 101  # documents retrieved per query: Recall@100's depth and one the query itself may take (score_run)
 
 
 @dataclass(frozen=True)
