@@ -294,11 +294,14 @@ def test_topics_leave_out_unlabelled_and_split_deterministically(tmp_path):
         (dict(kind="custom", name="c", path="x", metrics=("accuracy",)), "text_fields"),
         (dict(kind="glue", name="cola", metrics=("accuracy",)), "only a custom task"),
         (dict(test_fraction=1.0), "test_fraction"),
+        (dict(kind="ner", name="n"), r"tasks\[0\]\.kind: 'ner' is no kind of task; choose one of heldout-topic, glue"),
+        (dict(kind="custom", name="c", path="x", text_fields=("t",), metrics=("f1",), pooling="mean"), "only a retr"),
+        (dict(kind="heldout-retrieval", name="r", label_field="y"), "label_field: only a classification task"),
     ],
 )
 def test_task_config_rejects(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        TaskConfig(**kwargs)
+        Config(tasks=[TaskConfig(**kwargs)])
 
 
 @pytest.mark.parametrize(
