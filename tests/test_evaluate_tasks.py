@@ -383,3 +383,25 @@ def test_a_custom_task_field_past_csv_s_default_limit_loads(tmp_path):
     (tmp_path / "test.csv").write_text("text,label\nc,a\n")
     task = tasks.load_custom("c", str(tmp_path), ("text",), "label", ("accuracy",), "t")
     assert task.train.texts == [(long,), ("short",)]
+
+
+def test_every_registered_kind_is_a_kind_and_owns_its_fields_alone():
+    import dataclasses
+
+    from cram.stages.evaluating import kinds
+    from cram.stages.tasks.kind import Kind
+
+    names = [name for kind in kinds.KINDS for name in kind.kinds]
+    assert len(names) == len(set(names)) == len(kinds.BY_NAME) == 5
+    assert TaskConfig().kind in names and all(isinstance(kind, Kind) for kind in kinds.KINDS)
+    fields = {f.name for f in dataclasses.fields(TaskConfig)}
+    owned = [key for kind in kinds.KINDS for key in kind.fields]
+    assert len(owned) == len(set(owned)) and set(owned) <= fields
+    assert all(set(kind.unkeyed) <= set(kind.fields) and set(kind.lengths) <= fields for kind in kinds.KINDS)
+    for name in names:  # each kind's own fields stay off the other kinds' entries
+        for kind in kinds.KINDS:
+            if name not in kind.kinds and kind.fields:
+                key = kind.fields[-1]
+                value = "first" if key == "pooling" else ("x",) if key in ("text_fields", "metrics") else "x"
+                with pytest.raises(ValueError, match=f"{key}: only a {kind.name} task takes them; {name} has none"):
+                    Config(tasks=[TaskConfig(kind=name, name="t", path="p", **{key: value})])

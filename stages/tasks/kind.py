@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -62,6 +62,7 @@ class Start:
     scratch: Path
 
 
+@runtime_checkable
 class Runner(Protocol):
     """One kind's fine-tunes in a stage: its compiled graphs in each precision tried, checked against eager
     ones (the canary), and its seeds run in the precision chosen."""
@@ -81,6 +82,7 @@ class Runner(Protocol):
         ...
 
 
+@runtime_checkable
 class Kind(Protocol):
     """A kind of evaluate task, what the orchestration calls of it, in the order a stage does."""
 
