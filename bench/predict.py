@@ -40,7 +40,8 @@ from cram.pipeline.commands.export import export
 from cram.pipeline.schema import StageRecord
 from cram.pipeline.store import write_marker
 from cram.stages import Upstream, evaluate, tokenize
-from cram.stages.finetuning import kept
+from cram.stages.evaluating import kept
+from cram.stages.finetuning.kind import describe
 from cram.stages.finetuning.tasks import Examples, Task
 
 LABELS = ("low", "mid", "high")
@@ -72,7 +73,7 @@ def make_exports(root: Path, texts: list[str], preset: str, max_length: int, bat
     task = Task("bench", ("accuracy",), LABELS, empty, {"test": empty})
     upstream = Upstream(run / "tokenize", {"tokenizer": "tokenizer.model", "special_ids": special})
     keeper = kept.Keeper("best", run / "evaluate", run / "pretrain" / "model.json", {0: {}})
-    keeper.meta[0] = kept.describe(config.tuning(), task_cfg, task, max_length, upstream)
+    keeper.meta[0] = describe(config.tuning(), task_cfg, task, max_length, kept.tokenizer_fields(upstream))
     keeper.offer(0, 0, task, {**params, **init_head(cfg, len(LABELS), 0, head="modernbert")}, _run())
     outputs = {"classifiers": keeper.finish([(0, 0)], {0: 0})}
     write_marker(run / "evaluate", "evaluate", KEY, StageRecord(outputs=outputs))

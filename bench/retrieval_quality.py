@@ -262,12 +262,12 @@ def cram_child(args: argparse.Namespace) -> dict:
     import torch
 
     from cram.stages import evaluate
-    from cram.stages.finetuning.config import TaskConfig
     from cram.stages.retrieval import results
     from cram.stages.retrieval.tuning import Embedder, Making, epoch_batches
     from cram.stages.shared.precision import candidates
     from cram.stages.shared.pretrained import load, locate
     from cram.stages.shared.tokenizer import load as load_tokenizer
+    from cram.stages.tasks.config import TaskConfig
 
     began = time.perf_counter()
     found = locate(args.work / args.init)
@@ -276,7 +276,7 @@ def cram_child(args: argparse.Namespace) -> dict:
     entry = TaskConfig(kind="heldout-retrieval", name=args.set, epochs=1, lr=args.lr, max_length=MAX_LENGTH)
     entry = TaskConfig(**{**entry.__dict__, "query_max_length": QUERY_MAX_LENGTH, "batch_size": args.batch})
     config = evaluate.Config(tasks=[entry], warmup=WARMUP, dropout=DROPOUT, compile=False).linked({})
-    settings = config.retrieval_settings(entry)
+    settings = config.settings(entry)
     loaded = results.loaded(entry, task_of(args), tokenizer, tokenizer.special_ids, settings)
     device = torch.device("cpu")
     precision = candidates("auto", device, "inductor", compiled=False)[0]

@@ -3,9 +3,9 @@ pretraining, so that every continued run says what continuing bought (`[evaluate
 
 The checkpoint is loaded as pretrain loads it (`stages/shared/pretrained.py`, a masked-LM head made from
 the run's seed where it has none, the tokenizer's padding id) and fine-tuned as evaluate fine-tunes the
-continued model (`stages/finetuning/scoring.py`): the same tasks, seeds and settings, so its scores are
+continued model (`stages/evaluating/scoring.py`): the same tasks, seeds and settings, so its scores are
 those a zero-budget run of the checkpoint gets. Evaluate reads its results as an upstream and sets each
-task's continued score beside the starting one (`stages/finetuning/versus.py`).
+task's continued score beside the starting one (`stages/evaluating/versus.py`).
 
 A stage of its own, rather than a part of evaluate, for its cache key: evaluate's settings, the run's
 seed, the checkpoint's contents (`fingerprint`) and tokenize's key, but not pretrain's. A second run
@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from cram.stages import Context, Pipeline, StageError, Upstream
-from cram.stages.finetuning.checks import heldout_gap
-from cram.stages.finetuning.config import Config as EvaluateConfig
-from cram.stages.finetuning.config import keyed_tasks
-from cram.stages.finetuning.scoring import Checkpoint, Report, fitting_tasks, score, task_files
+from cram.stages.evaluating.checks import heldout_gap
+from cram.stages.evaluating.config import Config as EvaluateConfig
+from cram.stages.evaluating.config import keyed_tasks
+from cram.stages.evaluating.scoring import Checkpoint, Report, fitting_tasks, score, task_files
 from cram.stages.shared import device as devices
 from cram.stages.shared import pretrained
 from cram.stages.shared.files import write_atomic

@@ -2,15 +2,16 @@
 
 - Masked-LM loss and accuracy on the pack stage's held-out blocks, masked as in pretraining but with a
   fixed seed, so a re-run gives the same numbers.
-- Fine-tuning tasks (`stages/finetuning/tasks.py` loads them): the held-out Wikipedia articles' topics, GLUE, or a
-  custom CSV / JSON-lines task. Every task and seed starts from the pretrained params with a fresh
+- Fine-tuning tasks, each of a kind that its own wing runs (stages/tasks/kind.py; the registry:
+  stages/evaluating/kinds.py). Classification (`stages/finetuning/`): the held-out Wikipedia articles' topics,
+  GLUE, or a custom CSV / JSON-lines task. Every task and seed starts from the pretrained params with a fresh
   head; the median over seeds is reported beside the majority-class baseline.
 - Retrieval tasks (`stages/retrieval/`): a BEIR folder, or the held-out documents' titles against their
   texts; a contrastive fine-tune per seed, nDCG@10, Recall@100 and MRR@10 beside BM25's (docs/retrieval.md).
 - Continuing a checkpoint (`[pretrain] init`), beside what the checkpoint scored before pretraining
   (`[evaluate] baseline`): the baseline stage's results, which this stage reads as an upstream.
 
-Fine-tuning itself and the results it writes are `stages/finetuning/scoring.py`'s, shared with the
+Fine-tuning itself and the results it writes are `stages/evaluating/scoring.py`'s, shared with the
 baseline stage.
 
 Fine-tuning (`stages/finetuning/finetune.py`) is compiled: the step (forward, loss, gradient, AdamW) is one
@@ -20,12 +21,12 @@ graph and prediction another, each compiled at most once per length bucket.
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any
 
 from cram.stages import Context, Pipeline, StageError, Upstream
-from cram.stages.finetuning.checks import (
+from cram.stages.evaluating import kinds
+from cram.stages.evaluating.checks import (
     check_against_the_model,
     check_pooler,
     check_task,
@@ -35,11 +36,9 @@ from cram.stages.finetuning.checks import (
 )
 
 # The stage's config lives in its wing; `evaluate.Config` and `evaluate.TaskConfig` name it here.
-from cram.stages.finetuning.config import Config as Config
-from cram.stages.finetuning.config import TaskConfig as TaskConfig
-from cram.stages.finetuning.config import keyed_tasks
-from cram.stages.finetuning.finetune import load_task
-from cram.stages.finetuning.scoring import (
+from cram.stages.evaluating.config import Config as Config
+from cram.stages.evaluating.config import keyed_tasks
+from cram.stages.evaluating.scoring import (
     Report,
     fitting_tasks,
     load_checkpoint,
@@ -48,6 +47,8 @@ from cram.stages.finetuning.scoring import (
     task_files,
 )
 from cram.stages.shared import device as devices
+from cram.stages.tasks.config import TaskConfig as TaskConfig
+from cram.stages.tasks.kind import count
 
 NAME = "evaluate"
 VERSION = "6"
@@ -115,41 +116,16 @@ def describe(config: Config, pipeline: Pipeline) -> str:
         config = fitting_tasks(config, task_gap(tokenize, config, None if pack is None else pack.seq_len))
     parts = []
     for i, task in enumerate(config.tasks):
-        settings = config.task_settings(task)
-        epochs, seeds = settings.epochs, settings.seeds
-        if task.kind == "heldout-topic":
-            steps = "steps known after tokenize"
-        elif task.kind == "heldout-retrieval":
-            steps = "contrastive steps known after tokenize (held-out titles against their texts, beside BM25)"
-        elif task.kind == "retrieval":
-            steps = _retrieval_steps(config, task, i)
-        elif not task.path:
-            steps = "steps known once fetched from the hub"
-        else:
-            batches = math.ceil(len(load_task(task, i, None).train.labels) / config.batch_size)
-            steps = f"{_count(epochs * batches, 'step')} ({_count(epochs, 'epoch')} x "
-            steps += f"{_count(batches, 'batch', 'batches')} of {config.batch_size})"
-        parts.append(f"{task.name} {steps} x {_count(seeds, 'seed')}")
+        steps = kinds.of(task.kind).steps(task, i, config.settings(task), config.batch_size)
+        parts.append(f"{task.name} {steps} x {count(config.task_settings(task).seeds, 'seed')}")
     head = _head_choice(config, pipeline.stages.get("pretrain"))
     return "fine-tunes " + "; ".join([*parts, *head]) if parts else ""
-
-
-def _retrieval_steps(config: Config, task: TaskConfig, index: int) -> str:
-    """A BEIR task's contrastive steps per seed: epochs x full batches of its pairs (fewer where texts repeat)."""
-    from cram.stages.retrieval.results import load_task as load_retrieval
-
-    settings = config.retrieval_settings(task)
-    found = load_retrieval(task, index, None, settings)
-    batches = len(found.pairs) // settings.batch_size
-    steps = f"{_count(settings.epochs * batches, 'contrastive step')} ({_count(settings.epochs, 'epoch')} x "
-    steps += f"{_count(batches, 'batch', 'batches')} of {settings.batch_size} {found.source} pairs, "
-    return steps + f"{len(found.queries)} test queries over {_count(len(found.corpus), 'document')}, beside BM25)"
 
 
 def _head_choice(config: Config, pretrain: Any) -> list[str]:
     """The head a run from `pretrain.init` fine-tunes with and why (nothing from scratch, where it is
     cramming's unless set), with what an export to transformers would need instead."""
-    from cram.stages.finetuning.config import init_head
+    from cram.stages.evaluating.config import init_head
     from cram.stages.shared import pretrained
 
     if not getattr(pretrain, "init", ""):
@@ -176,10 +152,6 @@ def _head_choice(config: Config, pretrain: Any) -> list[str]:
     if blockers := hf.classifier_blockers(cfg, config.head, config.head_width, config.pooling):
         return [f"{chosen}; an export to transformers' {family} classifier needs {', '.join(blockers)})"]
     return [f"{chosen}, which `cram export --format transformers` writes as {family}'s classifier)"]
-
-
-def _count(n: int, noun: str, plural: str = "") -> str:
-    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:

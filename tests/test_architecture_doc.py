@@ -101,3 +101,29 @@ def test_the_import_rules_the_page_states_hold():
             if folder == "pipeline" and "commands" not in path.parts:
                 broken += [(where, n) for n in found if n.startswith("cram.pipeline.commands")]
     assert not broken, broken
+
+
+def test_task_kinds_are_wings_side_by_side_and_the_orchestration_dispatches_through_the_registry():
+    """The page's "Task kinds": a wing imports no other wing nor the orchestration above it; the bottom
+    (stages/tasks/) imports no wing; and outside the wings no code asks a task entry which kind it is."""
+    wings = {"finetuning": "cram.stages.finetuning", "retrieval": "cram.stages.retrieval"}
+    above = ("cram.stages.evaluating", "cram.stages.evaluate", "cram.stages.baseline")
+    broken = []
+    for wing in wings:
+        for path in (REPO / "stages" / wing).rglob("*.py"):
+            others = tuple(module for name, module in wings.items() if name != wing) + above
+            broken += [(path.name, n) for n in imports(path) if n.startswith(others)]
+    for path in (REPO / "stages" / "tasks").rglob("*.py"):
+        broken += [(path.name, n) for n in imports(path) if n.startswith(tuple(wings.values()) + above)]
+    assert not broken, broken
+    orchestration = [*(REPO / "stages" / "evaluating").rglob("*.py"), REPO / "stages" / "evaluate.py"]
+    orchestration.append(REPO / "stages" / "baseline.py")
+    # `found.kind`: a checkpoint's kind (stages/shared/pretrained.py), no task's
+    asks = re.compile(r"(?<!found)\.kind\s*(==|!=|in\b|not in\b)|isinstance\([^)]*Loaded")
+    found = [
+        f"{p.relative_to(REPO)}:{i}: {line.strip()}"
+        for p in orchestration
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+        if asks.search(line)
+    ]
+    assert not found, found

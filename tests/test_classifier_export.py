@@ -19,7 +19,8 @@ from cram.pipeline.commands.export import export
 from cram.pipeline.schema import StageRecord
 from cram.pipeline.store import write_marker
 from cram.stages import Upstream, evaluate, tokenize
-from cram.stages.finetuning import kept as keeping
+from cram.stages.evaluating import kept as keeping
+from cram.stages.finetuning.kind import describe
 from cram.stages.finetuning.tasks import Examples, Task
 from cram.stages.kept import KeptError, load_export, open_export, read_classifier
 from cram.stages.kept.predicting import Settings
@@ -56,7 +57,7 @@ def with_classifier(run, cfg, head, pooling="first", width=0, labels=LABELS, kee
     upstream = Upstream(run / "tokenize", {"tokenizer": "tokenizer.model", "special_ids": SPECIAL_IDS})
     folder = run / "evaluate"
     folder.mkdir()
-    meta = {0: keeping.describe(config.tuning(), task_cfg, task, config.max_length, upstream)}
+    meta = {0: describe(config.tuning(), task_cfg, task, config.max_length, keeping.tokenizer_fields(upstream))}
     keeper = keeping.Keeper(keep, folder, run / "pretrain" / "model.json", meta)
     keeper.offer(0, 0, task, params, {"scores": {"test": {"accuracy": 0.5}}})
     kept = keeper.finish([(0, 0)], {0: 0})

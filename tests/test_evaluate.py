@@ -420,7 +420,7 @@ def run_under_torchrun(config, inputs, tmp_path, port: int, **env):
 
 @pytest.mark.slow
 def test_under_torchrun_ranks_share_the_seeds_and_match_one_process(upstream, tmp_path, make_ctx, free_port):
-    from cram.stages.finetuning.finetune import share_out
+    from cram.stages.evaluating.scoring import share_out
 
     assert sorted(share_out([5, 1, 4, 2, 3, 3], 2)) == [0, 0, 0, 1, 1, 1]  # 9 and 9: balanced
     tasks = [TaskConfig(lr=3e-3, epochs=1), TaskConfig(kind="glue", name="sst2", path=str(upstream["root"] / "glue"))]

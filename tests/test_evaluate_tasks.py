@@ -294,11 +294,14 @@ def test_topics_leave_out_unlabelled_and_split_deterministically(tmp_path):
         (dict(kind="custom", name="c", path="x", metrics=("accuracy",)), "text_fields"),
         (dict(kind="glue", name="cola", metrics=("accuracy",)), "only a custom task"),
         (dict(test_fraction=1.0), "test_fraction"),
+        (dict(kind="ner", name="n"), r"tasks\[0\]\.kind: 'ner' is no kind of task; choose one of heldout-topic, glue"),
+        (dict(kind="custom", name="c", path="x", text_fields=("t",), metrics=("f1",), pooling="mean"), "only a retr"),
+        (dict(kind="heldout-retrieval", name="r", label_field="y"), "label_field: only a classification task"),
     ],
 )
 def test_task_config_rejects(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        TaskConfig(**kwargs)
+        Config(tasks=[TaskConfig(**kwargs)])
 
 
 @pytest.mark.parametrize(
@@ -380,3 +383,25 @@ def test_a_custom_task_field_past_csv_s_default_limit_loads(tmp_path):
     (tmp_path / "test.csv").write_text("text,label\nc,a\n")
     task = tasks.load_custom("c", str(tmp_path), ("text",), "label", ("accuracy",), "t")
     assert task.train.texts == [(long,), ("short",)]
+
+
+def test_every_registered_kind_is_a_kind_and_owns_its_fields_alone():
+    import dataclasses
+
+    from cram.stages.evaluating import kinds
+    from cram.stages.tasks.kind import Kind
+
+    names = [name for kind in kinds.KINDS for name in kind.kinds]
+    assert len(names) == len(set(names)) == len(kinds.BY_NAME) == 5
+    assert TaskConfig().kind in names and all(isinstance(kind, Kind) for kind in kinds.KINDS)
+    fields = {f.name for f in dataclasses.fields(TaskConfig)}
+    owned = [key for kind in kinds.KINDS for key in kind.fields]
+    assert len(owned) == len(set(owned)) and set(owned) <= fields
+    assert all(set(kind.unkeyed) <= set(kind.fields) and set(kind.lengths) <= fields for kind in kinds.KINDS)
+    for name in names:  # each kind's own fields stay off the other kinds' entries
+        for kind in kinds.KINDS:
+            if name not in kind.kinds and kind.fields:
+                key = kind.fields[-1]
+                value = "first" if key == "pooling" else ("x",) if key in ("text_fields", "metrics") else "x"
+                with pytest.raises(ValueError, match=f"{key}: only a {kind.name} task takes them; {name} has none"):
+                    Config(tasks=[TaskConfig(kind=name, name="t", path="p", **{key: value})])

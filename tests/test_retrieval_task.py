@@ -15,11 +15,12 @@ from torch._dynamo.utils import counters
 
 from cram import model
 from cram.stages import StageError
-from cram.stages.finetuning.config import Config, TaskConfig
+from cram.stages.evaluating.config import Config
 from cram.stages.retrieval import pairs, results
 from cram.stages.retrieval.tuning import Embedder, Embedders, Making, RetrievalLoaded, embedder_graphs, epoch_batches
 from cram.stages.shared.precision import FP32
 from cram.stages.shared.tokenizer import Tokenizer
+from cram.stages.tasks.config import TaskConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,7 +39,7 @@ TOKENIZER = Tokenizer("tokenizers", Path("words"), len(VOCAB), SPECIAL, words)
 def task_of(folder: Path, compile: bool = False, **task: object) -> tuple[Config, RetrievalLoaded]:
     entry = TaskConfig(kind="retrieval", name="topics", path=str(folder), **task)
     config = Config(tasks=[entry], buckets=(8, 16, 32), max_length=32, dropout=0.0, compile=compile)
-    settings = config.retrieval_settings(entry)
+    settings = config.settings(entry)
     task_ = results.load_task(entry, 0, None, settings)
     return config, results.loaded(entry, task_, TOKENIZER, SPECIAL, settings)
 
@@ -252,7 +253,7 @@ def test_queries_without_a_relevant_document_are_left_out_counted_and_said(tmp_p
 
 
 def test_keep_all_writes_every_seed_as_an_embedder_beside_the_classifiers(tmp_path):
-    from cram.stages.finetuning.kept import Keeper, kept_outputs
+    from cram.stages.evaluating.kept import Keeper, kept_outputs
 
     config, loaded = task_of(write_beir(tmp_path / "set"), batch_size=8)
     (tmp_path / "model.json").write_text("{}")

@@ -1,8 +1,8 @@
 """A retrieval task's results beside the starting checkpoint's (`baseline = "init"`, versus.py) and its
 headline figures: the same code as a classification task's, on retrieval's metrics and BM25's baseline."""
 
-from cram.stages.finetuning.scoring import headline
-from cram.stages.finetuning.versus import beside_start
+from cram.stages.evaluating.scoring import headline
+from cram.stages.evaluating.versus import beside_start
 
 
 def retrieval(ndcg: list[float]) -> dict:

@@ -16,7 +16,7 @@ from cram.pipeline import planning, runner
 from cram.stages import StageError, evaluate, tokenize
 from cram.stages.data import tasktext
 from cram.stages.data.source import CorpusConfig
-from cram.stages.finetuning.checks import topic_gap
+from cram.stages.finetuning.kind import topic_gap
 
 TRAIN_WORD = "zephyrine"  # only in the task's training rows
 TEST_WORD = "quillamorph"  # only in the task's test rows

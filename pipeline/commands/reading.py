@@ -55,7 +55,7 @@ class Versus:
 
 
 def versus(run_dir: Path, record: StageRecord) -> list[Versus]:
-    """Each task's continued and starting scores, from a done evaluate's results (stages/finetuning/versus.py);
+    """Each task's continued and starting scores, from a done evaluate's results (stages/evaluating/versus.py);
     none for a run without a baseline, or whose results cannot be read (its status says why)."""
     name = record.outputs.get("results")
     if record.status != "done" or not isinstance(name, str):

@@ -19,8 +19,8 @@ from cram.stages.shared import files as shared_files
 from cram.stages.shared import taskfiles
 
 if TYPE_CHECKING:
-    from cram.stages.finetuning.config import Config as EvaluateConfig
-    from cram.stages.finetuning.config import TaskConfig
+    from cram.stages.evaluating.config import Config as EvaluateConfig
+    from cram.stages.tasks.config import TaskConfig
 
 KINDS = ("custom", "glue")  # the kinds of evaluate task that have a training file
 

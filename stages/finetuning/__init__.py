@@ -1,4 +1,3 @@
-"""The evaluate stage's helpers: its config and the small values made of it (`config`), tasks as
-text/label examples (`tasks`: GLUE, custom files, held-out topics), their scores (`metrics`), the
-per-seed fine-tuning loop (`finetune`), the checks before it (`checks`) and the held-out masked LM
-(`heldout`)."""
+"""The classification kind of evaluate task (`kind = "heldout-topic"`, `"glue"`, `"custom"`): the kind as the
+orchestration calls it (`kind`), tasks as text/label examples (`tasks`: GLUE, custom files, held-out topics),
+their scores (`metrics`) and the per-seed fine-tuning loop (`finetune`)."""

@@ -20,6 +20,7 @@ from cram.stages.kept.batches import Padding, join
 from cram.stages.shared.device import to_device
 from cram.stages.shared.precision import stepped_difference
 from cram.stages.shared.progress import Every, track
+from cram.stages.tasks.config import FINETUNE_OPTIMIZER, PROGRESS_EVERY_S
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -29,19 +30,16 @@ if TYPE_CHECKING:
     from structlog.stdlib import BoundLogger
 
     from cram.model.config import ModelConfig
-    from cram.stages.finetuning.config import TaskConfig, TaskSettings, Tuning
     from cram.stages.finetuning.tasks import Examples, Task
     from cram.stages.shared.precision import Difference, Precision
     from cram.stages.shared.tokenizer import Tokenizer
+    from cram.stages.tasks.config import TaskConfig, TaskSettings, Tuning
 
     Split: TypeAlias = tuple[list[np.ndarray], np.ndarray, np.ndarray]  # (rows, lengths, labels)
 
 # The stage-wide hyper-parameters of every fine-tune, recorded beside each task's own (epochs, lr,
 # max_length, seeds) so that a score says everything that produced it.
 FINETUNE_SETTINGS = ("batch_size", "warmup", "weight_decay", "dropout", "pooling", "head", "head_width", "buckets")
-# cramming's fine-tuning AdamW: betas (0.9, 0.98), eps 1e-6, no gradient clipping; cosine after the warm-up.
-FINETUNE_OPTIMIZER = {"betas": (0.9, 0.98), "eps": 1e-6, "clip_norm": 0.0, "schedule": "cosine"}
-PROGRESS_EVERY_S = 30.0  # a fine-tune's progress line in the log this often (and when it starts)
 # What of a batch the model reads (`Tuner.batch`): prediction is given these alone.
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
@@ -159,18 +157,6 @@ def task_result(tuning: Tuning, loaded: Loaded, seeds: list[int], runs: list[dic
 def _json_values(settings: dict) -> dict:
     """Tuples as lists: results read back from results.json (other ranks, a cached run) compare equal."""
     return {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
-
-
-def share_out(costs: list[float], world_size: int) -> list[int]:
-    """The rank of each job: the costliest first, each to the least loaded rank (a greedy balance that
-    keeps the ranks' finishing times close, so the gather at the end waits little). Same on every rank."""
-    load = [0.0] * world_size
-    owner = [0] * len(costs)
-    for job in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
-        rank = min(range(world_size), key=lambda r: (load[r], r))
-        owner[job] = rank
-        load[rank] += costs[job]
-    return owner
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Kept models: what a run keeps of a fine-tune, read back, run on texts and written in the formats other
-tools read. Shared by the evaluate stage (which keeps classifiers, stages/finetuning/kept.py), `cram
+tools read. Shared by the evaluate stage (which keeps classifiers, stages/evaluating/kept.py), `cram
 predict` and `cram export`; the commands parse, call this room and print.
 
     folder.py          a kept folder's files, their checksums, and the classifier or embedding model it holds

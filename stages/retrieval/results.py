@@ -19,11 +19,12 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from cram.stages import Context, Upstream
-    from cram.stages.finetuning.config import RetrievalSettings, TaskConfig
     from cram.stages.retrieval.metrics import Scores
     from cram.stages.retrieval.pairs import RetrievalTask
+    from cram.stages.retrieval.settings import RetrievalSettings
     from cram.stages.retrieval.tuning import Embedder, RetrievalLoaded
     from cram.stages.shared.tokenizer import Tokenizer
+    from cram.stages.tasks.config import TaskConfig
 
 # What the baseline is, written beside its scores: bm25.py's settings and its tokenisation.
 BASELINE = "BM25 (k1 0.9, b 0.4, Lucene's idf) over a plain lower-cased word split (\\w+), not the model's tokenizer"
@@ -89,7 +90,7 @@ def retrieval_result(task: RetrievalLoaded, seeds: list[int], runs: list[dict], 
     """A retrieval task's results from its seeds' runs (in seed order): per-seed scores, medians, BM25."""
     import numpy as np
 
-    from cram.stages.finetuning.finetune import FINETUNE_OPTIMIZER
+    from cram.stages.tasks.config import FINETUNE_OPTIMIZER
 
     settings = task.settings
     scores = {"test": {m: [r["scores"]["test"][m] for r in runs] for m in METRICS}}

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from cram.stages.finetuning.finetune import FINETUNE_OPTIMIZER, PROGRESS_EVERY_S
 from cram.stages.kept.batches import Padding, bucket, join
 from cram.stages.retrieval.loss import distinct_batches
 from cram.stages.shared.device import to_device
 from cram.stages.shared.precision import stepped_difference
 from cram.stages.shared.progress import Every, track
+from cram.stages.tasks.config import FINETUNE_OPTIMIZER, PROGRESS_EVERY_S
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -36,11 +36,12 @@ if TYPE_CHECKING:
     from structlog.stdlib import BoundLogger
 
     from cram.model.config import ModelConfig
-    from cram.stages.finetuning.config import RetrievalSettings, TaskConfig, Tuning
     from cram.stages.retrieval.metrics import Scores
     from cram.stages.retrieval.pairs import RetrievalTask
+    from cram.stages.retrieval.settings import RetrievalSettings
     from cram.stages.shared.precision import Difference, Precision
     from cram.stages.shared.tokenizer import Tokenizer
+    from cram.stages.tasks.config import TaskConfig, Tuning
 
     Rows: TypeAlias = tuple[list[np.ndarray], np.ndarray]  # (ragged rows of ids, their lengths)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from cram.stages import Context, StageError, Upstream
-from cram.stages.finetuning.checks import check_position
-from cram.stages.finetuning.config import MlmSettings
+from cram.stages.evaluating.checks import check_position
+from cram.stages.evaluating.config import MlmSettings
 
 if TYPE_CHECKING:
     import numpy as np

@@ -1,7 +1,8 @@
-"""The evaluate stage's config (`[evaluate]`, `[[evaluate.tasks]]`), in the wing that reads it, and the small
-values its helpers receive: the fine-tuner's settings (`Tuning`), a task's own (`TaskSettings`) and the held-out
-masked LM's (`MlmSettings`), each made once from the Config. `stages/evaluate.py` re-exports `Config` and
-`TaskConfig`, so `evaluate.Config` names the same class.
+"""The evaluate stage's config (`[evaluate]`, `[[evaluate.tasks]]`) and the held-out masked LM's settings
+(`MlmSettings`), made once from it. A task entry (`TaskConfig`) and the fine-tuners' settings (`Tuning`,
+`TaskSettings`) are every kind's, below them (stages/tasks/config.py); each entry is checked by its kind
+(`kinds.of(task.kind).check_entry`). `stages/evaluate.py` re-exports `Config` and `TaskConfig`, so
+`evaluate.Config` names the same class.
 """
 
 from __future__ import annotations
@@ -11,108 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from cram.stages.finetuning.metrics import METRICS, REGRESSION_METRICS
+from cram.stages.evaluating import kinds
 from cram.stages.shared.precision import check_canary
-from cram.stages.shared.taskfiles import GLUE
+from cram.stages.tasks.config import Head, Pooling, TaskConfig, TaskSettings, Tuning
 
 if TYPE_CHECKING:
     from cram.stages.shared.pretrained import Pretrained
 
-Pooling = Literal["auto", "first", "mean", "pooler"]
-Head = Literal["cramming", "auto", "bert", "roberta", "modernbert"]
-RETRIEVAL_KINDS = ("retrieval", "heldout-retrieval")
-EMBEDDING_POOLINGS = ("mean", "first")  # model/embedder.py's, named here to keep this module free of torch
-# A retrieval task's own settings: added after the stage's key was fixed, left out of it at their
-# defaults (`keyed_tasks`), so a config without a retrieval task keys as it did before them.
-RETRIEVAL_OPTIONS = ("pairs", "query_max_length", "batch_size", "pooling")
-# Settings that only mean something for a classifier: refused on a retrieval task, which has no labels.
-CLASSIFICATION_ONLY = ("text_fields", "metrics", "label_field")
-
-
-@dataclass(frozen=True)
-class TaskConfig:
-    """One fine-tuning task, an entry of `[[evaluate.tasks]]`."""
-
-    kind: Literal["heldout-topic", "glue", "custom", "retrieval", "heldout-retrieval"] = "heldout-topic"
-    name: str = "topic"  # glue: cola, sst2, mrpc, stsb, qqp, mnli, qnli or rte; otherwise the results' label
-    # glue: a local GLUE directory ("" = the hub); custom: a folder with train and test files; retrieval: a
-    # BEIR folder (corpus.jsonl, queries.jsonl, qrels/test.tsv, optional qrels/train.tsv)
-    path: str = ""
-    text_fields: tuple[str, ...] = ()  # custom: the text field, or the two fields of a pair
-    label_field: str = "label"  # custom
-    # custom: accuracy, f1, macro_f1, matthews, pearson, spearman (these two: regression); the first is the main
-    metrics: tuple[str, ...] = ()
-    # heldout-topic: share of each topic's articles kept for testing; heldout-retrieval: of the documents
-    test_fraction: float = 0.2
-    # retrieval: a JSON-lines file of training pairs {"query", "positive"[, "negative"]}, read where the
-    # folder has no qrels/train.tsv (without either, pairs are made from the corpus: stages/retrieval/pairs.py)
-    pairs: str = ""
-    query_max_length: int | None = None  # retrieval kinds: tokens per query (None: QUERY_MAX_LENGTH)
-    batch_size: int | None = None  # retrieval kinds: pairs per contrastive batch (None: RETRIEVAL_BATCH_SIZE)
-    # retrieval kinds: the embedding's pooling (None: the pooling of `pretrain.init`'s sentence-transformers
-    # folder where it names one, else mean: `Config.linked`)
-    pooling: Literal["mean", "first"] | None = None
-    epochs: int | None = None  # None: the stage's; likewise seeds, lr and max_length
-    seeds: int | None = None
-    lr: float | None = None
-    max_length: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("name: must not be empty")
-        if self.kind == "glue" and self.name not in GLUE:
-            raise ValueError(f"name: {self.name!r} is no GLUE task; choose one of {', '.join(GLUE)}")
-        if self.kind == "custom":
-            if not self.path:
-                raise ValueError("path: a custom task needs the folder holding its train and test files")
-            if len(self.text_fields) not in (1, 2):
-                raise ValueError(f"text_fields: {list(self.text_fields)} must name one text field or two (a pair)")
-            if not self.metrics:
-                raise ValueError(f"metrics: a custom task needs at least one of {', '.join(METRICS)}")
-            unknown = [m for m in self.metrics if m not in METRICS]
-            if unknown:
-                raise ValueError(f"metrics: unknown metric {unknown[0]!r}; choose from {', '.join(METRICS)}")
-            if len({m in REGRESSION_METRICS for m in self.metrics}) > 1:
-                raise ValueError(
-                    f"metrics: {list(self.metrics)} mixes regression "
-                    f"({', '.join(REGRESSION_METRICS)}) and classification"
-                )
-        elif self.kind in RETRIEVAL_KINDS:
-            self._check_retrieval()
-        elif self.text_fields or self.metrics:
-            raise ValueError(f"text_fields, metrics: only a custom task takes them; {self.kind} sets its own")
-        if self.kind not in RETRIEVAL_KINDS:
-            given = [key for key in RETRIEVAL_OPTIONS if getattr(self, key) != getattr(TaskConfig, key)]
-            if given:
-                raise ValueError(f"{', '.join(given)}: only a retrieval task takes them; {self.kind} has none")
-        if not 0 < self.test_fraction < 1:
-            raise ValueError(f"test_fraction: {self.test_fraction} must be in (0, 1)")
-        for key in ("epochs", "seeds"):
-            if getattr(self, key) is not None and getattr(self, key) < 1:
-                raise ValueError(f"{key}: {getattr(self, key)} must be >= 1")
-        if self.max_length is not None and self.max_length < 3:
-            raise ValueError(f"max_length: {self.max_length} must be >= 3 ([CLS], a token, [SEP])")
-        if self.lr is not None and not self.lr > 0:
-            raise ValueError(f"lr: {self.lr} must be > 0")
-
-    def _check_retrieval(self) -> None:
-        given = [key for key in CLASSIFICATION_ONLY if getattr(self, key) != getattr(TaskConfig, key)]
-        if given:
-            raise ValueError(f"{', '.join(given)}: a {self.kind} task has no labels and no classifier; drop them")
-        if self.kind == "retrieval" and not self.path:
-            raise ValueError("path: a retrieval task needs a BEIR folder (corpus.jsonl, queries.jsonl, qrels/test.tsv)")
-        if self.kind == "heldout-retrieval" and (self.path or self.pairs):
-            raise ValueError("path, pairs: a heldout-retrieval task reads tokenize's held-out documents alone")
-        if self.query_max_length is not None and self.query_max_length < 3:
-            raise ValueError(f"query_max_length: {self.query_max_length} must be >= 3 ([CLS], a token, [SEP])")
-        if self.batch_size is not None and self.batch_size < 2:
-            raise ValueError(f"batch_size: {self.batch_size} must be >= 2 (a pair's negatives are the batch's others)")
-        if self.pooling is not None and self.pooling not in EMBEDDING_POOLINGS:
-            raise ValueError(f"pooling: {self.pooling!r}; choose one of {', '.join(EMBEDDING_POOLINGS)}")
-
-
-QUERY_MAX_LENGTH = 32  # a retrieval task's query length where it sets none: a title, a question
-RETRIEVAL_BATCH_SIZE = 32  # pairs per contrastive batch where a task sets none: 31 in-batch negatives each
 DEFAULT_TASK = TaskConfig(epochs=2, seeds=3, lr=1e-3, max_length=64)
 # The held-out documents' titles as queries against their texts (stages/retrieval/pairs.py): your own
 # corpus scored for retrieval beside BM25, sized like the topic task for about a minute on 2 cores.
@@ -169,7 +75,7 @@ class Config:
     canary_steps: int = 2
     canary_tolerance: float = 0.02
     # Per task, the fine-tuned classifier (encoder and head) of its best seed by the reported score,
-    # of every seed, or of none: outputs `classifiers/` (stages/finetuning/kept.py), which
+    # of every seed, or of none: outputs `classifiers/` (stages/evaluating/kept.py), which
     # `cram export RUN --task NAME` and `cram predict RUN --task NAME` read.
     keep: Literal["best", "all", "none"] = "best"
     # The classifier head (model/classifier.py): cramming's (`head_width` wide), or the one of transformers'
@@ -180,7 +86,7 @@ class Config:
     head: Head = "auto"
     # "init": pretrain.init's checkpoint is fine-tuned too, with the same tasks, seeds and settings (the
     # baseline stage, stages/baseline.py), and each task's results set the continued score beside it
-    # (stages/finetuning/versus.py); "none": the continued model alone. "auto": "init" where pretrain
+    # (stages/evaluating/versus.py); "none": the continued model alone. "auto": "init" where pretrain
     # continues a checkpoint on a budget that is not zero, else "none" (resolved at load, `linked`).
     baseline: Literal["auto", "init", "none"] = "auto"
 
@@ -202,9 +108,12 @@ class Config:
             raise ValueError(f"mlm_mask_rate: {self.mlm_mask_rate} must be in [0, 1); 0 keeps pretraining's rate")
         if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 3:
             raise ValueError(f"buckets: {list(self.buckets)} must be increasing lengths of at least 3")
+        for i, task in enumerate(self.tasks):
+            _check_task(task, f"tasks[{i}]")
         lengths = {"max_length": self.max_length}
-        lengths.update({f"tasks[{i}].max_length": t.max_length for i, t in enumerate(self.tasks)})
-        lengths.update({f"tasks[{i}].query_max_length": t.query_max_length for i, t in enumerate(self.tasks)})
+        for i, task in enumerate(self.tasks):
+            keys = ("max_length", *kinds.of(task.kind).lengths)
+            lengths.update({f"tasks[{i}].{key}": getattr(task, key) for key in keys})
         for key, length in lengths.items():
             if length is not None and not 3 <= length <= self.buckets[-1]:
                 raise ValueError(f"{key}: {length} must be in [3, the largest bucket {self.buckets[-1]}]")
@@ -217,7 +126,7 @@ class Config:
         """`head = "auto"` is the head of the family of `pretrain.init`'s transformers checkpoint where its
         model maps onto one, else "cramming"; `pooling = "auto"` is the pooling that `init`'s
         sentence-transformers folder names ("mean" or "first") where the head reads it, else "first"; a
-        retrieval task without a `pooling` takes that folder's pooling too (else mean, at retrieval_settings);
+        task takes what its kind takes of that folder (`Kind.linked`: a retrieval task's pooling);
         `baseline = "auto"` is "init" where pretrain continues `init`'s checkpoint on a budget that is not
         zero (a zero budget scores the checkpoint itself), else "none". Resolved here, so the config holds
         what runs."""
@@ -230,8 +139,7 @@ class Config:
             trains = getattr(getattr(pretrain, "budget", None), "tokens", None) != 0
             config = dataclasses.replace(config, baseline="init" if init and trains else "none")
         found = None
-        own_pooling = any(t.kind in RETRIEVAL_KINDS and t.pooling is None for t in self.tasks)
-        if init and (self.head == "auto" or self.pooling == "auto" or own_pooling):
+        if init:
             try:
                 found = pretrained.locate(Path(init))
             except pretrained.PretrainedError:  # pretrain's validate names it
@@ -243,30 +151,18 @@ class Config:
             if pooling == "mean" and config.head in ("bert", "roberta"):  # their classifiers read [CLS] alone
                 pooling = None
             config = dataclasses.replace(config, pooling=pooling or "first")
-        if found is not None and found.pooling == "first":  # "mean" is the default already: keys stay as they were
-            tasks = [
-                dataclasses.replace(t, pooling="first") if t.kind in RETRIEVAL_KINDS and t.pooling is None else t
-                for t in config.tasks
-            ]
-            config = dataclasses.replace(config, tasks=tasks)
-        return config
+        init_pooling = None if found is None else found.pooling
+        tasks = [kinds.of(t.kind).linked(t, init_pooling) for t in config.tasks]
+        return dataclasses.replace(config, tasks=tasks) if tasks != config.tasks else config
 
     def task_settings(self, task: TaskConfig) -> TaskSettings:
         """The task's own epochs, seeds, lr and max_length, the stage's where it sets none."""
         own = {key: getattr(task, key) for key in ("epochs", "seeds", "lr", "max_length")}
         return TaskSettings(**{key: getattr(self, key) if value is None else value for key, value in own.items()})
 
-    def retrieval_settings(self, task: TaskConfig) -> RetrievalSettings:
-        """A retrieval task's settings: its own, else the stage's (epochs, seeds, lr, max_length) or
-        retrieval's defaults (query length, batch, mean pooling)."""
-        own = self.task_settings(task)
-        query_max_length = task.query_max_length or min(QUERY_MAX_LENGTH, own.max_length)
-        return RetrievalSettings(
-            **dataclasses.asdict(own),
-            query_max_length=query_max_length,
-            batch_size=task.batch_size or RETRIEVAL_BATCH_SIZE,
-            pooling=task.pooling or "mean",
-        )
+    def settings(self, task: TaskConfig) -> TaskSettings:
+        """The task's settings as its kind makes them (`Kind.settings`): its own, else the stage's."""
+        return kinds.of(task.kind).settings(task, self.task_settings(task))
 
     def tuning(self) -> Tuning:
         """What the fine-tuner reads of this config. A config never linked to a pipeline (`linked`) has no
@@ -304,53 +200,32 @@ def init_head(found: Pretrained | None) -> Head:
     return family_head(cfg) or "cramming"
 
 
-@dataclass(frozen=True)
-class TaskSettings:
-    """A task's epochs, seeds, lr and max_length: its own, or the stage's (`Config.task_settings`)."""
-
-    epochs: int
-    seeds: int
-    lr: float
-    max_length: int
-
-
-@dataclass(frozen=True)
-class RetrievalSettings(TaskSettings):
-    """A retrieval task's settings (`Config.retrieval_settings`): a classification task's, the query
-    length, the contrastive batch and the embedding's pooling."""
-
-    query_max_length: int
-    batch_size: int
-    pooling: Literal["mean", "first"]
-
-
 def keyed_tasks(plain: dict[str, Any]) -> dict[str, Any]:
-    """evaluate's config as plain values (`pipeline.config.as_plain`) with each task's `RETRIEVAL_OPTIONS`
-    left out where they hold their defaults: what a stage key sees of them (`evaluate.key_config`)."""
+    """evaluate's config as plain values (`pipeline.config.as_plain`) with each task's fields that its kinds
+    leave out of the key (`Kind.unkeyed`) left out where they hold their defaults: what a stage key sees of
+    them (`evaluate.key_config`). Every kind's, from every task: a task holds another kind's at their defaults."""
+    unkeyed = [key for kind in kinds.KINDS for key in kind.unkeyed]
     for task in plain.get("tasks", ()):
-        for key in RETRIEVAL_OPTIONS:
+        for key in unkeyed:
             if key in task and task[key] == getattr(TaskConfig, key):
                 del task[key]
     return plain
 
 
-@dataclass(frozen=True)
-class Tuning:
-    """What the fine-tuner (`finetune.Tuner`) reads of evaluate's Config: the optimizer and its schedule,
-    batching and padding, the head, and compiling (`Config.tuning`)."""
-
-    lr: float  # the stage's: the optimizer config's and the canary steps'; each fine-tune steps at its task's
-    weight_decay: float
-    warmup: float
-    dropout: float
-    batch_size: int
-    eval_batch_size: int
-    buckets: tuple[int, ...]
-    pooling: Pooling
-    head: Head
-    head_width: int
-    compile: bool
-    backend: str
+def _check_task(task: TaskConfig, where: str) -> None:
+    """Task entry `where` as its kind takes it: a kind some wing serves, no field of another kind's, and its
+    kind's own checks (`Kind.check_entry`)."""
+    kind = kinds.BY_NAME.get(task.kind)
+    if kind is None:
+        raise ValueError(f"{where}.kind: {task.kind!r} is no kind of task; choose one of {', '.join(kinds.BY_NAME)}")
+    for other in kinds.KINDS:
+        given = [key for key in other.fields if other is not kind and getattr(task, key) != getattr(TaskConfig, key)]
+        if given:
+            raise ValueError(f"{where}: {', '.join(given)}: only a {other.name} task takes them; {task.kind} has none")
+    try:
+        kind.check_entry(task)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 @dataclass(frozen=True)

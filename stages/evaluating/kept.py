@@ -35,9 +35,7 @@ from cram.stages.shared.files import write_atomic
 
 if TYPE_CHECKING:
     from cram.stages import Upstream
-    from cram.stages.finetuning.config import TaskConfig, Tuning
-    from cram.stages.finetuning.tasks import Task
-    from cram.stages.retrieval.pairs import RetrievalTask
+    from cram.stages.tasks.kind import Scored
 
 KEEP = ("best", "all", "none")
 FOLDER = "classifiers"
@@ -54,13 +52,13 @@ def folder_of(name: str, index: int) -> str:
     return f"{index}-{re.sub(r'[^A-Za-z0-9._-]', '_', name)[:40]}-{digest}"
 
 
-def main_score(task: Task | RetrievalTask, run: dict) -> float:
+def main_score(task: Scored, run: dict) -> float:
     """A run's main score (the task's first metric on its first test set); -inf where it is NaN."""
     value = run["scores"][next(iter(task.tests))][task.metrics[0]]
     return -math.inf if math.isnan(value) else value
 
 
-def best_jobs(jobs: list[tuple[int, int]], runs: dict[int, dict], tasks: list[Task | RetrievalTask]) -> dict[int, int]:
+def best_jobs(jobs: list[tuple[int, int]], runs: dict[int, dict], tasks: list[Scored]) -> dict[int, int]:
     """Task index -> the job (index into `jobs`) of its best seed, from every rank's gathered runs."""
     best: dict[int, int] = {}
     for j, (i, seed) in enumerate(jobs):
@@ -80,7 +78,7 @@ class Keeper:
     meta: dict[int, dict]  # task index -> the classifier.json fields every seed of it shares
     held: dict[int, tuple[int, float, dict, dict]] = field(default_factory=dict)  # task -> seed, score, params, run
 
-    def offer(self, index: int, seed: int, task: Task | RetrievalTask, params: dict, run: dict) -> None:
+    def offer(self, index: int, seed: int, task: Scored, params: dict, run: dict) -> None:
         """A fine-tuned seed of task `index`: written now ("all"), held if the best so far ("best")."""
         if self.mode == "none":
             return
@@ -136,30 +134,6 @@ def _on_cpu(params: dict) -> dict:
     """What a classifier or an embedder reads of fine-tuned params, copied to the CPU: all but the
     masked-LM head (an embedder's params hold no head)."""
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in params.items() if not k.startswith("head.")}
-
-
-def describe(tuning: Tuning, task_cfg: TaskConfig, task: Task, max_length: int, tokenize: Upstream) -> dict:
-    """The classifier.json fields a task's kept seeds share: the task, its labels and text fields, how
-    its examples were cut (at `max_length`, the task's) and batched, the head, and the run's tokenizer
-    (the tokenize stage's key and file, and its special ids)."""
-    from cram.stages.finetuning.tasks import GLUE
-
-    fields = {"custom": task_cfg.text_fields, "glue": GLUE[task.name].hf_text if task_cfg.kind == "glue" else ()}
-    return {
-        "task": task.name,
-        "kind": task_cfg.kind,
-        "labels": list(task.label_names),
-        "regression": task.regression,
-        "num_outputs": task.num_outputs,
-        "metric": task.metrics[0],
-        "text_fields": list(fields.get(task_cfg.kind) or ("text",)),
-        "max_length": max_length,
-        "buckets": list(tuning.buckets),
-        "pooling": tuning.pooling,
-        "head": tuning.head,
-        "head_width": tuning.head_width,
-        "tokenizer": tokenizer_fields(tokenize),
-    }
 
 
 def tokenizer_fields(tokenize: Upstream) -> dict:

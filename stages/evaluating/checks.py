@@ -1,6 +1,6 @@
-"""What the evaluate stage checks before it fine-tunes, from the configs alone: each task's files and
-lengths, a held-out-topic task that tokenize's settings leave without articles, and the lengths and
-masking rate against the model that pretrain's config makes. `config` is evaluate's Config; `pretrain`,
+"""What the evaluate stage checks before it fine-tunes, from the configs alone: each task's lengths and
+what its kind checks (its files, a held-out task that tokenize's settings leave without documents), and the
+lengths and masking rate against the model that pretrain's config makes. `config` is evaluate's Config; `pretrain`,
 `tokenize` and `pack` are those stages' Configs, None where the pipeline has no such stage.
 """
 
@@ -10,14 +10,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from cram.stages import StageError
-from cram.stages.finetuning.config import RETRIEVAL_KINDS, Config, TaskConfig
-from cram.stages.finetuning.finetune import load_task
+from cram.stages.evaluating import kinds
+from cram.stages.evaluating.config import Config
 from cram.stages.kept.batches import bucket
 from cram.stages.shared.masking import masked_per_sequence
 
 if TYPE_CHECKING:
     from cram.model.config import ModelConfig
     from cram.stages import Upstream
+    from cram.stages.tasks.config import TaskConfig
 
 
 def check_against_the_model(config: Config, pretrain: Any, pack_seq_len: int) -> None:
@@ -87,14 +88,10 @@ def check_pooler(config: Config, cfg: ModelConfig | None, where: str = "pretrain
         )
 
 
-_TOPIC_REMEDY = "drop this task, or give tokenize labelled documents to hold out"
-HELDOUT_KINDS = ("heldout-topic", "heldout-retrieval")
-
-
 def check_task(config: Config, task: TaskConfig, index: int, gap: str | None, seq_len: int | None) -> None:
-    """Task `index` of `config`: its padded length within pack's `seq_len` (None: no pack stage), its local
-    files (read in full: a retrieval task's BEIR folder and pairs too), and, for a held-out task, why
-    tokenize leaves it no documents (`gap`, `task_gap`'s; None: it does not)."""
+    """Task `index` of `config`: its padded length within pack's `seq_len` (None: no pack stage), and what its
+    kind checks (`Kind.check`: its local files, read in full; for a held-out task, why tokenize leaves it no
+    documents: `gap`, `task_gap`'s; None: it does not)."""
     where = f"evaluate.tasks[{index}]"
     max_length = config.task_settings(task).max_length
     if seq_len is not None and bucket(max_length, config.buckets) > seq_len:
@@ -102,67 +99,26 @@ def check_task(config: Config, task: TaskConfig, index: int, gap: str | None, se
             f"{where}: max_length {max_length} pads to {bucket(max_length, config.buckets)}, "
             f"beyond pack.seq_len = {seq_len}, the model's positions"
         )
-    if task.kind == "retrieval":
-        from cram.stages.retrieval.results import load_task as load_retrieval
-
-        load_retrieval(task, index, None, config.retrieval_settings(task))
-    elif task.kind not in HELDOUT_KINDS:
-        if task.path:  # GLUE from the hub is fetched when the stage runs, not to check a config
-            load_task(task, index, None)
-    elif gap:
-        remedy = _TOPIC_REMEDY if task.kind == "heldout-topic" else "drop this task, or hold documents out"
-        raise StageError(f"{where}: kind '{task.kind}' {gap}; {remedy}")
+    kinds.of(task.kind).check(task, index, config.settings(task), gap)
 
 
 def task_gap(tokenize: Any, config: Config, positions: int | None) -> Callable[[TaskConfig], str | None]:
-    """Why tokenize's settings (its Config) leave a held-out task no documents (`topic_gap` for the
-    topics; a held-out retrieval task needs documents alone), or a held-out retrieval task's lengths pad
-    beyond the model's `positions` (None: unknown); None when they do not."""
+    """Why tokenize's settings (its Config) leave a held-out task no documents, or its lengths pad beyond the
+    model's `positions` (None: unknown), as its kind says (`Kind.plan_gap`); None when they do not."""
 
     def gap(task: TaskConfig) -> str | None:
-        if task.kind == "heldout-topic":
-            return topic_gap(tokenize)
-        if task.kind != "heldout-retrieval":
-            return None
-        if getattr(tokenize, "task_text", "none") == "only":
-            return 'searches the documents tokenize holds out, and tokenize.task_text = "only" reads no corpus'
-        if tokenize.heldout_fraction == 0:
-            return "searches the documents tokenize holds out, and tokenize.heldout_fraction = 0 holds out none"
-        return _too_long(config, task, positions)
+        return kinds.of(task.kind).plan_gap(task, config.settings(task), tokenize, config.buckets, positions)
 
     return gap
 
 
-def _too_long(config: Config, task: TaskConfig, positions: int | None) -> str | None:
-    """Why a retrieval task's documents or queries pad beyond the model's `positions`; None when they fit."""
-    settings = config.retrieval_settings(task)
-    longest = bucket(max(settings.max_length, settings.query_max_length), config.buckets)
-    if positions is None or longest <= positions:
-        return None
-    return f"pads its texts to {longest} tokens, beyond the model's {positions} positions"
-
-
-def topic_gap(tokenize: Any) -> str | None:
-    """Why tokenize's settings (its Config) leave a held-out-topic task no articles to classify; None
-    when they do not."""
-    if getattr(tokenize, "task_text", "none") == "only":
-        return 'classifies the articles tokenize holds out, and tokenize.task_text = "only" reads no corpus'
-    if tokenize.heldout_fraction == 0:
-        return "classifies the articles tokenize holds out, and tokenize.heldout_fraction = 0 holds out none"
-    plain_text = tokenize.corpus.kind in ("files", "package") and tokenize.corpus.format == "text"
-    if not tokenize.corpus.label_field or plain_text:
-        return "needs labelled documents, and the corpus has no labels (tokenize.corpus.label_field, or text files)"
-    return None
-
-
 def check_lengths(config: Config, max_seq_len: int) -> None:
-    """Each task's padded length (and a retrieval task's query length) within the model's `max_seq_len`
-    positions."""
+    """Each task's padded lengths (its max_length and its kind's others, `Kind.lengths`) within the model's
+    `max_seq_len` positions."""
     for i, task_cfg in enumerate(config.tasks):
-        lengths = {"max_length": config.task_settings(task_cfg).max_length}
-        if task_cfg.kind in RETRIEVAL_KINDS:
-            lengths["query_max_length"] = config.retrieval_settings(task_cfg).query_max_length
-        for name, length in lengths.items():
+        settings = config.settings(task_cfg)
+        for name in ("max_length", *kinds.of(task_cfg.kind).lengths):
+            length = getattr(settings, name)
             if bucket(length, config.buckets) > max_seq_len:
                 key = name if getattr(task_cfg, name) is None else f"tasks[{i}].{name}"
                 raise StageError(
@@ -172,26 +128,11 @@ def check_lengths(config: Config, max_seq_len: int) -> None:
 
 
 def heldout_gap(tokenize: Upstream, config: Config, positions: int) -> Callable[[TaskConfig], str | None]:
-    """Why tokenize's outputs give a default task nothing: a held-out-topic task no labelled articles,
-    a held-out-retrieval task no documents, or too few for one batch of pairs, or lengths beyond the
-    model's `positions`; None when they do not."""
-    from cram.stages.finetuning.tasks import has_topics
-    from cram.stages.retrieval.results import load_task as load_retrieval
+    """Why tokenize's outputs give a default task nothing, as its kind says (`Kind.gap`): a held-out-topic task
+    no labelled articles, a held-out-retrieval task no documents, or too few for one batch of pairs, or
+    lengths beyond the model's `positions`; None when they do not."""
 
     def gap(task: TaskConfig) -> str | None:
-        heldout = tokenize.outputs.get("heldout")
-        if heldout is None:
-            what = "searches the documents" if task.kind in RETRIEVAL_KINDS else "classifies the articles"
-            return f"{what} tokenize holds out, and it held out none"
-        if task.kind not in RETRIEVAL_KINDS:
-            labelled = has_topics(tokenize.dir / heldout)
-            return None if labelled else "needs labelled documents, and the held-out articles have no labels"
-        if (reason := _too_long(config, task, positions)) is not None:
-            return reason
-        try:
-            load_retrieval(task, 0, tokenize, config.retrieval_settings(task))
-        except StageError as e:
-            return f"has no pairs to train on in the held-out documents ({e})"
-        return None
+        return kinds.of(task.kind).gap(task, config.settings(task), tokenize, config.buckets, positions)
 
     return gap

@@ -16,25 +16,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from cram.stages import Context, StageError, Upstream
-from cram.stages.finetuning.checks import check_lengths, check_pooler
-from cram.stages.finetuning.config import RETRIEVAL_KINDS, Config, TaskConfig, Tuning
-from cram.stages.finetuning.finetune import Loaded, load_task
-from cram.stages.finetuning.heldout import HeldOut, MlmSteps, evaluate_mlm, mlm_canary
-from cram.stages.finetuning.versus import beside_start, start_figures
-from cram.stages.retrieval.tuning import RetrievalLoaded
+from cram.stages.evaluating import kinds
+from cram.stages.evaluating.checks import check_lengths, check_pooler
+from cram.stages.evaluating.config import Config
+from cram.stages.evaluating.heldout import HeldOut, MlmSteps, evaluate_mlm, mlm_canary
+from cram.stages.evaluating.versus import beside_start, start_figures
 from cram.stages.shared import device as devices
 from cram.stages.shared import precision as precisions
-from cram.stages.shared.files import files_under, write_atomic
 from cram.stages.shared.files import fingerprint as fingerprint_files
+from cram.stages.shared.files import write_atomic
+from cram.stages.tasks.config import TaskConfig, Tuning
+from cram.stages.tasks.kind import Kind, Loaded, Runner, Start
 
 if TYPE_CHECKING:
     import torch
     from structlog.stdlib import BoundLogger
 
     from cram.model.config import ModelConfig
-    from cram.stages.finetuning.finetune import Tuner
-    from cram.stages.finetuning.kept import Keeper
-    from cram.stages.retrieval.tuning import Embedders
+    from cram.stages.evaluating.kept import Keeper
     from cram.stages.shared.tokenizer import Tokenizer
 
 RESULTS = "results.json"
@@ -75,8 +74,8 @@ def fitting_tasks(config: Config, gap: Callable[[TaskConfig], str | None], log: 
         if reason is None:
             fitting.append(task)
         elif log is not None:
-            what = "retrieval" if task.kind in RETRIEVAL_KINDS else "topic"
-            log.info(f"no {what} task", reason=f"the default task, kind '{task.kind}', {reason}")
+            # a default task's name says what it does: "no topic task", "no retrieval task"
+            log.info(f"no {task.name} task", reason=f"the default task, kind '{task.kind}', {reason}")
     return dataclasses.replace(config, tasks=fitting)
 
 
@@ -85,7 +84,7 @@ def score(
 ) -> dict[str, Any]:
     """Fine-tune `checkpoint` on `config`'s tasks; rank 0 writes results.json, set beside `report.start`
     where given, and logs the headline figures at `report.steps`. Returns the stage's outputs."""
-    from cram.stages.finetuning.kept import Keeper, best_jobs, kept_outputs
+    from cram.stages.evaluating.kept import Keeper, best_jobs, kept_outputs
 
     cfg = checkpoint.cfg
     check_lengths(config, cfg.max_seq_len)
@@ -111,18 +110,10 @@ def score(
 
 
 def task_files(tasks: list[TaskConfig]) -> list[list[Any]]:
-    """Path, size and modification time of every file the tasks read from disk (a custom task's folder, a
-    local GLUE folder, a BEIR folder and a retrieval task's pairs file): part of a scoring stage's key. A
-    folder that is missing now is left to evaluate's `validate`."""
-    files = []
-    for task in tasks:
-        root = Path(task.path).expanduser()
-        if task.kind != "heldout-topic" and task.path and root.is_dir():
-            files += fingerprint_files(files_under(root))
-        pairs = Path(task.pairs).expanduser()
-        if task.pairs and pairs.is_file() and not pairs.resolve().is_relative_to(root.resolve()):
-            files += fingerprint_files([pairs])
-    return files
+    """Path, size and modification time of every file the tasks read from disk (`Kind.files`: a custom task's
+    folder, a local GLUE folder, a BEIR folder and a retrieval task's pairs file): part of a scoring stage's
+    key. A folder that is missing now is left to evaluate's `validate`."""
+    return [found for task in tasks for found in fingerprint_files(kinds.of(task.kind).files(task))]
 
 
 def read_results(upstream: Upstream) -> dict:
@@ -148,7 +139,7 @@ class _Scoring:
 class _Prepared:
     """What every rank makes alike before fine-tuning: the tasks, loaded and encoded, and the precision."""
 
-    loaded: list[Loaded | RetrievalLoaded]
+    loaded: list[Loaded]
     choice: precisions.Choice
 
 
@@ -159,17 +150,14 @@ def _work(
     to `keeper`."""
     import torch
 
-    from cram.stages.finetuning.finetune import finetune_seed, share_out
-    from cram.stages.retrieval.results import retrieve_seed
-    from cram.stages.retrieval.tuning import Embedder, Embedders
+    from cram.stages.evaluating.kept import tokenizer_fields
 
     config, ctx, inputs = scoring.config, scoring.ctx, scoring.inputs
-    special = inputs["tokenize"].outputs["special_ids"]
     # Load and tokenize every task before training any: a bad task fails the stage at once.
     loaded = [_load(scoring, tc, i) for i, tc in enumerate(config.tasks)]
-    keeper.meta.update({i: _meta(scoring, t) for i, t in enumerate(loaded)})
-    costs = [_cost(loaded[i]) for i, _ in jobs]
-    owner = share_out(costs, ctx.world_size)
+    tokenizer = tokenizer_fields(inputs["tokenize"])
+    keeper.meta.update({i: _kind(t).meta(t, scoring.tuning, tokenizer) for i, t in enumerate(loaded)})
+    owner = share_out([_kind(loaded[i]).cost(loaded[i]) for i, _ in jobs], ctx.world_size)
     device = devices.resolve(ctx.device)
     on_device = {k: v.to(device) for k, v in scoring.checkpoint.params.items()}
     mlm, runs = None, {}
@@ -182,58 +170,47 @@ def _work(
     if config.mlm and ctx.is_main and not _untrained_head(inputs["pretrain"], ctx):
         held_out = HeldOut.of(config.mlm_settings(), inputs)
     with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
-        make = functools.partial(Embedder.make, scoring.tuning, scoring.checkpoint.cfg, on_device, special, device)
-        embedders = Embedders(
-            make, [t for t in loaded if isinstance(t, RetrievalLoaded)], config.compile, ctx.attention
-        )
-        classified = [t for t in loaded if isinstance(t, Loaded)]
-        choice, tuner, mlm_steps = _tuner(scoring, on_device, device, classified, embedders, held_out)
+        runners = _runners(scoring, loaded, on_device, device)
+        choice, mlm_steps = _choose(scoring, on_device, device, list(runners.values()), held_out)
         if held_out is not None and mlm_steps is not None:
             mlm = evaluate_mlm(held_out, scoring.checkpoint.cfg, on_device, device, mlm_steps, ctx)
         for j, (i, seed) in enumerate(jobs):
             if owner[j] == ctx.rank:
                 task = loaded[i]
                 keep = functools.partial(keeper.offer, i, seed, task.task)
-                if isinstance(task, RetrievalLoaded):
-                    embedder = embedders.of(choice.precision, task.settings.pooling)
-                    runs[j] = retrieve_seed(embedder, task, seed, ctx, scoring.out_dir, keep)
-                else:
-                    runs[j] = finetune_seed(tuner, task, seed, ctx, keep)
+                runs[j] = runners[_kind(task)].run_seed(choice.precision, task, seed, ctx, keep)
     return mlm, runs, _Prepared(loaded, choice)
 
 
-def _load(scoring: _Scoring, task_cfg: TaskConfig, index: int) -> Loaded | RetrievalLoaded:
-    """Task `index`, loaded and tokenized: a classification task (`finetune.load_task`) or a retrieval one."""
-    from cram.stages.finetuning.finetune import encode
-    from cram.stages.retrieval import results as retrieval
-
-    tokenize, tokenizer = scoring.inputs["tokenize"], scoring.checkpoint.tokenizer
-    special = tokenize.outputs["special_ids"]
-    if task_cfg.kind in RETRIEVAL_KINDS:
-        settings = scoring.config.retrieval_settings(task_cfg)
-        task = retrieval.load_task(task_cfg, index, tokenize, settings)
-        return retrieval.loaded(task_cfg, task, tokenizer, special, settings)
-    settings = scoring.config.task_settings(task_cfg)
-    task = load_task(task_cfg, index, tokenize)
-    return Loaded(task_cfg, task, encode(task, tokenizer, special, settings.max_length), settings)
+def _load(scoring: _Scoring, task_cfg: TaskConfig, index: int) -> Loaded:
+    """Task `index`, loaded and tokenized by its kind (`Kind.load`)."""
+    tokenize, settings = scoring.inputs["tokenize"], scoring.config.settings(task_cfg)
+    return kinds.of(task_cfg.kind).load(task_cfg, index, settings, tokenize, scoring.checkpoint.tokenizer)
 
 
-def _meta(scoring: _Scoring, task: Loaded | RetrievalLoaded) -> dict:
-    """What a task's kept seeds share: classifier.json's fields, or embedder.json's."""
-    from cram.stages.finetuning.kept import describe, tokenizer_fields
-    from cram.stages.retrieval.results import embedder_meta
-
-    tokenize = scoring.inputs["tokenize"]
-    if isinstance(task, RetrievalLoaded):
-        return embedder_meta(task, scoring.tuning.buckets, tokenizer_fields(tokenize))
-    return describe(scoring.tuning, task.config, task.task, task.settings.max_length, tokenize)
+def _kind(loaded: Loaded) -> Kind:
+    return kinds.of(loaded.config.kind)
 
 
-def _cost(task: Loaded | RetrievalLoaded) -> float:
-    """A seed's cost in examples read, for sharing jobs out across ranks: a pair reads two texts."""
-    if isinstance(task, RetrievalLoaded):
-        return 2 * len(task.data.texts) * task.settings.epochs
-    return len(task.data.train[0]) * task.settings.epochs
+def _runners(scoring: _Scoring, loaded: list[Loaded], params: dict, device: torch.device) -> dict[Kind, Runner]:
+    """What fine-tunes each kind's tasks (`Kind.runner`), in the registry's order, from `params` on `device`."""
+    ctx, cfg = scoring.ctx, scoring.checkpoint.cfg
+    special = scoring.inputs["tokenize"].outputs["special_ids"]
+    start = Start(scoring.tuning, cfg, params, special, device, ctx.attention, ctx.seed, scoring.out_dir)
+    mine = {kind: [t for t in loaded if _kind(t) is kind] for kind in kinds.KINDS}
+    return {kind: kind.runner(tasks, start) for kind, tasks in mine.items() if tasks}
+
+
+def share_out(costs: list[float], world_size: int) -> list[int]:
+    """The rank of each job: the costliest first, each to the least loaded rank (a greedy balance that
+    keeps the ranks' finishing times close, so the gather at the end waits little). Same on every rank."""
+    load = [0.0] * world_size
+    owner = [0] * len(costs)
+    for job in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owner[job] = rank
+        load[rank] += costs[job]
+    return owner
 
 
 def _untrained_head(pretrain: Upstream, ctx: Context) -> bool:
@@ -246,54 +223,40 @@ def _untrained_head(pretrain: Upstream, ctx: Context) -> bool:
     return False
 
 
-def _tuner(
-    scoring: _Scoring,
-    params: dict,
-    device: torch.device,
-    loaded: list[Loaded],
-    embedders: Embedders,
-    held_out: HeldOut | None,
-) -> tuple[precisions.Choice, Tuner, MlmSteps | None]:
-    """(the precision chosen, the fine-tuner and the held-out masked LM's steps in it; None without
-    `held_out`). Compiled, each candidate precision's graphs are checked against eager, each once: the
-    fine-tune step and prediction at every head shape and bucket the tasks' rows fall in (`Tuner.canary`),
-    the masked LM at each length (`mlm_canary`) and the retrieval tasks' contrastive steps and embeddings at
-    every bucket theirs fall in (`Embedders.check`); the first candidate whose every graph agrees is kept
-    (`precision.choose`), and its compiled graphs are the ones the stage runs."""
-    from cram.stages.finetuning.finetune import Tuner, graphs
-    from cram.stages.retrieval.tuning import embedder_graphs
+def _choose(
+    scoring: _Scoring, params: dict, device: torch.device, runners: list[Runner], held_out: HeldOut | None
+) -> tuple[precisions.Choice, MlmSteps | None]:
+    """(the precision chosen, and the held-out masked LM's steps in it; None without `held_out`). Compiled,
+    each candidate precision's graphs are checked against eager, each once: every kind's (`Runner.canary`: a
+    classifier's fine-tune step and prediction at every head shape and bucket its rows fall in, a retrieval
+    task's contrastive steps and embeddings at every bucket theirs fall in), then the masked LM's at each
+    length (`mlm_canary`); the first candidate whose every graph agrees is kept (`precision.choose`), and its
+    compiled graphs are the ones the stage runs."""
+    config, ctx, cfg = scoring.config, scoring.ctx, scoring.checkpoint.cfg
 
-    config, ctx = scoring.config, scoring.ctx
-    cfg, special = scoring.checkpoint.cfg, scoring.inputs["tokenize"].outputs["special_ids"]
+    def steps_in(candidate: precisions.Precision) -> MlmSteps | None:
+        return None if held_out is None else MlmSteps.make(held_out, cfg, candidate, ctx.attention)
 
-    def make(candidate: precisions.Precision, compile: bool = config.compile) -> tuple[Tuner, MlmSteps | None]:
-        settings = dataclasses.replace(scoring.tuning, compile=compile)
-        tuner = Tuner.make(settings, cfg, params, special, device, candidate, ctx.attention)
-        return tuner, None if held_out is None else MlmSteps.make(held_out, cfg, candidate, ctx.attention)
-
-    if not config.compile or not config.canary_steps or not (loaded or held_out or embedders.tasks):
+    if not config.compile or not config.canary_steps or not (runners or held_out):
         why = "eager steps" if not config.compile else "canary_steps = 0" if not config.canary_steps else "no task"
         choice = precisions.unchecked(config.precision, device, f"{why}: no compile canary")
-        return (choice, *make(choice.precision))
+        return choice, steps_in(choice.precision)
 
-    checked: dict[precisions.Precision, tuple[Tuner, MlmSteps | None]] = {}  # the compiled graphs of each tried
-    shapes = graphs(loaded, scoring.tuning)
-    retrieval_shapes = embedder_graphs(embedders.tasks, scoring.tuning, ctx.seed)
+    checked: dict[precisions.Precision, MlmSteps | None] = {}  # the masked LM's compiled steps of each tried
 
     def check(candidate: precisions.Precision) -> precisions.Difference:
-        tuner, steps = checked[candidate] = make(candidate)
-        eager = make(candidate, compile=False)[0]
-        worst = tuner.canary(eager, shapes, config.canary_steps, ctx.seed, config.canary_tolerance)
-        if steps is not None and worst.value <= config.canary_tolerance:
+        steps = checked[candidate] = steps_in(candidate)
+        worst, tolerance = precisions.Difference(0.0), config.canary_tolerance
+        for runner in runners:
+            if worst.value <= tolerance:
+                worst = worst.worse(runner.canary(candidate, config.canary_steps, tolerance))
+        if steps is not None and worst.value <= tolerance:
             worst = worst.worse(mlm_canary(held_out, steps, cfg, params, device))
-        if retrieval_shapes and worst.value <= config.canary_tolerance:
-            retrieval = embedders.check(candidate, retrieval_shapes, config.canary_steps, config.canary_tolerance)
-            worst = worst.worse(retrieval)
         ctx.log.info(
             "canary",
             precision=candidate.label,
             steps=config.canary_steps,
-            graphs=len(shapes) + (0 if steps is None else len(steps.compiled)) + len(retrieval_shapes),
+            graphs=sum(runner.graphs() for runner in runners) + (0 if steps is None else len(steps.compiled)),
             max_relative_diff=worst.value,
             worst_graph=worst.graph,
         )
@@ -301,7 +264,7 @@ def _tuner(
 
     canary = precisions.Canary(check, config.canary_tolerance, "evaluate", ctx.world_size)
     choice = precisions.choose(config.precision, device, config.backend, canary, ctx.log, scoring.stage)
-    return (choice, *checked[choice.precision])
+    return choice, checked[choice.precision]
 
 
 def _on_every_rank(work: Callable, ctx: Context) -> tuple[dict | None, dict[int, dict], _Prepared]:
@@ -330,32 +293,20 @@ def _results(
     tuning: Tuning,
     ctx: Context,
     mlm: dict | None,
-    loaded: list[Loaded | RetrievalLoaded],
+    loaded: list[Loaded],
     jobs: list[tuple[int, int]],
     runs: dict[int, dict],
 ) -> dict[str, Any]:
-    """results.json: the masked-LM numbers, each task's scores over its seeds, and the GLUE average."""
-    from cram.stages.finetuning.finetune import task_result
-    from cram.stages.finetuning.tasks import glue_average
-    from cram.stages.retrieval.results import retrieval_result
-
+    """results.json: the masked-LM numbers, each task's scores over its seeds (`Kind.result`), and each kind's
+    figures over its tasks (`Kind.totals`: the GLUE average)."""
     results: dict[str, Any] = {} if mlm is None else {"mlm": mlm}
     results["tasks"] = {}
     for i, t in enumerate(loaded):
         seeds = [seed for k, seed in jobs if k == i]
         task_runs = [runs[j] for j, (k, _) in enumerate(jobs) if k == i]
-        if isinstance(t, RetrievalLoaded):
-            results["tasks"][t.task.name] = retrieval_result(t, seeds, task_runs, ctx)
-        else:
-            results["tasks"][t.task.name] = task_result(tuning, t, seeds, task_runs, ctx)
-    glue = {
-        f"{name}/{test}": r["median"][test]
-        for name, r in results["tasks"].items()
-        if r["kind"] == "glue"
-        for test in r["median"]
-    }
-    if glue:
-        results["glue"] = {"average": glue_average(glue), "sets": sorted(glue)}
+        results["tasks"][t.task.name] = _kind(t).result(t, seeds, task_runs, tuning, ctx)
+    for kind in kinds.KINDS:
+        results.update(kind.totals(results["tasks"]))
     return results
 
 

@@ -1,0 +1,23 @@
+"""A retrieval task's settings (`RetrievalSettings`, made by the kind: stages/retrieval/kind.py) and the
+defaults of the ones it may leave unset."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from cram.stages.tasks.config import TaskSettings
+
+QUERY_MAX_LENGTH = 32  # a retrieval task's query length where it sets none: a title, a question
+RETRIEVAL_BATCH_SIZE = 32  # pairs per contrastive batch where a task sets none: 31 in-batch negatives each
+EMBEDDING_POOLINGS = ("mean", "first")  # model/embedder.py's, named here to keep this module free of torch
+
+
+@dataclass(frozen=True)
+class RetrievalSettings(TaskSettings):
+    """A retrieval task's settings: a classification task's, the query length, the contrastive batch and the
+    embedding's pooling."""
+
+    query_max_length: int
+    batch_size: int
+    pooling: Literal["mean", "first"]
