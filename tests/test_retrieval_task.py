@@ -298,3 +298,24 @@ def test_an_eager_contrastive_fine_tune_leaves_the_pretrained_encoder_as_it_was(
     again, _ = eager.train(loaded, seed=0, where="test", label="test")
     torch.testing.assert_close(again, first, rtol=0, atol=0)
     assert not torch.equal(first["layers.0.attn.qkv.weight"], before["layers.0.attn.qkv.weight"])
+
+
+def test_a_mini_batch_trains_as_the_whole_batch_does(tmp_path):
+    # GradCache (model/grad_cache.py): the encoder embeds 3 rows at a time, the loss takes the batch of 8 whole.
+    folder = write_beir(tmp_path / "set")
+    trained = []
+    for mini_batch in (None, 3):
+        config, loaded = task_of(folder, batch_size=8, epochs=2, mini_batch_size=mini_batch)
+        assert loaded.settings.mini_batch_size == mini_batch
+        how = Making(FP32, False, "auto", "mean", mini_batch)
+        tuner = Embedder.make(config.tuning(), CFG, model.init(CFG, seed=0), SPECIAL, torch.device("cpu"), how)
+        trained.append(tuner.train(loaded, seed=0, where="test", label="test"))
+    (whole, whole_loss), (cached, cached_loss) = trained
+    assert cached_loss == pytest.approx(whole_loss, rel=1e-4)
+    for name in whole:
+        torch.testing.assert_close(cached[name], whole[name], rtol=1e-4, atol=1e-5)
+
+
+def test_a_mini_batch_below_one_is_refused():
+    with pytest.raises(ValueError, match="mini_batch_size: 0 must be >= 1"):
+        Config(tasks=[TaskConfig(kind="retrieval", name="t", path="x", mini_batch_size=0)])

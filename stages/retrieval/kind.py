@@ -32,7 +32,7 @@ class Retrieval:
 
     name = "retrieval"
     kinds = ("retrieval", "heldout-retrieval")
-    fields = ("pairs", "query_max_length", "batch_size", "pooling")
+    fields = ("pairs", "query_max_length", "batch_size", "pooling", "mini_batch_size")
     unkeyed = fields  # added after the stage's key was fixed: a config without a retrieval task keys as before
     lengths = ("query_max_length",)
 
@@ -45,6 +45,8 @@ class Retrieval:
             raise ValueError(f"query_max_length: {task.query_max_length} must be >= 3 ([CLS], a token, [SEP])")
         if task.batch_size is not None and task.batch_size < 2:
             raise ValueError(f"batch_size: {task.batch_size} must be >= 2 (a pair's negatives are the batch's others)")
+        if task.mini_batch_size is not None and task.mini_batch_size < 1:
+            raise ValueError(f"mini_batch_size: {task.mini_batch_size} must be >= 1 (rows embedded at once)")
         if task.pooling is not None and task.pooling not in EMBEDDING_POOLINGS:
             raise ValueError(f"pooling: {task.pooling!r}; choose one of {', '.join(EMBEDDING_POOLINGS)}")
 
@@ -55,6 +57,7 @@ class Retrieval:
             query_max_length=task.query_max_length or min(QUERY_MAX_LENGTH, stage.max_length),
             batch_size=task.batch_size or RETRIEVAL_BATCH_SIZE,
             pooling=task.pooling or "mean",
+            mini_batch_size=task.mini_batch_size,
         )
 
     def linked(self, task: TaskConfig, init_pooling: str | None) -> TaskConfig:
@@ -174,7 +177,7 @@ class Retrievers:
     def run_seed(self, precision: Precision, loaded: RetrievalLoaded, seed: int, ctx: Context, keep: Callable) -> dict:
         from cram.stages.retrieval.results import retrieve_seed
 
-        embedder = self.embedders.of(precision, loaded.settings.pooling)
+        embedder = self.embedders.of(precision, loaded.settings.pooling, loaded.settings.mini_batch_size)
         return retrieve_seed(embedder, loaded, seed, ctx, self.scratch, keep)
 
 

@@ -15,9 +15,10 @@ EMBEDDING_POOLINGS = ("mean", "first")  # model/embedder.py's, named here to kee
 
 @dataclass(frozen=True)
 class RetrievalSettings(TaskSettings):
-    """A retrieval task's settings: a classification task's, the query length, the contrastive batch and the
-    embedding's pooling."""
+    """A retrieval task's settings: a classification task's, the query length, the contrastive batch, the
+    embedding's pooling, and the rows the encoder embeds at once (None: the whole batch)."""
 
     query_max_length: int
     batch_size: int
     pooling: Literal["mean", "first"]
+    mini_batch_size: int | None = None

@@ -120,6 +120,7 @@ class Embedder:
 
         from cram import model
         from cram.model.embedder import make_contrastive_step, make_embed_step
+        from cram.model.grad_cache import make_cached_contrastive_step
 
         fixed = {k: v for k, v in FINETUNE_OPTIMIZER.items() if k != "schedule"}
         opt_cfg = model.OptimizerConfig(lr=config.lr, weight_decay=config.weight_decay, **fixed)
@@ -127,7 +128,10 @@ class Embedder:
         compilation = model.Compilation(how.compile, config.backend, how.precision.autocast(), how.attention, options)
         cfg = dataclasses.replace(cfg, dropout=0.0)  # the step's rate comes with each batch
         config = dataclasses.replace(config, compile=how.compile)
-        step = make_contrastive_step(cfg, opt_cfg, compilation, pooling=how.pooling)
+        if how.mini_batch is None:
+            step = make_contrastive_step(cfg, opt_cfg, compilation, pooling=how.pooling)
+        else:
+            step = make_cached_contrastive_step(cfg, opt_cfg, compilation, pooling=how.pooling, chunk=how.mini_batch)
         embed = make_embed_step(cfg, compilation, pooling=how.pooling)
         encoder = {k: v for k, v in params.items() if not k.startswith("head.")}
         return cls(config, cfg, encoder, special, device, step, embed)
@@ -279,12 +283,14 @@ class Embedder:
 
 @dataclass(frozen=True)
 class Making:
-    """How an Embedder's steps are made: the precision, compiled or eager, the attention and the pooling."""
+    """How an Embedder's steps are made: the precision, compiled or eager, the attention, the pooling, and the
+    rows the encoder embeds at once in a contrastive step (None: the whole batch; else GradCache)."""
 
     precision: Precision
     compile: bool
     attention: str
     pooling: str
+    mini_batch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -325,14 +331,14 @@ def embedder_graphs(tasks: list[RetrievalLoaded], tuning: Tuning, first_seed: in
             for epoch in range(settings.epochs):
                 for index in epoch_batches(t, seed, epoch, "canary"):
                     length = bucket(int(longest[index].max()), tuning.buckets)
-                    key = ("step", settings.pooling, queries, length, len(index), data.negatives is not None)
+                    key = ("step", *_step_kind(t), queries, length, len(index), data.negatives is not None)
                     found.setdefault(key, EmbedderGraph(t, length, np.asarray(index)))
         in_bucket = np.array([bucket(int(n), tuning.buckets) for n in data.corpus[1]])
         shapes = [(data.corpus, length, np.flatnonzero(in_bucket == length)) for length in np.unique(in_bucket)]
         shapes.append((data.test_queries, queries, np.arange(len(data.test_queries[0]))))  # padded to one length
         for rows, length, index in shapes:
             graph = EmbedderGraph(t, int(length), index[: tuning.eval_batch_size], rows)
-            found.setdefault(("embedding", settings.pooling, int(length)), graph)
+            found.setdefault(("embedding", *_step_kind(t), int(length)), graph)
     return list(found.values())
 
 
@@ -345,12 +351,13 @@ class Embedders:
     tasks: list[RetrievalLoaded]
     compile: bool
     attention: str
-    made: dict[tuple[Precision, str], Embedder] = field(default_factory=dict)  # (precision, pooling) -> Embedder
+    # (precision, pooling, mini-batch) -> Embedder
+    made: dict[tuple[Precision, str, int | None], Embedder] = field(default_factory=dict)
 
-    def of(self, precision: Precision, pooling: str) -> Embedder:
-        key = (precision, pooling)  # bf16 at two vector widths is two precisions: compiled apart
+    def of(self, precision: Precision, pooling: str, mini_batch: int | None = None) -> Embedder:
+        key = (precision, pooling, mini_batch)  # bf16 at two vector widths is two precisions: compiled apart
         if key not in self.made:
-            self.made[key] = self.make(Making(precision, self.compile, self.attention, pooling))
+            self.made[key] = self.make(Making(precision, self.compile, self.attention, pooling, mini_batch))
         return self.made[key]
 
     def check(self, precision: Precision, graphs: list[EmbedderGraph], steps: int, tolerance: float) -> Difference:
@@ -359,10 +366,15 @@ class Embedders:
         from cram.stages.shared.precision import Difference
 
         worst = Difference(0.0)
-        for pooling in dict.fromkeys(g.task.settings.pooling for g in graphs):
-            eager = self.make(Making(precision, False, self.attention, pooling))
-            mine = [g for g in graphs if g.task.settings.pooling == pooling]
-            worst = worst.worse(self.of(precision, pooling).canary(eager, mine, steps, tolerance))
+        for pooling, mini_batch in dict.fromkeys(_step_kind(g.task) for g in graphs):
+            eager = self.make(Making(precision, False, self.attention, pooling, mini_batch))
+            mine = [g for g in graphs if _step_kind(g.task) == (pooling, mini_batch)]
+            worst = worst.worse(self.of(precision, pooling, mini_batch).canary(eager, mine, steps, tolerance))
             if not worst.value <= tolerance:
                 break
         return worst
+
+
+def _step_kind(task: RetrievalLoaded) -> tuple[str, int | None]:
+    """What tells one Embedder's steps from another's: the pooling and the mini-batch."""
+    return task.settings.pooling, task.settings.mini_batch_size

@@ -41,6 +41,9 @@ class TaskConfig:
     # retrieval kinds: the embedding's pooling (None: the pooling of `pretrain.init`'s sentence-transformers
     # folder where it names one, else mean: `Config.linked`)
     pooling: Literal["mean", "first"] | None = None
+    # retrieval kinds: the rows the encoder embeds at once while the loss takes the whole batch (GradCache: a
+    # large batch in a small batch's memory; None: the whole batch at once)
+    mini_batch_size: int | None = None
     epochs: int | None = None  # None: the stage's; likewise seeds, lr and max_length
     seeds: int | None = None
     lr: float | None = None
