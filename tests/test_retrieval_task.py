@@ -16,7 +16,8 @@ from torch._dynamo.utils import counters
 from cram import model
 from cram.stages import StageError
 from cram.stages.evaluating.config import Config
-from cram.stages.retrieval import pairs, results
+from cram.stages.retrieval import pairs, results, validation
+from cram.stages.retrieval.choosing import judge
 from cram.stages.retrieval.tuning import Embedder, Embedders, Making, RetrievalLoaded, embedder_graphs, epoch_batches
 from cram.stages.shared.precision import FP32
 from cram.stages.shared.tokenizer import Tokenizer
@@ -48,6 +49,12 @@ def embedder(config: Config, compile: bool = False) -> Embedder:
     params = model.init(CFG, seed=0)
     how = Making(FP32, compile, "auto", "mean")
     return Embedder.make(config.tuning(), CFG, params, SPECIAL, torch.device("cpu"), how)
+
+
+def seed_runs(tuner: Embedder, loaded: RetrievalLoaded, seeds, ctx, scratch: Path, keep=None) -> list[dict]:
+    """Each seed fine-tuned and scored as the kind's runner runs it, beside the encoder as it was."""
+    untuned = judge(tuner.runs(tuner.params, loaded, scratch), loaded.lexical, results.qrels_of(loaded.task))
+    return [results.retrieve_seed(tuner, loaded, seed, results.SeedRun(ctx, scratch, untuned), keep) for seed in seeds]
 
 
 def test_the_fine_tune_beats_the_untrained_encoder_and_bm25_scores_the_same_queries(tmp_path):
@@ -213,7 +220,7 @@ def test_results_json_entry_holds_what_the_issue_asks(tmp_path, make_ctx):
     config, loaded = task_of(write_beir(tmp_path / "set"), epochs=1, batch_size=8, seeds=2)
     tuner = embedder(config)
     ctx = make_ctx()
-    runs = [results.retrieve_seed(tuner, loaded, seed, ctx, tmp_path) for seed in (0, 1)]
+    runs = seed_runs(tuner, loaded, (0, 1), ctx, tmp_path)
     result = json.loads(json.dumps(results.retrieval_result(loaded, [0, 1], runs, ctx)))
     assert result["kind"] == "retrieval" and result["pairs_source"] == "titles" and result["train_pairs"] == 30
     assert result["queries_scored"] == 10 and result["queries_left_out"] == 0
@@ -235,7 +242,7 @@ def test_queries_without_a_relevant_document_are_left_out_counted_and_said(tmp_p
     config, loaded = task_of(folder, epochs=1, batch_size=8)
     ctx = make_ctx()
     with capture_logs() as logs:
-        runs = [results.retrieve_seed(embedder(config), loaded, 0, ctx, tmp_path)]
+        runs = seed_runs(embedder(config), loaded, (0,), ctx, tmp_path)
         result = results.retrieval_result(loaded, [0], runs, ctx)
     assert (result["test_queries"], result["queries_scored"], result["queries_left_out"]) == (11, 10, 1)
     said = [e for e in logs if e["event"].startswith("test queries left out")]
@@ -261,8 +268,8 @@ def test_keep_all_writes_every_seed_as_an_embedder_beside_the_classifiers(tmp_pa
     keeper = Keeper("all", tmp_path / "out", tmp_path / "model.json", {0: meta, 1: {"task": "sent", "kind": "custom"}})
     params = {"embed.tokens.weight": torch.ones(2, 2), "head.bias": torch.ones(2)}
     for seed, score in ((0, 0.4), (1, 0.6)):
-        keeper.offer(0, seed, loaded.task, params, {"scores": {"test": {"ndcg@10": score}}})
-    keeper.offer(1, 0, loaded.task, {"classifier.weight": torch.ones(1)}, {"scores": {"test": {"ndcg@10": 0.1}}})
+        keeper.offer(0, seed, loaded.task, params, {"scores": {"selection": {"ndcg@10": score}}})
+    keeper.offer(1, 0, loaded.task, {"classifier.weight": torch.ones(1)}, {"scores": {"selection": {"ndcg@10": 0.1}}})
     kept = keeper.finish([(0, 0), (0, 1), (1, 0)], {0: 1, 1: 2})
     assert kept_outputs(kept) == {
         "classifiers": {"sent": "classifiers/1-sent/seed-0"},
@@ -319,3 +326,35 @@ def test_a_mini_batch_trains_as_the_whole_batch_does(tmp_path):
 def test_a_mini_batch_below_one_is_refused():
     with pytest.raises(ValueError, match="mini_batch_size: 0 must be >= 1"):
         Config(tasks=[TaskConfig(kind="retrieval", name="t", path="x", mini_batch_size=0)])
+
+
+def test_choices_are_made_on_a_validation_split_carved_from_the_training_queries(tmp_path, make_ctx, monkeypatch):
+    monkeypatch.setattr(validation, "SHARE", 0.3)  # the small set's 30 queries: about 9 drawn
+    monkeypatch.setattr(validation, "MIN_QUERIES", 3)
+    config, loaded = task_of(write_beir(tmp_path / "set"), epochs=2, batch_size=8, seeds=2, lr=3e-3)
+    held = loaded.task.validation
+    assert held is not None and len(held.queries) + len(loaded.task.pairs) == 30
+    assert not {p.query for p in loaded.task.pairs} & set(held.queries.values())
+    offered = []
+    runs = seed_runs(embedder(config), loaded, (0, 1), make_ctx(), tmp_path, keep=lambda p, run: offered.append(run))
+    result = json.loads(json.dumps(results.retrieval_result(loaded, [0, 1], runs, make_ctx())))
+    assert result["validation_queries"] == len(held.queries) and result["train_pairs"] == len(loaded.task.pairs)
+    for run, offer in zip(runs, offered):
+        # What a seed offers is kept by its validation score: the fine-tune's, or the start's where better.
+        best = max(run["scores"]["validation"]["ndcg@10"], run["untuned"]["scores"]["validation"]["ndcg@10"])
+        assert run["scores"]["selection"] == offer["scores"]["selection"] == {"ndcg@10": best}
+        assert offer["meta"]["encoder"] == run["offers"] and run["selected_by"] == "validation"
+        assert set(run["hybrid"]) == {"fusion", "test", "validation"}
+    assert set(result["validation"]["median"]["validation"]) == set(result["metrics"])
+    assert len(result["hybrid"]["fusion"]) == 2 and set(result["figures"]) == {"hybrid", "untuned"}
+    assert result["kept"]["seed"] in (0, 1) and result["kept"]["by"] == "validation"
+
+
+def test_without_a_validation_split_nothing_is_chosen(tmp_path, make_ctx):
+    config, loaded = task_of(write_beir(tmp_path / "set"), epochs=1, batch_size=8, seeds=2)
+    assert loaded.task.validation is None  # 30 queries draw fewer than MIN_QUERIES
+    runs = seed_runs(embedder(config), loaded, (0, 1), make_ctx(), tmp_path)
+    result = results.retrieval_result(loaded, [0, 1], runs, make_ctx())
+    assert [r["scores"]["selection"] for r in runs] == [{"ndcg@10": 0.0}] * 2
+    assert result["kept"] == {"seed": 0, "encoder": "fine-tuned", "by": "none: no validation split"}
+    assert result["hybrid"]["fusion"] == [{"method": "convex", "weight": 0.5, "rrf_k": 60}] * 2

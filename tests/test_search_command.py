@@ -161,3 +161,15 @@ def test_an_output_that_is_not_json_lines_is_refused(tmp_path, run, files):
     corpus, queries = files
     result = invoke(run, corpus, queries, tmp_path / "hits.npy")
     assert result.exit_code == 2 and ".npy" in result.output, result.output
+
+
+def test_hybrid_takes_the_fusion_the_model_was_kept_with():
+    from types import SimpleNamespace
+
+    def kept(meta):
+        return SimpleNamespace(embedder=SimpleNamespace(meta=meta))
+
+    assert searching.model_fusion(kept({"fusion": {"method": "rrf", "weight": 0.5, "rrf_k": 30}})) == Fusion(
+        "rrf", 0.5, 30
+    )
+    assert searching.model_fusion(kept({})) == Fusion()

@@ -280,8 +280,14 @@ def search_corpus(
     task: Optional[str] = typer.Option(None, "--task", help="The task whose kept embedding model to use."),
     top_k: int = typer.Option(10, "--top-k", help="Hits a query."),
     mode: str = typer.Option("hybrid", "--mode", help="hybrid (dense and BM25 fused), dense or bm25."),
-    fusion: str = typer.Option("convex", "--fusion", help="convex (a mix of min-max scores) or rrf."),
-    weight: float = typer.Option(0.5, "--weight", help="The dense run's share in the convex mix, in [0, 1]."),
+    fusion: Optional[str] = typer.Option(
+        None, "--fusion", help="convex (a mix of min-max scores) or rrf (default: the model's own, else convex)."
+    ),
+    weight: Optional[float] = typer.Option(
+        None,
+        "--weight",
+        help="The dense run's share in the convex mix, in [0, 1] (default: the model's own, else 0.5).",
+    ),
     field: str = typer.Option("text", "--field", help="The corpus field holding the text (CSV, TSV, JSON lines)."),
     id_field: Optional[str] = typer.Option(None, "--id-field", help="The corpus field of ids (default: row numbers)."),
     query_field: str = typer.Option("text", "--query-field", help="The query files' text field."),

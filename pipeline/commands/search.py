@@ -44,11 +44,14 @@ class Searched(NamedTuple):
 
 
 def query_settings(
-    mode: str, top_k: int, fusion: str, weight: float, field: str = "text", id_field: str | None = None
+    mode: str, top_k: int, fusion: str | None, weight: float | None, field: str = "text", id_field: str | None = None
 ) -> Query:
-    """The options' Query; SearchError naming the option where one is out of its range."""
+    """The options' Query (`fusion` and `weight` None: the model's own); SearchError naming the option where
+    one is out of its range."""
+    given = {} if fusion is None else {"method": fusion}
+    given |= {} if weight is None else {"weight": weight}
     try:
-        return Query(mode, top_k, Fusion(fusion, weight), field, id_field)  # type: ignore[arg-type]
+        return Query(mode, top_k, Fusion(**given) if given else None, field, id_field)  # type: ignore[arg-type]
     except ValueError as e:
         option = str(e).split(":")[0].replace("_", "-").replace("method", "fusion")
         raise SearchError(f"--{option}{str(e)[len(option) :]}") from None

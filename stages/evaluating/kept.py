@@ -115,7 +115,9 @@ class Keeper:
         save_file(params, tmp, metadata={"format": "pt"})
         os.replace(tmp, folder / PARAMS)
         shutil.copyfile(self.model_json, folder / MODEL)
-        meta = {**self.meta[index], "seed": seed, "score": score, "scores": run["scores"], "params": PARAMS}
+        # a kind may say more of what it offers (`run["meta"]`: a retrieval seed's fusion with BM25, its encoder)
+        meta = {**self.meta[index], **run.get("meta", {}), "seed": seed, "score": score, "scores": run["scores"]}
+        meta["params"] = PARAMS
         write_atomic(folder / (EMBEDDER_META if self._embeds(index) else META), json.dumps(meta, indent=1) + "\n")
 
 

@@ -351,7 +351,8 @@ def load_checkpoint(pretrain: Upstream, tokenize: Upstream) -> Checkpoint:
 def headline(results: dict) -> dict[str, float]:
     """The figures `cram status` shows, in this order: the GLUE average, the masked-LM loss and
     accuracy, then per task its median scores, its majority-class baseline's main score, beside the
-    starting checkpoint's where it was scored too (`versus.start_figures`), and its time."""
+    starting checkpoint's where it was scored too (`versus.start_figures`), the figures its kind adds
+    (`figures`: a retrieval task's hybrid and its encoder as it was), and its time."""
     figures = {}
     if "glue" in results:
         figures["glue_average"] = round(results["glue"]["average"], 4)
@@ -367,6 +368,7 @@ def headline(results: dict) -> dict[str, float]:
             figures.update({f"{prefix}_{m}": round(v, 4) for m, v in medians.items()})
             figures[f"{prefix}_baseline"] = round(r["baseline"][test][r["metrics"][0]], 4)
             figures.update(start_figures(r, test, prefix))
+        figures.update({f"{name}_{figure}": value for figure, value in r.get("figures", {}).items()})  # a kind's own
         figures[f"{name}_time_s"] = round(r["time_s"], 1)
     return figures
 

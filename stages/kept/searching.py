@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -29,7 +29,7 @@ from cram.stages.kept.embedding import Embedding, Request, identified, prompt_te
 from cram.stages.kept.folder import KeptError
 from cram.stages.kept.predicting import PROGRESS_EVERY_S
 from cram.stages.retrieval import bm25
-from cram.stages.retrieval.fusion import Fusion, Run, fuse
+from cram.stages.retrieval.fusion import Fusion, Hits, fuse
 from cram.stages.retrieval.search import Embeddings, top_k, write_embeddings
 from cram.stages.shared.files import files_under, fingerprint, write_atomic
 from cram.stages.shared.progress import bar
@@ -52,12 +52,13 @@ class Corpus:
 
 @dataclass(frozen=True)
 class Query:
-    """How to answer: `mode` (MODES), the `top_k` hits a query, the `fusion` of `hybrid`, and the queries'
-    text field and id field (None: the row number from 0)."""
+    """How to answer: `mode` (MODES), the `top_k` hits a query, the `fusion` of `hybrid` (None: the one the
+    embedding model's evaluate chose on its validation queries, `embedder.json`'s, else fusion.py's default),
+    and the queries' text field and id field (None: the row number from 0)."""
 
     mode: Literal["hybrid", "dense", "bm25"] = "hybrid"
     top_k: int = 10
-    fusion: Fusion = field(default_factory=Fusion)
+    fusion: Fusion | None = None
     field: str = "text"
     id_field: str | None = None
 
@@ -151,7 +152,7 @@ def search(index: CorpusIndex, embedding: Embedding, files: list[Path], query: Q
         for text, query_id, dense_run in zip(texts, ids, dense):
             lexical = _lexical_run(index, text) if query.mode != "dense" else {}
             if query.mode == "hybrid":
-                run = fuse(dense_run, lexical, query.fusion)
+                run = fuse(dense_run, lexical, query.fusion or model_fusion(embedding))
             else:
                 run = dense_run if query.mode == "dense" else lexical
             best = sorted(run, key=lambda doc: (-run[doc], doc))[: query.top_k]
@@ -159,11 +160,17 @@ def search(index: CorpusIndex, embedding: Embedding, files: list[Path], query: Q
             yield {"query": query_id if isinstance(query_id, str) else int(query_id), "hits": hits}
 
 
-def _dense_runs(index: CorpusIndex, embedding: Embedding, texts: list[str], prompt: str) -> list[Run]:
+def model_fusion(embedding: Embedding) -> Fusion:
+    """The fusion the embedding model was kept with (`embedder.json`'s `fusion`), else the default."""
+    recorded = embedding.embedder.meta.get("fusion")
+    return Fusion(**recorded) if isinstance(recorded, dict) else Fusion()
+
+
+def _dense_runs(index: CorpusIndex, embedding: Embedding, texts: list[str], prompt: str) -> list[Hits]:
     scores, found = top_k(embedding.vectors(texts, True, prompt=prompt), index.embeddings, CANDIDATES)
     return [{int(d): float(s) for d, s in zip(docs, row)} for docs, row in zip(found, scores)]
 
 
-def _lexical_run(index: CorpusIndex, text: str) -> Run:
+def _lexical_run(index: CorpusIndex, text: str) -> Hits:
     docs, scores = bm25.search(index.lexical, text, CANDIDATES)
     return {int(d): float(s) for d, s in zip(docs, scores)}

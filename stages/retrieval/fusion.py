@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Run = dict[str, float]  # document id -> score, one query's
+Hits = dict[str, float]  # document id -> score, one query's
 
 METHODS = ("convex", "rrf")
 
@@ -40,7 +40,7 @@ class Fusion:
             raise ValueError(f"rrf_k: {self.rrf_k} must be >= 1")
 
 
-def fuse(dense: Run, lexical: Run, fusion: Fusion = Fusion()) -> Run:
+def fuse(dense: Hits, lexical: Hits, fusion: Fusion = Fusion()) -> Hits:
     """One query's fused scores over every document either run retrieved."""
     if fusion.method == "rrf":
         return _rrf(dense, lexical, fusion.rrf_k)
@@ -51,7 +51,7 @@ def fuse(dense: Run, lexical: Run, fusion: Fusion = Fusion()) -> Run:
     }
 
 
-def min_max(run: Run) -> Run:
+def min_max(run: Hits) -> Hits:
     """Scores mapped onto [0, 1] within the run; a run whose scores are all equal maps to 1 (each
     retrieved document is as good as the best)."""
     if not run:
@@ -62,8 +62,8 @@ def min_max(run: Run) -> Run:
     return {doc: (score - low) / (high - low) for doc, score in run.items()}
 
 
-def _rrf(dense: Run, lexical: Run, k: int) -> Run:
-    fused: Run = {}
+def _rrf(dense: Hits, lexical: Hits, k: int) -> Hits:
+    fused: Hits = {}
     for run in (dense, lexical):
         ranked = sorted(run, key=lambda doc: (-run[doc], doc))
         for rank, doc in enumerate(ranked, start=1):

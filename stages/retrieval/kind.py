@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -19,6 +19,7 @@ from cram.stages.tasks.kind import Start, count
 
 if TYPE_CHECKING:
     from cram.stages import Context, Upstream
+    from cram.stages.retrieval.choosing import Judged
     from cram.stages.retrieval.tuning import EmbedderGraph, Embedders, RetrievalLoaded
     from cram.stages.shared.precision import Difference, Precision
     from cram.stages.shared.tokenizer import Tokenizer
@@ -167,6 +168,7 @@ class Retrievers:
     embedders: Embedders
     shapes: list[EmbedderGraph]
     scratch: Path
+    untuned: dict[tuple[str, Precision], Judged] = field(default_factory=dict)  # each task's encoder as it was
 
     def graphs(self) -> int:
         return len(self.shapes)
@@ -175,10 +177,15 @@ class Retrievers:
         return self.embedders.check(precision, self.shapes, steps, tolerance)
 
     def run_seed(self, precision: Precision, loaded: RetrievalLoaded, seed: int, ctx: Context, keep: Callable) -> dict:
-        from cram.stages.retrieval.results import retrieve_seed
+        from cram.stages.retrieval.choosing import judge
+        from cram.stages.retrieval.results import SeedRun, qrels_of, retrieve_seed
 
         embedder = self.embedders.of(precision, loaded.settings.pooling, loaded.settings.mini_batch_size)
-        return retrieve_seed(embedder, loaded, seed, ctx, self.scratch, keep)
+        key = (loaded.task.name, precision)
+        if key not in self.untuned:  # once a task: every seed must beat the same start on validation
+            runs = embedder.runs(embedder.params, loaded, self.scratch)
+            self.untuned[key] = judge(runs, loaded.lexical, qrels_of(loaded.task))
+        return retrieve_seed(embedder, loaded, seed, SeedRun(ctx, self.scratch, self.untuned[key]), keep)
 
 
 def _too_long(settings: RetrievalSettings, buckets: tuple[int, ...], positions: int | None) -> str | None:

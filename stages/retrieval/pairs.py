@@ -25,6 +25,7 @@ from cram.stages import StageError
 from cram.stages.retrieval import beir
 from cram.stages.retrieval.beir import Document, Pair, Qrels
 from cram.stages.retrieval.metrics import METRICS
+from cram.stages.retrieval.validation import Validation
 
 SOURCES = ("qrels", "pairs", "titles", "inverse-cloze")
 CLOZE_MIN_WORDS = 8  # a shorter document gives no inverse-cloze pair: its span or its rest would be a word or two
@@ -34,7 +35,7 @@ CLOZE_SPAN = 16  # words in an inverse-cloze query at most: an eighth of the doc
 @dataclass(frozen=True)
 class RetrievalTask:
     """What one retrieval task scores and trains on. `metrics` and `tests` read as a classification
-    task's do (`kept.main_score`): nDCG@10 on the one test set is the main score."""
+    task's do (`kept.main_score`): nDCG@10 of what a seed offers, on the validation split, is the main score."""
 
     name: str
     corpus: dict[str, Document]  # by id: what the queries search
@@ -43,9 +44,11 @@ class RetrievalTask:
     pairs: tuple[Pair, ...]  # training pairs
     source: str  # SOURCES: where the pairs came from
     pairs_dropped: int = 0  # training pairs whose query was a test query's text
+    validation: Validation | None = None  # carved from the training pairs (validation.py), where there are enough
 
     metrics = METRICS
-    tests = ("test",)
+    # The keeper's main score is the first: what a seed offers scores on validation (results.py), never the test.
+    tests = ("selection", "test")
 
 
 def load_beir_task(name: str, path: str, pairs_file: str, where: str) -> RetrievalTask:

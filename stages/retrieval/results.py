@@ -1,24 +1,30 @@
-"""A retrieval task in the evaluate stage: loaded from its config entry, one seed fine-tuned and searched,
-and its results.json entry over the seeds beside BM25's scores on the same queries, as
+"""A retrieval task in the evaluate stage: loaded from its config entry (its validation split carved from
+its training pairs, BM25's runs made), one seed fine-tuned and searched, dense and fused with BM25, and its
+results.json entry over the seeds beside BM25's scores and the encoder's own as it was, as
 `finetuning/finetune.py` does a classification task's (`finetune_seed`, `task_result`).
 
-    loaded = load(task_cfg, index, tokenize, tokenizer, special, settings)
-    run = retrieve_seed(embedder, loaded, seed, ctx, scratch, keep)          # per seed
-    result = retrieval_result(loaded, seeds, runs, ctx)                       # per task
+    task = load_task(task_cfg, index, tokenize, settings)
+    ready = loaded(task_cfg, task, tokenizer, special, settings)
+    run = retrieve_seed(embedder, ready, seed, SeedRun(ctx, scratch, untuned), keep)   # per seed
+    result = retrieval_result(ready, seeds, runs, ctx)                                 # per task
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from cram.stages import StageError
-from cram.stages.retrieval.metrics import METRICS
+from cram.stages.retrieval.metrics import METRICS, Qrels, Run, score_run
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from cram.stages import Context, Upstream
+    from cram.stages.retrieval.beir import Document
+    from cram.stages.retrieval.choosing import Judged
     from cram.stages.retrieval.metrics import Scores
     from cram.stages.retrieval.pairs import RetrievalTask
     from cram.stages.retrieval.settings import RetrievalSettings
@@ -38,6 +44,7 @@ def load_task(
     batch of `settings.batch_size` without a text twice is refused."""
     from cram.stages.retrieval import pairs
     from cram.stages.retrieval.loss import distinct_batches
+    from cram.stages.retrieval.validation import carve
 
     where = f"evaluate.tasks[{index}]"
     if task_cfg.kind == "retrieval":
@@ -50,6 +57,8 @@ def load_task(
                 "(set tokenize.heldout_fraction above 0, or drop this task)"
             )
         task = pairs.load_heldout_task(task_cfg.name, tokenize.dir / heldout, task_cfg.test_fraction)
+    pairs, validation = carve(task.pairs, task.corpus, settings.batch_size)
+    task = dataclasses.replace(task, pairs=pairs, validation=validation)
     distinct_batches([p.texts for p in task.pairs], settings.batch_size, 0, f"{where} ({task.source} pairs)")
     return task
 
@@ -57,50 +66,79 @@ def load_task(
 def loaded(
     task_cfg: TaskConfig, task: RetrievalTask, tokenizer: Tokenizer, special: dict, settings: RetrievalSettings
 ) -> RetrievalLoaded:
+    """The task tokenized, and BM25's runs on its queries made now, before any seed: the baseline, and the
+    lexical half of every hybrid (its index is the one that grows with the corpus)."""
     from cram.stages.retrieval.tuning import RetrievalLoaded, encode_pairs
 
-    return RetrievalLoaded(task_cfg, task, encode_pairs(task, tokenizer, special, settings), settings)
+    data = encode_pairs(task, tokenizer, special, settings)
+    return RetrievalLoaded(task_cfg, task, data, settings, bm25_runs(task))
+
+
+def qrels_of(task: RetrievalTask) -> dict[str, Qrels]:
+    """The judgements by split: the test's, and the validation split's where the task has one."""
+    return {"test": task.qrels, **({"validation": task.validation.qrels} if task.validation is not None else {})}
 
 
 def retrieve_seed(
-    embedder: Embedder, task: RetrievalLoaded, seed: int, ctx: Context, scratch: Path, keep: Callable | None = None
+    embedder: Embedder, task: RetrievalLoaded, seed: int, run: SeedRun, keep: Callable | None = None
 ) -> dict:
-    """Fine-tune one seed of a retrieval task from the pretrained encoder and score it on the test
-    queries; `keep`, when given, is called with the fine-tuned params and the run's record."""
+    """Fine-tune one seed of a retrieval task from the pretrained encoder and score it, dense and hybrid, on
+    the test and validation queries; `keep`, when given, is offered the fine-tuned encoder, or the encoder as
+    it was (`run.untuned`) where that scores better on validation (choosing.py)."""
+    from cram.stages.retrieval.choosing import judge, offers_untuned, selection
+
     began = time.perf_counter()
-    name = task.task.name
+    name, ctx = task.task.name, run.ctx
     log = ctx.log.bind(task=name, seed=seed)
-    where = f"evaluate task {name}"
-    params, loss = embedder.train(task, seed, where, f"{name} seed {seed}", log)
-    scores = embedder.search(params, task, scratch)
-    ctx.log.info("finetuned", task=name, seed=seed, train_loss=round(loss, 4), **_rounded(scores.mean))
-    run = {
+    params, loss = embedder.train(task, seed, f"evaluate task {name}", f"{name} seed {seed}", log)
+    dense = embedder.runs(params, task, run.scratch)
+    tuned = judge(dense, task.lexical, qrels_of(task.task))
+    test = score_run(dense["test"], task.task.qrels)
+    ctx.log.info("finetuned", task=name, seed=seed, train_loss=round(loss, 4), **_rounded(tuned))
+    chosen = selection(tuned, run.untuned)
+    record = {
         "train_loss": loss,
-        "scores": {"test": scores.mean},
-        "queries_scored": len(scores.per_query),
-        "queries_left_out": scores.left_out,
+        **tuned.record(),
+        "queries_scored": len(test.per_query),
+        "queries_left_out": test.left_out,
         "time_s": time.perf_counter() - began,
     }
+    untuned = offers_untuned(tuned, run.untuned)
+    record["scores"] = {"selection": chosen, **record["scores"]}
+    record["offers"] = "untuned" if untuned else "fine-tuned"
+    record["selected_by"] = "validation" if "validation" in tuned.dense else "none: no validation split"
+    record["untuned"] = run.untuned.record()
     if keep is not None:
-        keep(params, run)
-    return run
+        kept, offered = (embedder.params, run.untuned) if untuned else (params, tuned)
+        meta = {"encoder": record["offers"], "fusion": offered.record()["hybrid"]["fusion"]}
+        keep(kept, {"scores": {"selection": chosen, **offered.dense}, "meta": meta})
+    return record
+
+
+@dataclass(frozen=True)
+class SeedRun:
+    """What every seed of a task shares: the run's context, the scratch folder for the corpus embeddings, and
+    the encoder as it was, judged (what a seed must beat on validation to be kept)."""
+
+    ctx: Context
+    scratch: Path
+    untuned: Judged
 
 
 def retrieval_result(task: RetrievalLoaded, seeds: list[int], runs: list[dict], ctx: Context) -> dict[str, Any]:
-    """A retrieval task's results from its seeds' runs (in seed order): per-seed scores, medians, BM25."""
-    import numpy as np
-
+    """A retrieval task's results from its seeds' runs (in seed order): per-seed scores and medians, dense and
+    hybrid, on test and validation; the encoder as it was; BM25; which seed is kept, and as what."""
     from cram.stages.tasks.config import FINETUNE_OPTIMIZER
 
-    settings = task.settings
-    scores = {"test": {m: [r["scores"]["test"][m] for r in runs] for m in METRICS}}
-    baseline = bm25_scores(task.task)
+    settings, validation = task.settings, task.task.validation
+    baseline = score_run(task.lexical["test"], task.task.qrels)
     result = {
         "kind": task.config.kind,
         "metrics": list(METRICS),
         "train_pairs": len(task.task.pairs),
         "pairs_source": task.task.source,
         "pairs_dropped": task.task.pairs_dropped,
+        "validation_queries": 0 if validation is None else len(validation.queries),
         "corpus_documents": len(task.task.corpus),
         "test_queries": len(task.task.queries),
         "queries_scored": runs[0]["queries_scored"],
@@ -114,43 +152,91 @@ def retrieval_result(task: RetrievalLoaded, seeds: list[int], runs: list[dict], 
         "seeds": seeds,
         "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in FINETUNE_OPTIMIZER.items()},
         "train_loss": [r["train_loss"] for r in runs],
-        "scores": scores,
-        "median": {"test": {m: float(np.median(v)) for m, v in scores["test"].items()}},
+        **_by_seed(runs, lambda r: r["scores"]),
+        "validation": _by_seed(runs, lambda r: r["scores"], "validation"),
+        "hybrid": {"fusion": [r["hybrid"]["fusion"] for r in runs], **_by_seed(runs, lambda r: r["hybrid"])},
+        "untuned": runs[0]["untuned"],
+        "kept": _kept(seeds, runs),
         "baseline": {"test": baseline.mean},
         "baseline_method": BASELINE,
         "time_s": round(sum(r["time_s"] for r in runs), 3),
     }
-    ctx.log.info("task", task=task.task.name, median=result["median"], baseline=baseline.mean, time_s=result["time_s"])
+    result["figures"] = {
+        "hybrid": round(result["hybrid"]["median"]["test"][METRICS[0]], 4),
+        "untuned": round(result["untuned"]["scores"]["test"][METRICS[0]], 4),
+    }
+    _say(task, result, ctx)
+    return result
+
+
+def _by_seed(runs: list[dict], part: Callable[[dict], dict], split: str = "test") -> dict[str, Any]:
+    """`part` of each run on `split` as per-seed lists and medians: {"scores": {split: ...}, "median": {...}}."""
+    import numpy as np
+
+    if split not in part(runs[0]):
+        return {}
+    scores = {m: [part(r)[split][m] for r in runs] for m in METRICS}
+    return {"scores": {split: scores}, "median": {split: {m: float(np.median(v)) for m, v in scores.items()}}}
+
+
+def _kept(seeds: list[int], runs: list[dict]) -> dict[str, Any]:
+    """The seed the keeper keeps (the best selection score, the lower seed of equals: `kept.best_jobs`), and
+    whether it offered its fine-tune or the encoder as it was."""
+    best = max(range(len(runs)), key=lambda k: (runs[k]["scores"]["selection"][METRICS[0]], -k))
+    return {"seed": seeds[best], "encoder": runs[best]["offers"], "by": runs[best]["selected_by"]}
+
+
+def _say(task: RetrievalLoaded, result: dict, ctx: Context) -> None:
+    name = task.task.name
+    ctx.log.info(
+        "task", task=name, median=result["median"], hybrid=result["figures"]["hybrid"],
+        untuned=result["figures"]["untuned"], baseline=result["baseline"]["test"], time_s=result["time_s"],
+    )  # fmt: skip
+    if result["kept"]["encoder"] == "untuned":
+        ctx.log.info("kept the encoder as it was: no fine-tuned seed beat it on the validation queries", task=name)
+    if not result["validation_queries"]:
+        ctx.log.info(
+            "no validation split: too few training queries; the first seed is kept, fused half and half", task=name
+        )
     if task.task.pairs_dropped:
         ctx.log.info(
             "training pairs dropped: their query is a test query's text",
-            task=task.task.name,
+            task=name,
             dropped=task.task.pairs_dropped,
             kept=len(task.task.pairs),
         )
     if result["queries_left_out"]:
         ctx.log.info(
             "test queries left out: no relevant document in their qrels",
-            task=task.task.name,
+            task=name,
             left_out=result["queries_left_out"],
             scored=result["queries_scored"],
         )
-    return result
+
+
+def bm25_runs(task: RetrievalTask) -> dict[str, Run]:
+    """BM25's runs (bm25.py), by split: the test queries over the corpus; the validation queries over the
+    corpus and the validation positives it lacks."""
+    from cram.stages.retrieval import bm25
+    from cram.stages.retrieval.tuning import TOP_K
+
+    def searched(corpus: dict[str, Document], queries: dict[str, str]) -> Run:
+        ids, index = list(corpus), bm25.index(doc.full_text for doc in corpus.values())
+        run = {}
+        for query, text in queries.items():
+            found, scores = bm25.search(index, text, TOP_K)
+            run[query] = {ids[d]: float(s) for d, s in zip(found, scores)}
+        return run
+
+    runs = {"test": searched(task.corpus, task.queries)}
+    if task.validation is not None:
+        runs["validation"] = searched({**task.corpus, **task.validation.documents}, task.validation.queries)
+    return runs
 
 
 def bm25_scores(task: RetrievalTask) -> Scores:
-    """BM25's scores on the task's test queries, over its corpus (bm25.py)."""
-    from cram.stages.retrieval import bm25
-    from cram.stages.retrieval.metrics import score_run
-    from cram.stages.retrieval.tuning import TOP_K
-
-    ids = list(task.corpus)
-    index = bm25.index([doc.full_text for doc in task.corpus.values()])
-    run = {}
-    for query, text in task.queries.items():
-        found, scores = bm25.search(index, text, TOP_K)
-        run[query] = {ids[d]: float(s) for d, s in zip(found, scores)}
-    return score_run(run, task.qrels)
+    """BM25's scores on the task's test queries, over its corpus."""
+    return score_run(bm25_runs(task)["test"], task.qrels)
 
 
 def embedder_meta(task: RetrievalLoaded, buckets: tuple[int, ...], tokenizer: dict) -> dict[str, Any]:
@@ -170,5 +256,5 @@ def embedder_meta(task: RetrievalLoaded, buckets: tuple[int, ...], tokenizer: di
     }
 
 
-def _rounded(means: dict[str, float]) -> dict[str, float]:
-    return {f"test_{m}": round(v, 4) for m, v in means.items()}
+def _rounded(judged: Judged) -> dict[str, float]:
+    return {f"{split}_{m}": round(v, 4) for split, means in judged.dense.items() for m, v in means.items()}

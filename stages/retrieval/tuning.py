@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from structlog.stdlib import BoundLogger
 
     from cram.model.config import ModelConfig
-    from cram.stages.retrieval.metrics import Scores
+    from cram.stages.retrieval.metrics import Run, Scores
     from cram.stages.retrieval.pairs import RetrievalTask
     from cram.stages.retrieval.settings import RetrievalSettings
     from cram.stages.shared.precision import Difference, Precision
@@ -50,7 +50,8 @@ TOP_K = 101  # documents retrieved per query: Recall@100's depth and one the que
 
 @dataclass(frozen=True)
 class EncodedPairs:
-    """A retrieval task's texts as token ids: the training pairs' sides, the corpus and the test queries."""
+    """A retrieval task's texts as token ids: the training pairs' sides, the corpus (then the validation
+    positives it lacks: searched for the validation queries alone), the test and the validation queries."""
 
     texts: list[tuple[str, ...]]  # each pair's texts, for batches without a text twice
     queries: Rows  # the pairs' queries
@@ -58,18 +59,22 @@ class EncodedPairs:
     negatives: Rows | None  # hard negatives, where the pairs carry them
     corpus_ids: list[str]
     corpus: Rows
+    documents: int  # the test corpus: the first `documents` of `corpus`
     query_ids: list[str]  # the test queries
     test_queries: Rows
+    validation_ids: list[str]
+    validation_queries: Rows | None
 
 
 @dataclass(frozen=True)
 class RetrievalLoaded:
-    """A retrieval task ready to fine-tune: its config entry, its data, them encoded, its settings."""
+    """A retrieval task ready to fine-tune: its config entry, its data, them encoded, its settings, BM25's runs."""
 
     config: TaskConfig
     task: RetrievalTask
     data: EncodedPairs
     settings: RetrievalSettings
+    lexical: dict[str, Run]  # BM25's runs by split (results.bm25_runs)
 
 
 def encode_pairs(task: RetrievalTask, tokenizer: Tokenizer, special: dict, settings: RetrievalSettings) -> EncodedPairs:
@@ -83,15 +88,20 @@ def encode_pairs(task: RetrievalTask, tokenizer: Tokenizer, special: dict, setti
     queries, documents = settings.query_max_length, settings.max_length
     pairs = task.pairs
     negatives = [p.negative for p in pairs if p.negative is not None]
+    validation = task.validation
+    searched = {**task.corpus, **(validation.documents if validation is not None else {})}
     return EncodedPairs(
         texts=[p.texts for p in pairs],
         queries=rows([p.query for p in pairs], queries),
         positives=rows([p.positive for p in pairs], documents),
         negatives=rows(negatives, documents) if negatives else None,
-        corpus_ids=list(task.corpus),
-        corpus=rows([d.full_text for d in task.corpus.values()], documents),
+        corpus_ids=list(searched),
+        corpus=rows([d.full_text for d in searched.values()], documents),
+        documents=len(task.corpus),
         query_ids=list(task.queries),
         test_queries=rows(list(task.queries.values()), queries),
+        validation_ids=list(validation.queries) if validation is not None else [],
+        validation_queries=rows(list(validation.queries.values()), queries) if validation is not None else None,
     )
 
 
@@ -195,28 +205,44 @@ class Embedder:
         return worst if np.isfinite(worst) else float("inf")
 
     def search(self, params: dict, loaded: RetrievalLoaded, scratch: Path) -> Scores:
-        """The test queries' scores: the corpus embedded to a file in a folder made under `scratch` (removed
-        after), each query's TOP_K documents by exact search, scored against the qrels."""
+        """The test queries' scores (`runs`' test run against the qrels)."""
+        from cram.stages.retrieval.metrics import score_run
+
+        return score_run(self.runs(params, loaded, scratch)["test"], loaded.task.qrels)
+
+    def runs(self, params: dict, loaded: RetrievalLoaded, scratch: Path) -> dict[str, Run]:
+        """Each query's TOP_K documents by exact search, by split ("test"; "validation" where the task has
+        one): the corpus embedded to a file in a folder made under `scratch` (removed after). A test query
+        searches the test corpus alone: the validation positives it lacks are searched past and dropped."""
         import numpy as np
 
-        from cram.stages.retrieval.metrics import score_run
         from cram.stages.retrieval.search import Embeddings, top_k, write_embeddings
 
         data = loaded.data
         rows, lengths = data.corpus
         order = np.argsort(lengths, kind="stable")
+        ids = [data.corpus_ids[i] for i in order]  # the file's rows are in length order
+        splits = [("test", data.query_ids, data.test_queries)]
+        if data.validation_queries is not None:
+            splits.append(("validation", data.validation_ids, data.validation_queries))
         folder = Path(tempfile.mkdtemp(prefix=".embeddings-", dir=scratch))
         try:
             path = folder / "corpus.npy"
             batches = self._batches(params, rows, lengths, order, self.config.buckets)
             write_embeddings(path, batches, len(rows), "float32")
-            queries = self.embedded(params, *data.test_queries, buckets=self._query_buckets(loaded))
-            scores, index = top_k(queries, Embeddings.open(path), TOP_K)
+            runs = {}
+            for split, query_ids, query_rows in splits:
+                queries = self.embedded(params, *query_rows, buckets=self._query_buckets(loaded))
+                past = len(rows) - data.documents if split == "test" else 0
+                scores, index = top_k(queries, Embeddings.open(path), TOP_K + past)
+                keep = (order[index] < data.documents) if past else np.ones(index.shape, bool)
+                runs[split] = {
+                    query: dict([(ids[j], float(s)) for s, j, k in zip(scores[n], index[n], keep[n]) if k][:TOP_K])
+                    for n, query in enumerate(query_ids)
+                }
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-        ids = [data.corpus_ids[i] for i in order]  # the file's rows are in length order
-        run = {query: {ids[j]: float(s) for s, j in zip(scores[n], index[n])} for n, query in enumerate(data.query_ids)}
-        return score_run(run, loaded.task.qrels)
+        return runs
 
     def embedded(
         self, params: dict, rows: list, lengths, index=None, buckets: tuple[int, ...] | None = None

@@ -1,0 +1,69 @@
+"""A retrieval encoder's runs scored, and the choices made on the validation split (validation.py), never on
+the test: how its dense run is fused with BM25's (the `hybrid`), and whether a seed offers its fine-tuned
+encoder or the encoder as it was (`selection`).
+
+The fusions tried are the convex mixes of min-max scores at dense weights 0, 0.1, ..., 1 and reciprocal-rank
+fusion (fusion.py); the best validation nDCG@10 wins, ties going to the earlier in FUSIONS (the even mix
+first). Without a validation split the even mix is taken.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from cram.stages.retrieval.fusion import Fusion, fuse
+from cram.stages.retrieval.metrics import METRICS, Qrels, Run, score_run
+
+FUSIONS = (Fusion("convex", 0.5), *(Fusion("convex", w / 10) for w in range(11) if w != 5), Fusion("rrf"))
+MAIN = METRICS[0]
+
+
+@dataclass(frozen=True)
+class Judged:
+    """An encoder's mean scores by split and metric, dense alone and fused with BM25 by the fusion chosen."""
+
+    dense: dict[str, dict[str, float]]
+    fusion: Fusion
+    hybrid: dict[str, dict[str, float]]
+
+    def validation(self) -> float | None:
+        """Its dense validation nDCG@10; None without a validation split."""
+        return self.dense["validation"][MAIN] if "validation" in self.dense else None
+
+    def record(self) -> dict:
+        """As results.json holds it."""
+        return {"scores": self.dense, "hybrid": {"fusion": asdict(self.fusion), **self.hybrid}}
+
+
+def judge(dense: dict[str, Run], lexical: dict[str, Run], qrels: dict[str, Qrels]) -> Judged:
+    """Dense runs (`Embedder.runs`) and BM25's, by split, scored against `qrels`; the fusion chosen on the
+    validation split where there is one."""
+    fusion = Fusion()
+    if "validation" in dense:
+        tried = [
+            (score_run(fused(dense["validation"], lexical["validation"], f), qrels["validation"]), f) for f in FUSIONS
+        ]
+        fusion = max(tried, key=lambda scored: scored[0].mean[MAIN])[1]  # max keeps the first of equals
+    means = {split: score_run(run, qrels[split]).mean for split, run in dense.items()}
+    hybrid = {split: score_run(fused(run, lexical[split], fusion), qrels[split]).mean for split, run in dense.items()}
+    return Judged(means, fusion, hybrid)
+
+
+def fused(dense: Run, lexical: Run, fusion: Fusion) -> Run:
+    """Every query's two runs fused."""
+    return {
+        query: fuse(dense.get(query, {}), lexical.get(query, {}), fusion) for query in dense.keys() | lexical.keys()
+    }
+
+
+def offers_untuned(tuned: Judged, untuned: Judged) -> bool:
+    """Whether a seed offers the encoder as it was: only where its validation score beats the fine-tune's."""
+    mine, start = tuned.validation(), untuned.validation()
+    return mine is not None and start is not None and start > mine
+
+
+def selection(tuned: Judged, untuned: Judged) -> dict[str, float]:
+    """The score a seed's offer is kept by (`kept.main_score` reads it): its validation nDCG@10, the better
+    of the fine-tune's and the start's; 0 for every seed without a validation split (the first is kept)."""
+    mine, start = tuned.validation(), untuned.validation()
+    return {MAIN: 0.0 if mine is None else max(mine, start if start is not None else mine)}
