@@ -375,3 +375,28 @@ def test_texts_are_stripped_as_sentence_transformers_strips_them(tmp_path):
     padded = dataclasses.replace(task, queries={q: f"  {text}\n" for q, text in task.queries.items()})
     results.loaded(entry, padded, tokenizer, SPECIAL, config.settings(entry))
     assert seen and all(text == text.strip() for text in seen)
+
+
+def test_mined_hard_negatives_are_corpus_documents_no_test_query_finds(tmp_path, make_ctx):
+    from cram.stages.retrieval.kind import RETRIEVAL
+    from cram.stages.tasks.kind import Start
+
+    config, loaded = task_of(write_beir(tmp_path / "set"), batch_size=8, epochs=1, hard_negatives="mined")
+    assert loaded.settings.hard_negatives == "mined" and loaded.data.negatives is None
+    start = Start(config.tuning(), CFG, model.init(CFG, seed=0), SPECIAL, torch.device("cpu"), "auto", 0, tmp_path)
+    runner = RETRIEVAL.runner([loaded], start)
+    mined = runner.mined["topics"]
+    answers = {loaded.task.corpus[doc].full_text for judged in loaded.task.qrels.values() for doc in judged}
+    corpus = {doc.full_text for doc in loaded.task.corpus.values()}
+    assert all(p.negative in corpus and p.negative not in answers for p in mined.task.pairs)
+    assert all(p.negative.strip() != p.positive.strip() for p in mined.task.pairs)
+    assert len(mined.data.negatives[0]) == len(mined.task.pairs) and len(mined.data.texts[0]) == 3
+    run = runner.run_seed(FP32, loaded, 0, make_ctx(), lambda params, record: None)
+    assert set(run["mining"]) == {"false_negatives_dropped", "random_fallback"}
+    result = RETRIEVAL.result(loaded, [0], [run], config.tuning(), make_ctx())
+    assert result["hard_negatives"]["source"] == "mined"
+
+
+def test_an_unknown_hard_negative_source_is_refused():
+    with pytest.raises(ValueError, match="hard_negatives: 'bm25'"):
+        Config(tasks=[TaskConfig(kind="retrieval", name="t", path="x", hard_negatives="bm25")])

@@ -33,7 +33,7 @@ class Retrieval:
 
     name = "retrieval"
     kinds = ("retrieval", "heldout-retrieval")
-    fields = ("pairs", "query_max_length", "batch_size", "pooling", "mini_batch_size")
+    fields = ("pairs", "query_max_length", "batch_size", "pooling", "mini_batch_size", "hard_negatives")
     unkeyed = fields  # added after the stage's key was fixed: a config without a retrieval task keys as before
     lengths = ("query_max_length",)
 
@@ -48,6 +48,8 @@ class Retrieval:
             raise ValueError(f"batch_size: {task.batch_size} must be >= 2 (a pair's negatives are the batch's others)")
         if task.mini_batch_size is not None and task.mini_batch_size < 1:
             raise ValueError(f"mini_batch_size: {task.mini_batch_size} must be >= 1 (rows embedded at once)")
+        if task.hard_negatives not in (None, "pairs", "mined"):
+            raise ValueError(f'hard_negatives: {task.hard_negatives!r}; choose "pairs" or "mined"')
         if task.pooling is not None and task.pooling not in EMBEDDING_POOLINGS:
             raise ValueError(f"pooling: {task.pooling!r}; choose one of {', '.join(EMBEDDING_POOLINGS)}")
 
@@ -59,6 +61,7 @@ class Retrieval:
             batch_size=task.batch_size or RETRIEVAL_BATCH_SIZE,
             pooling=task.pooling or "mean",
             mini_batch_size=task.mini_batch_size,
+            hard_negatives=task.hard_negatives or "pairs",
         )
 
     def linked(self, task: TaskConfig, init_pooling: str | None) -> TaskConfig:
@@ -140,11 +143,20 @@ class Retrieval:
         return 2 * len(loaded.data.texts) * loaded.settings.epochs  # a pair reads two texts
 
     def runner(self, loaded: list[RetrievalLoaded], start: Start) -> Retrievers:
-        from cram.stages.retrieval.tuning import Embedder, Embedders, embedder_graphs
+        from cram.stages.retrieval.results import with_mined_negatives
+        from cram.stages.retrieval.tuning import Embedder, Embedders, Making, embedder_graphs
+        from cram.stages.shared.precision import FP32
 
         make = functools.partial(Embedder.make, start.tuning, start.cfg, start.params, start.special, start.device)
-        embedders = Embedders(make, loaded, start.tuning.compile, start.attention)
-        return Retrievers(embedders, embedder_graphs(loaded, start.tuning, start.seed), start.scratch)
+        # mined once, by the encoder as it came (eager, fp32), for every seed and precision alike
+        mined = {
+            t.task.name: with_mined_negatives(t, make(Making(FP32, False, start.attention, t.settings.pooling)))
+            for t in loaded
+            if t.settings.hard_negatives == "mined"
+        }
+        ready = [mined.get(t.task.name, t) for t in loaded]
+        embedders = Embedders(make, ready, start.tuning.compile, start.attention)
+        return Retrievers(embedders, embedder_graphs(ready, start.tuning, start.seed), start.scratch, mined)
 
     def result(self, loaded: RetrievalLoaded, seeds: list[int], runs: list[dict], tuning: Tuning, ctx: Context) -> dict:
         from cram.stages.retrieval.results import retrieval_result
@@ -168,6 +180,7 @@ class Retrievers:
     embedders: Embedders
     shapes: list[EmbedderGraph]
     scratch: Path
+    mined: dict[str, RetrievalLoaded]  # the tasks whose pairs take mined hard negatives, with them
     untuned: dict[tuple[str, Precision], Judged] = field(default_factory=dict)  # each task's encoder as it was
 
     def graphs(self) -> int:
@@ -180,6 +193,7 @@ class Retrievers:
         from cram.stages.retrieval.choosing import judge
         from cram.stages.retrieval.results import SeedRun, qrels_of, retrieve_seed
 
+        loaded = self.mined.get(loaded.task.name, loaded)
         embedder = self.embedders.of(precision, loaded.settings.pooling, loaded.settings.mini_batch_size)
         key = (loaded.task.name, precision)
         if key not in self.untuned:  # once a task: every seed must beat the same start on validation

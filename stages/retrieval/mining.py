@@ -1,19 +1,18 @@
-"""Hard negatives mined for a retrieval task's training pairs: each query's BM25 top `depth` over the
-corpus, less its positive, less every candidate the starting encoder scores above `margin` times the
-positive (a likely unjudged relevant document: NV-Retriever's "TopK-PercPos" rule, Moreira et al. 2024,
-sentence-transformers' `mine_hard_negatives(relative_margin=...)`), the first of the rest in BM25's
-order: one a pair, the column a pairs file's `negative` fills.
+"""Hard negatives mined for a retrieval task's training pairs (`hard_negatives = "mined"`): each query's BM25
+top `depth` over the corpus, less its positive and its own text, less every document a test query finds
+relevant (a test answer pushed away in training would be a leak), less every candidate the starting encoder
+scores above `margin` times the positive (a likely unjudged relevant document: NV-Retriever's "TopK-PercPos"
+rule, Moreira et al. 2024; sentence-transformers' `mine_hard_negatives(relative_margin=...)`); the first of
+the rest in BM25's order is the pair's negative, the column a pairs file's `negative` fills.
 
-The fine-tune's hard-negative column is all or nothing (stages/retrieval/tuning.py), so a pair none of
-whose candidates survives gets a corpus document drawn at random (a plain negative), counted as such.
-Only the corpus's documents that no test query finds relevant are candidates: a test positive as a
-training negative would teach the model to push away what the test asks it to find.
+The fine-tune's hard-negative column is all or nothing (tuning.py), so a pair none of whose candidates
+survives gets a document drawn at random (a plain negative), counted as such.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,29 +20,15 @@ import numpy as np
 from cram.stages.retrieval import bm25
 from cram.stages.retrieval.beir import Pair
 
-Embed = Callable[[list[str]], np.ndarray]  # texts -> [N, H] unit vectors
-
-
-@dataclass(frozen=True)
-class Mining:
-    """`depth`: BM25 candidates a query; `margin`: a candidate scoring above `margin` x the positive's
-    cosine is dropped as a likely false negative."""
-
-    depth: int = 30
-    margin: float = 0.95
-
-    def __post_init__(self) -> None:
-        if self.depth < 1:
-            raise ValueError(f"depth: {self.depth} must be at least 1")
-        if not 0.0 < self.margin <= 1.0:
-            raise ValueError(f"margin: {self.margin} must be in (0, 1]")
+DEPTH = 30  # BM25 candidates a query
+MARGIN = 0.95  # NV-Retriever's: a candidate above 95% of the positive's score is dropped
 
 
 @dataclass(frozen=True)
 class Mined:
-    """Each pair's mined negative (`negatives[i]`), and what the mining did."""
+    """Each pair's mined negative, as an index into the documents, and what the mining did."""
 
-    negatives: list[str]
+    negatives: list[int]
     false_negatives_dropped: int  # candidates (of every pair's depth) the encoder scored above margin x the positive
     random_fallback: int  # pairs that got a random document instead
 
@@ -51,49 +36,52 @@ class Mined:
 def mine(
     pairs: Sequence[Pair],
     documents: Sequence[str],
-    embed_queries: Embed,
-    embed_documents: Embed,
-    mining: Mining = Mining(),
+    encoded: Encoded,
+    excluded: Collection[int] = (),
     seed: int = 0,
 ) -> Mined:
-    """Hard negatives for each pair among `documents` (module docstring)."""
+    """A hard negative for each pair among `documents`, none of `excluded` (module docstring)."""
     index = bm25.index(documents)
-    candidates = [_candidates(index, documents, pair, mining.depth) for pair in pairs]
-    queries = embed_queries([p.query for p in pairs])
-    positives = embed_documents([p.positive for p in pairs])
+    candidates = [_candidates(index, documents, pair, set(excluded)) for pair in pairs]
     ranked = sorted({doc for found in candidates for doc in found})
     at = {doc: row for row, doc in enumerate(ranked)}
-    vectors = embed_documents([documents[d] for d in ranked]) if ranked else np.zeros((0, queries.shape[1]))
+    vectors = encoded.documents(ranked) if ranked else np.zeros((0, encoded.queries.shape[1]), np.float32)
+    allowed = [d for d in range(len(documents)) if d not in set(excluded)]
     rng = random.Random(seed)
     negatives, dropped, fallback = [], 0, 0
     for i, (pair, found) in enumerate(zip(pairs, candidates)):
-        bar = mining.margin * float(queries[i] @ positives[i])
-        scores = vectors[[at[d] for d in found]] @ queries[i] if found else np.zeros(0)
-        kept = next((documents[d] for d, s in zip(found, scores) if s <= bar), None)
+        bar = MARGIN * float(encoded.queries[i] @ encoded.positives[i])
+        scores = vectors[[at[d] for d in found]] @ encoded.queries[i] if found else np.zeros(0)
+        kept = next((d for d, s in zip(found, scores) if s <= bar), None)
         dropped += int((scores > bar).sum())
         if kept is None:
-            kept = _random_document(documents, pair, rng)
+            kept = _random_document(documents, allowed, pair, rng)
             fallback += 1
         negatives.append(kept)
     return Mined(negatives, dropped, fallback)
 
 
-def with_negatives(pairs: Sequence[Pair], mined: Mined) -> list[Pair]:
-    """Each pair with its mined negative, as a pairs file's `negative` column gives it."""
-    return [Pair(p.query, p.positive, negative) for p, negative in zip(pairs, mined.negatives)]
+@dataclass(frozen=True)
+class Encoded:
+    """The starting encoder's unit vectors: each pair's query and positive ([pairs, H]), and the documents'
+    at the indices asked for."""
+
+    queries: np.ndarray
+    positives: np.ndarray
+    documents: Callable[[list[int]], np.ndarray]
 
 
-def _candidates(index: bm25.Index, documents: Sequence[str], pair: Pair, depth: int) -> list[int]:
-    """BM25's top `depth` for the query, less any document that is the pair's positive or its query."""
+def _candidates(index: bm25.Index, documents: Sequence[str], pair: Pair, excluded: set[int]) -> list[int]:
+    """BM25's top DEPTH for the query, less the excluded and any document that is the pair's own text."""
     own = {pair.positive.strip(), pair.query.strip()}
-    found, _ = bm25.search(index, pair.query, depth + 2)  # room for the pair's own texts
-    return [int(d) for d in found if documents[d].strip() not in own][:depth]
+    found, _ = bm25.search(index, pair.query, DEPTH + len(excluded) + 2)
+    return [int(d) for d in found if int(d) not in excluded and documents[d].strip() not in own][:DEPTH]
 
 
-def _random_document(documents: Sequence[str], pair: Pair, rng: random.Random) -> str:
+def _random_document(documents: Sequence[str], allowed: list[int], pair: Pair, rng: random.Random) -> int:
     own = {pair.positive.strip(), pair.query.strip()}
     for _ in range(100):
-        text = documents[rng.randrange(len(documents))]
-        if text.strip() not in own:
-            return text
-    raise ValueError("no corpus document differs from the pair's own texts: nothing to mine")
+        doc = allowed[rng.randrange(len(allowed))] if allowed else -1
+        if doc >= 0 and documents[doc].strip() not in own:
+            return doc
+    raise ValueError("no corpus document differs from the pair's own texts: no negative to draw")

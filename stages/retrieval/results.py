@@ -74,6 +74,32 @@ def loaded(
     return RetrievalLoaded(task_cfg, task, data, settings, bm25_runs(task))
 
 
+def with_mined_negatives(loaded: RetrievalLoaded, embedder: Embedder) -> RetrievalLoaded:
+    """The task with a mined hard negative in each pair (mining.py), `embedder`'s start encoding the texts:
+    a corpus document, never one a test query finds relevant; the pairs file's own negatives give way."""
+    import numpy as np
+
+    from cram.stages.retrieval.beir import Pair
+    from cram.stages.retrieval.mining import Encoded, mine
+
+    task, data, params = loaded.task, loaded.data, embedder.params
+    corpus_rows, corpus_lengths = data.corpus
+    relevant = {doc for judged in task.qrels.values() for doc, score in judged.items() if score > 0}
+    excluded = {i for i, doc in enumerate(data.corpus_ids[: data.documents]) if doc in relevant}
+    encoded = Encoded(
+        queries=embedder.embedded(params, *data.queries),
+        positives=embedder.embedded(params, *data.positives),
+        documents=lambda index: embedder.embedded(params, corpus_rows, corpus_lengths, np.asarray(index)),
+    )
+    texts = [doc.full_text for doc in task.corpus.values()]
+    mined = mine(task.pairs, texts, encoded, excluded)
+    pairs = tuple(Pair(p.query, p.positive, texts[d]) for p, d in zip(task.pairs, mined.negatives))
+    negatives = ([corpus_rows[d] for d in mined.negatives], corpus_lengths[mined.negatives])
+    data = dataclasses.replace(data, texts=[p.texts for p in pairs], negatives=negatives)
+    stats = {"false_negatives_dropped": mined.false_negatives_dropped, "random_fallback": mined.random_fallback}
+    return dataclasses.replace(loaded, task=dataclasses.replace(task, pairs=pairs), data=data, mining=stats)
+
+
 def qrels_of(task: RetrievalTask) -> dict[str, Qrels]:
     """The judgements by split: the test's, and the validation split's where the task has one."""
     return {"test": task.qrels, **({"validation": task.validation.qrels} if task.validation is not None else {})}
@@ -108,6 +134,8 @@ def retrieve_seed(
     record["offers"] = "untuned" if untuned else "fine-tuned"
     record["selected_by"] = "validation" if "validation" in tuned.dense else "none: no validation split"
     record["untuned"] = run.untuned.record()
+    if task.mining is not None:
+        record["mining"] = task.mining
     if keep is not None:
         kept, offered = (embedder.params, run.untuned) if untuned else (params, tuned)
         meta = {"encoder": record["offers"], "fusion": offered.record()["hybrid"]["fusion"]}
@@ -156,6 +184,7 @@ def retrieval_result(task: RetrievalLoaded, seeds: list[int], runs: list[dict], 
         "validation": _by_seed(runs, lambda r: r["scores"], "validation"),
         "hybrid": {"fusion": [r["hybrid"]["fusion"] for r in runs], **_by_seed(runs, lambda r: r["hybrid"])},
         "untuned": runs[0]["untuned"],
+        "hard_negatives": {"source": settings.hard_negatives, **runs[0].get("mining", {})},
         "kept": _kept(seeds, runs),
         "baseline": {"test": baseline.mean},
         "baseline_method": BASELINE,

@@ -22,3 +22,4 @@ class RetrievalSettings(TaskSettings):
     batch_size: int
     pooling: Literal["mean", "first"]
     mini_batch_size: int | None = None
+    hard_negatives: Literal["pairs", "mined"] = "pairs"

@@ -75,6 +75,7 @@ class RetrievalLoaded:
     data: EncodedPairs
     settings: RetrievalSettings
     lexical: dict[str, Run]  # BM25's runs by split (results.bm25_runs)
+    mining: dict[str, int] | None = None  # what mining its hard negatives did (results.with_mined_negatives)
 
 
 def encode_pairs(task: RetrievalTask, tokenizer: Tokenizer, special: dict, settings: RetrievalSettings) -> EncodedPairs:

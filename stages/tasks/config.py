@@ -44,6 +44,9 @@ class TaskConfig:
     # retrieval kinds: the rows the encoder embeds at once while the loss takes the whole batch (GradCache: a
     # large batch in a small batch's memory; None: the whole batch at once)
     mini_batch_size: int | None = None
+    # retrieval kinds: where a pair's hard negative comes from: "pairs" (the pairs file's `negative`, where it
+    # has one), "mined" (BM25's candidates less the likely relevant: stages/retrieval/mining.py); None: "pairs"
+    hard_negatives: Literal["pairs", "mined"] | None = None
     epochs: int | None = None  # None: the stage's; likewise seeds, lr and max_length
     seeds: int | None = None
     lr: float | None = None
