@@ -33,6 +33,7 @@ from cram.stages.evaluating.checks import (
     heldout_gap,
     init_model,
     task_gap,
+    task_positions,
 )
 
 # The stage's config lives in its wing; `evaluate.Config` and `evaluate.TaskConfig` name it here.
@@ -94,11 +95,12 @@ def validate(config: Config, pipeline: Pipeline) -> None:
     tokenize, pack = pipeline.stages.get("tokenize"), pipeline.stages.get("pack")
     if not 0 <= config.mlm_seed < 2**63:
         raise StageError(f"evaluate.mlm_seed: {config.mlm_seed} must be in [0, 2**63 - 1]")
-    seq_len = None if pack is None else pack.seq_len
-    gap = (lambda task: None) if tokenize is None else task_gap(tokenize, config, seq_len)
+    positions = task_positions(pipeline.stages.get("pretrain"), pack)
+    length = None if positions is None else positions.length
+    gap = (lambda task: None) if tokenize is None else task_gap(tokenize, config, length)
     config = fitting_tasks(config, gap)
     for i, task in enumerate(config.tasks):
-        check_task(config, task, i, gap(task), seq_len)
+        check_task(config, task, i, gap(task), positions)
     if pack is not None:
         check_against_the_model(config, pipeline.stages.get("pretrain"), pack.seq_len)
     if config.pooling == "pooler":
@@ -112,8 +114,8 @@ def describe(config: Config, pipeline: Pipeline) -> str:
     where its local files tell them; a held-out-topic task's examples are known only after tokenize,
     a GLUE task's from the hub once fetched."""
     if (tokenize := pipeline.stages.get("tokenize")) is not None:
-        pack = pipeline.stages.get("pack")
-        config = fitting_tasks(config, task_gap(tokenize, config, None if pack is None else pack.seq_len))
+        positions = task_positions(pipeline.stages.get("pretrain"), pipeline.stages.get("pack"))
+        config = fitting_tasks(config, task_gap(tokenize, config, None if positions is None else positions.length))
     parts = []
     for i, task in enumerate(config.tasks):
         steps = kinds.of(task.kind).steps(task, i, config.settings(task), config.batch_size)

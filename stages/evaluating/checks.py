@@ -6,6 +6,7 @@ lengths and masking rate against the model that pretrain's config makes. `config
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -88,16 +89,33 @@ def check_pooler(config: Config, cfg: ModelConfig | None, where: str = "pretrain
         )
 
 
-def check_task(config: Config, task: TaskConfig, index: int, gap: str | None, seq_len: int | None) -> None:
-    """Task `index` of `config`: its padded length within pack's `seq_len` (None: no pack stage), and what its
-    kind checks (`Kind.check`: its local files, read in full; for a held-out task, why tokenize leaves it no
-    documents: `gap`, `task_gap`'s; None: it does not)."""
+@dataclass(frozen=True)
+class Positions:
+    """How far a fine-tuning task's texts may pad, and what says so."""
+
+    length: int
+    source: str
+
+
+def task_positions(pretrain: Any, pack: Any) -> Positions | None:
+    """The positions of the model evaluate fine-tunes: those of the checkpoint pretrain starts from, where
+    it starts from one (a released encoder keeps its own, 512 for all-MiniLM-L6-v2, at whatever pack.seq_len
+    it is continued), else pack's seq_len (None: no pack stage)."""
+    cfg = init_model(pretrain)
+    if cfg is not None:
+        return Positions(cfg.max_seq_len, f"the {cfg.max_seq_len} positions of pretrain.init's checkpoint")
+    return None if pack is None else Positions(pack.seq_len, f"pack.seq_len = {pack.seq_len}, the model's positions")
+
+
+def check_task(config: Config, task: TaskConfig, index: int, gap: str | None, positions: Positions | None) -> None:
+    """Task `index` of `config`: its padded length within the model's `positions` (None: unknown), and what
+    its kind checks (`Kind.check`: its local files, read in full; for a held-out task, why tokenize leaves it
+    no documents: `gap`, `task_gap`'s; None: it does not)."""
     where = f"evaluate.tasks[{index}]"
     max_length = config.task_settings(task).max_length
-    if seq_len is not None and bucket(max_length, config.buckets) > seq_len:
+    if positions is not None and bucket(max_length, config.buckets) > positions.length:
         raise StageError(
-            f"{where}: max_length {max_length} pads to {bucket(max_length, config.buckets)}, "
-            f"beyond pack.seq_len = {seq_len}, the model's positions"
+            f"{where}: max_length {max_length} pads to {bucket(max_length, config.buckets)}, beyond {positions.source}"
         )
     kinds.of(task.kind).check(task, index, config.settings(task), gap)
 
