@@ -245,3 +245,19 @@ def test_a_stray_carriage_return_is_no_line_end_a_text_file_gives_a_vector_a_lin
     result = invoke(run, texts, "--out", tmp_path / "v.npy")
     assert result.exit_code == 0 and "3 vectors" in result.output, result.output
     assert np.load(tmp_path / "v.npy").shape[0] == 3
+
+
+def test_a_batch_is_no_larger_than_the_input(tmp_path, run, monkeypatch):
+    from cram.stages.kept import batches
+
+    inputs = batches.Padding.inputs
+
+    def spy(self, rows, lengths, index, size):
+        assert size <= len(TEXTS), f"a batch of {size:,} rows for {len(TEXTS)} texts"
+        return inputs(self, rows, lengths, index, size)
+
+    monkeypatch.setattr(batches.Padding, "inputs", spy)
+    texts = tmp_path / "t.txt"
+    texts.write_text("\n".join(TEXTS) + "\n")
+    result = invoke(run, texts, "--out", tmp_path / "v.npy", "--batch-size", "1000000")
+    assert result.exit_code == 0 and f"{len(TEXTS)} vectors" in result.output, result.output
