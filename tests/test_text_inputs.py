@@ -73,3 +73,16 @@ def test_a_pairs_files_text_is_checked_as_a_task_files_text_is(tmp_path):
     path.write_text(json.dumps({"query": "a", "positive": "b \udc00"}) + "\n")
     with pytest.raises(StageError, match=r"p.jsonl: record 1: field 'positive' holds a lone surrogate \\udc00"):
         read_pairs(path)
+
+
+def test_a_glue_tsvs_text_is_checked_as_every_text_is(tmp_path, monkeypatch):
+    path = tmp_path / "train.tsv"
+    path.write_text('sentence\tlabel\na "quoted" cat\t1\n' + "x" * 20 + "\t0\n")
+    monkeypatch.setattr(taskfiles, "MAX_FIELD_CHARS", 15)
+    with pytest.raises(StageError, match=r"train.tsv:3: field 'sentence' holds 20 characters, over the 15"):
+        taskfiles.read_tsv(path, ("sentence",), "label")
+    monkeypatch.undo()
+    assert taskfiles.read_tsv(path, ("sentence",), "label") == ([('a "quoted" cat',), ("x" * 20,)], ["1", "0"])
+    path.write_bytes(b"sentence\tlabel\ncaf\xe9\t1\n")
+    with pytest.raises(StageError, match=r"train.tsv: not UTF-8 text"):
+        taskfiles.read_tsv(path, ("sentence",), "label")

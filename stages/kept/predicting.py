@@ -31,6 +31,8 @@ from cram.stages.shared.progress import Every
 from cram.stages.shared.taskfiles import file_format, iter_texts
 
 if TYPE_CHECKING:
+    import ctypes
+
     import numpy as np
     import torch
 
@@ -173,8 +175,8 @@ def _write_chunks(predictor: Predictor, files: list[Path], f: TextIO, out: Path 
             predictor = dataclasses.replace(predictor, settings=fitted(predictor.settings, len(texts)))
         rows = predictor.rows(predictor.outputs(texts))
         if table is None:
-            # A row a write: one write of a chunk's rows into a pipe its reader closes is cut short without an
-            # error (Python's buffered writer returns the part the pipe took), so the end would go unnoticed.
+            # Row by row through the stream's buffer: one write of a whole chunk's rows into a pipe whose reader
+            # leaves is cut short without an error (Python's buffered writer returns the part the pipe took).
             f.writelines(json.dumps(row) + "\n" for row in rows)
         else:
             table.writerows([r["value"]] if "value" in r else [r["label"], *r["probabilities"].values()] for r in rows)
@@ -221,7 +223,7 @@ def give_back_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
-def glibc() -> Any | None:
+def glibc() -> ctypes.CDLL | None:
     """The C library through ctypes where it is glibc on Linux, else None: `ctypes.CDLL(None)` raises a
     TypeError on Windows, and only glibc has `mallopt`'s parameters and `malloc_trim` as used here."""
     if not sys.platform.startswith("linux"):

@@ -127,10 +127,14 @@ def glue_rows(name: str, data: DatasetDict, split_name: str, source: str) -> tup
     return list(zip(*(rows[c] for c in spec.hf_text))), rows["label"]
 
 
-def read_tsv(path: Path, text_cols: Sequence[str | int], label_col: str | int):
+def read_tsv(
+    path: Path, text_cols: Sequence[str | int], label_col: str | int
+) -> tuple[list[tuple[str, ...]], list[str]]:
+    """A GLUE TSV's texts and labels, each text checked as every text read is (`checked_text`)."""
     # GLUE's TSVs carry bare quote characters inside sentences: quoting must be off. MRPC's header
     # starts with a byte-order mark, which utf-8-sig drops.
-    with path.open(encoding="utf-8-sig", newline="") as f:
+    records.raise_csv_field_limit()
+    with _opened(path, table=True) as f:
         rows = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
         if isinstance(label_col, str):
             header = next(rows, [])
@@ -142,9 +146,16 @@ def read_tsv(path: Path, text_cols: Sequence[str | int], label_col: str | int):
         else:
             text_idx, label_idx = list(text_cols), label_col
         width = max(*text_idx, label_idx) + 1
+        names = [c if isinstance(c, str) else f"column {c}" for c in text_cols]
         # QQP's train.tsv has a few broken lines (too few fields): skipped, as the hub's loader does.
-        good = [row for row in rows if len(row) >= width]
-    return [tuple(row[i] for i in text_idx) for row in good], [row[label_idx] for row in good]
+        texts, labels = [], []
+        for row in rows:
+            if len(row) < width:
+                continue
+            where = f"{path}:{rows.line_num}"
+            texts.append(tuple(checked_text(row[i], name, where) for i, name in zip(text_idx, names)))
+            labels.append(row[label_idx])
+    return texts, labels
 
 
 def file_format(path: Path) -> Literal["csv", "tsv", "text", "jsonl"]:
