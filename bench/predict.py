@@ -46,6 +46,7 @@ from cram.stages.finetuning.tasks import Examples, Task
 
 LABELS = ("low", "mid", "high")
 KEY = "b" * 64
+SPECIAL = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 
 
 def wiki_texts(rows: int) -> list[str]:
@@ -57,34 +58,74 @@ def wiki_texts(rows: int) -> list[str]:
 
 def make_exports(root: Path, texts: list[str], preset: str, max_length: int, batch: int) -> tuple[Path, Path]:
     """A run directory holding what export reads, with one kept classifier; its two exports."""
+    cfg = dataclasses.replace(model.PRESETS[preset], vocab_size=8192, max_seq_len=max_length, norm_eps=1e-5)
+    run, params, upstream = bench_run(root, texts, cfg)
+    config = evaluate.Config(tasks=[], head="modernbert", pooling="first", max_length=max_length, eval_batch_size=batch)
+    task_cfg = evaluate.TaskConfig(kind="custom", name="bench", path="-", text_fields=("text",), metrics=("accuracy",))
+    empty = Examples([], np.zeros(0, np.int64))
+    task = Task("bench", ("accuracy",), LABELS, empty, {"test": empty})
+    keeper = kept.Keeper("best", run / "evaluate", run / "pretrain" / "model.json", {0: {}})
+    keeper.meta[0] = describe(config.tuning(), task_cfg, task, max_length, kept.tokenizer_fields(upstream))
+    keeper.offer(0, 0, task, {**params, **init_head(cfg, len(LABELS), 0, head="modernbert")}, _run())
+    finish_run(run, {"classifiers": keeper.finish([(0, 0)], {0: 0})})
+    return export(run, root / "cram", task="bench"), export(run, root / "hf", fmt="transformers", task="bench")
+
+
+def make_embedder_run(root: Path, texts: list[str], cfg: model.ModelConfig, max_length: int) -> Path:
+    """A run directory whose evaluate stage kept one embedding model (task "bench", the encoder of `cfg`,
+    random, mean-pooled), as `cram embed RUN` reads it."""
+    run, params, upstream = bench_run(root, texts, dataclasses.replace(cfg, max_seq_len=max_length))
+    meta = {
+        "kind": "embedder",
+        "task": "bench",
+        "task_kind": "retrieval",
+        "pooling": "mean",
+        "normalize": True,
+        "max_length": max_length,
+        "query_max_length": max_length,
+        "buckets": [max_length],
+        "tokenizer": kept.tokenizer_fields(upstream),
+        "metric": "ndcg@10",
+    }
+    keeper = kept.Keeper("best", run / "evaluate", run / "pretrain" / "model.json", {0: meta})
+    keeper.offer(0, 0, _Scored(), params, {"scores": {"test": {"ndcg@10": 1.0}}})
+    finish_run(run, {"embedders": keeper.finish([(0, 0)], {0: 0})})
+    return run
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scored:
+    """What the keeper reads of a task: its metrics, the first the main score."""
+
+    metrics: tuple[str, ...] = ("ndcg@10",)
+    tests: tuple[str, ...] = ("test",)
+
+
+def bench_run(root: Path, texts: list[str], cfg: model.ModelConfig) -> tuple[Path, dict, Upstream]:
+    """A run directory's tokenize and pretrain stages (a tokenizer trained on `texts`, random params of
+    `cfg` at an 8,192-token vocabulary): the run, its params and the tokenize stage as evaluate sees it."""
     run = root / "runs" / "bench"
     for stage in ("tokenize", "pretrain", "evaluate"):
         (run / stage).mkdir(parents=True)
     sp = tokenize.train_tokenizer(iter(texts), tokenize.Config(vocab_size=8192))
     (run / "tokenize" / "tokenizer.model").write_bytes(sp)
-    special = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
-    cfg = dataclasses.replace(model.PRESETS[preset], vocab_size=8192, max_seq_len=max_length, norm_eps=1e-5)
+    cfg = dataclasses.replace(cfg, vocab_size=8192, norm_eps=1e-5)
     params = model.init(cfg, seed=0)
     save_file(params, run / "pretrain" / "params.safetensors")
     (run / "pretrain" / "model.json").write_text(json.dumps(dataclasses.asdict(cfg)))
-    config = evaluate.Config(tasks=[], head="modernbert", pooling="first", max_length=max_length, eval_batch_size=batch)
-    task_cfg = evaluate.TaskConfig(kind="custom", name="bench", path="-", text_fields=("text",), metrics=("accuracy",))
-    empty = Examples([], np.zeros(0, np.int64))
-    task = Task("bench", ("accuracy",), LABELS, empty, {"test": empty})
-    upstream = Upstream(run / "tokenize", {"tokenizer": "tokenizer.model", "special_ids": special})
-    keeper = kept.Keeper("best", run / "evaluate", run / "pretrain" / "model.json", {0: {}})
-    keeper.meta[0] = describe(config.tuning(), task_cfg, task, max_length, kept.tokenizer_fields(upstream))
-    keeper.offer(0, 0, task, {**params, **init_head(cfg, len(LABELS), 0, head="modernbert")}, _run())
-    outputs = {"classifiers": keeper.finish([(0, 0)], {0: 0})}
+    return run, params, Upstream(run / "tokenize", {"tokenizer": "tokenizer.model", "special_ids": SPECIAL})
+
+
+def finish_run(run: Path, outputs: dict) -> None:
+    """RUN's evaluate stage done with `outputs` (its kept models), and the manifest that says so."""
     write_marker(run / "evaluate", "evaluate", KEY, StageRecord(outputs=outputs))
     stages = {
-        "tokenize": {"status": "done", "outputs": {"tokenizer": "tokenizer.model", "special_ids": special}},
+        "tokenize": {"status": "done", "outputs": {"tokenizer": "tokenizer.model", "special_ids": SPECIAL}},
         "pretrain": {"status": "done", "outputs": {"params": "params.safetensors", "model_config": "model.json"}},
         "evaluate": {"status": "done", "key": KEY, "outputs": outputs},
     }
     (run / "manifest.json").write_text(json.dumps({"run": "bench", "stages": stages}))
     (run / "config.toml").write_text('[run]\nname = "bench"\n')
-    return export(run, root / "cram", task="bench"), export(run, root / "hf", fmt="transformers", task="bench")
 
 
 def _run() -> dict:

@@ -597,6 +597,18 @@ CASES = [
         'escape), which UTF-8 cannot encode; fix the file or set tokenize.corpus.encoding_errors = "replace"',
     ),
     (
+        "task csv quote left open",
+        rewrite("tasks/train.csv", 'text,label\ncat sat,0\n"dog ran,1\nsun set,0\n'),
+        [*RUN, "--dry-run"],
+        "tasks/train.csv:3: record 2: unexpected end of data; a quoted field is quoted whole",
+    ),
+    (
+        "predict csv malformed quoting",
+        rewrite("in.csv", 'text\n"Quoted" start of a line\nplain line two\n"unbalanced quote\nline four\n'),
+        ["predict", "runs/base", "in.csv", "--task", "sent"],
+        "in.csv:2: record 1: ',' expected after '\"'",
+    ),
+    (
         "predict text an object",
         rewrite("in.jsonl", '{"text": "fine"}\n{"text": {"a": 1}}\n'),
         ["predict", "runs/base", "in.jsonl", "--task", "sent"],

@@ -1,5 +1,5 @@
 """What the CUDA paths decide without a GPU: a torchrun rank's device, found before `set_device`, and
-TF32 through the API torch has."""
+TF32 through the API torch has, and only where the precision asked for allows it."""
 
 from __future__ import annotations
 
@@ -46,6 +46,22 @@ def test_tf32_goes_through_fp32_precision_where_torch_has_it(monkeypatch, new_ap
         assert cudnn.set == {}
     else:
         assert matmul.set == {"allow_tf32": True} and cudnn.set == {"allow_tf32": True}
+
+
+@pytest.mark.parametrize("new_api", [True, False])
+@pytest.mark.parametrize("precision, tf32", [("fp32", False), ("auto", True), ("bf16", True)])
+def test_fp32_on_cuda_is_fp32_and_tf32_only_where_the_precision_allows_it(monkeypatch, new_api, precision, tf32):
+    matmul, conv, cudnn = Flags(new_api), Flags(new_api), Flags(new_api)
+    object.__setattr__(cudnn, "conv", conv)
+    monkeypatch.setattr(torch.backends.cuda, "matmul", matmul)
+    monkeypatch.setattr(torch.backends, "cudnn", cudnn)
+    autocast = devices.autocast_dtype(precision, torch.device("cuda", 0))
+    assert autocast is (None if precision == "fp32" else torch.bfloat16)
+    if new_api:
+        value = "tf32" if tf32 else "ieee"
+        assert matmul.set == {"fp32_precision": value} and conv.set == {"fp32_precision": value}
+    else:
+        assert matmul.set == {"allow_tf32": tf32} and cudnn.set == {"allow_tf32": tf32}
 
 
 @pytest.mark.parametrize(

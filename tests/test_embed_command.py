@@ -4,7 +4,9 @@ embedding models, a damaged export or kept model, an embedder.json cram cannot u
 nothing written."""
 
 import dataclasses
+import errno
 import json
+import os
 
 import numpy as np
 import pytest
@@ -234,3 +236,69 @@ def test_an_older_sentence_transformers_layout_embeds_as_the_export_it_came_from
     modules[0] = {**modules[0], "path": module, "type": f"sentence_transformers.models.{kind}"}
     (folder / "modules.json").write_text(json.dumps(modules))
     assert np.abs(vectors(folder, tmp_path, name="moved.npy") - expected).max() < 1e-6
+
+
+class FullDisk:
+    """A file whose writes fail as a full disk's do once `room` bytes are in it."""
+
+    def __init__(self, file, room: int):
+        self.file, self.room = file, room
+
+    def write(self, data) -> int:
+        size = memoryview(data).nbytes
+        if size > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= size
+        return self.file.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
+
+
+def test_a_full_disk_is_one_line_the_temporary_file_removed_and_the_earlier_output_intact(tmp_path, run, monkeypatch):
+    from cram.stages.retrieval import search
+
+    texts = tmp_path / "t.txt"
+    texts.write_text("\n".join(TEXTS) + "\n")
+    out = tmp_path / "v.npy"
+    earlier = invoke(run, texts, "--out", out, "--batch-size", "2")
+    assert earlier.exit_code == 0, earlier.output
+    before = out.read_bytes()
+    # The header (128 bytes) and one batch of 2 fp32 vectors fit; the next batch meets the full disk.
+    room = 128 + 2 * 4 * FAMILIES["bert"].hidden
+    monkeypatch.setattr(search, "open", lambda *a, **k: FullDisk(open(*a, **k), room), raising=False)
+    result = invoke(run, texts, "--out", out, "--batch-size", "2")
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == f"error: --out {out}: cannot write it: No space left on device", result.output
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_stray_carriage_return_is_no_line_end_a_text_file_gives_a_vector_a_line(tmp_path, run):
+    texts = tmp_path / "t.txt"
+    texts.write_bytes(b"the cat sat\r\na dog ran \r over the mat\r\nfox\n")
+    result = invoke(run, texts, "--out", tmp_path / "v.npy")
+    assert result.exit_code == 0 and "3 vectors" in result.output, result.output
+    assert np.load(tmp_path / "v.npy").shape[0] == 3
+
+
+def test_a_batch_is_no_larger_than_the_input(tmp_path, run, monkeypatch):
+    from cram.stages.kept import batches
+
+    inputs = batches.Padding.inputs
+
+    def spy(self, rows, lengths, index, size):
+        assert size <= len(TEXTS), f"a batch of {size:,} rows for {len(TEXTS)} texts"
+        return inputs(self, rows, lengths, index, size)
+
+    monkeypatch.setattr(batches.Padding, "inputs", spy)
+    texts = tmp_path / "t.txt"
+    texts.write_text("\n".join(TEXTS) + "\n")
+    result = invoke(run, texts, "--out", tmp_path / "v.npy", "--batch-size", "1000000")
+    assert result.exit_code == 0 and f"{len(TEXTS)} vectors" in result.output, result.output

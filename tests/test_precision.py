@@ -34,7 +34,7 @@ NAN = float("nan")
 )
 def test_candidates_fastest_first(monkeypatch, setting, device, backend, native, expected):
     monkeypatch.setattr(devices, "native_cpu_bf16", lambda: native)
-    monkeypatch.setattr(devices, "use_tf32", lambda: None)  # CUDA's choice sets it, process-wide
+    monkeypatch.setattr(devices, "use_tf32", lambda allowed=True: None)  # CUDA's choice sets it, process-wide
     assert precision.candidates(setting, device, backend, compiled=True) == expected
 
 

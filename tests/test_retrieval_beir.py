@@ -82,7 +82,7 @@ BAD_FOLDERS = [
     ({"queries": [*QUERIES, {"_id": "q4", "text": "  "}]}, r"queries.jsonl: query 'q4' has an empty text"),
     ({"queries": [*QUERIES, {"text": "no id"}]}, r"queries.jsonl: record 4 has no '_id'"),
     ({"corpus": [*CORPUS, {"_id": "d5", "title": "t"}]}, r"corpus.jsonl: record 'd5' has no 'text'$"),
-    ({"corpus": [*CORPUS, {"_id": "d5", "text": 7}]}, r"corpus.jsonl: record 'd5': 'text' is not a string \(int\)"),
+    ({"corpus": [*CORPUS, {"_id": "d5", "text": 7}]}, r"corpus.jsonl: record 'd5': text field 'text' holds int 7"),
 ]
 
 
@@ -111,7 +111,7 @@ def test_a_pairs_file_reads_with_and_without_negatives(tmp_path):
 BAD_PAIRS = [
     ([{"query": "a"}], r"p.jsonl: record 1 has no 'positive'"),
     ([{"query": "a", "positive": "b"}, {"positive": "b"}], r"p.jsonl: record 2 has no 'query'"),
-    ([{"query": "a", "positive": ["b"]}], r"p.jsonl: record 1: 'positive' is not a string \(list\)"),
+    ([{"query": "a", "positive": ["b"]}], r"p.jsonl: record 1: text field 'positive' holds list \['b'\], not text"),
     ([{"query": "a", "positive": " "}], r"p.jsonl: record 1 has an empty 'positive'"),
     (
         [{"query": "a", "positive": "b", "negative": "c"}, {"query": "d", "positive": "e"}],

@@ -126,6 +126,18 @@ BAD = [
     ("every pair leaks a test query", _pairs(leak=True), WITH_PAIRS, "no pairs are left to train on"),
     ("negative is positive", _pairs(negative=True, degenerate=True), WITH_PAIRS, "pairs.jsonl:4: record 4: its 'neg"),
     ("no test judgement above 0", _unjudged, RETRIEVAL, "qrels/test.tsv: every judgement scores 0 or less"),
+    (
+        "lone surrogate in the corpus",
+        _append("beir/corpus.jsonl", '{"_id": "dx", "title": "t", "text": "a \\ud83d b"}\n'),
+        RETRIEVAL,
+        "corpus.jsonl: record 'dx': field 'text' holds a lone surrogate \\ud83d at character 2",
+    ),
+    (
+        "lone surrogate in a query",
+        _append("beir/queries.jsonl", '{"_id": "qx", "text": "\\udc00"}\n'),
+        RETRIEVAL,
+        "queries.jsonl: record 'qx': field 'text' holds a lone surrogate \\udc00",
+    ),
     ("no pairs possible", _no_title_short_docs, RETRIEVAL, "evaluate.tasks[0]: no training pairs"),
     ("batch larger than pairs", lambda ws: None, RETRIEVAL.replace("batch_size=8", "batch_size=64"), "one batch of 64"),
     ("a classifier's setting", lambda ws: None, RETRIEVAL.replace("}", ', metrics=["accuracy"]}'), "metrics"),
@@ -139,11 +151,12 @@ def test_bad_retrieval_input_is_one_line_exit_2_before_any_stage_runs(tmp_path, 
     monkeypatch.chdir(tmp_path)
     workspace(tmp_path, task)
     setup(tmp_path)
-    result = cram("run", "pipeline.toml")
-    assert result.exit_code == 2, result.output
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
-    assert not (tmp_path / "runs" / "base" / "tokenize").exists()
+    for args in (["--dry-run"], []):  # found by the dry run too, where every task file is read in full
+        result = cram("run", "pipeline.toml", *args)
+        assert result.exit_code == 2, result.output
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
+        assert not (tmp_path / "runs" / "base" / "tokenize").exists()
     shutil.rmtree(tmp_path / "beir")
 
 

@@ -20,7 +20,8 @@
     cram gc runs [--dry-run]                     remove store entries that no run refers to
     cram verify runs | runs/default              hash every stored output; name the damaged ones (exit 1)
 
-Exit codes: 0 ok, 1 a stage failed, 2 bad usage, config or input, 130 interrupted.
+Exit codes: 0 ok, 1 a stage failed, 2 bad usage, config or input, 130 interrupted, 141 the reader of
+the output closed the pipe (`cram predict ... | head -1`; quietly, as Unix tools end).
 """
 
 from __future__ import annotations
@@ -76,8 +77,24 @@ def _handled(command: Callable[..., None]) -> Callable[..., None]:
         except KeyboardInterrupt:  # outside a run (which says how to resume it): nothing to continue
             error("interrupted")
             raise typer.Exit(130) from None
+        except BrokenPipeError:  # the reader left (`cram predict ... | head -1`): end as Unix tools do, quietly
+            _stdout_to_null()
+            raise typer.Exit(errors.CLOSED_PIPE) from None
 
     return handled
+
+
+def _stdout_to_null() -> None:
+    """Point stdout's descriptor at the null device: what Python still holds for the closed pipe is
+    flushed when it exits, and would fail there again, with a message of its own on stderr."""
+    import os
+    import sys
+
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # a stdout with no descriptor (captured): nothing to flush
+        pass
 
 
 class _Cram(typer.Typer):
@@ -223,9 +240,11 @@ def predict_files(
 ) -> None:
     """Classify every text of FILES with a kept classifier: one row per text, label and probabilities."""
     from cram.pipeline.commands import predict
+    from cram.stages.kept.predicting import tuned_allocator
 
     settings = predict.Settings(compile=compile, batch_size=batch_size)
-    written = predict.predict(source, files, task, out_file, settings)
+    with tuned_allocator():
+        written = predict.predict(source, files, task, out_file, settings)
     if out_file is not None:
         out.print(f"{written:,} rows: {out_file}")
 
@@ -261,13 +280,15 @@ def embed_texts(
     """Embed every text of FILES with a kept or exported embedding model into one .npy of unit vectors,
     or a .parquet of ids and vectors."""
     from cram.pipeline.commands import embed
+    from cram.stages.kept.predicting import tuned_allocator
 
     request = embed.Request(
         field=field, query=query, dtype=dtype, id_field=id_field, precision=precision, prompt=prompt
     )
-    written = embed.embed(
-        source, files, out_file, task, request, embed.Settings(compile=compile, batch_size=batch_size)
-    )
+    with tuned_allocator():
+        written = embed.embed(
+            source, files, out_file, task, request, embed.Settings(compile=compile, batch_size=batch_size)
+        )
     out.print(f"{written.rows:,} vectors ({dtype}, computed in {written.precision}): {out_file}")
 
 

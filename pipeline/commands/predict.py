@@ -13,7 +13,9 @@ renamed once every row is in it.
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import TextIO
 
@@ -54,7 +56,8 @@ def predict(
 
 def check_paths(files: list[Path], out: Path | None, outputs: tuple[str, ...] = OUTPUTS) -> None:
     """PredictError for an input that is missing or of an unknown kind, or an `--out` of a kind not in
-    `outputs`, that is one of the inputs, or that lies in a run directory or a stage store."""
+    `outputs`, that is one of the inputs, that lies in a run directory or a stage store, that is a directory,
+    or whose folder is missing or cannot be written."""
     for path in files:
         if path.suffix.lower() not in INPUTS:
             raise PredictError(f"{path}: unknown extension {path.suffix or '(none)'!r}; allowed {', '.join(INPUTS)}")
@@ -70,8 +73,23 @@ def check_paths(files: list[Path], out: Path | None, outputs: tuple[str, ...] = 
     inside = next((p for p in target.parents if (p / rundir.MANIFEST).is_file() or p.name == store.STORE), None)
     if inside is not None:
         raise PredictError(f"--out {out}: inside the run directory or store {inside}; write it outside")
+    if target.is_dir():
+        raise PredictError(f"--out {out}: a directory; name the file to write in it")
     if not target.parent.is_dir():
         raise PredictError(f"--out {out}: the folder {out.parent} does not exist")
+    _check_writable(out, target.parent)
+
+
+def _check_writable(out: Path, folder: Path) -> None:
+    """PredictError where no file can be made in `folder` (read-only, not ours, a read-only file system):
+    found by making one and removing it, before any model is loaded or text computed, since permission bits
+    do not tell (root ignores them; a read-only mount or an ACL does not show in them)."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".probe", dir=folder)
+    except OSError as e:
+        raise PredictError(f"--out {out}: cannot write in {out.parent}: {e.strerror or e}") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def _classifier(source: Path, task: str | None) -> tuple[Classifier, Path, dict[str, int]]:

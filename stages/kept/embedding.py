@@ -27,13 +27,7 @@ from cram.stages import StageError
 from cram.stages.kept.batches import Padding, join, run_sorted
 from cram.stages.kept.exporting import open_embedder_export
 from cram.stages.kept.folder import EMBEDDER, META, Embedder, KeptError, load_tokenizer
-from cram.stages.kept.predicting import (
-    PROGRESS_EVERY_S,
-    Settings,
-    chunks,
-    give_back_freed_memory,
-    give_back_large_blocks,
-)
+from cram.stages.kept.predicting import PROGRESS_EVERY_S, Settings, chunks, fitted, give_back_freed_memory
 from cram.stages.kept.sentence import MODULES, read_sentence_folder
 from cram.stages.shared.files import atomic
 from cram.stages.shared.progress import bar
@@ -200,8 +194,9 @@ def _embedded(
     advance: Callable[[int], None],
     prompt: str,
 ) -> Iterator[tuple[np.ndarray, Ids]]:
-    give_back_large_blocks()
-    for texts, ids in chunks:
+    for n, (texts, ids) in enumerate(chunks):
+        if n == 0:
+            embedding = dataclasses.replace(embedding, settings=fitted(embedding.settings, len(texts)))
         yield embedding.vectors(texts, query, advance, prompt), ids
         give_back_freed_memory()
 

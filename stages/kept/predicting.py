@@ -14,9 +14,11 @@ once every row is in it.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, TextIO
@@ -29,6 +31,8 @@ from cram.stages.shared.progress import Every
 from cram.stages.shared.taskfiles import file_format, iter_texts
 
 if TYPE_CHECKING:
+    import ctypes
+
     import numpy as np
     import torch
 
@@ -40,6 +44,7 @@ CHUNK = 4_096  # texts read, encoded, predicted and written at a time
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MAP_APART_ABOVE = 32 * 1024 * 1024  # bytes: glibc's largest mmap threshold on 64-bit; unmapped when freed
 TRIM_ABOVE = 64 * 1024  # bytes: free space at the heap's top past this goes back to the system
+GLIBC_DEFAULT_THRESHOLD = 128 * 1024  # bytes: glibc's mmap and trim thresholds when nothing sets them
 OUTPUTS = (".jsonl", ".csv")
 PROGRESS_EVERY_S = 30.0
 
@@ -67,9 +72,7 @@ class Predictor:
 
     @classmethod
     def make(cls, classifier: Classifier, tokenizer: Path, special: dict[str, int], settings: Settings) -> Predictor:
-        """KeptError naming the tokenizer file where it cannot be read."""
-        import dataclasses
-
+        """KeptError naming the tokenizer file where it cannot be read. It computes in fp32: on CUDA, not TF32."""
         from cram.model.classifier import make_classify_eval_step
         from cram.model.step import Compilation
         from cram.stages.shared import device as devices
@@ -80,6 +83,8 @@ class Predictor:
         how = Compilation(compile=settings.compile, backend=settings.backend)
         graph = make_classify_eval_step(cfg, how, pooling=meta["pooling"], head=meta["head"])
         device = devices.resolve("auto")
+        if device.type == "cuda":
+            devices.use_tf32(False)  # no autocast here: its fp32 matmuls in fp32
         params = {k: v.to(device) for k, v in classifier.params().items()}
         buckets = tuple(meta["buckets"]) if settings.compile else ()  # eager: each batch to its longest row
         padding = Padding(special, buckets, cfg.token_types > 1)
@@ -125,6 +130,14 @@ def chunks(files: list[Path], fields: list[str], size: int) -> Iterator[list[tup
         yield chunk
 
 
+def fitted(settings: Settings, first_chunk: int) -> Settings:
+    """`settings` with a batch no larger than the input, given the number of texts in its first chunk:
+    the whole input where that is under a chunk, a chunk otherwise. A batch is padded to its size with
+    filler rows (a compiled graph's shapes stay fixed), so `--batch-size 1000000` on 3 texts would
+    compute a million rows; every chunk of the input then shares the one size."""
+    return dataclasses.replace(settings, batch_size=max(1, min(settings.batch_size, first_chunk)))
+
+
 def output_kind(path: Path | None) -> str:
     """ "csv" or "jsonl" by the output's extension in any case; JSON lines on a stream."""
     return "csv" if path is not None and path.suffix.lower() == ".csv" else "jsonl"
@@ -155,13 +168,16 @@ def predict_files(
 def _write_chunks(predictor: Predictor, files: list[Path], f: TextIO, out: Path | None) -> int:
     meta, written, every = predictor.classifier.meta, 0, Every(PROGRESS_EVERY_S)
     table = csv.writer(f) if output_kind(out) == "csv" else None
-    give_back_large_blocks()
     if table is not None:
         table.writerow(["value"] if meta["regression"] else ["label", *predictor.classifier.labels])
     for texts in chunks(files, meta["text_fields"], predictor.settings.chunk):
+        if not written:
+            predictor = dataclasses.replace(predictor, settings=fitted(predictor.settings, len(texts)))
         rows = predictor.rows(predictor.outputs(texts))
         if table is None:
-            f.write("".join(json.dumps(row) + "\n" for row in rows))
+            # Row by row through the stream's buffer: one write of a whole chunk's rows into a pipe whose reader
+            # leaves is cut short without an error (Python's buffered writer returns the part the pipe took).
+            f.writelines(json.dumps(row) + "\n" for row in rows)
         else:
             table.writerows([r["value"]] if "value" in r else [r["label"], *r["probabilities"].values()] for r in rows)
         written += len(rows)
@@ -171,34 +187,69 @@ def _write_chunks(predictor: Predictor, files: list[Path], f: TextIO, out: Path 
     return written
 
 
-def give_back_large_blocks() -> None:
-    """Map blocks of MAP_APART_ABOVE bytes or more apart and trim the heap past TRIM_ABOVE bytes of free
-    space at its top: glibc otherwise raises its trim threshold with each large block freed (a batch's
-    activations) and keeps that memory, so the process grows with the file. Smaller blocks stay in the
-    heap, where the next batch reuses the pages the last one freed: mapping every block past 64 KiB apart
-    kept peak memory 9% lower in `cram predict` but made it 1.7-2.0x slower, and `cram embed` in bf16 1.2x,
-    all of it page faults (bench/README.md, "predict memory"). A C library without `mallopt` keeps its own
-    policy."""
-    import ctypes
+@contextmanager
+def tuned_allocator() -> Iterator[None]:
+    """For the block, glibc maps blocks of MAP_APART_ABOVE bytes or more apart and trims its heap past
+    TRIM_ABOVE bytes of free space at its top: glibc otherwise raises its trim threshold with each large
+    block freed (a batch's activations) and keeps that memory, so the process grows with the file. Smaller
+    blocks stay in the heap, where the next batch reuses the pages the last one freed: mapping every block
+    past 64 KiB apart kept peak memory 9% lower in `cram predict` but made it 1.7-2.0x slower, and
+    `cram embed` in bf16 1.2x, all of it page faults (bench/README.md, "predict memory").
 
+    The thresholds are the process's, so a command enters this (`cram predict`, `cram embed`), not the
+    library: a notebook or a server calling `predict_files` keeps its allocator as it set it. On leaving,
+    the thresholds go back to those the process started with (glibc's environment settings, or its
+    defaults); glibc has no call that reads them, nor one that turns its sliding thresholds back on. Only
+    glibc on Linux: another C library (musl, Windows', macOS') keeps its own policy."""
+    libc = glibc()
+    if libc is None:
+        yield
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, MAP_APART_ABOVE)
+    libc.mallopt(M_TRIM_THRESHOLD, TRIM_ABOVE)
     try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(M_MMAP_THRESHOLD, MAP_APART_ABOVE)
-        libc.mallopt(M_TRIM_THRESHOLD, TRIM_ABOVE)
-    except (OSError, AttributeError):
-        pass
+        yield
+    finally:
+        for parameter, value in start_thresholds().items():
+            libc.mallopt(parameter, value)
 
 
 def give_back_freed_memory() -> None:
     """Hand the memory a chunk freed back to the system: glibc keeps it, fragmented, so a long file grew the
-    process by ~300 bytes a line without this (bench/README.md, "predict memory"). A C library without
-    `malloc_trim` has nothing to give back here."""
-    import ctypes
+    process by ~300 bytes a line without this (bench/README.md, "predict memory"). It changes no setting of
+    the allocator. A C library other than glibc has no `malloc_trim`: nothing to give back here."""
+    libc = glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
+
+def glibc() -> ctypes.CDLL | None:
+    """The C library through ctypes where it is glibc on Linux, else None: `ctypes.CDLL(None)` raises a
+    TypeError on Windows, and only glibc has `mallopt`'s parameters and `malloc_trim` as used here."""
+    if not sys.platform.startswith("linux"):
+        return None
     try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+        if not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"):
+            return None
+        import ctypes
+
+        return ctypes.CDLL(None)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+
+
+def start_thresholds() -> dict[int, int]:
+    """mallopt parameter -> the value the process started with: from GLIBC_TUNABLES
+    (`glibc.malloc.mmap_threshold`, `glibc.malloc.trim_threshold`) or the older MALLOC_MMAP_THRESHOLD_ /
+    MALLOC_TRIM_THRESHOLD_, else glibc's default of 128 KiB."""
+    tunables = dict(
+        item.split("=", 1) for item in os.environ.get("GLIBC_TUNABLES", "").split(":") if item.count("=") == 1
+    )
+    values = {}
+    for parameter, name in ((M_MMAP_THRESHOLD, "mmap_threshold"), (M_TRIM_THRESHOLD, "trim_threshold")):
+        given = tunables.get(f"glibc.malloc.{name}") or os.environ.get(f"MALLOC_{name.upper()}_", "")
+        values[parameter] = int(given) if given.isdigit() else GLIBC_DEFAULT_THRESHOLD
+    return values
 
 
 def _remove(path: Path) -> None:

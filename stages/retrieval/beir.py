@@ -5,7 +5,7 @@ The BEIR layout is what every retrieval benchmark and NanoBEIR ship: `corpus.jso
 `text`), `queries.jsonl` (`_id`, `text`), `qrels/test.tsv` and optionally `qrels/dev.tsv` and
 `qrels/train.tsv` (tab-separated `query-id  corpus-id  score` under a header line). A pairs file is JSON
 lines `{"query", "positive"[, "negative"]}`. Records are read by `taskfiles.iter_records`, the one
-reader of a task's JSON-lines files.
+reader of a task's JSON-lines files, and each text checked by its `checked_text`, as every text read is.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cram.stages import StageError
-from cram.stages.shared.taskfiles import iter_records
+from cram.stages.shared.taskfiles import checked_text, iter_records
 
 SPLITS = ("test", "dev", "train")  # the qrels a folder may hold; test is required
 Qrels = dict[str, dict[str, int]]  # query id -> corpus id -> graded relevance (> 0: relevant)
@@ -111,8 +111,7 @@ def read_pairs(path: Path) -> tuple[Pair, ...]:
                 continue
             if value is None:
                 raise StageError(f"{path}: record {n} has no {key!r}; each record needs query and positive texts")
-            if not isinstance(value, str):
-                raise StageError(f"{path}: record {n}: {key!r} is not a string ({type(value).__name__})")
+            value = checked_text(value, key, f"{path}: record {n}")
             if not value.strip():
                 raise StageError(f"{path}: record {n} has an empty {key!r}")
             texts[key] = value
@@ -209,9 +208,7 @@ def _text(record: dict, key: str, path: Path, id_: str, optional: bool = False) 
         return ""
     if value is None:
         raise StageError(f"{path}: record {id_!r} has no {key!r}")
-    if not isinstance(value, str):
-        raise StageError(f"{path}: record {id_!r}: {key!r} is not a string ({type(value).__name__})")
-    return value
+    return checked_text(value, key, f"{path}: record {id_!r}")
 
 
 def _check_known(path: Path, qrels: Qrels, corpus: dict[str, Document], queries: dict[str, str]) -> None:

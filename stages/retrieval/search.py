@@ -33,23 +33,29 @@ def normalised(rows: np.ndarray) -> np.ndarray:
 
 def write_embeddings(path: Path, batches: Iterable[np.ndarray], rows: int, dtype: str = "float16") -> None:
     """Write `rows` embeddings, arriving in batches (each normalised here), to `path` as one `.npy`
-    file, atomically: a reader never sees half a corpus."""
+    file, atomically: a reader never sees half a corpus. The header for `rows` rows goes first, then each
+    batch is appended as it comes: the file grows with what is written (a full disk is an OSError at the
+    batch that meets it, the temporary file removed) and the process holds one batch, whatever the output's
+    size. ValueError, nothing written, where the batches hold another number of rows than `rows`."""
     normalised_batches = map(normalised, batches)  # one batch in memory at a time
     first = next(normalised_batches, None)
     if first is None:
         raise ValueError(f"{path}: no embeddings to write")
-    with atomic(path) as tmp:
-        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.dtype(dtype), shape=(rows, first.shape[1]))
+    kind = np.dtype(dtype)
+    # The count is known before the first row (the callers count their inputs first), so the header is
+    # final when written: no seek back to fix it, and a short or long delivery is refused below.
+    header = {"descr": np.lib.format.dtype_to_descr(kind), "fortran_order": False, "shape": (rows, first.shape[1])}
+    with atomic(path) as tmp, open(tmp, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, header)
         at = 0
         for batch in chain([first], normalised_batches):
             if at + len(batch) > rows:
                 raise ValueError(f"{path}: more than the {rows} rows announced")
-            out[at : at + len(batch)] = batch
+            f.write(np.ascontiguousarray(batch, kind).data)
+            f.flush()  # to the kernel now: a write that cannot be made fails at this batch, not at the end
             at += len(batch)
         if at != rows:
             raise ValueError(f"{path}: {at} rows written of the {rows} announced")
-        out.flush()
-        del out
 
 
 @dataclass(frozen=True)

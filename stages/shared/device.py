@@ -74,28 +74,32 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
 
     On such a CPU the tiny step trained 1.85x the tokens/s of fp32 with no significant loss per token
     (bench/README.md, precision); elsewhere bf16 is emulated and slower, so "auto" keeps fp32.
-    On CUDA, the fp32 matmuls that remain use TF32, as cramming does."""
+    On CUDA, the fp32 matmuls that remain use TF32, as cramming does, where the precision allows it:
+    "fp32" computes in fp32 (`use_tf32`)."""
     import torch
 
     if device.type == "cuda":
-        use_tf32()
+        use_tf32(precision != "fp32")
     native = device.type == "cuda" or (device.type == "cpu" and native_cpu_bf16())
     if precision == "bf16" or (precision == "auto" and native):
         return torch.bfloat16
     return None
 
 
-def use_tf32() -> None:
-    """fp32 matmuls and convolutions on CUDA in TF32. Through `fp32_precision` where torch has it (2.9 on):
+def use_tf32(allowed: bool = True) -> None:
+    """fp32 matmuls and convolutions on CUDA in TF32 where `allowed`, else in full fp32 (IEEE): TF32 keeps
+    10 bits of mantissa, so a caller that asked for fp32 (`--precision fp32`, "as sentence-transformers,
+    1e-4") would get vectors 1e-3 apart. The setting is process-wide, so it is set either way: an earlier
+    caller's TF32 does not leak into an fp32 one. Through `fp32_precision` where torch has it (2.9 on):
     torch 2.11 deprecates the legacy `allow_tf32` flags, and a process that sets both raises in inductor."""
     import torch
 
     if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
-        torch.backends.cudnn.conv.fp32_precision = "tf32"
+        torch.backends.cuda.matmul.fp32_precision = "tf32" if allowed else "ieee"
+        torch.backends.cudnn.conv.fp32_precision = "tf32" if allowed else "ieee"
     else:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+        torch.backends.cudnn.allow_tf32 = allowed
 
 
 def native_cpu_bf16() -> bool:

@@ -1,7 +1,9 @@
 """Where a fine-tuning task's files lie and how their records are read: GLUE's layouts (`GLUE`,
 `glue_folder`, `read_tsv`, `glue_rows`), a custom task's CSV / JSON-lines files (`find_split`,
 `read_rows`) and the files `cram predict` classifies (`iter_texts`: TSV and plain text too), one
-reader for all: records streamed, each text field checked to be text. Shared by the evaluate stage,
+reader for all: records streamed, CSV's quoting strict (a malformed record is refused, never merged
+into its neighbours), a line of plain text or JSON lines ended only by \\n or \\r\\n, and each text checked
+(`checked_text`, which the BEIR and pairs readers use too). Shared by the evaluate stage,
 which fine-tunes on the tasks, the tokenize stage, which can pretrain on their training text
 (`tokenize.task_text`), and `cram predict`.
 """
@@ -125,10 +127,14 @@ def glue_rows(name: str, data: DatasetDict, split_name: str, source: str) -> tup
     return list(zip(*(rows[c] for c in spec.hf_text))), rows["label"]
 
 
-def read_tsv(path: Path, text_cols: Sequence[str | int], label_col: str | int):
+def read_tsv(
+    path: Path, text_cols: Sequence[str | int], label_col: str | int
+) -> tuple[list[tuple[str, ...]], list[str]]:
+    """A GLUE TSV's texts and labels, each text checked as every text read is (`checked_text`)."""
     # GLUE's TSVs carry bare quote characters inside sentences: quoting must be off. MRPC's header
     # starts with a byte-order mark, which utf-8-sig drops.
-    with path.open(encoding="utf-8-sig", newline="") as f:
+    records.raise_csv_field_limit()
+    with _opened(path, table=True) as f:
         rows = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
         if isinstance(label_col, str):
             header = next(rows, [])
@@ -140,9 +146,16 @@ def read_tsv(path: Path, text_cols: Sequence[str | int], label_col: str | int):
         else:
             text_idx, label_idx = list(text_cols), label_col
         width = max(*text_idx, label_idx) + 1
+        names = [c if isinstance(c, str) else f"column {c}" for c in text_cols]
         # QQP's train.tsv has a few broken lines (too few fields): skipped, as the hub's loader does.
-        good = [row for row in rows if len(row) >= width]
-    return [tuple(row[i] for i in text_idx) for row in good], [row[label_idx] for row in good]
+        texts, labels = [], []
+        for row in rows:
+            if len(row) < width:
+                continue
+            where = f"{path}:{rows.line_num}"
+            texts.append(tuple(checked_text(row[i], name, where) for i, name in zip(text_idx, names)))
+            labels.append(row[label_idx])
+    return texts, labels
 
 
 def file_format(path: Path) -> Literal["csv", "tsv", "text", "jsonl"]:
@@ -183,7 +196,7 @@ def iter_texts(path: Path, text_fields: Sequence[str]) -> Iterator[tuple[str, ..
     with _opened(path) as f:
         for n, line in enumerate(f, 1):
             if line.strip():
-                yield (_checked(line.rstrip("\r\n"), text_fields[0], f"{path}:{n}"),)
+                yield (checked_text(line.removesuffix("\n").removesuffix("\r"), text_fields[0], f"{path}:{n}"),)
 
 
 def read_rows(path: Path, text_fields: Sequence[str], label_field: str) -> tuple[list[tuple[str, ...]], list[Any]]:
@@ -204,10 +217,13 @@ def record_texts(record: dict, text_fields: tuple[str, ...], where: str, also: s
     missing = next((k for k in (*text_fields, *filter(None, [also])) if record.get(k) is None), None)
     if missing is not None:
         raise StageError(f"{where} has no field {missing!r}; it has {', '.join(map(str, record))}")
-    return tuple(_checked(record[k], k, where) for k in text_fields)
+    return tuple(checked_text(record[k], k, where) for k in text_fields)
 
 
-def _checked(value: JSON, field: str, where: str) -> str:
+def checked_text(value: JSON, field: str, where: str) -> str:
+    """`value` of text field `field`, checked as every text read is, wherever it comes from (a task or
+    input file, a pairs file, a BEIR corpus or queries): no text (a number, a list, an object), one longer
+    than MAX_FIELD_CHARS or one UTF-8 cannot encode (a lone surrogate) is a StageError naming `where`."""
     problem = records.not_text(value, field)
     if problem is None and len(value) > MAX_FIELD_CHARS:
         problem = f"field '{field}' holds {len(value):,} characters, over the {MAX_FIELD_CHARS:,} a field may hold"
@@ -223,7 +239,7 @@ def iter_records(path: Path) -> Iterator[tuple[str, dict]]:
     record (its number; JSON lines: its line too, as `path:line`). A UTF-8 byte-order mark is dropped;
     TSV has no quoting (a quote character is text, as in GLUE's files), CSV has csv's."""
     fmt = file_format(path)
-    with _opened(path) as f:
+    with _opened(path, table=fmt in ("csv", "tsv")) as f:
         if fmt in ("csv", "tsv"):
             yield from _table_records(f, path, fmt)
             return
@@ -241,21 +257,30 @@ def iter_records(path: Path) -> Iterator[tuple[str, dict]]:
 def _table_records(f: TextIO, path: Path, fmt: str) -> Iterator[tuple[str, dict]]:
     records.raise_csv_field_limit()
     quoting = csv.QUOTE_NONE if fmt == "tsv" else csv.QUOTE_MINIMAL
-    reader = csv.DictReader(f, delimiter="\t" if fmt == "tsv" else ",", quoting=quoting)
-    n = 0
+    # strict: a quote that does not close a field, or one still open at the end of the file, is an error;
+    # without it csv reads on to the next quote and merges the records between into one field.
+    reader = csv.DictReader(f, delimiter="\t" if fmt == "tsv" else ",", quoting=quoting, strict=True)
+    n, starts = 0, 1  # the record's number, the line it starts on
     try:
+        if reader.fieldnames is not None:  # the header, read first: the first record starts after it
+            starts = reader.line_num + 1
         for n, record in enumerate(reader, 1):
             yield f"{path}: record {n}", record
+            starts = reader.line_num + 1
     except csv.Error as e:
-        raise StageError(f"{path}: record {n + 1} (line {reader.line_num}): {e}") from None
+        what = f"record {n + 1}" if starts > 1 else "the header"
+        raise StageError(
+            f"{path}:{starts}: {what}: {e}; a quoted field is quoted whole, a quote inside it doubled"
+        ) from None
 
 
 @contextmanager
-def _opened(path: Path) -> Iterator[TextIO]:
-    """`path` open as UTF-8 text (a byte-order mark dropped, line ends kept for csv); a byte that is not
-    UTF-8 is one StageError naming the file."""
+def _opened(path: Path, table: bool = False) -> Iterator[TextIO]:
+    """`path` open as UTF-8 text, a byte-order mark dropped, line ends kept; a byte that is not UTF-8 is one
+    StageError naming the file. A `table` (CSV, TSV) is read as csv wants it (csv finds its records' ends
+    itself); plain text and JSON lines end a line only at \\n (or \\r\\n): a lone \\r is a character of its line."""
     try:
-        with path.open(encoding="utf-8-sig", newline="") as f:
+        with path.open(encoding="utf-8-sig", newline="" if table else "\n") as f:
             yield f
     except UnicodeDecodeError as e:
         raise StageError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
