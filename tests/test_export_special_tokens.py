@@ -107,3 +107,21 @@ def test_a_reused_tokenizer_json_reads_typed_special_tokens_as_tokens_in_cram_an
     ids = check_parity(tmp_path, embedder_run(tmp_path, tokenizer_file), tokenizer_file)
     mask = load(tokenizer_file).special_ids["mask"]
     assert mask in ids[0] + ids[2]  # "[MASK]" (WordPiece) or "<mask>" (byte-level): the token, both ways
+
+
+OUTER = ["  Leading spaces", "Trailing spaces   ", "\tTabbed AND Upper\n", " x ", "Mixed Case Text"]
+
+
+@pytest.mark.parametrize("make", [word_piece, byte_level_bpe])
+def test_outer_whitespace_and_upper_case_embed_as_sentence_transformers_embeds_them(tmp_path, make):
+    # sentence-transformers 6 embeds a text as given (2 to 5 stripped it first); a byte-level tokenizer reads
+    # " x" and "x" apart, so cram embeds each text as given too, and `cram embed` and the export agree.
+    tokenizer_file = make(tmp_path / "tokenizer")
+    run = embedder_run(tmp_path, tokenizer_file)
+    folder = export(run, tmp_path / "st", fmt="sentence-transformers", task="search")
+    model = sentence_transformers.SentenceTransformer(str(folder), device="cpu")
+    ours = vectors(run, tmp_path, texts=OUTER)
+    assert np.abs(model.encode(OUTER, batch_size=2) - ours).max() < 1e-4
+    stripped = vectors(run, tmp_path, texts=[t.strip() for t in OUTER], name="stripped.npy")
+    differs = np.abs(ours - stripped).max() > 1e-3
+    assert differs == (make is byte_level_bpe)  # WordPiece splits on whitespace: the outer spaces are nothing

@@ -360,23 +360,6 @@ def test_without_a_validation_split_nothing_is_chosen(tmp_path, make_ctx):
     assert result["hybrid"]["fusion"] == [{"method": "convex", "weight": 0.5, "rrf_k": 60}] * 2
 
 
-def test_texts_are_stripped_as_sentence_transformers_strips_them(tmp_path):
-    # A byte-level tokenizer reads " text" and "text" apart; sentence-transformers strips first, and so does cram.
-    seen = []
-
-    def recording(texts):
-        seen.extend(texts)
-        return words(texts)
-
-    tokenizer = Tokenizer("tokenizers", Path("words"), len(VOCAB), SPECIAL, recording)
-    config, _ = task_of(write_beir(tmp_path / "set"), batch_size=8)
-    entry = config.tasks[0]
-    task = results.load_task(entry, 0, None, config.settings(entry))
-    padded = dataclasses.replace(task, queries={q: f"  {text}\n" for q, text in task.queries.items()})
-    results.loaded(entry, padded, tokenizer, SPECIAL, config.settings(entry))
-    assert seen and all(text == text.strip() for text in seen)
-
-
 def test_mined_hard_negatives_are_corpus_documents_no_test_query_finds(tmp_path, make_ctx):
     from cram.stages.retrieval.kind import RETRIEVAL
     from cram.stages.tasks.kind import Start

@@ -83,9 +83,9 @@ def encode_pairs(task: RetrievalTask, tokenizer: Tokenizer, special: dict, setti
     import numpy as np
 
     def rows(texts: list[str], length: int) -> Rows:
-        # stripped, as sentence-transformers strips every text before its tokenizer sees it: a byte-level
-        # tokenizer would read " text" and "text" apart, and the export must embed what the fine-tune saw
-        encoded = [join((ids,), special, length) for ids in tokenizer.encode([t.strip() for t in texts])]
+        # as given, not stripped: sentence-transformers 6 embeds a text as given (2 to 5 stripped it first),
+        # and a byte-level tokenizer reads " text" and "text" apart; the export embeds what the fine-tune saw
+        encoded = [join((ids,), special, length) for ids in tokenizer.encode(texts)]
         return encoded, np.array([len(r) for r in encoded])
 
     queries, documents = settings.query_max_length, settings.max_length
