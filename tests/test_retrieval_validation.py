@@ -52,3 +52,13 @@ def test_a_seed_offers_the_start_only_where_it_is_better_on_validation():
     assert offers_untuned(judged(0.4), judged(0.5)) and selection(judged(0.4), judged(0.5)) == {"ndcg@10": 0.5}
     assert not offers_untuned(judged(0.5), judged(0.5))  # a tie keeps the fine-tune
     assert not offers_untuned(judged(None), judged(None)) and selection(judged(None), judged(None)) == {"ndcg@10": 0.0}
+
+
+def test_held_out_titles_split_by_their_own_hash_still_draw_a_validation_share():
+    # pairs.load_heldout_task puts the lowest 20% of sha1(title) in the test: the training titles are the rest.
+    import hashlib
+
+    titles = sorted((f"Title {i}" for i in range(2000)), key=lambda t: hashlib.sha1(t.encode()).hexdigest())[400:]
+    pairs = tuple(Pair(t, f"text of {t}") for t in titles)
+    _, held = validation.carve(pairs, {}, batch_size=32)
+    assert held is not None and 0.07 * len(pairs) < len(held.queries) < 0.13 * len(pairs)

@@ -44,7 +44,7 @@ def refuse_to_load(monkeypatch):
     monkeypatch.setattr(predict, "_classifier", load)
     from cram.pipeline.commands import embed
 
-    monkeypatch.setattr(embed, "_embedder", load)
+    monkeypatch.setattr(embed, "open_source", load)
 
 
 @pytest.mark.parametrize("command, out", [("predict", "rows.jsonl"), ("embed", "vectors.npy")])

@@ -65,8 +65,10 @@ def _split(groups: list[list[Pair]], corpus: dict[str, Document]) -> Validation:
 
 
 def _draw(query: str) -> float:
-    """Where a query falls in [0, 1): a hash of its text, not a random draw, so every run splits alike."""
-    return int(hashlib.sha1(query.encode("utf-8")).hexdigest()[:12], 16) / 16**12
+    """Where a query falls in [0, 1): a hash of its text, not a random draw, so every run splits alike;
+    salted, since the held-out documents are split into test and training by the bare hash of the same
+    titles (pairs.load_heldout_task), which would leave every training title above the test's share."""
+    return int(hashlib.sha1(b"validation\0" + query.encode("utf-8")).hexdigest()[:12], 16) / 16**12
 
 
 def _fresh_id(wanted: str, corpus: dict[str, Document]) -> str:
