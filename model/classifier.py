@@ -180,9 +180,10 @@ def make_classify_eval_step(
     _check_pooling(pooling)
     _check_head(head)
 
-    @torch.no_grad()
+    # no_grad inside, not as a decorator: a decorated function is dynamo's shared `wrap_inline` frame, whose
+    # graph cache every such step of the process would fill up to the recompile limit
     def predict(params, batch):
-        with autocast(batch["input_ids"], how.autocast):
+        with torch.no_grad(), autocast(batch["input_ids"], how.autocast):
             ids, mask, types = batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids")
             return classify(params, cfg, ids, mask, pooling, how.attention, types, 0.0, head)
 

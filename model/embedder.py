@@ -159,9 +159,8 @@ def make_embed_step(
     graph per batch shape."""
     check_pooling(pooling)
 
-    @torch.no_grad()
-    def embed_step(params, batch):
-        with autocast(batch["input_ids"], how.autocast):
+    def embed_step(params, batch):  # no_grad inside, not as a decorator: as model/classifier.py's predict
+        with torch.no_grad(), autocast(batch["input_ids"], how.autocast):
             return embed(params, cfg, batch["input_ids"], batch["attention_mask"], pooling, how.attention)
 
     return compiled(embed_step, how)

@@ -268,7 +268,7 @@ REFUSALS = {
     "config a string bool": ([], r'^error: pretrain\.init: .*ckpt/config\.json: tie_word_embeddings="false"; expected'),
     "task beyond positions": (
         ["--set", "pack.seq_len=128", "--set", "evaluate.buckets=[16, 128]", "--set", "evaluate.max_length=128"],
-        r"^error: evaluate\.max_length: 128 pads to 128, beyond the model's 64 positions",
+        r"^error: evaluate\.tasks\[0\]: max_length 128 pads to 128, beyond the 64 positions of pretrain\.init's",
     ),
     "contradiction": (
         ["--set", "pretrain.model.hidden=64"],
