@@ -25,6 +25,7 @@ fp32 (the reference runs it in bf16, faster on a GPU): compiled and eager agree 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -42,15 +43,21 @@ def takes(name: str) -> bool:
     return name.startswith("layers.") and name.endswith(HIDDEN)
 
 
-def stacked(name: str, params: dict[str, Tensor]) -> int:
-    """How many matrices the weight `name` stacks along its rows: 3 for qkv, 2 for a GLU's up-projection
-    (twice the rows its down-projection reads), 1 otherwise."""
-    weight = params[name]
+def stacked(name: str, shapes: Mapping[str, Sequence[int]]) -> int:
+    """How many matrices the weight `name` stacks along its rows, from the params' `shapes`: 3 for qkv,
+    2 for a GLU's up-projection (twice the rows its down-projection reads), 1 otherwise."""
     if name.endswith(".attn.qkv.weight"):
         return 3
     if name.endswith(".ffn.up.weight"):
-        return weight.shape[0] // params[name.replace(".ffn.up.", ".ffn.down.")].shape[1]
+        return shapes[name][0] // shapes[name.replace(".ffn.up.", ".ffn.down.")][1]
     return 1
+
+
+def orthogonalise_flops(blocks: int, rows: int, cols: int) -> int:
+    """Matmul FLOPs of `orthogonalise` over `blocks` matrices [rows, cols]: per iteration, with m the shorter
+    side and n the longer, the Gram matrix (2 m m n), its square (2 m^3) and the product with x (2 m m n)."""
+    m, n = min(rows, cols), max(rows, cols)
+    return blocks * NS_STEPS * (4 * m * m * n + 2 * m**3)
 
 
 def orthogonalise(update: Tensor) -> Tensor:

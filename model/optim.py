@@ -67,10 +67,11 @@ def adamw_update(
     step = state["step"] + 1
     new_params, new_state = {}, {"step": step}
     factors = _AdamwFactors.of(cfg, step, lr)  # per step, not per tensor: eager runs a few ops, not hundreds
+    shapes = {name: p.shape for name, p in params.items()}
     for name, p in params.items():
         g, exp_avg = grads[name], state[f"exp_avg.{name}"]
         if cfg.kind == "muon" and muon.takes(name):
-            blocks = muon.stacked(name, params)
+            blocks = muon.stacked(name, shapes)
             new_params[name], new_state[f"exp_avg.{name}"] = muon.muon_param(
                 p, g, exp_avg, blocks, lr, cfg.weight_decay
             )

@@ -32,17 +32,35 @@ Trained = Collection[str] | None
 @dataclass(frozen=True)
 class Compilation:
     """How a step runs: one graph compiled by `backend` (with its `options`), or eagerly; its forward under
-    `autocast` (None: fp32); its attention computed as `attention`. The default: inductor, fp32."""
+    `autocast` (None: fp32); its attention computed as `attention`. The default: inductor, fp32.
+
+    The inductor switches (`cuda_graphs`, `max_autotune`, `combo_kernels`) are its config keys set for these
+    graphs alone, as `torch.compile`'s modes set them ("reduce-overhead" is `triton.cudagraphs`); other
+    backends have no such keys and leave them unread. They change how fast a step runs, never what it
+    computes, and are off until a GPU measures them winning (docs/compiling.md)."""
 
     compile: bool = True
     backend: str = "inductor"
     autocast: torch.dtype | None = None
     attention: Attention = "auto"
     options: CompileOptions = None  # the backend's options for these graphs alone (inductor's config keys)
+    # The whole step replayed as CUDA graphs: one launch instead of ~1,000 per step. Its inputs (params,
+    # optimizer state, batch) are copied into the graph's static buffers each step. CUDA only: refused on
+    # another device when the step is called.
+    cuda_graphs: bool = False
+    max_autotune: bool = False  # inductor benchmarks GEMM templates and tile sizes while compiling (slower compile)
+    combo_kernels: bool = False  # inductor launches independent small kernels (per-tensor updates) as one
 
     def eager(self) -> Compilation:
         """The same step run eagerly: the reference a compiled one is checked against."""
         return dataclasses.replace(self, compile=False, options=None)
+
+    def backend_options(self) -> CompileOptions:
+        """`options`, with inductor's keys of the switches that are on; None when there are none."""
+        switches = {"triton.cudagraphs": self.cuda_graphs, "max_autotune": self.max_autotune}
+        switches["combo_kernels"] = self.combo_kernels
+        chosen = {key: True for key, on in switches.items() if on} if self.backend == "inductor" else {}
+        return {**(self.options or {}), **chosen} or None
 
 
 EAGER = Compilation(compile=False)
@@ -230,4 +248,29 @@ def compiled(fn: Callable, how: Compilation) -> Callable:
     # make_* returns: a second step (another config, a test) would count as a recompile of the
     # first and, past the recompile limit, fall back to eager. A copied code object gets its own cache.
     fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    return torch.compile(fresh, fullgraph=True, dynamic=False, backend=how.backend, options=how.options or None)
+    graph = torch.compile(fresh, fullgraph=True, dynamic=False, backend=how.backend, options=how.backend_options())
+    return _replayed(graph) if how.cuda_graphs else graph
+
+
+def _replayed(graph: Callable) -> Callable:
+    """`graph` compiled with CUDA graphs, called as a training loop calls one: refused off CUDA (inductor
+    would compile a CPU graph without them and say so only in its log), and each call marked as a new step
+    (`cudagraph_mark_step_begin`): the last step's outputs, which come back in as this step's inputs, are
+    copied into the graph's input buffers before it replays over the memory they were in."""
+
+    def step(*args):
+        device = _first_tensor(args).device
+        if device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True: CUDA graphs need a CUDA device; the step's tensors are on {device}")
+        torch.compiler.cudagraph_mark_step_begin()
+        return graph(*args)
+
+    return step
+
+
+def _first_tensor(args: tuple) -> Tensor:
+    for arg in args:
+        found = next(iter(arg.values())) if isinstance(arg, dict) else arg
+        if isinstance(found, Tensor):
+            return found
+    raise ValueError("a compiled step takes tensors: none among its arguments")
