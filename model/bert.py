@@ -214,25 +214,47 @@ def mlm_logits(params: dict[str, Tensor], cfg: ModelConfig, hidden: Tensor) -> T
 
 
 def mlm_loss(
-    params: dict[str, Tensor], cfg: ModelConfig, batch: dict[str, Tensor], attention: Attention = "auto"
+    params: dict[str, Tensor],
+    cfg: ModelConfig,
+    batch: dict[str, Tensor],
+    attention: Attention = "auto",
+    fp32_logits: bool = True,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Mean cross-entropy over the K masked rows, and their top-1 accuracy.
 
     Sparse prediction: only the K rows named by `mlm_positions` (flat indices into B*S) reach the
     vocabulary projection, and K is fixed per batch, so every shape is static. Rows labelled -100 (a
-    masking schedule below its peak rate) count in neither.
+    masking schedule below its peak rate) count in neither. Under autocast the logits are copied to fp32
+    for the loss; `fp32_logits=False` reads them as they are instead (`cross_entropy_lean`).
     """
     ids, padding, documents = batch["input_ids"], batch.get("attention_mask"), batch.get("document_ids")
     hidden = encode(params, cfg, ids, padding, documents, attention)
     rows = hidden.flatten(0, 1).index_select(0, batch["mlm_positions"])
     logits = mlm_logits(params, cfg, rows)
-    if logits.dtype in (torch.float16, torch.bfloat16):  # autocast: the softmax wants fp32
-        logits = logits.float()
     labels = batch["mlm_labels"]
-    loss = F.cross_entropy(logits, labels, ignore_index=-100)
+    if not fp32_logits:
+        loss = cross_entropy_lean(logits, labels)
+    else:
+        if logits.dtype in (torch.float16, torch.bfloat16):  # autocast: the softmax wants fp32
+            logits = logits.float()
+        loss = F.cross_entropy(logits, labels, ignore_index=-100)
     labelled = labels != -100
-    accuracy = ((logits.argmax(dim=-1) == labels) & labelled).sum() / labelled.sum()
+    accuracy = ((logits.argmax(dim=-1) == labels) & labelled).sum() / labelled.sum()  # a cast never moves the max
     return loss, {"accuracy": accuracy}
+
+
+def cross_entropy_lean(logits: Tensor, labels: Tensor) -> Tensor:
+    """`F.cross_entropy(logits.float(), labels, ignore_index=-100)` without fp32 log-probabilities
+    [rows, V]: the log-normaliser is a reduction over the logits upcast as it reads them, and the label's
+    logit one gathered entry, so a compiled step need write no fp32 tensor as large as the logits and its
+    backward can recompute the softmax from the logits in their own dtype (at 8192 masked rows x 32768, 1 GiB
+    of fp32 log-probabilities kept for the backward by `F.cross_entropy`; bench/README.md, "gpu profile",
+    measures it). Both terms' gradients meet in fp32, then round once to the logits' dtype, as the default's."""
+    labelled = labels != -100
+    upcast = logits.float()
+    log_normaliser = torch.logsumexp(upcast, dim=-1)
+    picked = upcast.gather(-1, labels.clamp(min=0)[:, None]).squeeze(-1)
+    return ((log_normaliser - picked) * labelled).sum() / labelled.sum()
 
 
 def _norm(x: Tensor, params: dict[str, Tensor], name: str, cfg: ModelConfig) -> Tensor:

@@ -50,6 +50,10 @@ class Compilation:
     cuda_graphs: bool = False
     max_autotune: bool = False  # inductor benchmarks GEMM templates and tile sizes while compiling (slower compile)
     combo_kernels: bool = False  # inductor launches independent small kernels (per-tensor updates) as one
+    # The step's own ways of computing the same thing (model/optim.py, model/bert.py), off until measured:
+    foreach_update: bool = False  # the gradient norm, clipping and AdamW as list ops (`torch._foreach_*`)
+    fp32_logits: bool = True  # False: the loss reads autocast's logits, accumulating in fp32, with no fp32 copy
+    bf16_newton_schulz: bool = False  # Muon's iterations in bf16 on CUDA (the reference's), fp32 elsewhere
 
     def eager(self) -> Compilation:
         """The same step run eagerly: the reference a compiled one is checked against."""
@@ -82,7 +86,7 @@ def make_train_step(
         grads, (loss, aux) = loss_and_grads(params, batch)
         if reduce_grads is not None:
             grads = reduce_grads(grads)
-        params, opt_state, grad_norm = _update(opt_cfg, params, opt_state, grads, lr)
+        params, opt_state, grad_norm = _update(opt_cfg, how, params, opt_state, grads, lr)
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "accuracy": aux["accuracy"]}
 
     return detached_params(compiled(train_step, how))
@@ -150,7 +154,7 @@ def make_apply_step(
         grads = {name: g / n_micro for name, g in grads.items()}
         if reduce_grads is not None:
             grads = reduce_grads(grads)
-        params, opt_state, grad_norm = _update(opt_cfg, params, opt_state, grads, lr)
+        params, opt_state, grad_norm = _update(opt_cfg, how, params, opt_state, grads, lr)
         return params, opt_state, {"grad_norm": grad_norm}
 
     return compiled(apply_step, how)
@@ -190,7 +194,7 @@ def _loss_and_grads(cfg: ModelConfig, how: Compilation, trained: Trained):
 
     def loss(learned, fixed, batch):
         with autocast(batch["input_ids"], how.autocast):
-            return mlm_loss({**fixed, **learned}, cfg, batch, how.attention)
+            return mlm_loss({**fixed, **learned}, cfg, batch, how.attention, fp32_logits=how.fp32_logits)
 
     grad = torch.func.grad_and_value(loss, has_aux=True)
 
@@ -202,13 +206,14 @@ def _loss_and_grads(cfg: ModelConfig, how: Compilation, trained: Trained):
     return loss_and_grads
 
 
-def _update(opt_cfg: OptimizerConfig, params: Params, opt_state: Params, grads: Params, lr: Tensor):
+def _update(opt_cfg: OptimizerConfig, how: Compilation, params: Params, opt_state: Params, grads: Params, lr: Tensor):
     """AdamW on the params that `grads` holds; the others, and their moments, come back as they were."""
+    ways = {"foreach": how.foreach_update, "bf16_newton_schulz": how.bf16_newton_schulz}
     if len(grads) == len(params):
-        return adamw_update(opt_cfg, params, opt_state, grads, lr)
+        return adamw_update(opt_cfg, params, opt_state, grads, lr, **ways)
     moments = {f"{m}.{k}": opt_state[f"{m}.{k}"] for k in grads for m in ("exp_avg", "exp_avg_sq")}
     learned, state, grad_norm = adamw_update(
-        opt_cfg, {k: params[k] for k in grads}, {"step": opt_state["step"], **moments}, grads, lr
+        opt_cfg, {k: params[k] for k in grads}, {"step": opt_state["step"], **moments}, grads, lr, **ways
     )
     return {**params, **learned}, {**opt_state, **state}, grad_norm
 
