@@ -17,10 +17,12 @@ row that would start past the deadline is skipped with a line that says so:
     muon           the same with Muon (the default optimizer)
     tiny           the default pipeline's step: tiny preset, microbatch 32, document attention, Muon
     tiny-graphs    the same replayed as CUDA graphs (`Compilation.cuda_graphs`); CUDA only
-    big            base at batch 1024 (512 where 1024 runs out of memory)
     modernbert     transformers' ModernBertForMaskedLM, sparse prediction, compiled, the base shape and batch
-    bert           transformers' BertForMaskedLM, compiled (bench/step.py's row), the same shape and batch
-    lever rows     base with one setting changed (`LEVERS`): what the next window measures against `adamw`
+    big            base at batch 1024 (512 where 1024 runs out of memory)
+
+Named in --rows only (`LEVERS`): `bert` (transformers' BertForMaskedLM, bench/step.py's row) and the lever
+rows, base with one `Compilation` setting changed (adamw-foreach, adamw-lean-logits, adamw-graphs,
+adamw-combo, adamw-autotune, muon-bf16-ns, muon-foreach), measured against `adamw` or `muon`.
 
 Everything goes to --out: `rows.jsonl` (one result per row), `report.md` (what was printed), `traces/` (the
 profiles, gzipped chrome traces: chrome://tracing or ui.perfetto.dev), `logs/` (each child's stderr), and the
@@ -98,15 +100,20 @@ ROWS: dict[str, Row] = {
     "muon": Row("cram", 160, optimizer="muon", profile=True),
     "tiny": Row("tiny", 60, optimizer="muon"),
     "tiny-graphs": Row("tiny", 75, optimizer="muon", compilation={"cuda_graphs": True}),
-    "big": Row("big", 150),
     "modernbert": Row("modernbert", 150),
-    "bert": Row("bert", 110),
+    "big": Row("big", 150),
 }
-# One setting changed at base: what the decision rules (bench/README.md, "gpu profile") pick from.
+# Not in the default rows: BERT was measured in the first window (bench/RESULTS.md), and each lever row is
+# base with one setting changed, what the decision rules (bench/README.md, "gpu profile") pick from.
 LEVERS: dict[str, Row] = {
+    "bert": Row("bert", 110),
+    "adamw-foreach": Row("cram", 150, profile=True, compilation={"foreach_update": True}),
+    "adamw-lean-logits": Row("cram", 150, compilation={"fp32_logits": False}),
     "adamw-graphs": Row("cram", 150, compilation={"cuda_graphs": True}),
-    "adamw-autotune": Row("cram", 300, compilation={"max_autotune": True}),
     "adamw-combo": Row("cram", 150, compilation={"combo_kernels": True}),
+    "adamw-autotune": Row("cram", 300, compilation={"max_autotune": True}),
+    "muon-bf16-ns": Row("cram", 160, optimizer="muon", profile=True, compilation={"bf16_newton_schulz": True}),
+    "muon-foreach": Row("cram", 160, optimizer="muon", compilation={"foreach_update": True}),
 }
 ALL_ROWS = {**ROWS, **LEVERS}
 CUDA_ONLY = {"cuda_graphs": "CUDA graphs replay on a CUDA device"}

@@ -17,9 +17,10 @@ fused in place, torch.optim.AdamW's default 0.96 s; bench/NOTEBOOK.md, "Fine-tun
 encoder"). Compiled steps keep the pure update: the compiler fuses it.
 
 The optimizer state is a flat dict of tensors, so it saves directly as safetensors:
-`step` (0-dim fp32), `exp_avg.<param name>` and `exp_avg_sq.<param name>`. Every kind has this layout:
-Muon keeps its momentum in `exp_avg` and leaves `exp_avg_sq` of its matrices at zero, so checkpoints,
-the head warm-up's fresh state and the memory estimate have one layout for every kind.
+`step` (0-dim fp32), `exp_avg.<param name>` and `exp_avg_sq.<param name>`. Muon keeps its momentum in
+`exp_avg` and has no second moment: its matrices have no `exp_avg_sq` (`adamw_init(params, "muon")`; 377 MB
+of zeros at base otherwise). A state that holds them anyway (a checkpoint written before they were
+dropped, all zeros) is carried through unchanged, or put in Muon's layout by `drop_unused`.
 """
 
 from __future__ import annotations
@@ -38,12 +39,32 @@ def decays(param: Tensor) -> bool:
     return param.ndim >= 2
 
 
-def adamw_init(params: dict[str, Tensor]) -> dict[str, Tensor]:
+def adamw_init(params: dict[str, Tensor], kind: str = "adamw") -> dict[str, Tensor]:
+    """The state before the first step of optimizer `kind` (`OptimizerConfig.kind`): zero moments."""
     state = {"step": torch.zeros((), dtype=torch.float32, device=next(iter(params.values())).device)}
     for name, p in params.items():
         state[f"exp_avg.{name}"] = torch.zeros_like(p)
-        state[f"exp_avg_sq.{name}"] = torch.zeros_like(p)
+        if not unused_second_moment(kind, name):
+            state[f"exp_avg_sq.{name}"] = torch.zeros_like(p)
     return state
+
+
+def unused_second_moment(kind: str, name: str) -> bool:
+    """Whether optimizer `kind` never reads the second moment of param `name`: Muon's matrices."""
+    return kind == "muon" and muon.takes(name)
+
+
+def drop_unused(kind: str, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`state` without the second moments that `kind` never reads and that are all zero (a Muon checkpoint
+    written before they were dropped): the layout `adamw_init(params, kind)` makes, so that a resumed step
+    compiles for the same inputs as a fresh one. A non-zero one (not Muon's) is kept."""
+    prefix = "exp_avg_sq."
+
+    def unused(key: str) -> bool:
+        name = key[len(prefix) :]
+        return key.startswith(prefix) and unused_second_moment(kind, name) and not bool(state[key].any())
+
+    return {key: value for key, value in state.items() if not unused(key)}
 
 
 def global_norm(tensors: dict[str, Tensor], foreach: bool = False) -> Tensor:
@@ -97,7 +118,8 @@ def adamw_update(
             new_params[name], new_state[f"exp_avg.{name}"] = muon.muon_param(
                 p, g, exp_avg, blocks, lr, cfg.weight_decay, bf16=bf16_newton_schulz
             )
-            new_state[f"exp_avg_sq.{name}"] = state[f"exp_avg_sq.{name}"]
+            if f"exp_avg_sq.{name}" in state:  # an older state's zeros, carried as they came
+                new_state[f"exp_avg_sq.{name}"] = state[f"exp_avg_sq.{name}"]
         elif foreach and cfg.kind != "stable_adamw":
             listed.append(name)
         else:

@@ -285,16 +285,16 @@ def train(
 
 def _mode(ctx: Context, steps: Steps, state: TrainState, spent: float, warmup: HeadWarmup | None) -> Steps:
     """The steps to take now: the head's while the warm-up lasts; at its end the whole model's, with a fresh
-    AdamW (the encoder's moments were never updated, and the shared step count would skip their bias
-    correction)."""
-    from cram import model
+    optimizer state in the same layout (the encoder's moments were never updated, and the shared step count
+    would skip their bias correction)."""
+    import torch
 
     if warmup is None or state.full_start is not None:
         return steps
     if warmup.active(state, spent):
         return steps.head
     state.full_start = spent
-    state.opt_state = model.adamw_init(state.params)
+    state.opt_state = {key: torch.zeros_like(value) for key, value in state.opt_state.items()}
     if ctx.is_main:
         ctx.log.info("head warm-up done", step=state.step, tokens=state.tokens_seen, progress=round(spent, 4))
     return steps
