@@ -211,9 +211,8 @@ def _update(opt_cfg: OptimizerConfig, how: Compilation, params: Params, opt_stat
     ways = {"foreach": how.foreach_update, "bf16_newton_schulz": how.bf16_newton_schulz}
     if len(grads) == len(params):
         return adamw_update(opt_cfg, params, opt_state, grads, lr, **ways)
-    moments = {
-        key: opt_state[key] for k in grads for m in ("exp_avg", "exp_avg_sq") if (key := f"{m}.{k}") in opt_state
-    }
+    keys = [f"{moment}.{name}" for name in grads for moment in ("exp_avg", "exp_avg_sq")]
+    moments = {key: opt_state[key] for key in keys if key in opt_state}  # Muon's matrices have no exp_avg_sq
     learned, state, grad_norm = adamw_update(
         opt_cfg, {k: params[k] for k in grads}, {"step": opt_state["step"], **moments}, grads, lr, **ways
     )

@@ -293,7 +293,7 @@ def test_every_switch_with_muon_passes_the_canary_checkpoints_and_resumes_bit_id
     cfg = ModelConfig.from_json(straight_dir / "model.json")
     assert (cfg.qk_norm, cfg.zero_init_out) == (True, True)
     params, opt_state, _ = checkpoints.load(straight_dir / "checkpoints" / "step-2")
-    assert params.keys() == set(bert.shapes(cfg)) and opt_state.keys() == model.adamw_init(params).keys()
+    assert params.keys() == set(bert.shapes(cfg)) and opt_state.keys() == model.adamw_init(params, "muon").keys()
     # A run stopped after step 2 (its checkpoint copied alone into a fresh folder) resumes from it.
     shutil.copytree(straight_dir / "checkpoints" / "step-2", resumed_dir / "checkpoints" / "step-2")
     resumed = pretrain.run(config, {"pack": pack}, resumed_dir, make_ctx())
