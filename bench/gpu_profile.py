@@ -251,7 +251,8 @@ def describe(r: dict) -> str:
         shares = ", ".join(
             f"{k} {100 * v:.0f}%" for k, v in sorted(p["categories_share"].items(), key=lambda kv: -kv[1])
         )
-        parts.append(f"{shares}; idle {100 * p['idle_fraction']:.0f}%, {p['kernels_per_step']:.0f} kernels/step")
+        parts.append(f"{shares} (accounted {100 * p['accounted_fraction']:.0f}% of the step)")
+        parts.append(f"device idle {100 * p['idle_fraction']:.0f}%, {p['kernels_per_step']:.0f} kernels/step")
     if r.get("optimizer_share") is not None:
         parts.append(f"update alone {r['optimizer_ms']:.2f} ms ({100 * r['optimizer_share']:.0f}% of the step)")
     return "; ".join(parts)
