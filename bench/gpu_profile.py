@@ -21,8 +21,8 @@ row that would start past the deadline is skipped with a line that says so:
     big            base at batch 1024 (512 where 1024 runs out of memory)
 
 Named in --rows only (`LEVERS`): `bert` (transformers' BertForMaskedLM, bench/step.py's row) and the lever
-rows, base with one `Compilation` setting changed (adamw-foreach, adamw-lean-logits, adamw-graphs,
-adamw-combo, adamw-autotune, muon-bf16-ns, muon-foreach), measured against `adamw` or `muon`.
+rows, base with one `Compilation` setting changed (adamw-foreach, adamw-lean-logits, adamw-bf16-residual,
+adamw-graphs, adamw-combo, adamw-autotune, muon-bf16-ns, muon-foreach), measured against `adamw` or `muon`.
 
 Everything goes to --out: `rows.jsonl` (one result per row), `report.md` (what was printed), `traces/` (the
 profiles, gzipped chrome traces: chrome://tracing or ui.perfetto.dev), `logs/` (each child's stderr), and the
@@ -109,6 +109,7 @@ LEVERS: dict[str, Row] = {
     "bert": Row("bert", 110),
     "adamw-foreach": Row("cram", 150, profile=True, compilation={"foreach_update": True}),
     "adamw-lean-logits": Row("cram", 150, compilation={"fp32_logits": False}),
+    "adamw-bf16-residual": Row("cram", 150, profile=True, compilation={"autocast_residual": True}),
     "adamw-graphs": Row("cram", 150, compilation={"cuda_graphs": True}),
     "adamw-combo": Row("cram", 150, compilation={"combo_kernels": True}),
     "adamw-autotune": Row("cram", 300, compilation={"max_autotune": True}),
@@ -531,6 +532,7 @@ def modernbert_child(args: argparse.Namespace, row: str) -> dict:
         intermediate_size=cfg.ffn_inner,  # ModernBERT's Wi has twice this many outputs: cram's `intermediate`
         max_position_embeddings=cfg.max_seq_len,
         layer_types=["full_attention"] * cfg.layers,  # every layer global, as cram's base
+        global_attn_every_n_layers=1,  # the same in the spelling of transformers before layer_types
         sparse_prediction=True,
         attn_implementation="sdpa",
         **dict(pad_token_id=0, cls_token_id=1, bos_token_id=1, sep_token_id=2, eos_token_id=2),

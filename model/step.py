@@ -54,6 +54,9 @@ class Compilation:
     foreach_update: bool = False  # the gradient norm, clipping and AdamW as list ops (`torch._foreach_*`)
     fp32_logits: bool = True  # False: the loss reads autocast's logits, accumulating in fp32, with no fp32 copy
     bf16_newton_schulz: bool = False  # Muon's iterations in bf16 on CUDA (the reference's), fp32 elsewhere
+    # The residual stream in autocast's dtype instead of fp32 (norms still compute in fp32): half its memory
+    # traffic, and a different rounding, which the canary judges; no effect without autocast.
+    autocast_residual: bool = False
 
     def eager(self) -> Compilation:
         """The same step run eagerly: the reference a compiled one is checked against."""
@@ -191,10 +194,11 @@ def make_grad_all_reduce(world_size: int, group=None) -> GradReducer:
 
 def _loss_and_grads(cfg: ModelConfig, how: Compilation, trained: Trained):
     """(params, batch) -> (gradients of the `trained` params (None: all), (loss, aux))."""
+    residual = how.autocast if how.autocast_residual else None
 
     def loss(learned, fixed, batch):
         with autocast(batch["input_ids"], how.autocast):
-            return mlm_loss({**fixed, **learned}, cfg, batch, how.attention, fp32_logits=how.fp32_logits)
+            return mlm_loss({**fixed, **learned}, cfg, batch, how.attention, how.fp32_logits, residual)
 
     grad = torch.func.grad_and_value(loss, has_aux=True)
 

@@ -143,3 +143,32 @@ def test_bf16_newton_schulz_is_ignored_off_cuda_and_close_to_fp32_where_it_runs(
 
     # bf16 rounds each of the 15 products (a few % in all): as far from fp32 as torch.optim.Muon's bf16 is.
     assert 0 < off(in_bf16) <= 1.5 * off(theirs)
+
+
+def test_the_autocast_residual_stream_is_bf16_and_trains_as_the_default_to_bf16_rounding():
+    import dataclasses
+
+    params = model.init(TINIEST, seed=0)
+    ids = batch_of(TINIEST, 2, seed=0)["input_ids"]
+    post = dataclasses.replace(TINIEST, post_norm=True)  # its output is the residual stream itself
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model.encode(model.init(post, 0), post, ids).dtype == torch.float32
+        assert model.encode(model.init(post, 0), post, ids, residual=torch.bfloat16).dtype == torch.bfloat16
+    runs = {}
+    for name, how in (
+        ("default", model.Compilation(compile=False, autocast=torch.bfloat16)),
+        ("eager", model.Compilation(compile=False, autocast=torch.bfloat16, autocast_residual=True)),
+        ("compiled", model.Compilation(backend="aot_eager", autocast=torch.bfloat16, autocast_residual=True)),
+    ):
+        p, state = params, model.adamw_init(params)
+        step = model.make_train_step(TINIEST, OptimizerConfig(), how)
+        for i in range(3):
+            p, state, metrics = step(p, state, batch_of(TINIEST, 4, seed=i), LR)
+        runs[name] = metrics["loss"].item(), p
+    assert runs["compiled"][0] == pytest.approx(runs["eager"][0], rel=1e-3)  # the same bf16 ops, traced
+    assert runs["eager"][0] == pytest.approx(runs["default"][0], rel=1e-2)  # bf16's rounding of the stream
+    assert runs["eager"][0] != runs["default"][0]  # it did round the stream
+    fp32 = model.make_train_step(TINIEST, OptimizerConfig(), model.Compilation(compile=False, autocast_residual=True))
+    plain = model.make_train_step(TINIEST, OptimizerConfig(), model.EAGER)
+    batch, state = batch_of(TINIEST, 4, seed=0), model.adamw_init(params)
+    assert torch.equal(fp32(params, state, batch, LR)[2]["loss"], plain(params, state, batch, LR)[2]["loss"])
