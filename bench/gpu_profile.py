@@ -394,6 +394,8 @@ def measure_cram(args: argparse.Namespace, row: str, cfg, batch: int, spec: Row,
     needs = [why for key, why in CUDA_ONLY.items() if spec.compilation.get(key)]
     if needs and device.type != "cuda":
         return {"row": row, "skipped": f"{needs[0]}; this run's device is {device.type}"}
+    if spec.profile and device.type == "cpu":  # inductor's C++ kernels as named events: set before it compiles
+        torch._inductor.config.cpp.enable_kernel_profile = True
     how = model.Compilation(backend=args.backend, autocast=autocast(args), **spec.compilation)
     opt = model.OptimizerConfig(kind=spec.optimizer)
     state, step = cram_step(cfg, opt, how, device)
@@ -413,7 +415,7 @@ def cram_step(cfg, opt, how, device):
     from cram import model
 
     params = {name: p.to(device) for name, p in model.init(cfg, seed=0).items()}
-    state = {"params": params, "opt": model.adamw_init(params)}
+    state = {"params": params, "opt": model.adamw_init(params, opt.kind)}
     lr = torch.tensor(1e-3, device=device)
     train_step = model.make_train_step(cfg, opt, how)
     keys = ("input_ids", "mlm_positions", "mlm_labels", "document_ids")
@@ -470,12 +472,9 @@ def figures(result: dict, cfg, opt, batch: int, device) -> dict:
 
 def profiled(step, batches: list, device, path: Path) -> dict:
     """The breakdown of `PROFILED_STEPS` steps under torch.profiler; the trace written gzipped to `path`."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    if device.type == "cpu":
-        torch._inductor.config.cpp.enable_kernel_profile = True  # inductor's C++ kernels as named events
     with profile(activities=activities) as prof:
         sync(device)
         start = time.perf_counter()
