@@ -41,7 +41,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,35 +51,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import children  # noqa: E402  (bench/children.py, beside this file)
+import gpu_hf_rows  # noqa: E402
 import profile_trace  # noqa: E402
+from gpu_measure import (  # noqa: E402
+    MASK_RATE,
+    SHAPES,
+    WARMUP,
+    autocast,
+    base_config,
+    make_batch,
+    sheet_peak,
+    sync,
+    timing,
+)
 
 REPO = Path(__file__).resolve().parents[1]
-MASK_RATE = 0.25
 PROFILED_STEPS = 3
-WARMUP = 3
-
-
-@dataclass(frozen=True)
-class Shapes:
-    """The sizes every row runs at: the base model and its batches, the pipeline's tiny step, the peak matmul."""
-
-    base: dict = field(default_factory=dict)  # ModelConfig fields over model.PRESETS["base"]
-    batch: int = 256
-    big_batches: tuple[int, ...] = (1024, 512)
-    tiny_batch: int = 32
-    matmul: int = 8192
-
-
-SHAPES = {
-    "full": Shapes(),
-    "rehearsal": Shapes(
-        base=dict(vocab_size=1024, hidden=64, layers=2, heads=2, intermediate=256, max_seq_len=32),
-        batch=4,
-        big_batches=(16, 8),
-        tiny_batch=2,
-        matmul=256,
-    ),
-}
 
 
 @dataclass(frozen=True)
@@ -428,30 +414,6 @@ def cram_step(cfg, opt, how, device):
     return state, step
 
 
-def timing(step, batches: list, device, steps: int) -> dict:
-    """The first call (the compile), then the step synced each time (median) and back to back (mean)."""
-    import torch
-
-    first = timed(step, batches[0], device)
-    for i in range(WARMUP):
-        step(batches[i % len(batches)])
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    synced = statistics.median(timed(step, batches[i % len(batches)], device) for i in range(steps))
-    sync(device)
-    start = time.perf_counter()
-    for i in range(steps):
-        loss = step(batches[i % len(batches)])
-    loss.item()
-    back_to_back = (time.perf_counter() - start) / steps
-    return {
-        "step_ms": 1e3 * synced,
-        "step_ms_back_to_back": 1e3 * back_to_back,
-        "compile_s": max(first - synced, 0.0),
-        "peak_mem_mb": peak_memory(device) / 2**20,
-    }
-
-
 def figures(result: dict, cfg, opt, batch: int, device) -> dict:
     """tokens/s, and against the data-sheet peak (None off a known GPU) MFU and HFU (Newton-Schulz counted)."""
     from cram import model
@@ -514,145 +476,14 @@ def update_share(state: dict, opt, how, device, step_ms: float, steps: int) -> d
     return {"optimizer_ms": ms, "optimizer_share": ms / step_ms}
 
 
-def modernbert_child(args: argparse.Namespace, row: str) -> dict:
-    """transformers' ModernBertForMaskedLM at the base shape: sparse prediction, SDPA, compiled."""
-    import torch
-
-    try:
-        from transformers import ModernBertConfig, ModernBertForMaskedLM
-    except ImportError:
-        return {"row": row, "skipped": "transformers (with ModernBERT) is not installed"}
-    cfg, batch, device = base_config(args), SHAPES[args.shapes].batch, torch.device(args.device)
-    hf_cfg = ModernBertConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden,
-        num_hidden_layers=cfg.layers,
-        num_attention_heads=cfg.heads,
-        intermediate_size=cfg.ffn_inner,  # ModernBERT's Wi has twice this many outputs: cram's `intermediate`
-        max_position_embeddings=cfg.max_seq_len,
-        layer_types=["full_attention"] * cfg.layers,  # every layer global, as cram's base
-        global_attn_every_n_layers=1,  # the same in the spelling of transformers before layer_types
-        sparse_prediction=True,
-        attn_implementation="sdpa",
-        **dict(pad_token_id=0, cls_token_id=1, bos_token_id=1, sep_token_id=2, eos_token_id=2),
-    )
-    net = ModernBertForMaskedLM(hf_cfg).to(device).train()
-    step = hf_step(net, autocast(args), args.backend, device)
-    batches = [make_batch(cfg, batch, device, seed) for seed in range(4)]
-    result = {"row": row, "batch": batch, **timing(step, batches, device, args.steps)}
-    encoder = sum(p.numel() for n, p in net.named_parameters() if ".layers." in n or "final_norm" in n)
-    head = sum(p.numel() for p in net.head.parameters())
-    flops = 6 * encoder + 12 * cfg.layers * cfg.hidden * cfg.max_seq_len
-    flops += 6 * (head + cfg.hidden * cfg.vocab_size) * MASK_RATE
-    return result | hf_figures(result, flops, batch * cfg.max_seq_len, device)
-
-
-def bert_child(args: argparse.Namespace, row: str) -> dict:
-    """transformers' BertForMaskedLM (bench/step.py's row: dense prediction, SDPA, compiled)."""
-    import step as step_bench  # bench/step.py
-    import torch
-
-    cfg, batch, device = base_config(args), SHAPES[args.shapes].batch, torch.device(args.device)
-    try:
-        make_step, flops = step_bench.bert_row(cfg, device, autocast(args), args.backend, compiled=True)
-    except ImportError:
-        return {"row": row, "skipped": "transformers is not installed"}
-    batches = [make_batch(cfg, batch, device, seed) for seed in range(4)]
-    result = {"row": row, "batch": batch, **timing(make_step(), batches, device, args.steps)}
-    return result | hf_figures(result, flops, batch * cfg.max_seq_len, device)
-
-
-def hf_step(net, dtype, backend: str, device):
-    """step(batch) -> loss of a transformers masked LM: compiled forward, backward, clipping at 0.5, AdamW."""
-    import contextlib
-
-    import torch
-
-    decay = [p for p in net.parameters() if p.ndim >= 2]
-    rest = [p for p in net.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.98), eps=1e-12, foreach=True)
-    forward = torch.compile(net, backend=backend)
-
-    def step(batch):
-        context = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
-        with context:
-            loss = forward(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5, foreach=True)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
-
-
-def hf_figures(result: dict, flops_per_token: float, tokens: int, device) -> dict:
-    step_s = result["step_ms_back_to_back"] / 1e3
-    peak = sheet_peak(device)
-    mfu = None if peak is None else flops_per_token * tokens / step_s / peak
-    return {"tokens_per_s": tokens / step_s, "mfu": mfu, "hfu": mfu}
-
-
 CHILDREN = {
     "floors": floors_child,
     "cram": cram_child,
     "tiny": tiny_child,
     "big": big_child,
-    "modernbert": modernbert_child,
-    "bert": bert_child,
+    "modernbert": gpu_hf_rows.modernbert_child,
+    "bert": gpu_hf_rows.bert_child,
 }
-
-
-def base_config(args: argparse.Namespace):
-    import dataclasses
-
-    from cram import model
-
-    return dataclasses.replace(model.PRESETS["base"], **SHAPES[args.shapes].base)
-
-
-def make_batch(cfg, batch: int, device, seed: int, documents: bool = False) -> dict:
-    import step as step_bench  # bench/step.py: random tokens, round(0.25 * seq) masked per sequence
-
-    return step_bench.make_batch(cfg, batch, device, seed, documents)
-
-
-def autocast(args: argparse.Namespace):
-    import torch
-
-    return torch.bfloat16 if args.dtype == "bf16" else None
-
-
-def sheet_peak(device) -> float | None:
-    import torch
-
-    from cram.model.flops import data_sheet_peak
-
-    return data_sheet_peak(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-
-
-def timed(step, batch, device) -> float:
-    start = time.perf_counter()
-    step(batch).item()
-    return time.perf_counter() - start
-
-
-def sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def peak_memory(device) -> float:
-    import resource
-
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 if __name__ == "__main__":
