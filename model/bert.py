@@ -131,16 +131,18 @@ def encode(
     token_type_ids: Tensor | None = None,
     dropout: float | Tensor | None = None,
     first_only: bool = False,
+    residual: torch.dtype | None = None,
 ) -> Tensor:
     """Hidden states [B, S, H] after the last norm. attention_mask: [B, S] bool, True = real token;
     document_ids: [B, S] integers, a query reads only keys of its own document (packed blocks);
     attention: how attention is computed (`attends_with`), never what it computes; token_type_ids:
     [B, S] rows of the token-type table (a pair's second text: 1), read only when the model has one
     (None: row 0 for every token); dropout: the rate (None: `cfg.dropout`), a 0-dim tensor for one
-    graph at every rate (see `dropout`); first_only: [B, 1, H], the first token's alone."""
+    graph at every rate (see `dropout`); first_only: [B, 1, H], the first token's alone; residual: the
+    residual stream's dtype (None: what the ops give, fp32 under autocast; bf16 halves its traffic)."""
     S = input_ids.shape[1]
     rate = cfg.dropout if dropout is None else dropout
-    x = _embed(params, cfg, input_ids, token_type_ids, rate)
+    x = _as(_embed(params, cfg, input_ids, token_type_ids, rate), residual)
     rope = local_rope = None
     if cfg.position == "rope":
         rope = local_rope = _rope_tables(S, cfg.head_dim, cfg.rope_theta, x.device)
@@ -156,14 +158,18 @@ def encode(
         queries = 1 if first_only and i == cfg.layers - 1 else None
         if cfg.post_norm:
             attended = _attention(params, p, cfg, x, *kind, queries)
-            x = _norm(x[:, :queries] + attended, params, p + "attn_norm", cfg)
-            x = _norm(x + _feed_forward(params, p, cfg, x, rate), params, p + "ffn_norm", cfg)
+            x = _as(_norm(x[:, :queries] + attended, params, p + "attn_norm", cfg), residual)
+            x = _as(_norm(x + _feed_forward(params, p, cfg, x, rate), params, p + "ffn_norm", cfg), residual)
         else:
             h = _norm(x, params, p + "attn_norm", cfg) if i > 0 or cfg.first_attn_norm else x
             attended = _attention(params, p, cfg, h, *kind, queries)
-            x = x[:, :queries] + attended
-            x = x + _feed_forward(params, p, cfg, _norm(x, params, p + "ffn_norm", cfg), rate)
+            x = _as(x[:, :queries] + attended, residual)
+            x = _as(x + _feed_forward(params, p, cfg, _norm(x, params, p + "ffn_norm", cfg), rate), residual)
     return x if cfg.post_norm else _norm(x, params, "final_norm", cfg)
+
+
+def _as(x: Tensor, dtype: torch.dtype | None) -> Tensor:
+    return x if dtype is None else x.to(dtype)
 
 
 def _embed(
@@ -214,25 +220,49 @@ def mlm_logits(params: dict[str, Tensor], cfg: ModelConfig, hidden: Tensor) -> T
 
 
 def mlm_loss(
-    params: dict[str, Tensor], cfg: ModelConfig, batch: dict[str, Tensor], attention: Attention = "auto"
+    params: dict[str, Tensor],
+    cfg: ModelConfig,
+    batch: dict[str, Tensor],
+    attention: Attention = "auto",
+    fp32_logits: bool = True,
+    residual: torch.dtype | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Mean cross-entropy over the K masked rows, and their top-1 accuracy.
 
     Sparse prediction: only the K rows named by `mlm_positions` (flat indices into B*S) reach the
     vocabulary projection, and K is fixed per batch, so every shape is static. Rows labelled -100 (a
-    masking schedule below its peak rate) count in neither.
+    masking schedule below its peak rate) count in neither. Under autocast the logits are copied to fp32
+    for the loss; `fp32_logits=False` reads them as they are instead (`cross_entropy_lean`). `residual`:
+    the residual stream's dtype (`encode`).
     """
     ids, padding, documents = batch["input_ids"], batch.get("attention_mask"), batch.get("document_ids")
-    hidden = encode(params, cfg, ids, padding, documents, attention)
+    hidden = encode(params, cfg, ids, padding, documents, attention, residual=residual)
     rows = hidden.flatten(0, 1).index_select(0, batch["mlm_positions"])
     logits = mlm_logits(params, cfg, rows)
-    if logits.dtype in (torch.float16, torch.bfloat16):  # autocast: the softmax wants fp32
-        logits = logits.float()
     labels = batch["mlm_labels"]
-    loss = F.cross_entropy(logits, labels, ignore_index=-100)
+    if not fp32_logits:
+        loss = cross_entropy_lean(logits, labels)
+    else:
+        if logits.dtype in (torch.float16, torch.bfloat16):  # autocast: the softmax wants fp32
+            logits = logits.float()
+        loss = F.cross_entropy(logits, labels, ignore_index=-100)
     labelled = labels != -100
-    accuracy = ((logits.argmax(dim=-1) == labels) & labelled).sum() / labelled.sum()
+    accuracy = ((logits.argmax(dim=-1) == labels) & labelled).sum() / labelled.sum()  # a cast never moves the max
     return loss, {"accuracy": accuracy}
+
+
+def cross_entropy_lean(logits: Tensor, labels: Tensor) -> Tensor:
+    """`F.cross_entropy(logits.float(), labels, ignore_index=-100)` without fp32 log-probabilities
+    [rows, V]: the log-normaliser is a reduction over the logits upcast as it reads them, and the label's
+    logit one gathered entry, so a compiled step need write no fp32 tensor as large as the logits and its
+    backward can recompute the softmax from the logits in their own dtype (at 8192 masked rows x 32768, 1 GiB
+    of fp32 log-probabilities kept for the backward by `F.cross_entropy`; bench/README.md, "gpu profile",
+    measures it). Both terms' gradients meet in fp32, then round once to the logits' dtype, as the default's."""
+    labelled = labels != -100
+    upcast = logits.float()
+    log_normaliser = torch.logsumexp(upcast, dim=-1)
+    picked = upcast.gather(-1, labels.clamp(min=0)[:, None]).squeeze(-1)
+    return ((log_normaliser - picked) * labelled).sum() / labelled.sum()
 
 
 def _norm(x: Tensor, params: dict[str, Tensor], name: str, cfg: ModelConfig) -> Tensor:

@@ -8,12 +8,15 @@ tokens reaches it (and the head transform), so it adds 6·(hidden·vocab + head)
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from cram.model.config import ModelConfig
+from cram.model import muon
+from cram.model.config import ModelConfig, OptimizerConfig
 from cram.model.memory import parameters
 
 # Dense bf16 tensor-core peaks from the vendors' data sheets, matched as substrings of
@@ -45,6 +48,63 @@ def flops_per_token(cfg: ModelConfig, masked_fraction: float, encoder_trained: b
     if not encoder_trained:
         return 2 * counted.encoder + 4 * L * H * S + (4 * decoder + 6 * counted.head) * masked_fraction
     return 6 * counted.encoder + 12 * L * H * S + 6 * (decoder + counted.head) * masked_fraction
+
+
+def optimizer_flops(cfg: ModelConfig, opt_cfg: OptimizerConfig) -> float:
+    """Matmul FLOPs of one optimizer step: Muon's Newton-Schulz over the hidden matrices; none for AdamW's
+    kinds (their elementwise work is no matmul, as no norm or softmax is counted in the model's FLOPs)."""
+    if opt_cfg.kind != "muon":
+        return 0.0
+    from cram.model.bert import shapes
+
+    sizes = shapes(cfg)
+    total = 0
+    for name, (rows, cols) in ((n, s) for n, s in sizes.items() if muon.takes(n)):
+        blocks = muon.stacked(name, sizes)
+        total += muon.orthogonalise_flops(blocks, rows // blocks, cols)
+    return float(total)
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """`count` matrix products [batch, m, k] @ [batch, k, n] of a training step, named by what they compute."""
+
+    name: str
+    m: int
+    k: int
+    n: int
+    batch: int = 1
+    count: int = 1
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.count * self.batch * self.m * self.k * self.n
+
+    def gradients(self) -> tuple[Gemm, Gemm]:
+        """The backward's two products: of the left operand, dC B^T ([m, n] @ [n, k]), and of the right,
+        A^T dC ([k, m] @ [m, n])."""
+        left = dataclasses.replace(self, name=f"{self.name} grad left", k=self.n, n=self.k)
+        right = dataclasses.replace(self, name=f"{self.name} grad right", m=self.k, k=self.m)
+        return left, right
+
+
+def step_gemms(cfg: ModelConfig, batch: int, masked_per_seq: int) -> list[Gemm]:
+    """Every matrix product of a training step of `batch` sequences of `cfg.max_seq_len` tokens with sparse
+    prediction over `masked_per_seq` rows each, forward and backward. Their FLOPs are `flops_per_token`'s
+    count less the norms' and biases' (6 per parameter of them)."""
+    S, H, L, heads = cfg.max_seq_len, cfg.hidden, cfg.layers, cfg.heads
+    T, M = batch * S, batch * masked_per_seq
+    forward = [
+        Gemm("qkv", T, H, 3 * H, count=L),
+        Gemm("attention scores", S, cfg.head_dim, S, batch=batch * heads, count=L),
+        Gemm("attention values", S, S, cfg.head_dim, batch=batch * heads, count=L),
+        Gemm("attention out", T, H, H, count=L),
+        Gemm("ffn up", T, H, cfg.intermediate, count=L),
+        Gemm("ffn down", T, cfg.ffn_inner, H, count=L),
+        *([Gemm("head dense", M, H, H)] if cfg.head_transform else []),
+        Gemm("decoder", M, H, cfg.vocab_size),
+    ]
+    return [each for g in forward for each in (g, *g.gradients())]
 
 
 def peak_flops(device: str | torch.device, dtype: torch.dtype | None = None) -> float:

@@ -19,12 +19,14 @@ up and down projections. Embeddings, norms, the head transform and the tied deco
 (their rows are looked up or read per token, not a map between hidden spaces). A fused weight is
 orthogonalised as the matrices it stacks, each on its own: the qkv projection as its query, key and
 value matrices (the speedrun's [3, H, H]), a GLU up-projection as its two halves. Newton-Schulz runs in
-fp32 (the reference runs it in bf16, faster on a GPU): compiled and eager agree to rounding.
+fp32 by default (compiled and eager agree to rounding); the reference runs it in bf16, which
+`Compilation.bf16_newton_schulz` does on CUDA (tensor cores), to be measured there against fp32.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -42,37 +44,50 @@ def takes(name: str) -> bool:
     return name.startswith("layers.") and name.endswith(HIDDEN)
 
 
-def stacked(name: str, params: dict[str, Tensor]) -> int:
-    """How many matrices the weight `name` stacks along its rows: 3 for qkv, 2 for a GLU's up-projection
-    (twice the rows its down-projection reads), 1 otherwise."""
-    weight = params[name]
+def stacked(name: str, shapes: Mapping[str, Sequence[int]]) -> int:
+    """How many matrices the weight `name` stacks along its rows, from the params' `shapes`: 3 for qkv,
+    2 for a GLU's up-projection (twice the rows its down-projection reads), 1 otherwise."""
     if name.endswith(".attn.qkv.weight"):
         return 3
     if name.endswith(".ffn.up.weight"):
-        return weight.shape[0] // params[name.replace(".ffn.up.", ".ffn.down.")].shape[1]
+        return shapes[name][0] // shapes[name.replace(".ffn.up.", ".ffn.down.")][1]
     return 1
 
 
-def orthogonalise(update: Tensor) -> Tensor:
+def orthogonalise_flops(blocks: int, rows: int, cols: int) -> int:
+    """Matmul FLOPs of `orthogonalise` over `blocks` matrices [rows, cols]: per iteration, with m the shorter
+    side and n the longer, the Gram matrix (2 m m n), its square (2 m^3) and the product with x (2 m m n)."""
+    m, n = min(rows, cols), max(rows, cols)
+    return blocks * NS_STEPS * (4 * m * m * n + 2 * m**3)
+
+
+def orthogonalise(update: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """NS5 of each matrix of `update` [..., rows, cols]: its singular values moved near 1 (into about
-    [0.7, 1.2]; the quintic trades exactness for speed), its singular vectors kept."""
+    [0.7, 1.2]; the quintic trades exactness for speed), its singular vectors kept. The iterations run in
+    `dtype` (None: the update's), the result comes back in the update's."""
     a, b, c = NS_COEFFICIENTS
     wide = update.shape[-2] <= update.shape[-1]
     x = update if wide else update.mT  # the Gram matrix of the shorter side is the cheaper one
     x = x / torch.linalg.matrix_norm(x, keepdim=True).clamp(min=NS_EPS)  # spectral norm <= Frobenius norm = 1
+    x = x.to(dtype or update.dtype).reshape(-1, *x.shape[-2:])
     for _ in range(NS_STEPS):
         gram = x @ x.mT
-        x = a * x + (b * gram + c * gram @ gram) @ x
+        # b gram + c gram^2, then a x + that @ x: each a product with its sum in one op (addmm's form, as
+        # the reference), which in bf16 rounds half as often as the products and sums apart
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    x = x.to(update.dtype).view(*update.shape[:-2], *x.shape[-2:])
     return x if wide else x.mT
 
 
 def muon_param(
-    weight: Tensor, grad: Tensor, momentum: Tensor, blocks: int, lr: Tensor, weight_decay: float
+    weight: Tensor, grad: Tensor, momentum: Tensor, blocks: int, lr: Tensor, weight_decay: float, bf16: bool = False
 ) -> tuple[Tensor, Tensor]:
-    """(new weight, new momentum) of one hidden matrix that stacks `blocks` matrices along its rows."""
+    """(new weight, new momentum) of one hidden matrix that stacks `blocks` matrices along its rows;
+    `bf16`: Newton-Schulz in bf16 where the weight is on CUDA (tensor cores), fp32 elsewhere."""
     momentum = torch.lerp(momentum, grad, 1 - MOMENTUM)
     nesterov = torch.lerp(grad, momentum, MOMENTUM)
     rows, cols = weight.shape[0] // blocks, weight.shape[1]
-    update = orthogonalise(nesterov.view(blocks, rows, cols)).view_as(weight)
+    dtype = torch.bfloat16 if bf16 and weight.is_cuda else None
+    update = orthogonalise(nesterov.view(blocks, rows, cols), dtype).reshape_as(weight)
     scale = RMS_MATCH * math.sqrt(max(rows, cols))
     return weight * (1 - lr * weight_decay) - (lr * scale) * update, momentum

@@ -17,9 +17,10 @@ fused in place, torch.optim.AdamW's default 0.96 s; bench/NOTEBOOK.md, "Fine-tun
 encoder"). Compiled steps keep the pure update: the compiler fuses it.
 
 The optimizer state is a flat dict of tensors, so it saves directly as safetensors:
-`step` (0-dim fp32), `exp_avg.<param name>` and `exp_avg_sq.<param name>`. Every kind has this layout:
-Muon keeps its momentum in `exp_avg` and leaves `exp_avg_sq` of its matrices at zero, so checkpoints,
-the head warm-up's fresh state and the memory estimate have one layout for every kind.
+`step` (0-dim fp32), `exp_avg.<param name>` and `exp_avg_sq.<param name>`. Muon keeps its momentum in
+`exp_avg` and has no second moment: its matrices have no `exp_avg_sq` (`adamw_init(params, "muon")`; 377 MB
+of zeros at base otherwise). A state that holds them anyway (a checkpoint written before they were
+dropped, all zeros) is carried through unchanged, or put in Muon's layout by `drop_unused`.
 """
 
 from __future__ import annotations
@@ -38,20 +39,53 @@ def decays(param: Tensor) -> bool:
     return param.ndim >= 2
 
 
-def adamw_init(params: dict[str, Tensor]) -> dict[str, Tensor]:
+def adamw_init(params: dict[str, Tensor], kind: str = "adamw") -> dict[str, Tensor]:
+    """The state before the first step of optimizer `kind` (`OptimizerConfig.kind`): zero moments."""
     state = {"step": torch.zeros((), dtype=torch.float32, device=next(iter(params.values())).device)}
     for name, p in params.items():
         state[f"exp_avg.{name}"] = torch.zeros_like(p)
-        state[f"exp_avg_sq.{name}"] = torch.zeros_like(p)
+        if not unused_second_moment(kind, name):
+            state[f"exp_avg_sq.{name}"] = torch.zeros_like(p)
     return state
 
 
-def global_norm(tensors: dict[str, Tensor]) -> Tensor:
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors.values()]))
+def unused_second_moment(kind: str, name: str) -> bool:
+    """Whether optimizer `kind` never reads the second moment of param `name`: Muon's matrices."""
+    return kind == "muon" and muon.takes(name)
+
+
+def drop_unused(kind: str, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`state` without the second moments that `kind` never reads and that are all zero (a Muon checkpoint
+    written before they were dropped): the layout `adamw_init(params, kind)` makes, so that a resumed step
+    compiles for the same inputs as a fresh one. A non-zero one (not Muon's) is kept."""
+    prefix = "exp_avg_sq."
+
+    def unused(key: str) -> bool:
+        name = key[len(prefix) :]
+        return key.startswith(prefix) and unused_second_moment(kind, name) and not bool(state[key].any())
+
+    return {key: value for key, value in state.items() if not unused(key)}
+
+
+def global_norm(tensors: dict[str, Tensor], foreach: bool = False) -> Tensor:
+    """The 2-norm of all `tensors` together. `foreach`: every tensor's norm in one `_foreach_norm` (one
+    multi-tensor kernel on CUDA instead of one reduction per tensor), the same value to rounding."""
+    if foreach:
+        norms = torch._foreach_norm([t.float() for t in tensors.values()])
+    else:
+        norms = [torch.linalg.vector_norm(t.float()) for t in tensors.values()]
+    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 def adamw_update(
-    cfg: OptimizerConfig, params: dict[str, Tensor], state: dict[str, Tensor], grads: dict[str, Tensor], lr: Tensor
+    cfg: OptimizerConfig,
+    params: dict[str, Tensor],
+    state: dict[str, Tensor],
+    grads: dict[str, Tensor],
+    lr: Tensor,
+    *,
+    foreach: bool = False,
+    bf16_newton_schulz: bool = False,
 ) -> tuple[dict[str, Tensor], dict[str, Tensor], Tensor]:
     """One clipped step of `cfg.kind` (AdamW, StableAdamW, or Muon with AdamW for what Muon does not
     take); returns new params, new state and the gradient norm before clipping.
@@ -59,27 +93,45 @@ def adamw_update(
     AdamW is the same arithmetic as `torch.optim.AdamW` (decoupled decay, bias correction) after
     `clip_grad_norm_`, so the two agree to rounding; Muon's is `torch.optim.Muon`'s (`model/muon.py`).
     `cfg.kind` is a Python string: the compiled step holds one kind's graph, no branch.
+
+    How, never what: `foreach` computes the norm, the clipping and AdamW's (not StableAdamW's) tensors as
+    list ops (`torch._foreach_*`: a few multi-tensor kernels instead of a dozen per tensor on CUDA, the same
+    operations in the same order); `bf16_newton_schulz` runs Muon's iterations in bf16 on CUDA (as the
+    reference does), in fp32 elsewhere.
     """
-    grad_norm = global_norm(grads)
+    grad_norm = global_norm(grads, foreach)
     if cfg.clip_norm > 0:
         scale = torch.clamp(cfg.clip_norm / (grad_norm + 1e-6), max=1.0)
-        grads = {name: g * scale for name, g in grads.items()}
+        if foreach:
+            grads = dict(zip(grads, torch._foreach_mul(list(grads.values()), scale)))
+        else:
+            grads = {name: g * scale for name, g in grads.items()}
     step = state["step"] + 1
     new_params, new_state = {}, {"step": step}
     factors = _AdamwFactors.of(cfg, step, lr)  # per step, not per tensor: eager runs a few ops, not hundreds
+    shapes = {name: p.shape for name, p in params.items()}
+    listed = []  # AdamW's tensors left to the list ops
     for name, p in params.items():
         g, exp_avg = grads[name], state[f"exp_avg.{name}"]
         if cfg.kind == "muon" and muon.takes(name):
-            blocks = muon.stacked(name, params)
+            blocks = muon.stacked(name, shapes)
             new_params[name], new_state[f"exp_avg.{name}"] = muon.muon_param(
-                p, g, exp_avg, blocks, lr, cfg.weight_decay
+                p, g, exp_avg, blocks, lr, cfg.weight_decay, bf16=bf16_newton_schulz
             )
-            new_state[f"exp_avg_sq.{name}"] = state[f"exp_avg_sq.{name}"]
-            continue
-        new_params[name], new_state[f"exp_avg.{name}"], new_state[f"exp_avg_sq.{name}"] = _adamw_param(
-            cfg, p, g, (exp_avg, state[f"exp_avg_sq.{name}"]), factors
-        )
-    return new_params, new_state, grad_norm
+            if f"exp_avg_sq.{name}" in state:  # an older state's zeros, carried as they came
+                new_state[f"exp_avg_sq.{name}"] = state[f"exp_avg_sq.{name}"]
+        elif foreach and cfg.kind != "stable_adamw":
+            listed.append(name)
+        else:
+            new_params[name], new_state[f"exp_avg.{name}"], new_state[f"exp_avg_sq.{name}"] = _adamw_param(
+                cfg, p, g, (exp_avg, state[f"exp_avg_sq.{name}"]), factors
+            )
+    for decay in (True, False):  # weight decay applies to matrices only (`decays`)
+        group = [name for name in listed if decays(params[name]) == decay]
+        if group:
+            _adamw_listed(cfg, group, (params, state, grads), factors, decay, (new_params, new_state))
+    # in the order they came: a compiled step's outputs are its next inputs, guarded on their keys' order
+    return {n: new_params[n] for n in params}, {k: new_state[k] for k in state if k in new_state}, grad_norm
 
 
 @dataclass(frozen=True)
@@ -108,6 +160,31 @@ def _adamw_param(
     if decays(p) and cfg.weight_decay:  # a decay of 0 multiplies by exactly 1: a pass over p for nothing
         p = p * (1 - factors.lr * clip * cfg.weight_decay)
     return p - (factors.step_size * clip) * exp_avg / (exp_avg_sq.sqrt() / bias2_sqrt + cfg.eps), exp_avg, exp_avg_sq
+
+
+def _adamw_listed(
+    cfg: OptimizerConfig,
+    names: list[str],
+    given: tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]],
+    factors: _AdamwFactors,
+    decay: bool,
+    into: tuple[dict[str, Tensor], dict[str, Tensor]],
+) -> None:
+    """`_adamw_param`'s arithmetic over the tensors `names` of (params, state, grads) as list ops, written
+    into (new params, new state)."""
+    params, state, grads = given
+    beta1, beta2 = cfg.betas
+    g = [grads[n] for n in names]
+    p = [params[n] for n in names]
+    exp_avg = torch._foreach_lerp([state[f"exp_avg.{n}"] for n in names], g, 1 - beta1)
+    squared = torch._foreach_mul(torch._foreach_mul(g, g), 1 - beta2)
+    exp_avg_sq = torch._foreach_add(torch._foreach_mul([state[f"exp_avg_sq.{n}"] for n in names], beta2), squared)
+    if decay and cfg.weight_decay:
+        p = torch._foreach_mul(p, 1 - factors.lr * cfg.weight_decay)
+    denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(exp_avg_sq), factors.bias2_sqrt), cfg.eps)
+    p = torch._foreach_sub(p, torch._foreach_div(torch._foreach_mul(exp_avg, factors.step_size), denom))
+    for n, new_p, m, v in zip(names, p, exp_avg, exp_avg_sq):
+        into[0][n], into[1][f"exp_avg.{n}"], into[1][f"exp_avg_sq.{n}"] = new_p, m, v
 
 
 def _update_clip(g: Tensor, v_hat: Tensor, eps: float) -> Tensor:

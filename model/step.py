@@ -32,17 +32,42 @@ Trained = Collection[str] | None
 @dataclass(frozen=True)
 class Compilation:
     """How a step runs: one graph compiled by `backend` (with its `options`), or eagerly; its forward under
-    `autocast` (None: fp32); its attention computed as `attention`. The default: inductor, fp32."""
+    `autocast` (None: fp32); its attention computed as `attention`. The default: inductor, fp32.
+
+    The inductor switches (`cuda_graphs`, `max_autotune`, `combo_kernels`) are its config keys set for these
+    graphs alone, as `torch.compile`'s modes set them ("reduce-overhead" is `triton.cudagraphs`); other
+    backends have no such keys and leave them unread. They change how fast a step runs, never what it
+    computes, and are off until a GPU measures them winning (docs/compiling.md)."""
 
     compile: bool = True
     backend: str = "inductor"
     autocast: torch.dtype | None = None
     attention: Attention = "auto"
     options: CompileOptions = None  # the backend's options for these graphs alone (inductor's config keys)
+    # The whole step replayed as CUDA graphs: one launch instead of ~1,000 per step. Its inputs (params,
+    # optimizer state, batch) are copied into the graph's static buffers each step. CUDA only: refused on
+    # another device when the step is called.
+    cuda_graphs: bool = False
+    max_autotune: bool = False  # inductor benchmarks GEMM templates and tile sizes while compiling (slower compile)
+    combo_kernels: bool = False  # inductor launches independent small kernels (per-tensor updates) as one
+    # The step's own ways of computing the same thing (model/optim.py, model/bert.py), off until measured:
+    foreach_update: bool = False  # the gradient norm, clipping and AdamW as list ops (`torch._foreach_*`)
+    fp32_logits: bool = True  # False: the loss reads autocast's logits, accumulating in fp32, with no fp32 copy
+    bf16_newton_schulz: bool = False  # Muon's iterations in bf16 on CUDA (the reference's), fp32 elsewhere
+    # The residual stream in autocast's dtype instead of fp32 (norms still compute in fp32): half its memory
+    # traffic, and a different rounding, which the canary judges; no effect without autocast.
+    autocast_residual: bool = False
 
     def eager(self) -> Compilation:
         """The same step run eagerly: the reference a compiled one is checked against."""
         return dataclasses.replace(self, compile=False, options=None)
+
+    def backend_options(self) -> CompileOptions:
+        """`options`, with inductor's keys of the switches that are on; None when there are none."""
+        switches = {"triton.cudagraphs": self.cuda_graphs, "max_autotune": self.max_autotune}
+        switches["combo_kernels"] = self.combo_kernels
+        chosen = {key: True for key, on in switches.items() if on} if self.backend == "inductor" else {}
+        return {**(self.options or {}), **chosen} or None
 
 
 EAGER = Compilation(compile=False)
@@ -64,7 +89,7 @@ def make_train_step(
         grads, (loss, aux) = loss_and_grads(params, batch)
         if reduce_grads is not None:
             grads = reduce_grads(grads)
-        params, opt_state, grad_norm = _update(opt_cfg, params, opt_state, grads, lr)
+        params, opt_state, grad_norm = _update(opt_cfg, how, params, opt_state, grads, lr)
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "accuracy": aux["accuracy"]}
 
     return detached_params(compiled(train_step, how))
@@ -132,7 +157,7 @@ def make_apply_step(
         grads = {name: g / n_micro for name, g in grads.items()}
         if reduce_grads is not None:
             grads = reduce_grads(grads)
-        params, opt_state, grad_norm = _update(opt_cfg, params, opt_state, grads, lr)
+        params, opt_state, grad_norm = _update(opt_cfg, how, params, opt_state, grads, lr)
         return params, opt_state, {"grad_norm": grad_norm}
 
     return compiled(apply_step, how)
@@ -169,10 +194,11 @@ def make_grad_all_reduce(world_size: int, group=None) -> GradReducer:
 
 def _loss_and_grads(cfg: ModelConfig, how: Compilation, trained: Trained):
     """(params, batch) -> (gradients of the `trained` params (None: all), (loss, aux))."""
+    residual = how.autocast if how.autocast_residual else None
 
     def loss(learned, fixed, batch):
         with autocast(batch["input_ids"], how.autocast):
-            return mlm_loss({**fixed, **learned}, cfg, batch, how.attention)
+            return mlm_loss({**fixed, **learned}, cfg, batch, how.attention, how.fp32_logits, residual)
 
     grad = torch.func.grad_and_value(loss, has_aux=True)
 
@@ -184,13 +210,15 @@ def _loss_and_grads(cfg: ModelConfig, how: Compilation, trained: Trained):
     return loss_and_grads
 
 
-def _update(opt_cfg: OptimizerConfig, params: Params, opt_state: Params, grads: Params, lr: Tensor):
+def _update(opt_cfg: OptimizerConfig, how: Compilation, params: Params, opt_state: Params, grads: Params, lr: Tensor):
     """AdamW on the params that `grads` holds; the others, and their moments, come back as they were."""
+    ways = {"foreach": how.foreach_update, "bf16_newton_schulz": how.bf16_newton_schulz}
     if len(grads) == len(params):
-        return adamw_update(opt_cfg, params, opt_state, grads, lr)
-    moments = {f"{m}.{k}": opt_state[f"{m}.{k}"] for k in grads for m in ("exp_avg", "exp_avg_sq")}
+        return adamw_update(opt_cfg, params, opt_state, grads, lr, **ways)
+    keys = [f"{moment}.{name}" for name in grads for moment in ("exp_avg", "exp_avg_sq")]
+    moments = {key: opt_state[key] for key in keys if key in opt_state}  # Muon's matrices have no exp_avg_sq
     learned, state, grad_norm = adamw_update(
-        opt_cfg, {k: params[k] for k in grads}, {"step": opt_state["step"], **moments}, grads, lr
+        opt_cfg, {k: params[k] for k in grads}, {"step": opt_state["step"], **moments}, grads, lr, **ways
     )
     return {**params, **learned}, {**opt_state, **state}, grad_norm
 
@@ -230,4 +258,29 @@ def compiled(fn: Callable, how: Compilation) -> Callable:
     # make_* returns: a second step (another config, a test) would count as a recompile of the
     # first and, past the recompile limit, fall back to eager. A copied code object gets its own cache.
     fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    return torch.compile(fresh, fullgraph=True, dynamic=False, backend=how.backend, options=how.options or None)
+    graph = torch.compile(fresh, fullgraph=True, dynamic=False, backend=how.backend, options=how.backend_options())
+    return _replayed(graph) if how.cuda_graphs else graph
+
+
+def _replayed(graph: Callable) -> Callable:
+    """`graph` compiled with CUDA graphs, called as a training loop calls one: refused off CUDA (inductor
+    would compile a CPU graph without them and say so only in its log), and each call marked as a new step
+    (`cudagraph_mark_step_begin`): the last step's outputs, which come back in as this step's inputs, are
+    copied into the graph's input buffers before it replays over the memory they were in."""
+
+    def step(*args):
+        device = _first_tensor(args).device
+        if device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True: CUDA graphs need a CUDA device; the step's tensors are on {device}")
+        torch.compiler.cudagraph_mark_step_begin()
+        return graph(*args)
+
+    return step
+
+
+def _first_tensor(args: tuple) -> Tensor:
+    for arg in args:
+        found = next(iter(arg.values())) if isinstance(arg, dict) else arg
+        if isinstance(found, Tensor):
+            return found
+    raise ValueError("a compiled step takes tensors: none among its arguments")

@@ -236,11 +236,13 @@ def _figures(compiled: Compiled, ctx: Context, state: TrainState, val_blocks: in
     """The stage's results: losses, throughput, what training cost; the held-out loss on `val_blocks`
     blocks (0: none); the verdict on `init`'s own masked-LM head where it was measured (`init_head`)."""
     from cram import model
-    from cram.stages.pretraining.telemetry import mfu
+    from cram.stages.pretraining.telemetry import hardware_flops, mfu
 
     setup, elapsed_s, head = compiled.setup, state.elapsed_s, state.init_head_loss
     tokens_per_s = state.tokens_seen / elapsed_s if elapsed_s else 0.0
     flops_per_token = state.flops_seen / state.tokens_seen if state.tokens_seen else 0.0
+    hardware_per_token = hardware_flops(state) / state.tokens_seen if state.tokens_seen else 0.0
+    hfu = mfu(hardware_per_token, tokens_per_s, setup.device, ctx.world_size, setup.autocast)  # before MFU: see hooks
     return {
         "final_loss": state.loss_end,
         "loss_start": state.loss_start,
@@ -254,6 +256,7 @@ def _figures(compiled: Compiled, ctx: Context, state: TrainState, val_blocks: in
         "canary_diff": compiled.choice.canary_diff,
         "tokens_per_s": round(tokens_per_s, 1),
         "mfu": mfu(flops_per_token, tokens_per_s, setup.device, ctx.world_size, setup.autocast),
+        "hfu": hfu,  # hardware FLOPs utilisation: the optimizer's matmuls (Muon's Newton-Schulz) counted too
         **({"init_head": continued.head_figure(head, setup.model.vocab_size)} if head is not None else {}),
         "precision": setup.precision.name,
         "precision_reason": compiled.choice.reason,

@@ -476,3 +476,43 @@ def test_norm_bias_adds_a_zero_bias_to_every_norm_and_trains_it():
     assert all(grads[n + ".bias"].abs().sum() > 0 for n in norms)
     moved = {**params, "final_norm.bias": torch.full((32,), 0.5)}
     assert not torch.equal(model.mlm_loss(moved, cfg, batch)[0], model.mlm_loss(params, cfg, batch)[0])
+
+
+def _counted_step_flops(cfg: ModelConfig, opt: OptimizerConfig, batch: int, masked: int) -> int:
+    """Matmul FLOPs of one eager training step as torch's FlopCounterMode counts the ops that ran."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    params = model.init(cfg, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    S = cfg.max_seq_len
+    data = {
+        "input_ids": torch.randint(1, cfg.vocab_size, (batch, S), generator=gen),
+        "mlm_positions": torch.arange(batch * masked) * (S // masked),
+        "mlm_labels": torch.randint(1, cfg.vocab_size, (batch * masked,), generator=gen),
+    }
+    step = model.make_train_step(cfg, opt, model.EAGER)
+    with FlopCounterMode(display=False) as counter:
+        step(params, model.adamw_init(params), data, torch.tensor(1e-3))
+    return counter.get_total_flops()
+
+
+def test_step_gemms_are_every_matmul_a_training_step_runs_and_flops_per_token_less_norms():
+    cfg = ModelConfig(**SMALL, **MODERNBERT)
+    gemms = model.step_gemms(cfg, batch=2, masked_per_seq=32)
+    total = sum(g.flops for g in gemms)
+    assert total == _counted_step_flops(cfg, OptimizerConfig(), batch=2, masked=32)
+    # By hand: the layers' matrices 3·(96 + 32 + 64 + 32)·32 = 21,504 and attention, 6·21,504 + 147,456 per
+    # token; the head's dense 1,024 and the decoder 3,200 for the masked quarter: 6·4,224·0.25 = 6,336.
+    assert total == 256 * (6 * 21_504 + 147_456 + 6_336)
+    assert len(gemms) == 3 * 8  # qkv, scores, values, out, up, down, head dense, decoder: each with its two gradients
+
+
+def test_optimizer_flops_are_muons_newton_schulz_by_hand_and_as_counted():
+    cfg = ModelConfig(**SMALL, **MODERNBERT)
+    # Every hidden matrix is a stack of [32, 32] blocks (qkv 3, out 1, GLU up 2, down 1): per block and
+    # iteration 4·32³ + 2·32³, five iterations: 983,040; 7 blocks a layer, 3 layers.
+    by_hand = 3 * 7 * 5 * 6 * 32**3
+    assert model.optimizer_flops(cfg, OptimizerConfig(kind="muon")) == by_hand == 20_643_840
+    assert model.optimizer_flops(cfg, OptimizerConfig()) == 0
+    muon_step = _counted_step_flops(cfg, OptimizerConfig(kind="muon"), batch=2, masked=32)
+    assert muon_step - _counted_step_flops(cfg, OptimizerConfig(), batch=2, masked=32) == by_hand

@@ -351,3 +351,30 @@ def test_quality_bench_takes_phases_and_a_masking_schedule(tmp_path):
     assert set(curves) == {"cram", "long"} and curves["long"]["0.003"]["tokens"] == [256, 512]
     bad = quality_bench(str(pack), *flags, "--variant", "x:phases=12@0.5/32")
     assert bad.returncode == 2 and "pretrain.phases[0].seq_len: 12 must divide" in bad.stderr
+
+
+def test_the_inductor_switches_reach_torch_compile_as_its_config_keys(monkeypatch):
+    seen = {}
+
+    def fake_compile(fn, **kwargs):
+        seen.update(kwargs)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    how = model.Compilation(max_autotune=True, combo_kernels=True, options={"cpp.simdlen": 256})
+    model.make_eval_step(TINIEST, how)
+    assert seen["options"] == {"cpp.simdlen": 256, "max_autotune": True, "combo_kernels": True}
+    assert (seen["fullgraph"], seen["dynamic"], seen["backend"]) == (True, False, "inductor")
+    model.make_eval_step(TINIEST, model.Compilation(backend="aot_eager", max_autotune=True))
+    assert seen["options"] is None  # another backend has no inductor keys to read
+    model.make_eval_step(TINIEST, model.Compilation())
+    assert seen["options"] is None
+
+
+def test_cuda_graphs_off_cuda_are_refused_when_the_step_is_called():
+    params, state = fresh(TINIEST)
+    how = model.Compilation(backend="aot_eager", cuda_graphs=True)
+    step = model.make_train_step(TINIEST, OPT, how)
+    with pytest.raises(ValueError, match="cuda_graphs=True: CUDA graphs need a CUDA device; .* on cpu"):
+        step(params, state, random_batch(TINIEST, 2, seed=0), torch.tensor(1e-3))
+    assert model.Compilation(cuda_graphs=True).backend_options() == {"triton.cudagraphs": True}

@@ -44,3 +44,19 @@ def test_no_step_and_no_stage_figure_says_more_than_the_whole_device(measured, p
     steps = [m["mfu"] for m in metrics(tmp_path / "out")]
     assert len(steps) == 6 and all(0 < m <= 1 for m in steps) and 0 < out["mfu"] <= 1
     assert max(steps) == 1.0
+
+
+@pytest.mark.parametrize("kind", ["adamw", "muon"])
+def test_hardware_flops_count_muons_newton_schulz_beside_the_models(measured, pack, tmp_path, make_ctx, kind):  # noqa: F811
+    measured += [1e10]
+    config = small(log_every_steps=2, optimizer=model.OptimizerConfig(kind=kind))
+    out = pretrain.run(config, {"pack": pack}, tmp_path / "out", make_ctx())
+    cfg = model.ModelConfig.from_json(tmp_path / "out" / "model.json")
+    per_step = model.optimizer_flops(cfg, config.optimizer)
+    assert (per_step > 0) == (kind == "muon")
+    # 6 steps: HFU is MFU times (model FLOPs + 6 updates' Newton-Schulz) / model FLOPs (each rounded to 1e-5)
+    expected = out["mfu"] * (out["flops_seen"] + 6 * per_step) / out["flops_seen"]
+    assert out["hfu"] == pytest.approx(expected, abs=3e-5)
+    assert (out["hfu"] > 1.1 * out["mfu"]) == (kind == "muon")  # a 1-layer model: Newton-Schulz is a quarter more
+    for record in metrics(tmp_path / "out"):
+        assert record["hfu"] >= record["mfu"] > 0

@@ -89,6 +89,10 @@ class Report:
             "seq_len": info.seq_len,
             "tokens_seen": info.state.tokens_seen,
             "tokens_per_s": round(tokens_per_s, 1),
+            # hardware FLOPs first: a rate above the peak raises the peak, which MFU then reads too
+            "hfu": mfu(
+                stats["hardware_flops_per_token"], tokens_per_s, self.device, self.ctx.world_size, self.autocast
+            ),
             "mfu": mfu(stats["flops_per_token"], tokens_per_s, self.device, self.ctx.world_size, self.autocast),
             "data_wait": round(stats["data_wait"], 4),
             "peak_mem_gb": round(peak_memory_gb(self.device), 3),

@@ -99,6 +99,7 @@ class Steps:
     documents: Boundary | None = None  # attention within documents: the batch carries `document_ids`
     trained: tuple[str, ...] | None = None  # the params these steps train; None: all
     head: Steps | None = None  # the same steps training the MLM head alone (`head_warmup.py`); None: no warm-up
+    optimizer_flops: float = 0.0  # matmul FLOPs of one update (Muon's Newton-Schulz): hardware FLOPs, not model
 
     def batch(self, micro: Microbatch, spec: MaskSpec) -> Params:
         from cram.stages.shared.blocks import document_ids
@@ -274,7 +275,7 @@ def train(
         params, opt_state, row = active.step(state.params, state.opt_state, data, n_micro, info.lr, spec)
         metrics.add(row)
         flops = span.head_flops_per_token if active is steps.head else span.flops_per_token
-        state.advance(params, opt_state, info.batch, span.seq_len, flops)
+        state.advance(params, opt_state, info.batch, span.seq_len, flops, active.optimizer_flops)
         # Read before the hooks, so that a row logged at the stopping step shows the budget spent.
         spent = info.spent = progress(budget, state, clock.agreed(state.step))
         _run_due(hooks, info)
@@ -285,16 +286,16 @@ def train(
 
 def _mode(ctx: Context, steps: Steps, state: TrainState, spent: float, warmup: HeadWarmup | None) -> Steps:
     """The steps to take now: the head's while the warm-up lasts; at its end the whole model's, with a fresh
-    AdamW (the encoder's moments were never updated, and the shared step count would skip their bias
-    correction)."""
-    from cram import model
+    optimizer state in the same layout (the encoder's moments were never updated, and the shared step count
+    would skip their bias correction)."""
+    import torch
 
     if warmup is None or state.full_start is not None:
         return steps
     if warmup.active(state, spent):
         return steps.head
     state.full_start = spent
-    state.opt_state = model.adamw_init(state.params)
+    state.opt_state = {key: torch.zeros_like(value) for key, value in state.opt_state.items()}
     if ctx.is_main:
         ctx.log.info("head warm-up done", step=state.step, tokens=state.tokens_seen, progress=round(spent, 4))
     return steps

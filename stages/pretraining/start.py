@@ -31,6 +31,7 @@ def start(
     (`continued.resolved`) and `setup` with its head warm-up, as `init`'s head measured (`TrainState.
     init_head_loss`). Rank 0's metrics.jsonl loses the lines written after that state (a killed run's),
     all of them on a fresh start."""
+    from cram import model
     from cram.stages.pretraining import checkpoint
     from cram.stages.pretraining.state import TrainState
     from cram.stages.pretraining.telemetry import MetricsLog
@@ -56,6 +57,8 @@ def start(
         ctx.log.info("resume", checkpoint=str(resume_from), step=state.step, elapsed_s=state.elapsed_s)
     untrained = continued.untrained(state.init_head_loss, setup.model.vocab_size)
     config = continued.resolved(config, untrained)
+    # in the layout of the optimizer it trains with (that `resolved` chose): Muon's matrices keep no second moment
+    state.opt_state = model.drop_unused(config.optimizer.kind, state.opt_state)
     setup = dataclasses.replace(setup, warmup=continued.warmup_of(config, setup.model, untrained))
     if resume_from is None:
         state.full_start = None if setup.warmup is not None else 0.0

@@ -24,6 +24,7 @@ _NEW = {
     "phase": 0,
     "phase_start": 0,
     "flops_seen": 0.0,
+    "optimizer_flops_seen": 0.0,
     "full_start": 0.0,
     "init_head_loss": None,
     "fp32_batch": False,
@@ -38,6 +39,7 @@ class TrainState:
     phase_start: int = 0  # where that phase began in the stream, in tokens
     tokens_seen: int = 0
     flops_seen: float = 0.0  # model FLOPs: each phase's per-token count times its tokens
+    optimizer_flops_seen: float = 0.0  # the optimizer's matmuls (Muon's Newton-Schulz), beside the model's
     elapsed_s: float = 0.0  # budget time spent, carried over across resumes
     data_wait_s: float = 0.0  # of which waiting for batches
     progress: float = 0.0  # schedule position
@@ -73,9 +75,19 @@ class TrainState:
         """The whole model: the trained params, then the kept ones."""
         return {**self.params, **self.kept}
 
-    def advance(self, params: Params, opt_state: Params, sequences: int, seq_len: int, flops_per_token: float) -> None:
-        """Take the result of one optimizer step over `sequences` (global) sequences of `seq_len` tokens."""
+    def advance(
+        self,
+        params: Params,
+        opt_state: Params,
+        sequences: int,
+        seq_len: int,
+        flops_per_token: float,
+        optimizer_flops: float = 0.0,
+    ) -> None:
+        """Take the result of one optimizer step over `sequences` (global) sequences of `seq_len` tokens, whose
+        update ran `optimizer_flops` matmul FLOPs."""
         self.params, self.opt_state = params, opt_state
+        self.optimizer_flops_seen += optimizer_flops
         self.step += 1
         self.sequences += sequences
         self.tokens_seen += sequences * seq_len

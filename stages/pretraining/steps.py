@@ -54,7 +54,10 @@ def make_steps(config: Config, setup: Setup, world_size: int, compile: bool) -> 
         else:
             accumulate = model.make_accumulate_step(setup.model, how, trained=trained)
             apply = model.make_apply_step(config.optimizer, how, reduce_grads=reduce_grads)
-        return Steps(whole, accumulate, apply, generator, setup.device, setup.autocast, setup.documents, trained)
+        steps = Steps(whole, accumulate, apply, generator, setup.device, setup.autocast, setup.documents, trained)
+        if trained is None:  # a head trained alone has no hidden matrix for Muon
+            steps.optimizer_flops = model.optimizer_flops(setup.model, config.optimizer)
+        return steps
 
     steps = training(None)
     if setup.warmup is not None:

@@ -58,6 +58,7 @@ class Interval:
         self.pending: list = []  # the same, still on the device
         self.first_step = state.step + 1 - len(self.rows)
         self.tokens, self.flops = state.tokens_seen, state.flops_seen
+        self.optimizer_flops = state.optimizer_flops_seen
         self.started = time.perf_counter()
         self.wait_s = wait_s
 
@@ -72,8 +73,8 @@ class Interval:
 
     def close(self, state: TrainState, wait_s: float, world_size: int, device: torch.device) -> dict[str, float]:
         """Loss and accuracy averaged over the interval (and the ranks), the last gradient norm, tokens/s,
-        model FLOPs per token (each phase's, weighted by its tokens) and the fraction of the time spent
-        waiting for data."""
+        model FLOPs per token (each phase's, weighted by its tokens), hardware FLOPs per token (the model's
+        and the optimizer's matmuls) and the fraction of the time spent waiting for data."""
         rows = self.fetch()
         loss = sum(r[0] for r in rows) / len(rows)
         accuracy = sum(r[1] for r in rows) / len(rows)
@@ -81,12 +82,14 @@ class Interval:
             loss, accuracy = mean_over_ranks([loss, accuracy], world_size, device)
         seconds = time.perf_counter() - self.started
         tokens = state.tokens_seen - self.tokens
+        ran = hardware_flops(state, self.flops, self.optimizer_flops)
         return {
             "loss": loss,
             "accuracy": accuracy,
             "grad_norm": rows[-1][2],
             "tokens_per_s": tokens / seconds,
             "flops_per_token": (state.flops_seen - self.flops) / tokens if tokens else 0.0,
+            "hardware_flops_per_token": ran / tokens if tokens else 0.0,
             "data_wait": (wait_s - self.wait_s) / seconds,
         }
 
@@ -146,6 +149,11 @@ def duration(seconds: float) -> str:
 def short(value: object) -> object:
     """Four significant digits: what a person reads in a log line (metrics.jsonl keeps them all)."""
     return float(f"{value:.4g}") if isinstance(value, float) else value
+
+
+def hardware_flops(state: TrainState, flops_before: float = 0.0, optimizer_flops_before: float = 0.0) -> float:
+    """The FLOPs that ran since the counts `*_before`: the model's (MFU's) and the optimizer's matmuls (HFU's)."""
+    return state.flops_seen - flops_before + state.optimizer_flops_seen - optimizer_flops_before
 
 
 def peak_memory_gb(device: torch.device) -> float:
