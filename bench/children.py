@@ -7,6 +7,7 @@ called `dump_stacks_on_term` writes every thread's stack to its log: where it hu
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -111,3 +112,13 @@ class Deadline:
     def limit(self, own: float) -> float:
         """A child's time limit: its own, or what is left of the run when that is less."""
         return min(own, self.left())
+
+
+def result(outcome: Outcome, row: str) -> dict:
+    """The child's JSON result (its last stdout line), or a row that says why there is none."""
+    if not outcome.ok:
+        return {"row": row, "skipped": outcome.why()}
+    try:
+        return json.loads(outcome.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"row": row, "skipped": f"no result line on stdout (log: {outcome.log})"}

@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> None:
         # the child's limit ends early enough for its SIGTERM, grace and SIGKILL to end inside the deadline
         limit = min(ALL_ROWS[row].limit_s, left - children.GRACE_S - 2)
         outcome = children.run(child_command(args, row, out), limit_s=limit, log=out / "logs" / f"{row}.log", env=env)
-        say.row(result_of(outcome, row), outcome)
+        say.row(children.result(outcome, row), outcome)
     say.line(f"# done: {args.seconds - deadline.left():.0f} s of {args.seconds:.0f}")
 
 
@@ -210,16 +210,6 @@ def child_command(args: argparse.Namespace, row: str, out: Path) -> list[str]:
     for key in ("device", "shapes", "backend", "dtype", "steps"):
         cmd += [f"--{key}", str(getattr(args, key))]
     return cmd
-
-
-def result_of(outcome: children.Outcome, row: str) -> dict:
-    """The child's JSON result (its last stdout line), or a row that says why there is none."""
-    if not outcome.ok:
-        return {"row": row, "skipped": outcome.why()}
-    try:
-        return json.loads(outcome.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        return {"row": row, "skipped": f"no result line on stdout (log: {outcome.log})"}
 
 
 def describe(r: dict) -> str:

@@ -122,7 +122,7 @@ def report(args: argparse.Namespace, rows: list[str]) -> None:
             outcome = children.run(
                 command(args, "row", row), limit_s=deadline.limit(args.row_limit), log=out / f"{row}.log", env=env
             )
-            results[row] = result_of(outcome, row)
+            results[row] = children.result(outcome, row)
             say(format_row(results[row], peaks, outcome))
         if skipped:
             say(f"\nskipped, past the overall deadline of {args.deadline:.0f} s: {', '.join(skipped)}")
@@ -153,7 +153,7 @@ def measure_peaks(args: argparse.Namespace, env: dict, out: Path, deadline: chil
     """{"sheet": FLOP/s for MFU, "matmul": measured FLOP/s or None}; the device and both peaks printed."""
     limit = deadline.limit(PEAK_LIMIT_S)
     outcome = children.run(command(args, "peak", ""), limit_s=limit, log=out / "peak.log", env=env)
-    found = result_of(outcome, "peak")
+    found = children.result(outcome, "peak")
     if "skipped" in found:
         say(f"peak: {found['skipped']}")
         found = {"device": "unknown", "sheet": None, "matmul": None}
@@ -172,16 +172,6 @@ def command(args: argparse.Namespace, mode: str, rows: str) -> list[str]:
     for key in ("config", "device", "batch", "steps", "warmup", "dtype", "backend"):
         cmd += [f"--{key}", str(getattr(args, key))]
     return cmd + ["--compile-warm" if args.compile_warm else "--no-compile-warm"]
-
-
-def result_of(outcome: children.Outcome, row: str) -> dict:
-    """The child's JSON result, or a row that says why there is none."""
-    if not outcome.ok:
-        return {"row": row, "skipped": outcome.why()}
-    try:
-        return json.loads(outcome.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        return {"row": row, "skipped": f"no result line on stdout (log: {outcome.log})"}
 
 
 TABLE_HEAD = (
@@ -209,7 +199,7 @@ def in_turn(args, env: dict, out: Path, deadline: children.Deadline, ready: list
     say("\ntimed in turn, one step of each row per round:\n" + TABLE_HEAD)
     limit = deadline.limit(args.row_limit)
     outcome = children.run(command(args, "time", ",".join(ready)), limit_s=limit, log=out / "in-turn.log", env=env)
-    timing = result_of(outcome, "in turn")
+    timing = children.result(outcome, "in turn")
     if "skipped" in timing:
         say(format_row(timing, peaks, outcome))
         return
