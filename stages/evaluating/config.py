@@ -23,7 +23,7 @@ DEFAULT_TASK = TaskConfig(epochs=2, seeds=3, lr=1e-3, max_length=64)
 # The held-out documents' titles as queries against their texts (stages/retrieval/pairs.py): your own
 # corpus scored for retrieval beside BM25, sized like the topic task for about a minute on 2 cores.
 DEFAULT_RETRIEVAL_TASK = TaskConfig(
-    kind="heldout-retrieval", name="retrieval", epochs=1, seeds=3, lr=5e-4, max_length=64, query_max_length=32
+    kind="heldout-retrieval", name="retrieval", epochs=1, seeds=3, lr=3e-3, max_length=64, query_max_length=32
 )
 
 
