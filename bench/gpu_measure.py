@@ -35,18 +35,6 @@ SHAPES = {
 }
 
 
-SHAPES = {
-    "full": Shapes(),
-    "rehearsal": Shapes(
-        base=dict(vocab_size=1024, hidden=64, layers=2, heads=2, intermediate=256, max_seq_len=32),
-        batch=4,
-        big_batches=(16, 8),
-        tiny_batch=2,
-        matmul=256,
-    ),
-}
-
-
 def base_config(args: argparse.Namespace):
     import dataclasses
 

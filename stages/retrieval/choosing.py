@@ -27,6 +27,8 @@ class Judged:
     dense: dict[str, dict[str, float]]
     fusion: Fusion
     hybrid: dict[str, dict[str, float]]
+    queries_scored: int = 0  # test queries with a relevant document
+    queries_left_out: int = 0  # test queries without one (metrics.score_run)
 
     def validation(self) -> float | None:
         """Its dense validation nDCG@10; None without a validation split."""
@@ -40,15 +42,22 @@ class Judged:
 def judge(dense: dict[str, Run], lexical: dict[str, Run], qrels: dict[str, Qrels]) -> Judged:
     """Dense runs (`Embedder.runs`) and BM25's, by split, scored against `qrels`; the fusion chosen on the
     validation split where there is one."""
-    fusion = Fusion()
+    fusion, chosen = Fusion(), None
     if "validation" in dense:
         tried = [
             (score_run(fused(dense["validation"], lexical["validation"], f), qrels["validation"]), f) for f in FUSIONS
         ]
-        fusion = max(tried, key=lambda scored: scored[0].mean[MAIN])[1]  # max keeps the first of equals
-    means = {split: score_run(run, qrels[split]).mean for split, run in dense.items()}
-    hybrid = {split: score_run(fused(run, lexical[split], fusion), qrels[split]).mean for split, run in dense.items()}
-    return Judged(means, fusion, hybrid)
+        chosen, fusion = max(tried, key=lambda scored: scored[0].mean[MAIN])  # max keeps the first of equals
+    scores = {split: score_run(run, qrels[split]) for split, run in dense.items()}
+    hybrid = {
+        split: chosen.mean
+        if split == "validation"
+        else score_run(fused(run, lexical[split], fusion), qrels[split]).mean
+        for split, run in dense.items()
+    }
+    test = scores["test"]
+    means = {split: scored.mean for split, scored in scores.items()}
+    return Judged(means, fusion, hybrid, len(test.per_query), test.left_out)
 
 
 def fused(dense: Run, lexical: Run, fusion: Fusion) -> Run:

@@ -41,12 +41,12 @@ def mine(
     seed: int = 0,
 ) -> Mined:
     """A hard negative for each pair among `documents`, none of `excluded` (module docstring)."""
-    index = bm25.index(documents)
-    candidates = [_candidates(index, documents, pair, set(excluded)) for pair in pairs]
+    index, excluded = bm25.index(documents), set(excluded)
+    candidates = [_candidates(index, documents, pair, excluded) for pair in pairs]
     ranked = sorted({doc for found in candidates for doc in found})
     at = {doc: row for row, doc in enumerate(ranked)}
     vectors = encoded.documents(ranked) if ranked else np.zeros((0, encoded.queries.shape[1]), np.float32)
-    allowed = [d for d in range(len(documents)) if d not in set(excluded)]
+    allowed = [d for d in range(len(documents)) if d not in excluded]
     rng = random.Random(seed)
     negatives, dropped, fallback = [], 0, 0
     for i, (pair, found) in enumerate(zip(pairs, candidates)):

@@ -119,14 +119,13 @@ def retrieve_seed(
     params, loss = embedder.train(task, seed, f"evaluate task {name}", f"{name} seed {seed}", log)
     dense = embedder.runs(params, task, run.scratch)
     tuned = judge(dense, task.lexical, qrels_of(task.task))
-    test = score_run(dense["test"], task.task.qrels)
     ctx.log.info("finetuned", task=name, seed=seed, train_loss=round(loss, 4), **_rounded(tuned))
     chosen = selection(tuned, run.untuned)
     record = {
         "train_loss": loss,
         **tuned.record(),
-        "queries_scored": len(test.per_query),
-        "queries_left_out": test.left_out,
+        "queries_scored": tuned.queries_scored,
+        "queries_left_out": tuned.queries_left_out,
         "time_s": time.perf_counter() - began,
     }
     untuned = offers_untuned(tuned, run.untuned)
@@ -246,26 +245,28 @@ def _say(task: RetrievalLoaded, result: dict, ctx: Context) -> None:
 def bm25_runs(task: RetrievalTask) -> dict[str, Run]:
     """BM25's runs (bm25.py), by split: the test queries over the corpus; the validation queries over the
     corpus and the validation positives it lacks."""
-    from cram.stages.retrieval import bm25
-    from cram.stages.retrieval.tuning import TOP_K
-
-    def searched(corpus: dict[str, Document], queries: dict[str, str]) -> Run:
-        ids, index = list(corpus), bm25.index(doc.full_text for doc in corpus.values())
-        run = {}
-        for query, text in queries.items():
-            found, scores = bm25.search(index, text, TOP_K)
-            run[query] = {ids[d]: float(s) for d, s in zip(found, scores)}
-        return run
-
-    runs = {"test": searched(task.corpus, task.queries)}
+    runs = {"test": _bm25_run(task.corpus, task.queries)}
     if task.validation is not None:
-        runs["validation"] = searched({**task.corpus, **task.validation.documents}, task.validation.queries)
+        runs["validation"] = _bm25_run({**task.corpus, **task.validation.documents}, task.validation.queries)
     return runs
 
 
 def bm25_scores(task: RetrievalTask) -> Scores:
     """BM25's scores on the task's test queries, over its corpus."""
-    return score_run(bm25_runs(task)["test"], task.qrels)
+    return score_run(_bm25_run(task.corpus, task.queries), task.qrels)
+
+
+def _bm25_run(corpus: dict[str, Document], queries: dict[str, str]) -> Run:
+    """Each query's TOP_K documents of `corpus` by BM25."""
+    from cram.stages.retrieval import bm25
+    from cram.stages.retrieval.tuning import TOP_K
+
+    ids, index = list(corpus), bm25.index(doc.full_text for doc in corpus.values())
+    run = {}
+    for query, text in queries.items():
+        found, scores = bm25.search(index, text, TOP_K)
+        run[query] = {ids[d]: float(s) for d, s in zip(found, scores)}
+    return run
 
 
 def embedder_meta(task: RetrievalLoaded, buckets: tuple[int, ...], tokenizer: dict) -> dict[str, Any]:
