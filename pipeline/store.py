@@ -32,11 +32,12 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from cram.pipeline import rundir
 from cram.pipeline.schema import SchemaError, StageRecord
-from cram.stages.shared.files import CONTENT_HASH, DAMAGED, MARKER, content_hash, read_marker, write_atomic
+from cram.stages.shared.files import CONTENT_HASH, content_hash, write_atomic
+from cram.stages.shared.store_entry import MARKER, Marker, damage_note, note_damage, read_marker
 
 if TYPE_CHECKING:
     from cram.stages.protocols import Log
@@ -180,24 +181,15 @@ def take_lock(path: Path, log: Log, wait: bool) -> int | None:
 def write_marker(folder: Path, stage: str, key: str, record: StageRecord) -> None:
     """`record` is the manifest record of the run that made the entry: a run that reuses the entry copies
     it (outputs, versions, git commit), so its manifest says how the files were made."""
-    paths = {str(p.relative_to(folder)): p for p in sorted(_files(folder)) if p.name not in (MARKER, DAMAGED)}
-    stats = {name: p.stat() for name, p in paths.items()}
-    marker = {
-        "stage": stage,
-        "key": key,
-        "record": record.to_json(),
-        "files": {name: stat.st_size for name, stat in stats.items()},
-        "mtime_ns": {name: stat.st_mtime_ns for name, stat in stats.items()},
-        CONTENT_HASH: {name: content_hash(p) for name, p in paths.items()},
-    }
-    write_atomic(folder / MARKER, json.dumps(marker, indent=1) + "\n")
+    Marker.of_files(folder, stage, key, record.to_json()).write(folder)
 
 
 def entry_record(entry: Path) -> StageRecord:
     """The record of the run that made the store entry at `entry`, as its marker holds it (a record that
     cannot be read: an empty one; the entry's files were checked, the record only describes them)."""
     try:
-        return StageRecord.from_json((read_marker(entry) or {}).get("record") or {}, str(entry / MARKER))
+        marker = read_marker(entry)
+        return StageRecord.from_json(marker.record if marker is not None else {}, str(entry / MARKER))
     except SchemaError:
         return StageRecord()
 
@@ -216,11 +208,11 @@ def problem(folder: Path, key: str) -> Problem | None:
     marker = read_marker(folder)
     if marker is None:
         return Problem(f"{folder / MARKER} is missing or unreadable")
-    if marker.get("key") != key:
-        return Problem(f"{folder} holds key {str(marker.get('key'))[:12]}, not {key[:12]}")
-    if (folder / DAMAGED).is_file():
-        return Problem((folder / DAMAGED).read_text(encoding="utf-8", errors="replace").strip(), damaged=True)
-    for name, size in (marker.get("files") or {}).items():
+    if marker.key != key:
+        return Problem(f"{folder} holds key {str(marker.key)[:12]}, not {key[:12]}")
+    if (note := damage_note(folder)) is not None:
+        return Problem(note, damaged=True)
+    for name, size in marker.sizes.items():
         path = folder / name
         if not path.is_file():
             return Problem(f"{path} was deleted")
@@ -234,23 +226,25 @@ def verify(folder: Path, key: str, names: Iterable[str] | None = None) -> Proble
     entry calls this first. None for an intact entry, or one whose marker predates hashes (sizes only)."""
     if (trouble := problem(folder, key)) is not None:
         return trouble
-    hashes = (read_marker(folder) or {}).get(CONTENT_HASH)
-    if not isinstance(hashes, dict):
+    marker = read_marker(folder)
+    hashes = marker.hashes if marker is not None else None
+    if hashes is None:
         return None
     return _damage(folder, hashes, hashes if names is None else [n for n in names if n in hashes])
 
 
 def hashed(folder: Path) -> bool:
     """Whether the marker at `folder` records hashes (one written before them records sizes only)."""
-    return isinstance((read_marker(folder) or {}).get(CONTENT_HASH), dict)
+    marker = read_marker(folder)
+    return marker is not None and marker.hashes is not None
 
 
-def _touched_files(folder: Path, marker: dict[str, Any]) -> Problem | None:
+def _touched_files(folder: Path, marker: Marker) -> Problem | None:
     """The hash of each file whose modification time is not the one recorded: one written to since (the
     same size or not), or copied without its times. A copy's intact files get their new times recorded,
     so they are not hashed again."""
-    hashes, times = marker.get(CONTENT_HASH), marker.get("mtime_ns")
-    if not isinstance(hashes, dict) or not isinstance(times, dict):
+    hashes, times = marker.hashes, marker.times
+    if hashes is None or times is None:
         return None
     now = {name: (folder / name).stat().st_mtime_ns for name in hashes}
     touched = [name for name, mtime in now.items() if times.get(name) != mtime]
@@ -259,14 +253,14 @@ def _touched_files(folder: Path, marker: dict[str, Any]) -> Problem | None:
     if (damage := _damage(folder, hashes, touched)) is not None:
         return damage
     try:
-        write_atomic(folder / MARKER, json.dumps({**marker, "mtime_ns": now}, indent=1) + "\n")
+        replace(marker, times=now).write(folder)
     except OSError:  # a read-only copy: hashed again next time, still correct
         pass
     return None
 
 
 def _damage(folder: Path, hashes: dict[str, str], names: Iterable[str]) -> Problem | None:
-    """The first of `names` whose hash is not the recorded one, noted in the entry (`DAMAGED`) so that
+    """The first of `names` whose hash is not the recorded one, noted in the entry (`note_damage`) so that
     every later check sees it without hashing again."""
     for name in names:
         path = folder / name
@@ -275,10 +269,7 @@ def _damage(folder: Path, hashes: dict[str, str], names: Iterable[str]) -> Probl
             continue
         if content_hash(path) != hashes[name]:
             damage = Problem(f"{path}: damaged, its {CONTENT_HASH} is not the one written", damaged=True)
-            try:
-                write_atomic(folder / DAMAGED, f"{damage}\n")
-            except OSError:  # a read-only copy: found again by hashing
-                pass
+            note_damage(folder, str(damage))
             return damage
         _hashed.add(seen)
     return None
@@ -307,14 +298,15 @@ def link(run_dir: Path, stage: str, entry: Path) -> None:
 
 def _adopt(run_dir: Path, stage: str, folder: Path) -> None:
     record = rundir.Manifest.load(run_dir).stage(stage) or StageRecord()
-    key = (read_marker(folder) or {}).get("key") or record.key
+    marker = read_marker(folder)
+    key = (marker.key if marker is not None else None) or record.key
     store = Store.of(run_dir)
     store.root.mkdir(parents=True, exist_ok=True)
     if not isinstance(key, str) or not re.fullmatch(r"[0-9a-f]{64}", key):
         raise rundir.RunDirError(
             f"{folder}: a folder that neither the manifest nor a marker gives a key; cram did not make it: move it away"
         )
-    if read_marker(folder) is None and record.status == "done" and record.key == key:
+    if marker is None and record.status == "done" and record.key == key:
         write_marker(folder, stage, key, replace(record, attempt=None))
     entry = store.entry(stage, key)
     os.replace(folder, entry if not entry.exists() else entry.with_name(f"{entry.name}.retired-{time.time_ns()}"))

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from cram.pipeline import store
 from cram.pipeline.commands import cli
+from cram.stages.shared.store_entry import DAMAGED
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -126,7 +127,7 @@ def snapshot(run: Path) -> dict[str, str]:
     return {
         str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(run.rglob("*"))
-        if p.is_file() and p.name not in ("events.jsonl", store.DAMAGED)
+        if p.is_file() and p.name not in ("events.jsonl", DAMAGED)
     }
 
 
@@ -486,7 +487,7 @@ CASES = [
     ),
     (
         "init a run whose tokenizer a check found damaged",  # its note, which verify writes
-        rewrite(f"runs/base/tokenize/{store.DAMAGED}", "runs/base/tokenize/tokenizer.model: damaged (noted)\n"),
+        rewrite(f"runs/base/tokenize/{DAMAGED}", "runs/base/tokenize/tokenizer.model: damaged (noted)\n"),
         [*RUN, "--name", "other", *sets(**{"pretrain.init": '"runs/base"'})],
         "pretrain.init: runs/base/tokenize/tokenizer.model: damaged (noted); `cram run` in that run computes it",
     ),

@@ -5,6 +5,7 @@ the masking settings."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -15,8 +16,9 @@ from cram.model.config import ModelConfig, ModelConfigError
 from cram.pipeline import rundir, store
 from cram.pipeline.schema import StageRecord
 from cram.stages.shared.figures import is_number
-from cram.stages.shared.files import atomic, files_under, fingerprint, stored_damage, temp_path, write_atomic
+from cram.stages.shared.files import atomic, files_under, fingerprint, temp_path, write_atomic
 from cram.stages.shared.masking import Masking
+from cram.stages.shared.store_entry import DAMAGED, MARKER, Marker, read_marker, stored_damage
 
 
 def test_an_atomic_write_replaces_the_file_whole(tmp_path):
@@ -144,7 +146,7 @@ def test_a_store_entrys_file_is_checked_against_the_hash_its_marker_recorded(tmp
         f"{entry / 'params.safetensors'}: damaged, its sha256 is not the one its store entry recorded"
     )
     assert stored_damage(entry / "model.json") is None
-    (entry / store.DAMAGED).write_text("model.json: damaged\n")  # a note an earlier check left
+    (entry / DAMAGED).write_text("model.json: damaged\n")  # a note an earlier check left
     assert stored_damage(entry / "model.json") == "model.json: damaged"
     (tmp_path / "loose.bin").write_bytes(b"x")  # no entry around it: nothing recorded, nothing to check
     assert stored_damage(tmp_path / "loose.bin") is None
@@ -162,3 +164,27 @@ def test_masking_that_hides_nothing_or_more_than_all_is_refused(fields, message)
     with pytest.raises(ValueError, match=re.escape(message)):
         Masking(**fields)
     assert Masking(mask_token=0.0, random_token=0.1).random_token == 0.1  # random tokens alone still hide
+
+
+def test_a_store_entrys_marker_is_written_and_read_by_one_module(tmp_path):
+    """The marker's JSON fields (which runs made before this module wrote too), read back as written; a
+    marker that cannot be read, or lists no files, is none."""
+    entry = tmp_path / "pack-key"
+    (entry / "sub").mkdir(parents=True)
+    (entry / "train.npy").write_bytes(b"rows")
+    (entry / "sub" / "x.json").write_text("{}")
+    (entry / DAMAGED).write_text("not a file of the entry\n")
+    written = Marker.of_files(entry, "pack", "k" * 64, {"status": "done"})
+    written.write(entry)
+    raw = json.loads((entry / MARKER).read_text(encoding="utf-8"))
+    assert list(raw) == ["stage", "key", "record", "files", "mtime_ns", "sha256"]
+    assert raw["files"] == {"sub/x.json": 2, "train.npy": 4}
+    assert raw["sha256"]["train.npy"] == hashlib.sha256(b"rows").hexdigest()
+    assert read_marker(entry) == written
+    sizes_only = {k: raw[k] for k in ("stage", "key", "record", "files")}  # as written before hashes
+    (entry / MARKER).write_text(json.dumps(sizes_only))
+    assert read_marker(entry) == Marker("pack", "k" * 64, {"status": "done"}, raw["files"])
+    for broken in ("[", "[]", json.dumps({**sizes_only, "files": ["train.npy"]})):
+        (entry / MARKER).write_text(broken)
+        assert read_marker(entry) is None
+    assert read_marker(tmp_path) is None

@@ -390,16 +390,16 @@ def test_each_entry_records_sizes_times_and_hashes_and_a_copy_is_hashed_once(pip
     pipe.run()
     marker = store.read_marker(_entry(pipe, "beta"))
     result = _entry(pipe, "beta") / "result.json"
-    assert set(marker["files"]) == set(marker["sha256"]) == set(marker["mtime_ns"]) == {"attempts", "result.json"}
-    assert marker["files"]["result.json"] == result.stat().st_size
-    assert marker["sha256"]["result.json"] == hashlib.sha256(result.read_bytes()).hexdigest()
-    assert marker["mtime_ns"]["result.json"] == result.stat().st_mtime_ns
+    assert set(marker.sizes) == set(marker.hashes) == set(marker.times) == {"attempts", "result.json"}
+    assert marker.sizes["result.json"] == result.stat().st_size
+    assert marker.hashes["result.json"] == hashlib.sha256(result.read_bytes()).hexdigest()
+    assert marker.times["result.json"] == result.stat().st_mtime_ns
     copy = tmp_path / "copy" / "t"
     copy.parent.mkdir()
     subprocess.run(["cp", "-rL", str(pipe.run_dir), str(copy)], check=True)  # new files, new times
     again = ["run", pipe.config, "--set", f"run.root='{copy.parent}'", "--dry-run"]
     assert set(_reasons(pipe.cram(*again).output).values()) == {("skip", "done")}  # hashed, found intact
-    assert store.read_marker(copy / "beta")["mtime_ns"]["result.json"] == (copy / "beta/result.json").stat().st_mtime_ns
+    assert store.read_marker(copy / "beta").times["result.json"] == (copy / "beta/result.json").stat().st_mtime_ns
     monkeypatch.setattr(store, "content_hash", lambda path: pytest.fail(f"{path} hashed again"))
     assert set(_reasons(pipe.cram(*again).output).values()) == {("skip", "done")}  # the new times are recorded
 

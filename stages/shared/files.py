@@ -1,12 +1,11 @@
 """Files written whole and files read from outside a run: the one atomic write, the fingerprint by
-which a stage's key changes when a file it reads changes, the content hash by which the stage
-store knows a file is still what it wrote, and the one reader of a store entry's marker (which records
-those hashes), for the store and for a stage that reads another run's files."""
+which a stage's key changes when a file it reads changes, and the content hash by which a reader knows
+a file is still what was written (the stage store's entries record it: `store_entry.py`), through the
+planner's cache where it set one."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -70,34 +69,6 @@ def content_hash(path: Path) -> str:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-# A finished stage-store entry's record of itself (written by pipeline/store.py): stage, key, the run's
-# record, and each file's size, modification time and CONTENT_HASH (relative name -> hex digest).
-MARKER = ".cram-entry.json"
-DAMAGED = ".cram-damaged"  # in an entry a check found damaged: its one line says which file
-
-
-def read_marker(folder: Path) -> dict[str, Any] | None:
-    """The marker of the store entry at `folder`, or None when it has none or it is unreadable."""
-    try:
-        marker = json.loads((folder / MARKER).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return marker if isinstance(marker, dict) else None
-
-
-def stored_damage(path: Path) -> str | None:
-    """Why `path`, a file directly inside a store entry (a run's `<stage>` folder), is not what the entry
-    recorded: a damage note on the entry, or a hash that differs; None when it is, or when no hash of it
-    was recorded (not an entry's file, or an entry made before hashes)."""
-    folder = path.parent
-    if (folder / DAMAGED).is_file():
-        return (folder / DAMAGED).read_text(encoding="utf-8", errors="replace").strip()
-    recorded = ((read_marker(folder) or {}).get(CONTENT_HASH) or {}).get(path.name)
-    if isinstance(recorded, str) and content_hash(path) != recorded:
-        return f"{path}: damaged, its {CONTENT_HASH} is not the one its store entry recorded"
-    return None
 
 
 # Set by whoever plans (the pipeline, with its store's cache of hashes): stages never import the pipeline.

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from cram.model.config import ModelConfig, ModelConfigError
-from cram.stages.shared.files import known_hash, stored_damage
+from cram.stages.shared.files import known_hash
+from cram.stages.shared.store_entry import stored_damage
 from cram.stages.shared.tokenizer import in_folder as tokenizer_in
 
 if TYPE_CHECKING:
