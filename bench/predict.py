@@ -35,12 +35,12 @@ import torch
 from safetensors.torch import save_file
 
 from cram import model
-from cram.model.classifier import init_head
+from cram.model.classifier import init_head_params
 from cram.pipeline.commands.export import export
 from cram.pipeline.schema import StageRecord
 from cram.pipeline.store import write_marker
 from cram.stages import Upstream, evaluate, tokenize
-from cram.stages.evaluating import kept
+from cram.stages.evaluating import keeping
 from cram.stages.finetuning.kind import describe
 from cram.stages.finetuning.tasks import Examples, Task
 
@@ -64,9 +64,9 @@ def make_exports(root: Path, texts: list[str], preset: str, max_length: int, bat
     task_cfg = evaluate.TaskConfig(kind="custom", name="bench", path="-", text_fields=("text",), metrics=("accuracy",))
     empty = Examples([], np.zeros(0, np.int64))
     task = Task("bench", ("accuracy",), LABELS, empty, {"test": empty})
-    keeper = kept.Keeper("best", run / "evaluate", run / "pretrain" / "model.json", {0: {}})
-    keeper.meta[0] = describe(config.tuning(), task_cfg, task, max_length, kept.tokenizer_fields(upstream))
-    keeper.offer(0, 0, task, {**params, **init_head(cfg, len(LABELS), 0, head="modernbert")}, _run())
+    keeper = keeping.Keeper("best", run / "evaluate", run / "pretrain" / "model.json", {0: {}})
+    keeper.meta[0] = describe(config.tuning(), task_cfg, task, max_length, keeping.tokenizer_fields(upstream))
+    keeper.offer(0, 0, task, {**params, **init_head_params(cfg, len(LABELS), 0, head="modernbert")}, _run())
     finish_run(run, {"classifiers": keeper.finish([(0, 0)], {0: 0})})
     return export(run, root / "cram", task="bench"), export(run, root / "hf", fmt="transformers", task="bench")
 
@@ -84,10 +84,10 @@ def make_embedder_run(root: Path, texts: list[str], cfg: model.ModelConfig, max_
         "max_length": max_length,
         "query_max_length": max_length,
         "buckets": [max_length],
-        "tokenizer": kept.tokenizer_fields(upstream),
+        "tokenizer": keeping.tokenizer_fields(upstream),
         "metric": "ndcg@10",
     }
-    keeper = kept.Keeper("best", run / "evaluate", run / "pretrain" / "model.json", {0: meta})
+    keeper = keeping.Keeper("best", run / "evaluate", run / "pretrain" / "model.json", {0: meta})
     keeper.offer(0, 0, _Scored(), params, {"scores": {"test": {"ndcg@10": 1.0}}})
     finish_run(run, {"embedders": keeper.finish([(0, 0)], {0: 0})})
     return run

@@ -18,7 +18,7 @@ sentence-transformers' own trainer on the same pairs in the same batches, scored
    against texts), its training pairs cut to the first `--pairs`.
 3. Per seed, interleaved (cram seed 0, sentence-transformers seed 0, cram seed 1, ...), each in a fresh
    child process, its result appended to `results.jsonl` as it ends (a rerun skips what is there):
-   - cram: the evaluate stage's own code, `tuning.Embedder` (train, then search), eager as pipeline.toml's
+   - cram: the evaluate stage's own code, `tuning.EmbeddingTuner` (train, then search), eager as pipeline.toml's
      `evaluate.compile = false` runs it, in the precision `auto` picks (bf16 autocast where native);
    - sentence-transformers: `SentenceTransformer(export)` (its Transformer + mean pooling),
      `SentenceTransformerTrainer` with MultipleNegativesRankingLoss (scale 20, cosine), the same AdamW
@@ -263,7 +263,7 @@ def cram_child(args: argparse.Namespace) -> dict:
 
     from cram.stages import evaluate
     from cram.stages.retrieval import results
-    from cram.stages.retrieval.tuning import Embedder, Making, epoch_batches
+    from cram.stages.retrieval.tuning import EmbeddingTuner, Making, epoch_batches
     from cram.stages.shared.precision import candidates
     from cram.stages.shared.pretrained import load, locate
     from cram.stages.shared.tokenizer import load as load_tokenizer
@@ -281,7 +281,7 @@ def cram_child(args: argparse.Namespace) -> dict:
     device = torch.device("cpu")
     precision = candidates("auto", device, "inductor", compiled=False)[0]
     how = Making(precision, False, "auto", "mean")
-    embedder = Embedder.make(config.tuning(), cfg, params, tokenizer.special_ids, device, how)
+    embedder = EmbeddingTuner.make(config.tuning(), cfg, params, tokenizer.special_ids, device, how)
     batches = epoch_batches(loaded, args.seed, 0, "bench")
     t = time.perf_counter()
     tuned, loss = embedder.train(loaded, args.seed, "bench", f"cram seed {args.seed}")

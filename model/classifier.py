@@ -42,7 +42,7 @@ Head = Literal["cramming", "bert", "roberta", "modernbert"]
 HEADS: tuple[str, ...] = ("cramming", "bert", "roberta", "modernbert")
 
 
-def init_head(
+def init_head_params(
     cfg: ModelConfig, num_outputs: int, seed: int, width: int | None = None, head: Head = "cramming"
 ) -> dict[str, Tensor]:
     """Fresh fp32 CPU head parameters: `num_outputs` classes, or 1 for regression. The cramming head's

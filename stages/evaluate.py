@@ -127,7 +127,7 @@ def describe(config: Config, pipeline: Pipeline) -> str:
 def _head_choice(config: Config, pretrain: Any) -> list[str]:
     """The head a run from `pretrain.init` fine-tunes with and why (nothing from scratch, where it is
     cramming's unless set), with what an export to transformers would need instead."""
-    from cram.stages.evaluating.config import init_head
+    from cram.stages.evaluating.config import auto_head
     from cram.stages.shared import pretrained
 
     if not getattr(pretrain, "init", ""):
@@ -136,7 +136,7 @@ def _head_choice(config: Config, pretrain: Any) -> list[str]:
         found = pretrained.locate(Path(pretrain.init))
     except pretrained.PretrainedError:  # pretrain's validate names it
         return []
-    if config.head != init_head(found):
+    if config.head != auto_head(found):
         why = "evaluate.head's"
     elif config.head != "cramming":
         why = "pretrain.init's family's"

@@ -11,7 +11,7 @@ from cram import model
 from cram.model.classifier import (
     classify,
     finetune_loss,
-    init_head,
+    init_head_params,
     make_classify_eval_step,
     make_finetune_step,
     pool,
@@ -24,7 +24,7 @@ OPT = model.OptimizerConfig(eps=1e-6, weight_decay=0.0, clip_norm=0.0)
 
 
 def params_with_head(num_outputs: int = 3) -> dict:
-    return {**model.init(CFG, 0), **init_head(CFG, num_outputs, 1)}
+    return {**model.init(CFG, 0), **init_head_params(CFG, num_outputs, 1)}
 
 
 def toy_batch(rows: int = 16, length: int = 12, seed: int = 0) -> dict:
@@ -41,10 +41,10 @@ def toy_batch(rows: int = 16, length: int = 12, seed: int = 0) -> dict:
 
 
 def test_head_init_is_seeded_and_shaped():
-    a, b = init_head(CFG, 4, seed=7), init_head(CFG, 4, seed=7)
+    a, b = init_head_params(CFG, 4, seed=7), init_head_params(CFG, 4, seed=7)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert a["classifier.out.weight"].shape == (4, CFG.hidden)
-    assert not torch.equal(a["classifier.dense.weight"], init_head(CFG, 4, seed=8)["classifier.dense.weight"])
+    assert not torch.equal(a["classifier.dense.weight"], init_head_params(CFG, 4, seed=8)["classifier.dense.weight"])
 
 
 def test_mean_pooling_averages_real_tokens_only():
@@ -152,7 +152,7 @@ def test_unknown_pooling_is_rejected():
 
 def test_finetune_dropout_is_random_inside_one_graph_and_prediction_has_none():
     dropped = dataclasses.replace(CFG, dropout=0.1)
-    params = {**model.init(CFG, 0), **init_head(CFG, 3, 1, width=48)}
+    params = {**model.init(CFG, 0), **init_head_params(CFG, 3, 1, width=48)}
     assert params["classifier.dense.weight"].shape == (48, CFG.hidden)  # cramming's head is wider (1024)
     step = make_finetune_step(dropped, OPT, model.Compilation(backend="aot_eager"))
     predict = make_classify_eval_step(CFG, model.Compilation(backend="aot_eager"))

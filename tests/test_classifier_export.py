@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from test_export import BERT, MODERNBERT, corpus, fake_run
 from typer.testing import CliRunner
 
-from cram.model.classifier import classify, init_head
+from cram.model.classifier import classify, init_head_params
 from cram.model.hf import classifier_blockers, family_head
 from cram.pipeline.commands import cli, predict
 from cram.pipeline.commands.classifiers import ClassifierError
@@ -19,7 +19,7 @@ from cram.pipeline.commands.export import export
 from cram.pipeline.schema import StageRecord
 from cram.pipeline.store import write_marker
 from cram.stages import Upstream, evaluate, tokenize
-from cram.stages.evaluating import kept as keeping
+from cram.stages.evaluating import keeping
 from cram.stages.finetuning.kind import describe
 from cram.stages.finetuning.tasks import Examples, Task
 from cram.stages.kept import KeptError, load_export, open_export, read_classifier
@@ -46,7 +46,7 @@ def with_classifier(run, cfg, head, pooling="first", width=0, labels=LABELS, kee
     """RUN with a done evaluate stage that kept a classifier of task `t` (seed 0), checksummed as the
     store does; returns its params. `task`: text_fields, max_length, buckets other than ("text",), 24, (8, 24)."""
     params = load_file(run / "pretrain" / "params.safetensors")
-    fresh = init_head(cfg, len(labels) or 1, seed=0, width=width, head=head)
+    fresh = init_head_params(cfg, len(labels) or 1, seed=0, width=width, head=head)
     params.update({k: v * 20 if v.ndim == 2 else v + 0.1 * torch.randn_like(v) for k, v in fresh.items()})
     length, buckets = task.get("max_length", 24), task.get("buckets", (8, 24))
     config = evaluate.Config(tasks=[], head=head, head_width=width, pooling=pooling, max_length=length, buckets=buckets)

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from cram import model
 from cram.model import ModelConfig
-from cram.model.classifier import init_head, make_finetune_step
+from cram.model.classifier import init_head_params, make_finetune_step
 from cram.model.hf import transformers_blockers
 from cram.pipeline.commands import cli
 from cram.pipeline.commands.export import ExportError, export
@@ -114,7 +114,7 @@ def test_cram_export_loads_back_and_fine_tunes(tmp_path, sp_model):
     cfg, loaded, tokenizer = load_export(out)
     assert cfg == MODERNBERT and tokenizer.read_bytes() == sp_model.read_bytes()
     assert loaded.keys() == params.keys() and all(torch.equal(loaded[k], params[k]) for k in params)
-    tuned = {**loaded, **init_head(cfg, num_outputs=2, seed=0)}
+    tuned = {**loaded, **init_head_params(cfg, num_outputs=2, seed=0)}
     step = make_finetune_step(cfg, model.OptimizerConfig(), model.EAGER)
     batch = {
         "input_ids": torch.randint(5, cfg.vocab_size, (4, 16)),

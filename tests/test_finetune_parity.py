@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cram import model
-from cram.model.classifier import init_head, make_finetune_step, pooler_head
+from cram.model.classifier import init_head_params, make_finetune_step, pooler_head
 from cram.stages.shared.pretrained import load, locate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -22,7 +22,7 @@ def test_fine_tune_steps_match_transformers_bert_classifier(tmp_path):
     theirs = transformers.BertForSequenceClassification(config)
     theirs.save_pretrained(tmp_path / "ckpt")
     cfg, params = load(locate(tmp_path / "ckpt"))
-    head = pooler_head(init_head(cfg, 3, seed=0, width=cfg.hidden), params)
+    head = pooler_head(init_head_params(cfg, 3, seed=0, width=cfg.hidden), params)
     head["classifier.out.weight"] = theirs.classifier.weight.detach().clone()
     head["classifier.out.bias"] = theirs.classifier.bias.detach().clone()
     ours, state = {**params, **head}, None

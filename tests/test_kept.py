@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from cram.pipeline.commands import cli, predict
 from cram.pipeline.commands.export import export
-from cram.stages.evaluating import kept as keeping
+from cram.stages.evaluating import keeping
 from cram.stages.finetuning.tasks import Examples, Task
 from cram.stages.kept import KeptError, open_export, predicting
 from cram.stages.kept.folder import write_checksums

@@ -18,7 +18,14 @@ from cram.stages import StageError
 from cram.stages.evaluating.config import Config
 from cram.stages.retrieval import pairs, results, validation
 from cram.stages.retrieval.choosing import judge
-from cram.stages.retrieval.tuning import Embedder, Embedders, Making, RetrievalLoaded, embedder_graphs, epoch_batches
+from cram.stages.retrieval.tuning import (
+    EmbeddingTuner,
+    EmbeddingTuners,
+    Making,
+    RetrievalLoaded,
+    embedder_graphs,
+    epoch_batches,
+)
 from cram.stages.shared.precision import FP32
 from cram.stages.shared.tokenizer import Tokenizer
 from cram.stages.tasks.config import TaskConfig
@@ -45,13 +52,13 @@ def task_of(folder: Path, compile: bool = False, **task: object) -> tuple[Config
     return config, results.loaded(entry, task_, TOKENIZER, SPECIAL, settings)
 
 
-def embedder(config: Config, compile: bool = False) -> Embedder:
+def embedder(config: Config, compile: bool = False) -> EmbeddingTuner:
     params = model.init(CFG, seed=0)
     how = Making(FP32, compile, "auto", "mean")
-    return Embedder.make(config.tuning(), CFG, params, SPECIAL, torch.device("cpu"), how)
+    return EmbeddingTuner.make(config.tuning(), CFG, params, SPECIAL, torch.device("cpu"), how)
 
 
-def seed_runs(tuner: Embedder, loaded: RetrievalLoaded, seeds, ctx, scratch: Path, keep=None) -> list[dict]:
+def seed_runs(tuner: EmbeddingTuner, loaded: RetrievalLoaded, seeds, ctx, scratch: Path, keep=None) -> list[dict]:
     """Each seed fine-tuned and scored as the kind's runner runs it, beside the encoder as it was."""
     untuned = judge(tuner.runs(tuner.params, loaded, scratch), loaded.lexical, results.qrels_of(loaded.task))
     return [results.retrieve_seed(tuner, loaded, seed, results.SeedRun(ctx, scratch, untuned), keep) for seed in seeds]
@@ -124,7 +131,7 @@ def test_a_fault_in_a_later_bucket_is_found_and_named(tmp_path, graph):
     pairs_file = long_pairs(tmp_path / "pairs.jsonl")
     config, loaded = task_of(write_beir(tmp_path / "set"), pairs=str(pairs_file), batch_size=8, query_max_length=8)
 
-    def make(how: Making) -> Embedder:
+    def make(how: Making) -> EmbeddingTuner:
         made = embedder(config, how.compile)
         if not how.compile:
             return made
@@ -143,7 +150,7 @@ def test_a_fault_in_a_later_bucket_is_found_and_named(tmp_path, graph):
         faulty = {"step": wrong_step} if graph == "contrastive step" else {"embed": wrong_embed}
         return dataclasses.replace(made, **faulty)
 
-    embedders = Embedders(make, [loaded], compile=True, attention="auto")
+    embedders = EmbeddingTuners(make, [loaded], compile=True, attention="auto")
     graphs = embedder_graphs([loaded], config.tuning(), first_seed=0)
     worst = embedders.check(FP32, graphs, steps=1, tolerance=0.02)
     assert worst.value == float("inf") and worst.graph.startswith(graph) and "32" in worst.graph, worst
@@ -260,7 +267,7 @@ def test_queries_without_a_relevant_document_are_left_out_counted_and_said(tmp_p
 
 
 def test_keep_all_writes_every_seed_as_an_embedder_beside_the_classifiers(tmp_path):
-    from cram.stages.evaluating.kept import Keeper, kept_outputs
+    from cram.stages.evaluating.keeping import Keeper, kept_outputs
 
     config, loaded = task_of(write_beir(tmp_path / "set"), batch_size=8)
     (tmp_path / "model.json").write_text("{}")
@@ -315,7 +322,7 @@ def test_a_mini_batch_trains_as_the_whole_batch_does(tmp_path):
         config, loaded = task_of(folder, batch_size=8, epochs=2, mini_batch_size=mini_batch)
         assert loaded.settings.mini_batch_size == mini_batch
         how = Making(FP32, False, "auto", "mean", mini_batch)
-        tuner = Embedder.make(config.tuning(), CFG, model.init(CFG, seed=0), SPECIAL, torch.device("cpu"), how)
+        tuner = EmbeddingTuner.make(config.tuning(), CFG, model.init(CFG, seed=0), SPECIAL, torch.device("cpu"), how)
         trained.append(tuner.train(loaded, seed=0, where="test", label="test"))
     (whole, whole_loss), (cached, cached_loss) = trained
     assert cached_loss == pytest.approx(whole_loss, rel=1e-4)

@@ -12,7 +12,7 @@ import pytest
 from retrieval_sets import write_beir, write_pairs
 from test_bad_inputs import PIPELINE, TASK, cram, write_workspace
 
-from cram.stages.evaluating.kept import EMBEDDER_META
+from cram.stages.evaluating.keeping import EMBEDDER_META
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from test_hf import BERT, perturbed
 
 from cram import model
-from cram.model.classifier import classify, init_head
+from cram.model.classifier import classify, init_head_params
 from cram.model.hf import from_transformers
 from cram.stages.evaluate import Config
 from cram.stages.finetuning.finetune import Tuner, model_inputs
@@ -109,4 +109,4 @@ def test_the_pooler_head_computes_bert_s_classifier_logits(bert):
         full, cfg, batch["input_ids"], batch["attention_mask"], "pooler", token_type_ids=batch["token_type_ids"]
     )
     assert (ours - expected).abs().max().item() <= 1e-4
-    assert init_head(cfg, 2, 0, width=0).keys() == head.keys()
+    assert init_head_params(cfg, 2, 0, width=0).keys() == head.keys()

@@ -20,8 +20,8 @@ from cram.stages.kept import (
     META,
     MODEL,
     PARAMS,
-    Classifier,
-    Embedder,
+    KeptClassifier,
+    KeptEmbedder,
     KeptError,
     read_classifier,
     read_embedder,
@@ -91,7 +91,7 @@ def finished_run(run_dir: Path, doing: str = "exported") -> Run:
     )
 
 
-def find(run_dir: Path, task: str) -> Classifier:
+def find(run_dir: Path, task: str) -> KeptClassifier:
     """The classifier RUN_DIR's evaluate stage kept for `task` (its best seed's), once its files are the
     ones the store recorded. ClassifierError naming `evaluate.keep`, the tasks kept or the damage otherwise."""
     record = _evaluate(run_dir)
@@ -130,7 +130,7 @@ def kept_embedders(run_dir: Path) -> dict[str, str]:
     return dict(record.outputs.get("embedders") or {}) if record is not None and record.status == "done" else {}
 
 
-def find_embedder(run_dir: Path, task: str | None = None) -> Embedder:
+def find_embedder(run_dir: Path, task: str | None = None) -> KeptEmbedder:
     """The embedding model RUN_DIR's evaluate stage kept for `task` (None: the one it kept), once its files
     are the ones the store recorded. ClassifierError naming the tasks kept or the damage otherwise."""
     record = _evaluate(run_dir)

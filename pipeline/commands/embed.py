@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from cram.pipeline import errors, rundir
 from cram.pipeline.commands import classifiers, predict
 from cram.stages import StageError
-from cram.stages.kept import EMBEDDER, Embedder, KeptError
+from cram.stages.kept import EMBEDDER, KeptEmbedder, KeptError
 from cram.stages.kept.embedding import OUTPUTS, Embedding, Request, check_request, embed_files, open_embedder
 from cram.stages.kept.predicting import Settings
 
@@ -67,7 +67,7 @@ def embed(
         raise EmbedError(f"{e} (--field names the field that holds the text)") from None
 
 
-def open_source(source: Path, task: str | None) -> tuple[Embedder, dict[str, torch.Tensor], Path, dict[str, int]]:
+def open_source(source: Path, task: str | None) -> tuple[KeptEmbedder, dict[str, torch.Tensor], Path, dict[str, int]]:
     """(the embedding model, its params, its tokenizer file, the special ids) of a run directory or an
     exported folder."""
     if (source / rundir.MANIFEST).is_file():

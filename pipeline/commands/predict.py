@@ -22,7 +22,7 @@ from typing import TextIO
 from cram.pipeline import errors, rundir, store
 from cram.pipeline.commands import classifiers
 from cram.stages import StageError
-from cram.stages.kept import Classifier, KeptError, open_export
+from cram.stages.kept import KeptClassifier, KeptError, open_export
 from cram.stages.kept.predicting import OUTPUTS, Predictor, Settings, predict_files
 
 INPUTS = (".csv", ".tsv", ".jsonl", ".ndjson", ".txt", ".text")
@@ -92,7 +92,7 @@ def _check_writable(out: Path, folder: Path) -> None:
     os.unlink(probe)
 
 
-def _classifier(source: Path, task: str | None) -> tuple[Classifier, Path, dict[str, int]]:
+def _classifier(source: Path, task: str | None) -> tuple[KeptClassifier, Path, dict[str, int]]:
     """(the classifier, its tokenizer file, the special ids) of a run directory's task or an export."""
     if (source / rundir.MANIFEST).is_file():
         if task is None:

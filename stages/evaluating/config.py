@@ -75,7 +75,7 @@ class Config:
     canary_steps: int = 2
     canary_tolerance: float = 0.02
     # Per task, the fine-tuned classifier (encoder and head) of its best seed by the reported score,
-    # of every seed, or of none: outputs `classifiers/` (stages/evaluating/kept.py), which
+    # of every seed, or of none: outputs `classifiers/` (stages/evaluating/keeping.py), which
     # `cram export RUN --task NAME` and `cram predict RUN --task NAME` read.
     keep: Literal["best", "all", "none"] = "best"
     # The classifier head (model/classifier.py): cramming's (`head_width` wide), or the one of transformers'
@@ -145,7 +145,7 @@ class Config:
             except pretrained.PretrainedError:  # pretrain's validate names it
                 pass
         if config.head == "auto":
-            config = dataclasses.replace(config, head=init_head(found))
+            config = dataclasses.replace(config, head=auto_head(found))
         if config.pooling == "auto":
             pooling = None if found is None else found.pooling
             if pooling == "mean" and config.head in ("bert", "roberta"):  # their classifiers read [CLS] alone
@@ -167,7 +167,7 @@ class Config:
     def tuning(self) -> Tuning:
         """What the fine-tuner reads of this config. A config never linked to a pipeline (`linked`) has no
         `pretrain.init`: its `head = "auto"` is the head from scratch, cramming's."""
-        config = dataclasses.replace(self, head=init_head(None)) if self.head == "auto" else self
+        config = dataclasses.replace(self, head=auto_head(None)) if self.head == "auto" else self
         return Tuning(**{f.name: getattr(config, f.name) for f in dataclasses.fields(Tuning)})
 
     def mlm_settings(self) -> MlmSettings:
@@ -183,7 +183,7 @@ class Config:
         )
 
 
-def init_head(found: Pretrained | None) -> Head:
+def auto_head(found: Pretrained | None) -> Head:
     """`head = "auto"` for a run that starts from `found` (None: from scratch): the classifier head of the
     transformers family its model maps onto, for a transformers or sentence-transformers checkpoint;
     "cramming" for any other start."""

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from structlog.stdlib import BoundLogger
 
     from cram.model.config import ModelConfig
-    from cram.stages.evaluating.kept import Keeper
+    from cram.stages.evaluating.keeping import Keeper
     from cram.stages.shared.tokenizer import Tokenizer
 
 RESULTS = "results.json"
@@ -84,7 +84,7 @@ def score(
 ) -> dict[str, Any]:
     """Fine-tune `checkpoint` on `config`'s tasks; rank 0 writes results.json, set beside `report.start`
     where given, and logs the headline figures at `report.steps`. Returns the stage's outputs."""
-    from cram.stages.evaluating.kept import Keeper, best_jobs, kept_outputs
+    from cram.stages.evaluating.keeping import Keeper, best_jobs, kept_outputs
 
     cfg = checkpoint.cfg
     check_lengths(config, cfg.max_seq_len)
@@ -150,7 +150,7 @@ def _work(
     to `keeper`."""
     import torch
 
-    from cram.stages.evaluating.kept import tokenizer_fields
+    from cram.stages.evaluating.keeping import tokenizer_fields
 
     config, ctx, inputs = scoring.config, scoring.ctx, scoring.inputs
     # Load and tokenize every task before training any: a bad task fails the stage at once.

@@ -101,7 +101,7 @@ class Loaded:
 
 def finetune_seed(tuner: Tuner, loaded: Loaded, seed: int, ctx: Context, keep: Callable | None = None) -> dict:
     """Fine-tune one seed of one task from the pretrained params and score it on each test set; `keep`,
-    when given, is called with the fine-tuned params and the run's record (`kept.Keeper.offer`)."""
+    when given, is called with the fine-tuned params and the run's record (`keeping.Keeper.offer`)."""
     from cram.stages.finetuning.metrics import score
 
     began = time.perf_counter()
@@ -342,9 +342,9 @@ class Tuner:
 
     def head(self, num_outputs: int, seed: int) -> dict:
         """A fresh head on the device; with `pooling = "pooler"` its dense layer is the checkpoint's pooler."""
-        from cram.model.classifier import init_head, pooler_head
+        from cram.model.classifier import init_head_params, pooler_head
 
-        head = init_head(self.cfg, num_outputs, seed, self.config.head_width, self.config.head)
+        head = init_head_params(self.cfg, num_outputs, seed, self.config.head_width, self.config.head)
         if self.config.pooling == "pooler":
             head = pooler_head(head, self.params)
         return {k: v.to(self.device) for k, v in head.items()}

@@ -1,5 +1,5 @@
 """Kept models: what a run keeps of a fine-tune, read back, run on texts and written in the formats other
-tools read. Shared by the evaluate stage (which keeps classifiers, stages/evaluating/kept.py), `cram
+tools read. Shared by the evaluate stage (which keeps classifiers, stages/evaluating/keeping.py), `cram
 predict` and `cram export`; the commands parse, call this room and print.
 
     folder.py          a kept folder's files, their checksums, and the classifier or embedding model it holds
@@ -36,8 +36,8 @@ from cram.stages.kept.folder import (
     META,
     MODEL,
     PARAMS,
-    Classifier,
-    Embedder,
+    KeptClassifier,
+    KeptEmbedder,
     KeptError,
     read_classifier,
     read_embedder,
@@ -51,8 +51,8 @@ __all__ = [
     "MODEL",
     "PARAMS",
     "Card",
-    "Classifier",
-    "Embedder",
+    "KeptClassifier",
+    "KeptEmbedder",
     "KeptError",
     "Source",
     "check_transformers",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from cram.stages.kept.folder import Embedder
+from cram.stages.kept.folder import KeptEmbedder
 from cram.stages.shared.figures import is_number
 
 
@@ -18,7 +18,7 @@ class Card:
     config: str  # the run's resolved config, TOML
 
 
-def model_card(card: Card, fmt: str, task: str | None = None, embedder: Embedder | None = None) -> str:
+def model_card(card: Card, fmt: str, task: str | None = None, embedder: KeptEmbedder | None = None) -> str:
     """README.md of an export of `card`'s run in format `fmt` (with `task`, its kept classifier, or its
     kept `embedder`)."""
     lines = [
@@ -48,7 +48,7 @@ def model_card(card: Card, fmt: str, task: str | None = None, embedder: Embedder
     return "\n".join(lines)
 
 
-def _embedder_usage(fmt: str, embedder: Embedder) -> str:
+def _embedder_usage(fmt: str, embedder: KeptEmbedder) -> str:
     documents, queries = embedder.max_length(), embedder.max_length(query=True)
     if fmt == "cram":
         return (

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Union
 from cram.stages import StageError
 from cram.stages.kept.batches import Padding, join, run_sorted
 from cram.stages.kept.exporting import open_embedder_export
-from cram.stages.kept.folder import EMBEDDER, META, Embedder, KeptError, load_tokenizer
+from cram.stages.kept.folder import EMBEDDER, META, KeptEmbedder, KeptError, load_tokenizer
 from cram.stages.kept.predicting import PROGRESS_EVERY_S, Settings, chunks, fitted, give_back_freed_memory
 from cram.stages.kept.sentence import MODULES, read_sentence_folder
 from cram.stages.shared.files import atomic
@@ -70,7 +70,7 @@ class Embedding:
     """An embedding model ready to embed: its params on the device, its tokenizer, the embedding graph, and
     the precision it computes in ("fp32" or "bf16")."""
 
-    embedder: Embedder
+    embedder: KeptEmbedder
     tokenizer: Tokenizer
     padding: Padding
     params: dict[str, torch.Tensor]
@@ -81,7 +81,7 @@ class Embedding:
     @classmethod
     def make(
         cls,
-        embedder: Embedder,
+        embedder: KeptEmbedder,
         params: dict[str, torch.Tensor],
         tokenizer: Path,
         special: dict[str, int],
@@ -120,7 +120,7 @@ class Embedding:
         return run_sorted(self.graph, self.params, rows, self.padding, self.settings.batch_size, done)
 
 
-def open_embedder(folder: Path) -> tuple[Embedder, dict[str, torch.Tensor], Path, dict[str, int]]:
+def open_embedder(folder: Path) -> tuple[KeptEmbedder, dict[str, torch.Tensor], Path, dict[str, int]]:
     """(the embedding model, its fp32 params, its tokenizer file, the special ids) of an exported folder:
     cram's format (`embedder.json`) or a sentence-transformers one (an export, or a released model), its
     files checked against its checksums where it has them."""
@@ -170,7 +170,7 @@ def check_request(request: Request, out: Path) -> None:
         raise KeptError(f"--id-field {request.id_field}: ids are written to a .parquet --out; {out.name} holds vectors")
 
 
-def prompt_text(embedder: Embedder, name: str | None) -> str:
+def prompt_text(embedder: KeptEmbedder, name: str | None) -> str:
     """The text put before each text: the model's prompt `name`, or its default prompt (None); "" for a
     model without one. KeptError where it has no such prompt, or pools without the prompt's tokens
     (a Pooling module's `include_prompt: false`), which cram does not compute."""

@@ -37,8 +37,8 @@ from cram.stages.kept.folder import (
     META,
     MODEL,
     PARAMS,
-    Classifier,
-    Embedder,
+    KeptClassifier,
+    KeptEmbedder,
     KeptError,
     read_classifier,
     read_embedder,
@@ -63,8 +63,8 @@ class Source:
     model: Path  # model.json
     tokenizer: Path  # tokenize's tokenizer.model or tokenizer.json
     special_ids: dict[str, int]
-    classifier: Classifier | None = None
-    embedder: Embedder | None = None
+    classifier: KeptClassifier | None = None
+    embedder: KeptEmbedder | None = None
 
     @property
     def task(self) -> str | None:
@@ -151,7 +151,7 @@ def load_export(path: Path) -> tuple[ModelConfig, dict[str, Any], Path]:
         raise KeptError(f"{path / PARAMS}: not readable params ({e})") from None
 
 
-def open_export(folder: Path) -> tuple[Classifier, Path, dict[str, int]]:
+def open_export(folder: Path) -> tuple[KeptClassifier, Path, dict[str, int]]:
     """(the classifier, its tokenizer file, the special ids) of a cram-format classifier export, its
     files checked against its checksums."""
     if not (folder / META).is_file():
@@ -161,7 +161,7 @@ def open_export(folder: Path) -> tuple[Classifier, Path, dict[str, int]]:
     return read_classifier(folder), *_export_tokenizer(folder)
 
 
-def open_embedder_export(folder: Path) -> tuple[Embedder, Path, dict[str, int]]:
+def open_embedder_export(folder: Path) -> tuple[KeptEmbedder, Path, dict[str, int]]:
     """(the embedding model, its tokenizer file, the special ids) of a cram-format embedder export, its
     files checked against its checksums."""
     verify_checksums(folder)

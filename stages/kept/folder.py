@@ -42,7 +42,7 @@ class KeptError(StageError):
 
 
 @dataclass(frozen=True)
-class Classifier:
+class KeptClassifier:
     """A kept classifier: its folder and what classifier.json and model.json say."""
 
     folder: Path
@@ -63,7 +63,7 @@ class Classifier:
 
 
 @dataclass(frozen=True)
-class Embedder:
+class KeptEmbedder:
     """A kept embedding model: its folder and what embedder.json and model.json say."""
 
     folder: Path
@@ -141,19 +141,19 @@ def verify_checksums(folder: Path, ours: bool = True) -> None:
             raise KeptError(f"{file}: damaged (its sha256 is not the one {CHECKSUMS} recorded); export it again")
 
 
-def read_classifier(folder: Path) -> Classifier:
+def read_classifier(folder: Path) -> KeptClassifier:
     """The classifier in `folder` (kept by evaluate or exported), its description checked against its
     head's params. The caller checks the files' hashes first (the store's or `verify_checksums`)."""
     meta, cfg = _description(folder, META, "classifier")
     check_meta(meta, folder / META)
     if not (folder / PARAMS).is_file():
         raise KeptError(f"{folder / PARAMS}: missing")
-    classifier = Classifier(folder, meta, cfg)
+    classifier = KeptClassifier(folder, meta, cfg)
     _check_head(classifier)
     return classifier
 
 
-def read_embedder(folder: Path) -> Embedder:
+def read_embedder(folder: Path) -> KeptEmbedder:
     """The embedding model in `folder` (kept by evaluate or exported), its description checked: the
     pooling, the lengths against the buckets and the buckets against the model's positions, the params
     an encoder's. The caller checks the files' hashes first (the store's or `verify_checksums`)."""
@@ -162,7 +162,7 @@ def read_embedder(folder: Path) -> Embedder:
     check_embedder_meta(meta, where)
     _check_positions(where, meta, cfg)
     _check_encoder(folder / PARAMS)
-    return Embedder(folder, meta, cfg)
+    return KeptEmbedder(folder, meta, cfg)
 
 
 def check_embedder_meta(meta: Any, where: Path) -> None:
@@ -240,7 +240,7 @@ def _check_lengths(meta: dict[str, Any], where: Path, lengths: tuple[str, ...]) 
             raise KeptError(f"{where}: {key} {json.dumps(length)}: expected 3 to the largest bucket, {max(buckets)}")
 
 
-def _check_head(classifier: Classifier) -> None:
+def _check_head(classifier: KeptClassifier) -> None:
     """KeptError where the head's output layer has another number of outputs than the labels name, or
     the largest bucket is longer than the encoder's positions."""
     from safetensors import SafetensorError, safe_open

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterator, TextIO
 
 from cram.stages import StageError
 from cram.stages.kept.batches import Padding, join, run_sorted
-from cram.stages.kept.folder import Classifier, KeptError, load_tokenizer
+from cram.stages.kept.folder import KeptClassifier, KeptError, load_tokenizer
 from cram.stages.shared.files import temp_path
 from cram.stages.shared.progress import Every
 from cram.stages.shared.taskfiles import file_format, iter_texts
@@ -63,7 +63,7 @@ class Settings:
 class Predictor:
     """A classifier ready to predict: its params on the device, its tokenizer, the prediction graph."""
 
-    classifier: Classifier
+    classifier: KeptClassifier
     tokenizer: Tokenizer
     padding: Padding
     params: dict[str, torch.Tensor]
@@ -71,7 +71,9 @@ class Predictor:
     settings: Settings
 
     @classmethod
-    def make(cls, classifier: Classifier, tokenizer: Path, special: dict[str, int], settings: Settings) -> Predictor:
+    def make(
+        cls, classifier: KeptClassifier, tokenizer: Path, special: dict[str, int], settings: Settings
+    ) -> Predictor:
         """KeptError naming the tokenizer file where it cannot be read. It computes in fp32: on CUDA, not TF32."""
         from cram.model.classifier import make_classify_eval_step
         from cram.model.step import Compilation

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from cram.stages.kept.folder import (
     MARKER,
     PARAMS,
-    Embedder,
+    KeptEmbedder,
     KeptError,
     check_embedder_meta,
     load_tokenizer,
@@ -43,7 +43,7 @@ _MODULES = ("Transformer", "Pooling", "Normalize")
 _BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)  # a released model's: its length is the last
 
 
-def write_sentence_modules(out: Path, embedder: Embedder) -> None:
+def write_sentence_modules(out: Path, embedder: KeptEmbedder) -> None:
     """The files that make OUT, a transformers base-model folder of `embedder`, a sentence-transformers one."""
     modules = [
         {"idx": i, "name": str(i), "path": path, "type": _TYPE + kind}
@@ -64,7 +64,7 @@ def write_sentence_modules(out: Path, embedder: Embedder) -> None:
     (out / "2_Normalize").mkdir()
 
 
-def read_sentence_folder(folder: Path) -> tuple[Embedder, dict[str, Tensor], Path, dict[str, int]]:
+def read_sentence_folder(folder: Path) -> tuple[KeptEmbedder, dict[str, Tensor], Path, dict[str, int]]:
     """(the embedding model, its fp32 params, its tokenizer file, the special ids) of a sentence-transformers
     folder whose vectors cram computes exactly: mean or first-token pooling, normalised. Its files are
     checked against checksums.json first where it has one (an export of cram's; one without it is read
@@ -107,7 +107,7 @@ def read_sentence_folder(folder: Path) -> tuple[Embedder, dict[str, Tensor], Pat
         "pooled_prompt": found.pooled_prompt,
     }
     check_embedder_meta(meta, folder / MODULES)
-    return Embedder(folder, meta, cfg), params, found.tokenizer, special
+    return KeptEmbedder(folder, meta, cfg), params, found.tokenizer, special
 
 
 def _prompts(folder: Path) -> tuple[dict[str, str], str | None]:

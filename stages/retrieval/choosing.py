@@ -40,7 +40,7 @@ class Judged:
 
 
 def judge(dense: dict[str, Run], lexical: dict[str, Run], qrels: dict[str, Qrels]) -> Judged:
-    """Dense runs (`Embedder.runs`) and BM25's, by split, scored against `qrels`; the fusion chosen on the
+    """Dense runs (`EmbeddingTuner.runs`) and BM25's, by split, scored against `qrels`; the fusion chosen on the
     validation split where there is one."""
     fusion, chosen = Fusion(), None
     if "validation" in dense:

@@ -20,7 +20,7 @@ from cram.stages.tasks.kind import Start, count
 if TYPE_CHECKING:
     from cram.stages import Context, Upstream
     from cram.stages.retrieval.choosing import Judged
-    from cram.stages.retrieval.tuning import EmbedderGraph, Embedders, RetrievalLoaded
+    from cram.stages.retrieval.tuning import EmbedderGraph, EmbeddingTuners, RetrievalLoaded
     from cram.stages.shared.precision import Difference, Precision
     from cram.stages.shared.tokenizer import Tokenizer
     from cram.stages.tasks.config import TaskConfig, TaskSettings, Tuning
@@ -144,10 +144,12 @@ class Retrieval:
 
     def runner(self, loaded: list[RetrievalLoaded], start: Start) -> Retrievers:
         from cram.stages.retrieval.results import with_mined_negatives
-        from cram.stages.retrieval.tuning import Embedder, Embedders, Making, embedder_graphs
+        from cram.stages.retrieval.tuning import EmbeddingTuner, EmbeddingTuners, Making, embedder_graphs
         from cram.stages.shared.precision import FP32
 
-        make = functools.partial(Embedder.make, start.tuning, start.cfg, start.params, start.special, start.device)
+        make = functools.partial(
+            EmbeddingTuner.make, start.tuning, start.cfg, start.params, start.special, start.device
+        )
         # mined once, by the encoder as it came (eager, fp32), for every seed and precision alike
         mined = {
             t.task.name: with_mined_negatives(t, make(Making(FP32, False, start.attention, t.settings.pooling)))
@@ -155,7 +157,7 @@ class Retrieval:
             if t.settings.hard_negatives == "mined"
         }
         ready = [mined.get(t.task.name, t) for t in loaded]
-        embedders = Embedders(make, ready, start.tuning.compile, start.attention)
+        embedders = EmbeddingTuners(make, ready, start.tuning.compile, start.attention)
         return Retrievers(embedders, embedder_graphs(ready, start.tuning, start.seed), start.scratch, mined)
 
     def result(self, loaded: RetrievalLoaded, seeds: list[int], runs: list[dict], tuning: Tuning, ctx: Context) -> dict:
@@ -177,7 +179,7 @@ class Retrievers:
     """The retrieval tasks' fine-tunes in a stage: their embedders (one per pooling and precision), the graphs
     the canary checks, and the folder a seed's corpus embeddings are written in."""
 
-    embedders: Embedders
+    embedders: EmbeddingTuners
     shapes: list[EmbedderGraph]
     scratch: Path
     mined: dict[str, RetrievalLoaded]  # the tasks whose pairs take mined hard negatives, with them

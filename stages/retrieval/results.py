@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from cram.stages.retrieval.metrics import Scores
     from cram.stages.retrieval.pairs import RetrievalTask
     from cram.stages.retrieval.settings import RetrievalSettings
-    from cram.stages.retrieval.tuning import Embedder, RetrievalLoaded
+    from cram.stages.retrieval.tuning import EmbeddingTuner, RetrievalLoaded
     from cram.stages.shared.tokenizer import Tokenizer
     from cram.stages.tasks.config import TaskConfig
 
@@ -74,7 +74,7 @@ def loaded(
     return RetrievalLoaded(task_cfg, task, data, settings, bm25_runs(task))
 
 
-def with_mined_negatives(loaded: RetrievalLoaded, embedder: Embedder) -> RetrievalLoaded:
+def with_mined_negatives(loaded: RetrievalLoaded, embedder: EmbeddingTuner) -> RetrievalLoaded:
     """The task with a mined hard negative in each pair (mining.py), `embedder`'s start encoding the texts:
     a corpus document, never one a test query finds relevant; the pairs file's own negatives give way."""
     import numpy as np
@@ -106,7 +106,7 @@ def qrels_of(task: RetrievalTask) -> dict[str, Qrels]:
 
 
 def retrieve_seed(
-    embedder: Embedder, task: RetrievalLoaded, seed: int, run: SeedRun, keep: Callable | None = None
+    embedder: EmbeddingTuner, task: RetrievalLoaded, seed: int, run: SeedRun, keep: Callable | None = None
 ) -> dict:
     """Fine-tune one seed of a retrieval task from the pretrained encoder and score it, dense and hybrid, on
     the test and validation queries; `keep`, when given, is offered the fine-tuned encoder, or the encoder as

@@ -114,7 +114,7 @@ def epoch_batches(loaded: RetrievalLoaded, seed: int, epoch: int, where: str) ->
 
 
 @dataclass(frozen=True)
-class Embedder:
+class EmbeddingTuner:
     """What every retrieval fine-tune of a pooling shares: the pretrained encoder, the compiled steps."""
 
     config: Tuning
@@ -128,7 +128,7 @@ class Embedder:
     @classmethod
     def make(
         cls, config: Tuning, cfg: ModelConfig, params: dict, special: dict, device: torch.device, how: Making
-    ) -> Embedder:
+    ) -> EmbeddingTuner:
         import dataclasses
 
         from cram import model
@@ -179,7 +179,7 @@ class Embedder:
                     log.info("fine-tuning", step=f"{done}/{total}", loss=round(float(metrics["loss"]), 4))
         return params, float(torch.stack(losses).mean())
 
-    def canary(self, eager: Embedder, graphs: list[EmbedderGraph], steps: int, tolerance: float) -> Difference:
+    def canary(self, eager: EmbeddingTuner, graphs: list[EmbedderGraph], steps: int, tolerance: float) -> Difference:
         """The largest relative difference between this embedder's compiled graphs and `eager`'s, over
         `graphs` in turn (`graph_difference`, `precision.worst_graph`): the graphs fine-tuning and search
         then use."""
@@ -187,7 +187,7 @@ class Embedder:
 
         return worst_graph(graphs, lambda graph: self.graph_difference(eager, graph, steps), tolerance)
 
-    def graph_difference(self, eager: Embedder, graph: EmbedderGraph, steps: int) -> float:
+    def graph_difference(self, eager: EmbeddingTuner, graph: EmbedderGraph, steps: int) -> float:
         """One graph's largest relative difference from eager, from the pretrained encoder, dropout off:
         `steps` contrastive steps on its batch of pairs (loss and gradient norm), or its rows' embeddings
         (relative to 1: they are unit vectors); inf when one is not finite."""
@@ -312,7 +312,7 @@ class Embedder:
 
 @dataclass(frozen=True)
 class Making:
-    """How an Embedder's steps are made: the precision, compiled or eager, the attention, the pooling, and the
+    """How an EmbeddingTuner's steps are made: the precision, compiled or eager, the attention, the pooling, and the
     rows the encoder embeds at once in a contrastive step (None: the whole batch; else GradCache)."""
 
     precision: Precision
@@ -372,18 +372,18 @@ def embedder_graphs(tasks: list[RetrievalLoaded], tuning: Tuning, first_seed: in
 
 
 @dataclass
-class Embedders:
+class EmbeddingTuners:
     """The retrieval tasks' embedders, one per pooling and precision, made once each; the precision's
     canary over every graph they run (the compiled graphs against eager ones, as `Tuner.canary`)."""
 
-    make: Callable[[Making], Embedder]  # Embedder.make with the run's config, model, params and device
+    make: Callable[[Making], EmbeddingTuner]  # EmbeddingTuner.make with the run's config, model, params and device
     tasks: list[RetrievalLoaded]
     compile: bool
     attention: str
-    # (precision, pooling, mini-batch) -> Embedder
-    made: dict[tuple[Precision, str, int | None], Embedder] = field(default_factory=dict)
+    # (precision, pooling, mini-batch) -> EmbeddingTuner
+    made: dict[tuple[Precision, str, int | None], EmbeddingTuner] = field(default_factory=dict)
 
-    def of(self, precision: Precision, pooling: str, mini_batch: int | None = None) -> Embedder:
+    def of(self, precision: Precision, pooling: str, mini_batch: int | None = None) -> EmbeddingTuner:
         key = (precision, pooling, mini_batch)  # bf16 at two vector widths is two precisions: compiled apart
         if key not in self.made:
             self.made[key] = self.make(Making(precision, self.compile, self.attention, pooling, mini_batch))
@@ -405,5 +405,5 @@ class Embedders:
 
 
 def _step_kind(task: RetrievalLoaded) -> tuple[str, int | None]:
-    """What tells one Embedder's steps from another's: the pooling and the mini-batch."""
+    """What tells one EmbeddingTuner's steps from another's: the pooling and the mini-batch."""
     return task.settings.pooling, task.settings.mini_batch_size

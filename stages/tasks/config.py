@@ -78,7 +78,7 @@ class TaskSettings:
 
 @dataclass(frozen=True)
 class Tuning:
-    """What the fine-tuners (`finetune.Tuner`, `tuning.Embedder`) read of evaluate's Config: the optimizer and its
+    """What the fine-tuners (`finetune.Tuner`, `tuning.EmbeddingTuner`) read of evaluate's Config: the optimizer and its
     schedule, batching and padding, the head, and compiling (`Config.tuning`)."""
 
     lr: float  # the stage's: the optimizer config's and the canary steps'; each fine-tune steps at its task's
