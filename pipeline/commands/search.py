@@ -28,7 +28,6 @@ from cram.stages.shared.files import atomic
 
 CACHE = Path(".cram-search")
 OUTPUTS = (".jsonl",)
-_OPTIONS = {"mode": "--mode", "top_k": "--top-k", "method": "--fusion", "weight": "--weight"}  # Query's fields
 
 
 class SearchError(errors.CramError):

@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from cram.stages import Upstream
     from cram.stages.tasks.kind import Scored
 
-KEEP = ("best", "all", "none")
 FOLDER = "classifiers"
 EMBEDDERS, EMBEDDER_META = "embedders", "embedder.json"  # a retrieval task's kept encoder, and its description
 _SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -72,7 +71,7 @@ def best_jobs(jobs: list[tuple[int, int]], runs: dict[int, dict], tasks: list[Sc
 class Keeper:
     """This rank's side of keeping: `offer` each fine-tuned seed, then `finish` with the overall best."""
 
-    mode: str  # KEEP
+    mode: str  # [evaluate] keep (config.py)
     out_dir: Path
     model_json: Path  # pretrain's model config, copied beside each kept classifier
     meta: dict[int, dict]  # task index -> the classifier.json fields every seed of it shares

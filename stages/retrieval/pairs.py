@@ -20,6 +20,7 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from cram.stages import StageError
 from cram.stages.retrieval import beir
@@ -27,7 +28,7 @@ from cram.stages.retrieval.beir import Document, Pair, Qrels
 from cram.stages.retrieval.metrics import METRICS
 from cram.stages.retrieval.validation import Validation
 
-SOURCES = ("qrels", "pairs", "titles", "inverse-cloze")
+PairSource = Literal["qrels", "pairs", "titles", "inverse-cloze"]
 CLOZE_MIN_WORDS = 8  # a shorter document gives no inverse-cloze pair: its span or its rest would be a word or two
 CLOZE_SPAN = 16  # words in an inverse-cloze query at most: an eighth of the document, at least 4
 
@@ -42,7 +43,7 @@ class RetrievalTask:
     queries: dict[str, str]  # the test queries, by id
     qrels: Qrels  # the test judgements
     pairs: tuple[Pair, ...]  # training pairs
-    source: str  # SOURCES: where the pairs came from
+    source: PairSource  # where the pairs came from
     pairs_dropped: int = 0  # training pairs whose query was a test query's text
     validation: Validation | None = None  # carved from the training pairs (validation.py), where there are enough
 
@@ -111,7 +112,7 @@ def load_heldout_task(name: str, path: Path, test_fraction: float) -> RetrievalT
     return RetrievalTask(name, corpus, queries, qrels, pairs, source)
 
 
-def corpus_pairs(docs: Iterable[Document]) -> tuple[tuple[Pair, ...], str]:
+def corpus_pairs(docs: Iterable[Document]) -> tuple[tuple[Pair, ...], PairSource]:
     """Training pairs made from `docs`: title -> text where any document has both, else inverse cloze."""
     docs = list(docs)
     titled = tuple(Pair(d.title, d.text) for d in docs if d.title.strip() and d.text.strip())
