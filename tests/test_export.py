@@ -15,7 +15,7 @@ from cram.model.hf import transformers_blockers
 from cram.pipeline.commands import cli
 from cram.pipeline.commands.export import ExportError, export
 from cram.stages import tokenize
-from cram.stages.kept import KeptError, load_export
+from cram.stages.kept import FORMATS, KeptError, load_export
 from cram.stages.shared.special import SPECIAL_IDS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -280,3 +280,13 @@ def test_export_names_a_missing_params_file(tmp_path, sp_model):
     result = CliRunner().invoke(cli.app, ["export", str(run), "--to", str(tmp_path / "out")])
     assert result.exit_code == 2 and "params.safetensors: missing, though stage pretrain is done" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_export_help_names_every_format_the_exporter_writes():
+    """`--format`'s help is made from the exporter's registry of formats, so a format added there is named."""
+    result = CliRunner().invoke(cli.app, ["export", "--help"], env={"COLUMNS": "400", "NO_COLOR": "1"})
+    assert result.exit_code == 0, result.output
+    help_text = " ".join(result.output.split())
+    assert len(FORMATS) >= 3
+    for name, holds in FORMATS.items():
+        assert f"{name} ({holds})" in help_text

@@ -53,3 +53,12 @@ def test_every_readme_command_line_works(tmp_path, monkeypatch, plain_machine):
         upstream_missing = result.exit_code == 2 and "which is not done; run it first" in result.output
         assert result.exit_code == 0 or upstream_missing, f"{page.name}: {command}\n{result.output}"
     assert not any(tmp_path.iterdir())  # dry runs create nothing
+
+
+def test_the_readmes_layout_names_every_stage_module():
+    """The Layout section names each stage of `stages.ORDER` (a stage added there must be named) and counts none."""
+    from cram.stages import ORDER
+
+    layout = (REPO / "README.md").read_text(encoding="utf-8").split("## Layout", 1)[1].split("\n## ", 1)[0]
+    assert [name for name in ORDER if f"`{name}`" not in layout] == []
+    assert not re.search(r"\b(one|two|three|four|five|six|seven|\d+) stage modules", layout)

@@ -220,11 +220,13 @@ def compare(
 def export_run(
     run_dir: Path = typer.Argument(..., help="A run directory whose pretrain stage is done."),
     to: Path = typer.Option(..., "--to", help="The directory to write."),
-    fmt: str = typer.Option("cram", "--format", help="cram (params, model.json, tokenizer) or transformers."),
+    fmt: str = typer.Option("cram", "--format", help=exporting.FORMAT_HELP),
     force: bool = typer.Option(False, "--force", help="Replace TO even if it is not empty."),
-    task: Optional[str] = typer.Option(None, "--task", help="Export the classifier evaluate kept for this task."),
+    task: Optional[str] = typer.Option(
+        None, "--task", help="Export the classifier or embedding model evaluate kept for this task."
+    ),
 ) -> None:
-    """Export the pretrained encoder (or a kept classifier) with its tokenizer and a model card."""
+    """Export the pretrained encoder (or a kept classifier or embedding model) with its tokenizer and a model card."""
     exporting.export(run_dir, to, fmt, force, task)
     out.print(f"exported {run_dir}{'' if task is None else f' task {task}'} ({fmt}) to {to}")
 

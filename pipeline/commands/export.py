@@ -21,6 +21,8 @@ from cram.pipeline import errors, rundir
 from cram.pipeline.commands import classifiers
 from cram.stages.kept import FORMATS, MARKER, MODEL, PARAMS, Card, KeptError, Source, write_export
 
+FORMAT_HELP = "; ".join(f"{name} ({holds})" for name, holds in FORMATS.items()) + "."
+
 
 class ExportError(errors.CramError):
     """A run directory, target or architecture that cannot be exported; one line, exit code 2."""

@@ -49,7 +49,12 @@ from cram.stages.kept.sentence import write_sentence_modules
 from cram.stages.shared.tokenizer import FILE_NAMES as TOKENIZER_FILE_NAMES
 from cram.stages.shared.tokenizer import in_folder as tokenizer_in
 
-FORMATS = ("cram", "transformers", "sentence-transformers")
+# Every format `write_export` writes, with what it holds: `cram export --format`'s help is made from it.
+FORMATS = {
+    "cram": "params, model.json, tokenizer",
+    "transformers": "a folder transformers' Auto classes read",
+    "sentence-transformers": "a kept embedding model, with --task",
+}
 SENTENCE = "sentence-transformers"  # an embedding model's alone
 SPECIAL_IDS = "special_ids.json"
 
