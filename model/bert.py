@@ -39,6 +39,7 @@ RoPE rotates halves (`rotate_half`), as `transformers` does.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -150,19 +151,20 @@ def encode(
         if cfg.local_attention and theta is not None and theta != cfg.rope_theta:
             local_rope = _rope_tables(S, cfg.head_dim, theta, x.device)
     mask, local_mask = _masks(cfg, S, attention_mask, document_ids, x.device)
+    full, local = _Attending(mask, rope, attention, rate), _Attending(local_mask, local_rope, attention, rate)
     for i in range(cfg.layers):
         p = f"layers.{i}."
-        kind = (local_mask, local_rope, attention, rate) if cfg.is_local(i) else (mask, rope, attention, rate)
+        how = local if cfg.is_local(i) else full
         # A [CLS]-pooled head reads one token: the last layer needs every token's keys and values but
         # only that token's query, attention output and feed-forward (as sparse prediction in the MLM).
         queries = 1 if first_only and i == cfg.layers - 1 else None
         if cfg.post_norm:
-            attended = _attention(params, p, cfg, x, *kind, queries)
+            attended = _attention(params, p, cfg, x, how, queries)
             x = _as(_norm(x[:, :queries] + attended, params, p + "attn_norm", cfg), residual)
             x = _as(_norm(x + _feed_forward(params, p, cfg, x, rate), params, p + "ffn_norm", cfg), residual)
         else:
             h = _norm(x, params, p + "attn_norm", cfg) if i > 0 or cfg.first_attn_norm else x
-            attended = _attention(params, p, cfg, h, *kind, queries)
+            attended = _attention(params, p, cfg, h, how, queries)
             x = _as(x[:, :queries] + attended, residual)
             x = _as(x + _feed_forward(params, p, cfg, _norm(x, params, p + "ffn_norm", cfg), rate), residual)
     return x if cfg.post_norm else _norm(x, params, "final_norm", cfg)
@@ -274,19 +276,21 @@ def _linear(x: Tensor, params: dict[str, Tensor], name: str, cfg: ModelConfig) -
     return F.linear(x, params[name + ".weight"], params[name + ".bias"] if cfg.linear_bias else None)
 
 
+class _Attending(NamedTuple):
+    """What a layer attends with: a global layer's mask and rotary tables, or a local one's (its band)."""
+
+    mask: Tensor | None
+    rope: tuple[Tensor, Tensor] | None  # (cos, sin); None without rotary positions
+    attention: Attention
+    rate: float | Tensor  # dropout
+
+
 def _attention(
-    params: dict[str, Tensor],
-    p: str,
-    cfg: ModelConfig,
-    x: Tensor,
-    mask: Tensor | None,
-    rope: tuple[Tensor, Tensor] | None,
-    attention: Attention,
-    rate: float | Tensor,
-    queries: int | None = None,
+    params: dict[str, Tensor], p: str, cfg: ModelConfig, x: Tensor, how: _Attending, queries: int | None = None
 ) -> Tensor:
     """Self-attention's output [B, S, H]; with `queries`, the output [B, queries, H] of the first `queries`
     tokens alone (reading every key)."""
+    mask, rope, attention, rate = how
     B, S, H = x.shape
     if queries is None:
         qkv = _linear(x, params, p + "attn.qkv", cfg).view(B, S, 3, cfg.heads, cfg.head_dim)

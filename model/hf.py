@@ -84,8 +84,7 @@ def from_transformers(
         cfg = ModelConfig(**fields)
     except ValueError as e:
         raise UnsupportedCheckpoint(f"{where}/config.json: {e}") from None
-    head = not ignored and hf_names("head.dense.weight", family)[0] in state
-    return cfg, _read_state(cfg, family, config, state, where, head, ignored)
+    return cfg, _read_state(cfg, family, config, state, where, ignored)
 
 
 def missing_head(cfg: ModelConfig, params: dict[str, Tensor]) -> list[str]:
@@ -257,11 +256,12 @@ def _read_state(
     config: dict[str, Any],
     state: dict[str, Tensor],
     where: str,
-    head: bool,
     ignored: tuple[str, ...],
 ) -> dict[str, Tensor]:
-    """cram's params of `state`, without the masked-LM head unless `head`; `ignored`: name prefixes of
-    weights that are read past (a sequence classifier's)."""
+    """cram's params of `state`, with the masked-LM head where the checkpoint is a masked LM (it has the
+    head's dense layer); `ignored`: name prefixes of weights that are read past (a sequence classifier's,
+    whose checkpoint never gives a masked-LM head)."""
+    head = not ignored and hf_names("head.dense.weight", family)[0] in state
     params, used = {}, set()
     for name, shape in shapes(cfg).items():
         if name.startswith("head.") and not head:

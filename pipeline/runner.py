@@ -109,25 +109,34 @@ def execute(
     run_dir.mkdir(parents=True, exist_ok=True)
     if main:
         rundir.write_atomic(run_dir / rundir.CONFIG, config_text)
-    manifest = rundir.Manifest.load(run_dir)
+    here = _Process(config, run_dir, rundir.Manifest.load(run_dir), rank, world_size)
     for step in steps:
         if step.action == "skip":
             if main:
                 log.info("skip", stage=step.name, reason=step.reason)
             continue
-        _run_step(config, step, run_dir, manifest, rank, world_size)
-    return manifest.records
+        _run_step(here, step)
+    return here.manifest.records
 
 
-def _run_step(
-    config: cfg.PipelineConfig,
-    step: Step,
-    run_dir: Path,
-    manifest: rundir.Manifest,
-    rank: int,
-    world_size: int,
-) -> None:
-    main = rank == 0
+@dataclass(frozen=True)
+class _Process:
+    """This process's part of a run: the config, the run directory and its manifest, and which of the
+    `world_size` torchrun ranks it is (rank 0 alone locks, writes the manifest and links)."""
+
+    config: cfg.PipelineConfig
+    run_dir: Path
+    manifest: rundir.Manifest
+    rank: int
+    world_size: int
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def _run_step(here: _Process, step: Step) -> None:
+    main, run_dir, world_size = here.main, here.run_dir, here.world_size
     stored = store.Store.of(run_dir)
     structlog.contextvars.bind_contextvars(stage=step.name)
     log = logs.get(run=run_dir.name)
@@ -140,10 +149,10 @@ def _run_step(
             reuse = main and step.reason != "forced" and _intact(entry, step, log)
             if ranks.from_rank_0(reuse, world_size):
                 if main:
-                    _reuse(step, run_dir, entry, manifest, log)
+                    _reuse(step, run_dir, entry, here.manifest, log)
                 ranks.barrier(world_size)
                 return
-            _compute(config, step, run_dir, stored, manifest, rank, world_size, log)
+            _compute(here, step, stored, log)
     finally:
         structlog.contextvars.unbind_contextvars("stage")
 
@@ -217,17 +226,8 @@ def _earlier_tries(previous: StageRecord | None, key: str) -> tuple[Try, ...]:
     return ()
 
 
-def _compute(
-    config: cfg.PipelineConfig,
-    step: Step,
-    run_dir: Path,
-    stored: store.Store,
-    manifest: rundir.Manifest,
-    rank: int,
-    world_size: int,
-    log: Log,
-) -> None:
-    main = rank == 0
+def _compute(here: _Process, step: Step, stored: store.Store, log: Log) -> None:
+    config, run_dir, manifest, main, world_size = here.config, here.run_dir, here.manifest, here.main, here.world_size
     damaged = ranks.agree(_damaged_upstream(step, run_dir) if main else None, world_size)
     if damaged is not None:
         raise CramError(*damaged)
@@ -241,7 +241,7 @@ def _compute(
         # Other ranks read the manifest rank 0 has written, which holds the upstream outputs.
         records = manifest if main else rundir.Manifest.load(run_dir)
         inputs = {name: stages.Upstream(run_dir / name, _outputs(records, name)) for name in step.upstream_keys}
-        ctx = _context(config, step, run_dir, rank, world_size, log)
+        ctx = _context(here, step, log)
         outputs: dict[str, Any] = {}
         error: tuple[str, int] | None = None
         if main or step.stage.DISTRIBUTED:
@@ -307,9 +307,8 @@ def _outputs(manifest: rundir.Manifest, name: str) -> dict[str, Any]:
     return record.outputs if record is not None else {}
 
 
-def _context(
-    config: cfg.PipelineConfig, step: Step, run_dir: Path, rank: int, world_size: int, log: Log
-) -> stages.Context:
+def _context(here: _Process, step: Step, log: Log) -> stages.Context:
+    config, run_dir, rank = here.config, here.run_dir, here.rank
     return stages.Context(
         seed=config.run.seed,
         device=config.run.device,
@@ -317,7 +316,7 @@ def _context(
         run_dir=run_dir,
         log=log,
         rank=rank,
-        world_size=world_size,
+        world_size=here.world_size,
         metrics=stage_loggers.make(
             config.run.loggers if rank == 0 else (), run_dir / "logs", run_dir.name, step.name, config.to_dict()
         ),

@@ -87,12 +87,11 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
             order = scratch.shuffled(keep, ctx.seed, folder)
             del nonempty, keep, keys  # their maps closed, their pages no longer counted
             prefix = [special_ids["cls"]] if config.boundary == "cls-sep" else []
-            suffix = [special_ids["sep"]]
-            n_val, val_len, total = _validation_split(order, offsets, config, len(prefix) + len(suffix))
+            rows = Rows(config.seq_len, dtype, prefix, [special_ids["sep"]])
+            n_val, val_len, total = _validation_split(order, offsets, config, rows.wrap)
             splits = (("val", order[:n_val], val_len), ("train", order[n_val:], total - val_len))
             shapes = {
-                split: write_blocks(out_dir / f"{split}.npy", ids, docs, size, dtype, prefix, suffix, config.seq_len)
-                for split, docs, size in splits
+                split: write_blocks(out_dir / f"{split}.npy", ids, docs, size, rows) for split, docs, size in splits
             }
             del order, offsets, splits
     finally:
@@ -242,31 +241,37 @@ def _document_hashes(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         return sums + lengths.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
 
 
-def write_blocks(
-    path: Path,
-    ids: MappedIds,
-    docs: np.ndarray,
-    size: int,
-    dtype: DTypeLike,
-    prefix: list[int],
-    suffix: list[int],
-    seq_len: int,
-) -> tuple[int, int]:
-    """Pass two, for one split: the documents `docs`, in that order, each wrapped in prefix and
-    suffix tokens (`size` tokens in all), cut into rows of seq_len (the remainder that does not fill a
-    row is dropped) and written as `dtype` to the `.npy` file `path` a chunk at a time. Returns the
-    array's shape.
+@dataclass(frozen=True)
+class Rows:
+    """How pack lays out a split: each document wrapped in `prefix` and `suffix` tokens, the stream cut
+    into rows of `seq_len`, stored as `dtype`."""
+
+    seq_len: int
+    dtype: DTypeLike
+    prefix: list[int]
+    suffix: list[int]
+
+    @property
+    def wrap(self) -> int:
+        """The tokens a document gains."""
+        return len(self.prefix) + len(self.suffix)
+
+
+def write_blocks(path: Path, ids: MappedIds, docs: np.ndarray, size: int, rows: Rows) -> tuple[int, int]:
+    """Pass two, for one split: the documents `docs`, in that order, laid out as `rows` says (`size`
+    tokens in all, wrapped; the remainder that does not fill a row is dropped) and written to the `.npy`
+    file `path` a chunk at a time. Returns the array's shape.
 
     The file is written with plain writes after its header, not through `open_memmap`: the pages
     of a writable memory map stay in the process's RSS until it is closed."""
     import numpy as np
 
-    shape = (size // seq_len, seq_len)
-    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": shape}
-    remaining, wrap, unadvised = shape[0] * seq_len, len(prefix) + len(suffix), 0
+    shape = (size // rows.seq_len, rows.seq_len)
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(rows.dtype)), "fortran_order": False, "shape": shape}
+    remaining, wrap, unadvised = shape[0] * rows.seq_len, rows.wrap, 0
     with open(path, "wb") as out:
         np.lib.format.write_array_header_1_0(out, header)
-        buffers = _Buffers(dtype, ids.dtype)
+        buffers = _Buffers(rows.dtype, ids.dtype)
         for block_start, block_stop in scratch.blocks(len(docs)):
             part = docs[block_start:block_stop]
             sources = ids.sources[part]
@@ -277,7 +282,8 @@ def write_blocks(
                 # The documents that end within CHUNK_TOKENS of this chunk's start (at least one).
                 start = int(ends[first - 1]) if first else 0
                 last = max(first + 1, int(np.searchsorted(ends, start + CHUNK_TOKENS, side="right")))
-                chunk = wrapped(ids, sources[first:last], lengths[first:last], prefix, suffix, buffers)[:remaining]
+                chunk = wrapped(ids, sources[first:last], lengths[first:last], rows.prefix, rows.suffix, buffers)
+                chunk = chunk[:remaining]
                 scratch.write(chunk, out)
                 remaining -= len(chunk)
                 first = last

@@ -10,6 +10,7 @@ from cram import model
 from cram.stages.evaluate import Config
 from cram.stages.finetuning.finetune import Tuner
 from cram.stages.shared.precision import FP32
+from cram.stages.tasks.config import TaskSettings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,8 +41,8 @@ def test_eager_batches_are_padded_to_their_longest_row_and_compiled_ones_to_a_bu
 def test_an_eager_fine_tune_leaves_the_pretrained_params_as_they_were():
     eager = tuner(compile=False)
     before = {k: v.clone() for k, v in eager.params.items()}
-    first, _ = eager.train(3, split(), epochs=1, lr=1e-2, seed=0)
+    first, _ = eager.train(3, split(), TaskSettings(epochs=1, seeds=1, lr=1e-2, max_length=32), seed=0)
     torch.testing.assert_close(eager.params, before, rtol=0, atol=0)
-    again, _ = eager.train(3, split(), epochs=1, lr=1e-2, seed=0)
+    again, _ = eager.train(3, split(), TaskSettings(epochs=1, seeds=1, lr=1e-2, max_length=32), seed=0)
     torch.testing.assert_close(again, first, rtol=0, atol=0)
     assert not torch.equal(first["layers.0.attn.qkv.weight"], before["layers.0.attn.qkv.weight"])

@@ -16,6 +16,7 @@ from cram.stages.pretraining.setup import planned_passes
 from cram.stages.shared.precision import FP32
 from cram.stages.shared.progress import Every
 from cram.stages.shared.special import SPECIAL_IDS
+from cram.stages.tasks.config import TaskSettings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SEQ = 16
@@ -103,7 +104,13 @@ def test_fine_tuning_logs_its_start_and_progress(monkeypatch):
     rows = [np.array([2, 5 + i % 7, 3]) for i in range(10)]
     train = (rows, np.array([3] * 10), np.array([i % 2 for i in range(10)]))
     with capture_logs() as logs:
-        tuner.train(2, train, epochs=2, lr=1e-3, seed=0, log=structlog.get_logger().bind(task="sent", seed=0))
+        tuner.train(
+            2,
+            train,
+            TaskSettings(epochs=2, seeds=1, lr=1e-3, max_length=16),
+            seed=0,
+            log=structlog.get_logger().bind(task="sent", seed=0),
+        )
     lines = [(e["task"], e["seed"], e["step"], "loss" in e) for e in logs if e["event"] == "fine-tuning"]
     assert lines[0] == ("sent", 0, "0/6", False)  # 10 examples in batches of 4: 3 steps an epoch
     assert [line[2] for line in lines[1:]] == [f"{n}/6" for n in range(1, 7)] and all(line[3] for line in lines[1:])

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable, List, Optional
 
@@ -133,26 +132,20 @@ def run(
     if name is not None:
         conf = dataclasses.replace(conf, run=dataclasses.replace(conf.run, name=name))
     rundir.validate_name(conf.run.name)
-    _run(conf, Path(conf.run.root) / conf.run.name, modules, only, start, tuple(force), dry_run)
+    run_dir = Path(conf.run.root) / conf.run.name
+    _run(conf, run_dir, planning.plan(conf, modules, run_dir, only=only, start=start, force=tuple(force)), dry_run)
 
 
 @app.command()
 def resume(run_dir: Path = typer.Argument(..., help="A run directory.")) -> None:
     """Continue an interrupted run from its saved config; a checkpointed stage continues from its checkpoint."""
     modules = runner.default_stages()
-    _run(runner.load_saved(run_dir, modules), run_dir, modules)
+    conf = runner.load_saved(run_dir, modules)
+    _run(conf, run_dir, planning.plan(conf, modules, run_dir))
 
 
-def _run(
-    conf: cfg.PipelineConfig,
-    run_dir: Path,
-    modules: Sequence[planning.StageLike],
-    only: str | None = None,
-    start: str | None = None,
-    force: tuple[str, ...] = (),
-    dry_run: bool = False,
-) -> None:
-    steps = planning.plan(conf, modules, run_dir, only=only, start=start, force=force)
+def _run(conf: cfg.PipelineConfig, run_dir: Path, steps: list[planning.Step], dry_run: bool = False) -> None:
+    """Run the planned `steps` (with `dry_run`, print them) and the run's status after."""
     if dry_run:
         print_plan(steps, run_dir, conf)
     elif runner.run_pipeline(conf, run_dir, steps) == 0:

@@ -107,7 +107,7 @@ def finetune_seed(tuner: Tuner, loaded: Loaded, seed: int, ctx: Context, keep: C
     began = time.perf_counter()
     task, data, settings = loaded.task, loaded.data, loaded.settings
     label, log = f"{task.name} seed {seed}", ctx.log.bind(task=task.name, seed=seed)
-    params, loss = tuner.train(task.num_outputs, data.train, settings.epochs, settings.lr, seed, label, log)
+    params, loss = tuner.train(task.num_outputs, data.train, settings, seed, label, log)
     scores = {}
     for test, (rows, lengths, labels) in data.tests.items():
         outputs = tuner.outputs(params, rows, lengths)
@@ -233,20 +233,21 @@ class Tuner:
         self,
         num_outputs: int,
         train: Split,
-        epochs: int,
-        lr: float,
+        settings: TaskSettings,
         seed: int,
         label: str = "fine-tune",
         log: BoundLogger | None = None,
     ) -> tuple[dict, float]:
-        """Params fine-tuned from the pretrained ones with a fresh head, and the last epoch's mean loss.
-        `log` (bound to the task and seed) gets a progress line at the start and every PROGRESS_EVERY_S."""
+        """Params fine-tuned from the pretrained ones with a fresh head, and the last epoch's mean loss:
+        `settings.epochs` epochs at the task's `settings.lr`. `log` (bound to the task and seed) gets a
+        progress line at the start and every PROGRESS_EVERY_S."""
         import numpy as np
         import torch
 
         from cram import model
 
         rows, lengths, labels = train
+        epochs, lr = settings.epochs, settings.lr
         size = self.config.batch_size
         head = self.head(num_outputs, seed)
         torch.manual_seed(seed)  # dropout's masks: a seed's fine-tune is the same wherever it runs
