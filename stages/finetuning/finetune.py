@@ -90,7 +90,7 @@ def encode(task: Task, tokenizer: Tokenizer, special: dict, max_length: int) -> 
 
 
 @dataclass(frozen=True)
-class Loaded:
+class ClassificationLoaded:
     """A task ready to fine-tune: its config entry, its examples, them encoded, and its own settings."""
 
     config: TaskConfig
@@ -99,7 +99,9 @@ class Loaded:
     settings: TaskSettings
 
 
-def finetune_seed(tuner: Tuner, loaded: Loaded, seed: int, ctx: Context, keep: Callable | None = None) -> dict:
+def finetune_seed(
+    tuner: Tuner, loaded: ClassificationLoaded, seed: int, ctx: Context, keep: Callable | None = None
+) -> dict:
     """Fine-tune one seed of one task from the pretrained params and score it on each test set; `keep`,
     when given, is called with the fine-tuned params and the run's record (`keeping.Keeper.offer`)."""
     from cram.stages.finetuning.metrics import score
@@ -125,7 +127,7 @@ def finetune_seed(tuner: Tuner, loaded: Loaded, seed: int, ctx: Context, keep: C
     return run
 
 
-def task_result(tuning: Tuning, loaded: Loaded, seeds: list[int], runs: list[dict], ctx: Context) -> dict:
+def task_result(tuning: Tuning, loaded: ClassificationLoaded, seeds: list[int], runs: list[dict], ctx: Context) -> dict:
     """A task's results from its seeds' runs (in seed order): per-seed scores, medians, the baseline."""
     import numpy as np
 
@@ -176,7 +178,7 @@ class Graph:
         return f"{what}, {self.num_outputs} outputs, length {self.bucket}"
 
 
-def graphs(loaded: list[Loaded], tuning: Tuning) -> list[Graph]:
+def graphs(loaded: list[ClassificationLoaded], tuning: Tuning) -> list[Graph]:
     """Every graph the tasks' fine-tunes and test predictions may run, once each: a (head, bucket) shape
     that a training row (the step) or a test row (prediction) falls in, with the first rows of it."""
     import numpy as np

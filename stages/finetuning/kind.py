@@ -21,7 +21,7 @@ from cram.stages.tasks.kind import Start, count
 
 if TYPE_CHECKING:
     from cram.stages import Context, Upstream
-    from cram.stages.finetuning.finetune import Graph, Loaded, Tuner
+    from cram.stages.finetuning.finetune import ClassificationLoaded, Graph, Tuner
     from cram.stages.finetuning.tasks import Task
     from cram.stages.shared.precision import Difference, Precision
     from cram.stages.shared.tokenizer import Tokenizer
@@ -110,18 +110,20 @@ class Classification:
 
     def load(
         self, task: TaskConfig, index: int, settings: TaskSettings, tokenize: Upstream, tokenizer: Tokenizer
-    ) -> Loaded:
+    ) -> ClassificationLoaded:
         found = finetune.load_task(task, index, tokenize)
         encoded = finetune.encode(found, tokenizer, tokenize.outputs["special_ids"], settings.max_length)
-        return finetune.Loaded(task, found, encoded, settings)
+        return finetune.ClassificationLoaded(task, found, encoded, settings)
 
-    def cost(self, loaded: Loaded) -> float:
+    def cost(self, loaded: ClassificationLoaded) -> float:
         return len(loaded.data.train[0]) * loaded.settings.epochs
 
-    def runner(self, loaded: list[Loaded], start: Start) -> Classifiers:
+    def runner(self, loaded: list[ClassificationLoaded], start: Start) -> Classifiers:
         return Classifiers(start, finetune.graphs(loaded, start.tuning))
 
-    def result(self, loaded: Loaded, seeds: list[int], runs: list[dict], tuning: Tuning, ctx: Context) -> dict:
+    def result(
+        self, loaded: ClassificationLoaded, seeds: list[int], runs: list[dict], tuning: Tuning, ctx: Context
+    ) -> dict:
         return finetune.task_result(tuning, loaded, seeds, runs, ctx)
 
     def totals(self, tasks: dict[str, dict]) -> dict[str, Any]:
@@ -136,7 +138,7 @@ class Classification:
         }
         return {"glue": {"average": glue_average(glue), "sets": sorted(glue)}} if glue else {}
 
-    def meta(self, loaded: Loaded, tuning: Tuning, tokenizer: dict) -> dict:
+    def meta(self, loaded: ClassificationLoaded, tuning: Tuning, tokenizer: dict) -> dict:
         return describe(tuning, loaded.config, loaded.task, loaded.settings.max_length, tokenizer)
 
 
@@ -168,7 +170,9 @@ class Classifiers:
         eager = self._make(precision, compile=False)
         return self.tuner(precision).canary(eager, self.shapes, steps, self.start.seed, tolerance)
 
-    def run_seed(self, precision: Precision, loaded: Loaded, seed: int, ctx: Context, keep: Callable) -> dict:
+    def run_seed(
+        self, precision: Precision, loaded: ClassificationLoaded, seed: int, ctx: Context, keep: Callable
+    ) -> dict:
         return finetune.finetune_seed(self.tuner(precision), loaded, seed, ctx, keep)
 
 
