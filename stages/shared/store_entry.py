@@ -26,7 +26,7 @@ class Marker:
     sizes."""
 
     stage: str
-    key: Any  # a 64-hex key as written; whatever a marker edited by hand holds, for the check to refuse
+    key: object  # a 64-hex key as written; whatever a marker edited by hand holds, for the check to refuse
     record: dict[str, Any]
     sizes: dict[str, int]
     times: dict[str, int] | None = None
@@ -59,14 +59,14 @@ class Marker:
 
 
 def read_marker(folder: Path) -> Marker | None:
-    """The marker of the store entry at `folder`, or None when it has none, it is unreadable or it lists no
-    files. Other fields of the wrong type read as absent: the checks then refuse the entry (a key) or
+    """The marker of the store entry at `folder`, or None when it has none or it is unreadable. A field of
+    the wrong type reads as absent: the checks then refuse the entry (a key), check no sizes (files) or
     trust it on sizes (times, hashes)."""
     try:
         marker = json.loads((folder / MARKER).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return None
-    if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
+    if not isinstance(marker, dict):
         return None
 
     def table(name: str) -> dict | None:
@@ -78,7 +78,7 @@ def read_marker(folder: Path) -> Marker | None:
         stage=stage if isinstance(stage, str) else "",
         key=marker.get("key"),
         record=table("record") or {},
-        sizes=marker["files"],
+        sizes=table("files") or {},
         times=table("mtime_ns"),
         hashes=table(CONTENT_HASH),
     )
