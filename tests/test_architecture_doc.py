@@ -106,7 +106,11 @@ def test_the_import_rules_the_page_states_hold():
 def test_task_kinds_are_wings_side_by_side_and_the_orchestration_dispatches_through_the_registry():
     """The page's "Task kinds": a wing imports no other wing nor the orchestration above it; the bottom
     (stages/tasks/) imports no wing; and outside the wings no code asks a task entry which kind it is."""
-    wings = {"finetuning": "cram.stages.finetuning", "retrieval": "cram.stages.retrieval"}
+    wings = {
+        "finetuning": "cram.stages.finetuning",
+        "retrieval": "cram.stages.retrieval",
+        "tagging": "cram.stages.tagging",
+    }
     above = ("cram.stages.evaluating", "cram.stages.evaluate", "cram.stages.baseline")
     broken = []
     for wing in wings:
