@@ -392,7 +392,7 @@ def test_every_registered_kind_is_a_kind_and_owns_its_fields_alone():
     from cram.stages.tasks.kind import Kind
 
     names = [name for kind in kinds.KINDS for name in kind.kinds]
-    assert len(names) == len(set(names)) == len(kinds.BY_NAME) == 5
+    assert len(names) == len(set(names)) == len(kinds.BY_NAME) == 6
     assert TaskConfig().kind in names and all(isinstance(kind, Kind) for kind in kinds.KINDS)
     fields = {f.name for f in dataclasses.fields(TaskConfig)}
     owned = [key for kind in kinds.KINDS for key in kind.fields]

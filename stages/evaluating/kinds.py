@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from cram.stages.finetuning.kind import CLASSIFICATION
 from cram.stages.retrieval.kind import RETRIEVAL
+from cram.stages.tagging.kind import TAGGING
 from cram.stages.tasks.kind import Kind
 
 KINDS: tuple[Kind, ...] = (
     CLASSIFICATION,  # heldout-topic, glue, custom
     RETRIEVAL,  # retrieval, heldout-retrieval
+    TAGGING,  # token-classification
 )
 BY_NAME: dict[str, Kind] = {name: kind for kind in KINDS for name in kind.kinds}
 

@@ -1,0 +1,185 @@
+"""The token-classification fine-tune: a fresh head per seed on the pretrained encoder, its rows batched as the
+classifiers' are (`batch_size` rows, short batches filled with rows whose every label is IGNORE, each batch
+padded to the smallest length bucket that holds it: one compiled graph per bucket), and every word's tag read
+where its row put it (`Rows.reads`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from cram.stages.kept.batches import Padding
+from cram.stages.shared.device import to_device
+from cram.stages.shared.precision import stepped_difference
+from cram.stages.shared.progress import Every, track
+from cram.stages.tagging.windows import IGNORE, Rows
+from cram.stages.tasks.config import FINETUNE_OPTIMIZER, PROGRESS_EVERY_S
+
+if TYPE_CHECKING:
+    import torch
+    from structlog.stdlib import BoundLogger
+
+    from cram.model.config import ModelConfig
+    from cram.model.tagger import TagHead
+    from cram.stages.shared.precision import Precision
+    from cram.stages.tasks.config import Tuning
+    from cram.stages.tasks.kind import Start
+
+
+@dataclass(frozen=True)
+class TagGraph:
+    """A compiled graph a fine-tune runs, and one batch of its shape for the canary: the fine-tune step or
+    prediction, for `num_labels` tags, at `bucket`."""
+
+    prediction: bool
+    num_labels: int
+    bucket: int
+    rows: Rows
+    index: np.ndarray
+
+    @property
+    def name(self) -> str:
+        return (
+            f"{'tagging' if self.prediction else 'tagger fine-tune step'}, {self.num_labels} tags, length {self.bucket}"
+        )
+
+
+def tag_graphs(splits: list[tuple[int, Rows, Rows]], tuning: Tuning) -> list[TagGraph]:
+    """Every graph the tasks' fine-tunes and predictions may run, once each (`splits`: each task's number of
+    tags, training rows and the rows it predicts), with the first rows of each shape."""
+    found: dict[tuple[bool, int, int], TagGraph] = {}
+    for num_labels, train, scored in splits:
+        for prediction, rows, size in ((False, train, tuning.batch_size), (True, scored, tuning.eval_batch_size)):
+            in_bucket = np.searchsorted(np.asarray(tuning.buckets), rows.lengths)
+            for b in np.unique(in_bucket):
+                key = (prediction, num_labels, tuning.buckets[b])
+                index = np.flatnonzero(in_bucket == b)[:size]
+                found.setdefault(key, TagGraph(prediction, num_labels, tuning.buckets[b], rows, index))
+    return list(found.values())
+
+
+@dataclass(frozen=True)
+class Tagger:
+    """What every token fine-tune of a stage shares in one precision: the pretrained params, the head's kind,
+    the compiled step and prediction, and batch making."""
+
+    config: Tuning
+    cfg: ModelConfig
+    params: dict
+    special: dict
+    device: torch.device
+    head: TagHead
+    step: Callable  # (params, opt_state, batch, lr, donate=False) -> (params, opt_state, metrics)
+    predict: Callable  # (params, batch) -> logits [B, S, tags]
+
+    @classmethod
+    def make(cls, start: Start, precision: Precision, compile: bool) -> Tagger:
+        from cram import model
+        from cram.model.tagger import make_tag_eval_step, make_tag_step, tag_head_of
+
+        config = dataclasses.replace(start.tuning, compile=compile)
+        fixed = {k: v for k, v in FINETUNE_OPTIMIZER.items() if k != "schedule"}
+        opt_cfg = model.OptimizerConfig(lr=config.lr, weight_decay=config.weight_decay, **fixed)
+        options = precision.compile_options() if compile else None
+        how = model.Compilation(compile, config.backend, precision.autocast(), start.attention, options)
+        cfg = dataclasses.replace(start.cfg, dropout=0.0)  # the step's rate comes with each batch
+        head = tag_head_of(cfg)
+        step, predict = make_tag_step(cfg, opt_cfg, how, head=head), make_tag_eval_step(cfg, how, head=head)
+        return cls(config, cfg, start.params, start.special, start.device, head, step, predict)
+
+    def fresh(self, num_labels: int, seed: int) -> dict:
+        """The pretrained params (copies: a donated step overwrites them) with a fresh head, on the device."""
+        from cram.model.tagger import init_tag_head
+
+        head = init_tag_head(self.cfg, num_labels, seed, self.head)
+        return {**{k: v.clone() for k, v in self.params.items()}, **{k: v.to(self.device) for k, v in head.items()}}
+
+    def batch(self, rows: Rows, index: np.ndarray, size: int, dropout: float = 0.0) -> dict:
+        """`size` rows padded to the bucket of the longest (eager: to the longest), fillers past `len(index)`
+        with every label IGNORE; `dropout`: the fine-tune step's rate."""
+        import torch
+
+        buckets = self.config.buckets if self.config.compile else ()
+        arrays = Padding(self.special, buckets, self.cfg.token_types > 1).inputs(rows.ids, rows.lengths, index, size)
+        labels = np.full(arrays["input_ids"].shape, IGNORE, dtype=np.int64)
+        for row, i in enumerate(index):
+            labels[row, : len(rows.labels[i])] = rows.labels[i]
+        arrays.update(labels=labels, dropout=np.array(dropout, dtype=np.float32))
+        return {k: to_device(torch.from_numpy(v), self.device) for k, v in arrays.items()}
+
+    def train(
+        self, num_labels: int, rows: Rows, schedule: tuple[int, float, int], label: str, log: BoundLogger | None
+    ) -> tuple[dict, float]:
+        """Params fine-tuned with a fresh head (`schedule`: epochs, peak lr, seed) and the last epoch's mean loss;
+        `log` gets a progress line at the start and every PROGRESS_EVERY_S."""
+        import torch
+
+        from cram import model
+
+        epochs, lr, seed = schedule
+        size = self.config.batch_size
+        params = self.fresh(num_labels, seed)
+        torch.manual_seed(seed)  # dropout's masks
+        opt_state, rng = model.adamw_init(params), np.random.default_rng(seed)
+        per_epoch = math.ceil(len(rows.ids) / size)
+        total, every = per_epoch * epochs, Every(PROGRESS_EVERY_S)
+        if log is not None:
+            log.info("fine-tuning", step=f"0/{total}", epochs=epochs, rows=len(rows.ids))
+        for epoch in range(epochs):
+            order, losses = rng.permutation(len(rows.ids)), []
+            for i in track(range(per_epoch), label, total, done=epoch * per_epoch):
+                batch = self.batch(rows, order[i * size : (i + 1) * size], size, self.config.dropout)
+                factor = model.lr_schedule(
+                    FINETUNE_OPTIMIZER["schedule"], (epoch * per_epoch + i) / total, warmup=self.config.warmup
+                )
+                lr_now = to_device(torch.tensor(lr * factor, dtype=torch.float32), self.device)
+                params, opt_state, metrics = self.step(params, opt_state, batch, lr_now, donate=True)
+                losses.append(metrics["loss"])
+                if log is not None and every.due():
+                    done = epoch * per_epoch + i + 1
+                    log.info("fine-tuning", step=f"{done}/{total}", loss=round(float(metrics["loss"]), 4))
+        return params, float(torch.stack(losses).mean())
+
+    def tags(self, params: dict, rows: Rows) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Each sentence's words' tag ids and their probabilities, read where `rows.reads` says."""
+        ids, probabilities = self.positions(params, rows)
+        words = [ids[r[:, 0], r[:, 1]] if len(r) else np.zeros(0, np.int64) for r in rows.reads]
+        return words, [probabilities[r[:, 0], r[:, 1]] for r in rows.reads]
+
+    def positions(self, params: dict, rows: Rows) -> tuple[np.ndarray, np.ndarray]:
+        """[rows, longest] of each position's most likely tag id and its probability (a padded grid)."""
+
+        size, lengths = self.config.eval_batch_size, rows.lengths
+        order = np.argsort(-lengths, kind="stable")
+        best = np.zeros((len(rows.ids), int(lengths.max())), dtype=np.int64)
+        chance = np.zeros(best.shape, dtype=np.float32)
+        for start in range(0, len(order), size):
+            index = order[start : start + size]
+            batch = self.batch(rows, index, size)
+            inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+            p, tag = self.predict(params, inputs).softmax(-1).max(-1)
+            width = min(p.shape[1], best.shape[1])
+            best[index, :width] = tag[: len(index), :width].cpu().numpy()
+            chance[index, :width] = p[: len(index), :width].float().cpu().numpy()
+        return best, chance
+
+    def graph_difference(self, eager: Tagger, graph: TagGraph, steps: int, seed: int) -> float:
+        """One graph's largest relative difference from eager, from the same fresh head, dropout off: `steps`
+        fine-tune steps (loss and gradient norm), or a prediction (logits, relative to their largest)."""
+        import torch
+
+        start = self.fresh(graph.num_labels, seed)
+        if graph.prediction:
+            batch = self.batch(graph.rows, graph.index, self.config.eval_batch_size)
+            inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+            logits = [t.predict(start, inputs).float() for t in (self, eager)]
+            worst = (logits[0] - logits[1]).abs().max() / logits[1].abs().max().clamp(min=1e-6)
+        else:
+            batch = self.batch(graph.rows, graph.index, self.config.batch_size)
+            lr = to_device(torch.tensor(self.config.lr, dtype=torch.float32), self.device)
+            worst = stepped_difference((self.step, eager.step), start, batch, lr, steps).double().max()
+        return float(worst) if torch.isfinite(worst) else float("inf")
