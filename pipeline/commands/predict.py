@@ -6,9 +6,10 @@
 Inputs are CSV / TSV (a header names the fields), JSON lines or plain text (one text a line), holding
 the task's text fields (classifier.json `text_fields`), read as a custom task's files are. One row per
 input text, in order: `{"label": NAME, "probabilities": {NAME: p, ...}}`, or `{"value": x}` for a
-regression; JSON lines or CSV by the `--out` extension (any case), JSON lines on stdout without it. The
-texts are read, classified and written a chunk at a time; `--out` is written to a temporary file and
-renamed once every row is in it.
+regression, or a tagger's `{"entities": [{"type", "start", "end", "text", "score"}, ...]}`
+(stages/tagging/predicting.py); JSON lines or CSV by the `--out` extension (any case; a tagger's JSON lines
+alone), JSON lines on stdout without it. The texts are read, classified and written a chunk at a time;
+`--out` is written to a temporary file and renamed once every row is in it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from cram.pipeline import errors, rundir, store
 from cram.pipeline.commands import classifiers
 from cram.stages import StageError
 from cram.stages.kept import KeptClassifier, KeptError, open_export
-from cram.stages.kept.predicting import OUTPUTS, Predictor, Settings, predict_files
+from cram.stages.kept.predicting import OUTPUTS, Predictor, Settings, output_kind, predict_files
+from cram.stages.tagging.predicting import TagPredictor
 
 INPUTS = (".csv", ".tsv", ".jsonl", ".ndjson", ".txt", ".text")
 
@@ -45,8 +47,13 @@ def predict(
     one at import); return how many were written."""
     check_paths(files, out)
     classifier, tokenizer, special = _classifier(source, task)
+    # a tagger (a token-classification task's) writes each text's entities: JSON lines alone
+    tagger = bool(classifier.meta.get("per_token"))
+    if tagger and out is not None and output_kind(out) == "csv":
+        raise PredictError(f"--out {out}: a tagger writes each text's entities as JSON lines; name a .jsonl file")
     try:
-        predictor = Predictor.make(classifier, tokenizer, special, settings)
+        make = TagPredictor.make if tagger else Predictor.make
+        predictor = make(classifier, tokenizer, special, settings)
         return predict_files(predictor, files, out, stream or sys.stdout)
     except KeptError as e:
         raise PredictError(str(e)) from None

@@ -213,25 +213,28 @@ def _write_transformers(source: Source, out: Path) -> None:
     from safetensors.torch import load_file, save_file
 
     from cram.model import hf
-    from cram.stages.kept.fast_tokenizer import SPLIT_SPECIAL, fast_tokenizer, read_json
+    from cram.model.tagger import tagger_to_transformers
+    from cram.stages.kept.fast_tokenizer import SPLIT_SPECIAL, fast_tokenizer, kept_tokenizer, read_json
 
     cfg, special, classifier, embedder = source.config(), source.special_ids, source.classifier, source.embedder
     # a kept model reads a typed special token as cram's sentencepiece model does: as text
     typed_as_text = source.tokenizer.suffix != ".json" and source.task is not None
-    if source.tokenizer.suffix != ".json":
-        tokenizer = fast_tokenizer(source.tokenizer, special, typed_special=not typed_as_text)
+    if source.task is not None:  # a kept model reads its texts as cram fine-tuned on them (cram's layout)
+        tokenizer = kept_tokenizer(source.tokenizer, special)
         tokenizer.save(str(out / "tokenizer.json"))
-    elif source.task is None:  # an encoder encodes no pairs: the tokenizer it was given, byte for byte
+    elif source.tokenizer.suffix != ".json":
+        tokenizer = fast_tokenizer(source.tokenizer, special)
+        tokenizer.save(str(out / "tokenizer.json"))
+    else:  # an encoder encodes no pairs: the tokenizer it was given, byte for byte
         tokenizer = read_json(source.tokenizer, special, layout=False)
         shutil.copyfile(source.tokenizer, out / "tokenizer.json")
-    else:  # a kept model reads its texts as cram fine-tuned on them: its post-processor is cram's
-        tokenizer = read_json(source.tokenizer, special)
-        tokenizer.save(str(out / "tokenizer.json"))
     params = load_file(source.params)
     if embedder is not None:
         config, state = hf.base_to_transformers(cfg, params, special)
     elif classifier is None:
         config, state = hf.to_transformers(cfg, params, special)
+    elif classifier.meta.get("per_token"):  # a tagger (a token-classification task's): a tag per token
+        config, state = tagger_to_transformers(cfg, params, special, classifier.labels)
     else:
         pooling = classifier.meta["pooling"]
         config, state = hf.classifier_to_transformers(cfg, params, special, pooling, classifier.labels)
@@ -241,10 +244,17 @@ def _write_transformers(source: Source, out: Path) -> None:
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **names,
-        # a kept model's texts are cut where evaluate cut them (an embedder's documents); an encoder's at its positions
-        "model_max_length": cfg.max_seq_len if source.task is None else (classifier or embedder).meta["max_length"],
+        # a kept model's texts are cut where evaluate cut them (an embedder's documents); an encoder's at its
+        # positions, and a tagger's too: it tags every word (cram windows a longer text; the pipeline, given
+        # `stride`, reads it in chunks), and a cut would drop the words past it silently
+        "model_max_length": cfg.max_seq_len if _whole(source) else (classifier or embedder).meta["max_length"],
         # BERT's segments where the model reads them: a pair's second text is segment 1, as cram fine-tunes
         "model_input_names": ["input_ids", "attention_mask"] + (["token_type_ids"] if cfg.token_types > 1 else []),
         **(SPLIT_SPECIAL if typed_as_text else {}),
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+def _whole(source: Source) -> bool:
+    """Whether the export's tokenizer reads a text up to the model's positions: an encoder's, or a tagger's."""
+    return source.task is None or bool(source.classifier and source.classifier.meta.get("per_token"))

@@ -118,3 +118,11 @@ def read_json(path: Path, special_ids: dict[str, int], layout: bool = True) -> A
         names = {role: tokenizer.id_to_token(i) for role, i in special_ids.items()}
         tokenizer.post_processor = post_processor(special_ids, names)
     return tokenizer
+
+
+def kept_tokenizer(path: Path, special_ids: dict[str, int]) -> Any:
+    """The fast tokenizer of a kept model's export, from the run's tokenizer file: cram's sentencepiece model
+    converted (a typed special token read as text), or the run's tokenizer.json with cram's layout."""
+    if path.suffix == ".json":
+        return read_json(path, special_ids)
+    return fast_tokenizer(path, special_ids, typed_special=False)

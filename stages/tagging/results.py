@@ -151,6 +151,7 @@ def tagger_meta(loaded: TagLoaded, tuning: Tuning, tokenizer: dict) -> dict:
         "kind": loaded.config.kind,
         "labels": list(loaded.data.labels),
         "regression": False,
+        "per_token": True,  # a tag per token: what export and predict read it by (stages/kept/, cram predict)
         "num_outputs": len(loaded.data.labels),
         "metric": METRICS[0],
         "text_fields": ["text"],

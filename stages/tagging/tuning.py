@@ -62,6 +62,31 @@ def tag_graphs(splits: list[tuple[int, Rows, Rows]], tuning: Tuning) -> list[Tag
     return list(found.values())
 
 
+def read_positions(
+    graph: Callable, params: dict, rows: Rows, padding: Padding, size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """graph(params, batch) -> logits [B, S, tags] over `rows`, `size` rows a batch, longest first, on the device
+    of `params`: [rows, longest] of each position's most likely tag id and its probability (fp32 softmax). One
+    graph per bucket; past dynamo's recompile limit it would fall back to eager silently, so that is an error."""
+    import torch
+
+    device = next(iter(params.values())).device
+    lengths = rows.lengths
+    order = np.argsort(-lengths, kind="stable")
+    best = np.zeros((len(rows.ids), int(lengths.max())), dtype=np.int64)
+    chance = np.zeros(best.shape, dtype=np.float32)
+    with torch._dynamo.config.patch(recompile_limit=max(8, len(padding.buckets)), fail_on_recompile_limit_hit=True):
+        for start in range(0, len(order), size):
+            index = order[start : start + size]
+            arrays = padding.inputs(rows.ids, lengths, index, size)
+            batch = {k: to_device(torch.from_numpy(v), device) for k, v in arrays.items()}
+            p, tag = graph(params, batch).float().softmax(-1).max(-1)
+            width = min(p.shape[1], best.shape[1])
+            best[index, :width] = tag[: len(index), :width].cpu().numpy()
+            chance[index, :width] = p[: len(index), :width].cpu().numpy()
+    return best, chance
+
+
 @dataclass(frozen=True)
 class Tagger:
     """What every token fine-tune of a stage shares in one precision: the pretrained params, the head's kind,
@@ -151,21 +176,10 @@ class Tagger:
         return words, [probabilities[r[:, 0], r[:, 1]] for r in rows.reads]
 
     def positions(self, params: dict, rows: Rows) -> tuple[np.ndarray, np.ndarray]:
-        """[rows, longest] of each position's most likely tag id and its probability (a padded grid)."""
-
-        size, lengths = self.config.eval_batch_size, rows.lengths
-        order = np.argsort(-lengths, kind="stable")
-        best = np.zeros((len(rows.ids), int(lengths.max())), dtype=np.int64)
-        chance = np.zeros(best.shape, dtype=np.float32)
-        for start in range(0, len(order), size):
-            index = order[start : start + size]
-            batch = self.batch(rows, index, size)
-            inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
-            p, tag = self.predict(params, inputs).softmax(-1).max(-1)
-            width = min(p.shape[1], best.shape[1])
-            best[index, :width] = tag[: len(index), :width].cpu().numpy()
-            chance[index, :width] = p[: len(index), :width].float().cpu().numpy()
-        return best, chance
+        """[rows, longest] of each position's most likely tag id and its probability (`read_positions`)."""
+        buckets = self.config.buckets if self.config.compile else ()
+        padding = Padding(self.special, buckets, self.cfg.token_types > 1)
+        return read_positions(self.predict, params, rows, padding, self.config.eval_batch_size)
 
     def graph_difference(self, eager: Tagger, graph: TagGraph, steps: int, seed: int) -> float:
         """One graph's largest relative difference from eager, from the same fresh head, dropout off: `steps`
