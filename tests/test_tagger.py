@@ -110,3 +110,47 @@ def test_a_tagger_exports_as_its_familys_token_classifier_with_equal_logits(fami
     ours = tag(params, cfg, ids, mask, head=head)
     assert expected.abs().max() > 0.1
     assert (ours - expected)[mask].abs().max().item() <= 1e-4
+
+
+def test_the_taggers_canary_checks_each_compiled_graph_against_eager_and_predicts_what_eager_does(tmp_path):
+    """The wing's fine-tuner (stages/tagging/tuning.py): a graph per (step or prediction, bucket), each within the
+    canary's tolerance of eager; a compiled fine-tune tags every word as the eager one does."""
+    import numpy as np
+
+    from cram.stages import evaluate
+    from cram.stages.shared.precision import FP32
+    from cram.stages.tagging.kind import Taggers
+    from cram.stages.tagging.tuning import Tagger, tag_graphs
+    from cram.stages.tagging.windows import windowed
+    from cram.stages.tasks.kind import Start
+
+    special = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
+    rng = np.random.default_rng(0)
+    lengths = [rng.integers(1, 9) for _ in range(12)]
+    words = [[[int(t)] for t in rng.integers(5, 64, n)] for n in lengths]
+    tags = [list(rng.integers(0, 3, n)) for n in lengths]
+    rows = windowed([w for s in words for w in s], lengths, tags, special, max_length=8)
+    config = evaluate.Config(
+        tasks=[],
+        batch_size=4,
+        max_length=8,
+        dropout=0.0,
+        eval_batch_size=4,
+        buckets=(4, 8),
+        compile=True,
+        backend="aot_eager",
+    )
+    tuning = config.tuning()
+    start = Start(tuning, CFG, model.init(CFG, 0), special, torch.device("cpu"), "auto", 0, tmp_path)
+    shapes = tag_graphs([(3, rows, rows)], tuning)
+    assert sorted((g.prediction, g.bucket) for g in shapes) == [(False, 4), (False, 8), (True, 4), (True, 8)]
+    taggers = Taggers(start, shapes)
+    assert taggers.graphs() == 4 and taggers.canary(FP32, steps=2, tolerance=1e-4).value <= 1e-4
+    compiled, eager = taggers.tagger(FP32), Tagger.make(start, FP32, compile=False)
+    results = []
+    for tagger in (compiled, eager):
+        params, loss = tagger.train(3, rows, (1, 1e-3, 0), "t", None)
+        results.append((tagger.tags(params, rows)[0], loss))
+    assert results[0][1] == pytest.approx(results[1][1], rel=1e-4)
+    assert all((a == b).all() for a, b in zip(results[0][0], results[1][0]))
+    assert [len(t) for t in results[0][0]] == lengths  # every word tagged once

@@ -11,6 +11,7 @@ import pytest
 import torch
 from test_export import BERT, MODERNBERT, corpus, fake_run
 from test_tagging_windows import wordpiece
+from test_tokenizer import SENTENCES
 
 from cram import model
 from cram.model.tagger import init_tag_head, tag_head_of
@@ -91,13 +92,36 @@ def pipeline_entities(folder, texts, strategy="first"):
     return [tagger(t) for t in texts]
 
 
-def same(ours, theirs, text):
-    """cram's entities equal the pipeline's: type, start, end, the text they cover, and the score."""
-    assert [(e["type"], e["start"], e["end"]) for e in ours] == [
-        (e["entity_group"], e["start"], e["end"]) for e in theirs
-    ], text
-    assert all(e["text"] == text[e["start"] : e["end"]] for e in ours)
-    assert [e["score"] for e in ours] == pytest.approx([float(e["score"]) for e in theirs], abs=1e-4)
+def same(ours, theirs, text, trimmed_only=False):
+    """cram's entities equal the pipeline's: type, start, end, the text they cover, and the score; the pipeline's
+    spans without their outer whitespace (a byte-level or sentencepiece token's offsets begin with its space;
+    a span of whitespace alone is none), which must change nothing unless `trimmed_only` allows it."""
+    spans = []
+    for e in theirs:
+        piece = text[e["start"] : e["end"]]
+        start, end = e["start"] + len(piece) - len(piece.lstrip()), e["end"] - len(piece) + len(piece.rstrip())
+        assert trimmed_only or (start, end) == (e["start"], e["end"]), (text, e)
+        if start < end:
+            spans.append((e["entity_group"], start, end, float(e["score"])))
+    assert [(e["type"], e["start"], e["end"]) for e in ours] == [s[:3] for s in spans], text
+    assert all(e["text"] == text[e["start"] : e["end"]] == e["text"].strip() for e in ours)
+    assert [e["score"] for e in ours] == pytest.approx([s[3] for s in spans], abs=1e-4)
+
+
+def byte_level(folder):
+    """A byte-level BPE tokenizer (RoBERTa's pre-tokenizer: a word's space is its first byte) with cram's special
+    ids, saved by transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(SENTENCES, trainers.BpeTrainer(vocab_size=200, special_tokens=specials))
+    names = dict(unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]", mask_token="[MASK]")
+    PreTrainedTokenizerFast(tokenizer_object=tok, **names).save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +134,13 @@ def encoders(tmp_path_factory):
         "cased": wordpiece(root / "cased") / "tokenizer.json",
         "uncased": wordpiece(root / "uncased", lowercase=True) / "tokenizer.json",
         "sentencepiece": sp,
+        "bytelevel": byte_level(root / "bytelevel") / "tokenizer.json",
     }
 
 
 @pytest.mark.parametrize(
-    ("encoder", "family"), [("cased", "bert"), ("uncased", "bert"), ("sentencepiece", "modernbert")]
+    ("encoder", "family"),
+    [("cased", "bert"), ("uncased", "bert"), ("sentencepiece", "modernbert"), ("bytelevel", "bert")],
 )
 def test_the_export_is_a_token_classifier_whose_pipeline_finds_cram_predicts_entities(
     tmp_path, encoders, encoder, family
@@ -132,7 +158,7 @@ def test_the_export_is_a_token_classifier_whose_pipeline_finds_cram_predicts_ent
     ours, theirs = cram_entities(run, tmp_path, TEXTS), pipeline_entities(folder, TEXTS)
     assert sum(map(len, ours)) >= 5  # entities to compare, not empty lists
     for text, o, t in zip(TEXTS, ours, theirs):
-        same(o, t, text)
+        same(o, t, text, trimmed_only=encoder in ("sentencepiece", "bytelevel"))
 
 
 def test_simple_aggregation_agrees_where_every_word_is_one_token(tmp_path, encoders):

@@ -6,7 +6,8 @@ are grouped into words as that pipeline groups them (a WordPiece continuation `#
 tokenizer without such a prefix joins a token that no space precedes or starts); each word is tagged by its
 first token, read from the window where it has the most context when the text is longer than the tagger's
 max_length (windows.py); the words' tags become entities as conlleval reads IOB2 (an I- that continues nothing
-starts one), each with the mean of its words' probabilities. One row a text:
+starts one), each with the mean of its words' probabilities, its span without outer whitespace (the pipeline's
+keeps the space a byte-level or sentencepiece token's offsets begin with). One row a text:
 
     {"entities": [{"type": "person", "start": 0, "end": 9, "text": "Ann Smith", "score": 0.98}, ...]}
 
@@ -125,7 +126,9 @@ class TagPredictor:
 
 def entities(text: str, words: list[Word], labels: list[str]) -> list[dict[str, Any]]:
     """The entities of a text's tagged words: a run of words of one type, each new B- starting another (an I- of
-    another type, or after O, starts one too); O words are none."""
+    another type, or after O, starts one too); O words are none. A span's outer whitespace is left out (a
+    byte-level or sentencepiece token's offsets hold the space before it), and a span of whitespace alone
+    is none."""
     runs: list[tuple[str, list[Word]]] = []
     for word in words:
         label = labels[word[0]]
@@ -134,14 +137,17 @@ def entities(text: str, words: list[Word], labels: list[str]) -> list[dict[str, 
             runs[-1][1].append(word)
         else:
             runs.append((kind, [word]))
-    return [
-        {
-            "type": kind,
-            "start": span[0][2],
-            "end": span[-1][3],
-            "text": text[span[0][2] : span[-1][3]],
-            "score": round(float(np.mean([w[1] for w in span])), 6),
-        }
-        for kind, span in runs
-        if kind is not None
-    ]
+    found = []
+    for kind, span in runs:
+        start, end = trimmed(text, span[0][2], span[-1][3])
+        if kind is not None and start < end:
+            score = round(float(np.mean([w[1] for w in span])), 6)
+            found.append({"type": kind, "start": start, "end": end, "text": text[start:end], "score": score})
+    return found
+
+
+def trimmed(text: str, start: int, end: int) -> tuple[int, int]:
+    """[start, end) without the whitespace at either end of text[start:end]."""
+    piece = text[start:end]
+    lead = len(piece) - len(piece.lstrip())
+    return start + lead, max(start + lead, end - (len(piece) - len(piece.rstrip())))
