@@ -75,13 +75,11 @@ def with_tagger(run, cfg, max_length=64, context_free=False):
     (run / "manifest.json").write_text(json.dumps(manifest))
 
 
-def cram_entities(run, tmp_path, texts):
+def cram_entities(run, tmp_path, texts, task="t", settings=Settings(compile=False, batch_size=3)):
     inputs = tmp_path / "texts.jsonl"
     inputs.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     out = tmp_path / "entities.jsonl"
-    assert predict.predict(run, [inputs], task="t", out=out, settings=Settings(compile=False, batch_size=3)) == len(
-        texts
-    )
+    assert predict.predict(run, [inputs], task=task, out=out, settings=settings) == len(texts)
     return [json.loads(line)["entities"] for line in out.read_text().splitlines()]
 
 
@@ -159,6 +157,8 @@ def test_the_export_is_a_token_classifier_whose_pipeline_finds_cram_predicts_ent
     assert sum(map(len, ours)) >= 5  # entities to compare, not empty lists
     for text, o, t in zip(TEXTS, ours, theirs):
         same(o, t, text, trimmed_only=encoder in ("sentencepiece", "bytelevel"))
+    # the cram-format export predicts what the run does
+    assert cram_entities(export(run, tmp_path / "cram", task="t"), tmp_path, TEXTS, task=None) == ours
 
 
 def test_simple_aggregation_agrees_where_every_word_is_one_token(tmp_path, encoders):
@@ -194,6 +194,9 @@ def test_a_text_longer_than_max_length_is_windowed_and_every_word_tagged(tmp_pat
     (ours,), (theirs,) = cram_entities(run, tmp_path, [LONG]), pipeline_entities(folder, [LONG])
     assert len(ours) >= 5 and max(e["end"] for e in ours) > len(LONG) // 2
     same(ours, theirs, LONG)
+    # compiled (a graph per bucket), the windows tag as eagerly
+    compiled = Settings(compile=True, backend="aot_eager", batch_size=3)
+    assert cram_entities(run, tmp_path, [LONG, *TEXTS], settings=compiled)[0] == ours
 
 
 def test_a_tagger_predicts_json_lines_alone(tmp_path, encoders):
