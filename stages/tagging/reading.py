@@ -73,9 +73,9 @@ def read_task(path: str, where: str) -> Tagged:
     scheme = detect_scheme([tags for split in raw.values() for tags in split.tags])
     splits, repaired = {}, {}
     for name, split in raw.items():
-        tags, repaired[name] = zip(*[to_iob2(t, scheme) for t in split.tags]) if split.tags else ((), 0)
-        splits[name] = Sentences(split.words, list(map(list, tags)), split.where)
-        repaired[name] = sum(repaired[name]) if split.tags else 0
+        normal = [to_iob2(tags, scheme) for tags in split.tags]
+        splits[name] = Sentences(split.words, [tags for tags, _ in normal], split.where)
+        repaired[name] = sum(count for _, count in normal)
     if all(t == "O" for tags in splits["train"].tags for t in tags):
         raise StageError(f"{where}.path: the training split of {folder} tags no entity (every tag is O)")
     # every split's types: one the training split lacks is scored (a miss each time) and named in the results
