@@ -135,11 +135,12 @@ def tagger_to_transformers(
     `tag_head_of(cfg)`) as its family's ...ForTokenClassification, `labels` the tag names in id order. The
     caller checks `hf.transformers_blockers` first."""
     from cram.model import hf
-    from cram.model.bert import POOLER, shapes
+    from cram.model.bert import shapes
 
     family = hf.FAMILY_HEADS[hf.layout(cfg)]
-    encoder = {k: v for k, v in params.items() if not k.startswith("classifier.") and k not in POOLER}
-    # the masked-LM head and the pooler are no part of a tagger: zeros stand in for the head and are dropped
+    encoder = {k: v for k, v in params.items() if not k.startswith("classifier.")}
+    # the masked-LM head and a pooler are no part of a token classifier: zeros stand in for the head, and both
+    # are dropped from the state
     mlm = {name: torch.zeros(shape) for name, shape in shapes(cfg).items() if name.startswith("head.")}
     config, state = hf.to_transformers(cfg, {**mlm, **encoder}, special_ids)
     prefix = hf.PREFIX[family]

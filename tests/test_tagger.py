@@ -86,12 +86,15 @@ def families():
     return FAMILIES
 
 
-@pytest.mark.parametrize("family", ["modernbert", "bert", "roberta"])
+@pytest.mark.parametrize("family", ["modernbert", "bert", "roberta", "bert with a pooler"])
 def test_a_tagger_exports_as_its_familys_token_classifier_with_equal_logits(family):
+    """A checkpoint's pooler (BERT's, kept through pretraining) is no part of the token classifier: left out."""
     transformers = pytest.importorskip("transformers")
-    cfg = families()[family]
+    pooler = family.endswith("pooler")
+    cfg = dataclasses.replace(families()[family.split()[0]], pooler=pooler)
     head = tag_head_of(cfg)
     assert head == ("modernbert" if family == "modernbert" else "linear")
+    assert ("pooler.dense.weight" in model.init(cfg, 0)) == pooler
     encoder = {k: v * 10 if v.ndim == 2 else v + 0.1 * torch.randn_like(v) for k, v in model.init(cfg, 0).items()}
     params = {k: v for k, v in encoder.items() if not k.startswith("head.")}
     params.update({k: v * 20 if v.ndim == 2 else v + 0.1 for k, v in init_tag_head(cfg, 5, 1, head).items()})
