@@ -131,3 +131,23 @@ def test_not_utf8_refused(tmp_path):
     (tmp_path / "test.conll").write_bytes(b"\xff\tO\n")
     with pytest.raises(StageError, match="test.conll: not UTF-8 text"):
         read_task(str(tmp_path), "t")
+
+
+def test_a_bioes_folder_is_read_as_iob2_with_its_scheme_recorded(tmp_path):
+    train = "Ann\tB-PER\nLee\tE-PER\nin\tO\nRome\tS-LOC\n\n"
+    task = read_task(str(_folder(tmp_path, {"train.conll": train * 3, "test.conll": train})), "t")
+    assert task.scheme == "BIOES" and task.splits["test"].tags == [["B-PER", "I-PER", "O", "B-LOC"]]
+    assert task.labels == ("O", "B-LOC", "I-LOC", "B-PER", "I-PER")
+
+
+def test_a_saved_dataset_with_string_tags(tmp_path):
+    import datasets
+
+    data = datasets.Dataset.from_dict({"tokens": [["Ann", "sings"], ["Bob"]], "tags": [["B-PER", "O"], ["I-PER"]]})
+    datasets.DatasetDict({"train": data, "validation": data, "test": data}).save_to_disk(str(tmp_path / "saved"))
+    task = read_task(str(tmp_path / "saved"), "t")
+    assert task.splits["test"].tags == [["B-PER", "O"], ["B-PER"]] and task.repaired["test"] == 1
+    bad = datasets.Dataset.from_dict({"tokens": [["Ann", "sings"]], "tags": [["B-PER"]]})
+    datasets.DatasetDict({"train": data, "test": bad}).save_to_disk(str(tmp_path / "bad"))
+    with pytest.raises(StageError, match=r"bad/test: row 0: 2 tokens but 1 tags"):
+        read_task(str(tmp_path / "bad"), "t")
