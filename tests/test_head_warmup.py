@@ -234,7 +234,7 @@ def test_the_course_gives_the_head_its_constant_lr_then_starts_the_schedule_at_t
     from cram.stages.pretraining.state import TrainState
 
     config = pretrain.Config(optimizer=OptimizerConfig(lr=1e-3), decay_to=0.1)
-    course = Course.of(config, head_warmup.HeadWarmup(("head.bias",), lr=0.5, until=0.2))
+    course = Course.of(config, 1e-3, head_warmup.HeadWarmup(("head.bias",), lr=0.5, until=0.2))
     switched = TrainState(seed=0, full_start=0.2)
 
     def scheduled(position: float) -> float:
@@ -244,4 +244,4 @@ def test_the_course_gives_the_head_its_constant_lr_then_starts_the_schedule_at_t
     assert course.lr(switched, 0.2, head_alone=False) == scheduled(0.0)
     assert course.lr(switched, 0.6, head_alone=False) == pytest.approx(scheduled(0.5))
     assert scheduled(0.5) != scheduled(0.6)  # the schedule restarts at the switch: it does not read 0.6
-    assert Course.of(config, None).lr(TrainState(seed=0), 0.6, head_alone=False) == scheduled(0.6)
+    assert Course.of(config, 1e-3, None).lr(TrainState(seed=0), 0.6, head_alone=False) == scheduled(0.6)

@@ -41,6 +41,11 @@ def at(lr: float, init: Path | str = "", **kw) -> pretrain.Config:
     return pretrain.Config(init=str(init), optimizer=OptimizerConfig(lr=lr), budget=pretrain.Budget(steps=8), **kw)
 
 
+def peak(config: pretrain.Config) -> float:
+    """The peak lr `config` trains at, asked for at its `optimizer.lr`."""
+    return peak_lr(config, config.optimizer.lr)
+
+
 def test_the_continuation_rate_is_by_width_for_a_masked_lm_and_lowest_for_a_sentence_encoder(headless, sentence):
     masked_lm, st = pretrained.locate(headless), pretrained.locate(sentence)
     assert not masked_lm.sentence and st.sentence
@@ -56,17 +61,17 @@ def test_a_cram_checkpoints_width_comes_from_its_model_json_alone(tmp_path):
     cfg = ModelConfig(vocab_size=64, hidden=256, layers=1, heads=2, intermediate=64, max_seq_len=16)
     (folder / "model.json").write_text(json.dumps(dataclasses.asdict(cfg)))
     (folder / "params.safetensors").write_bytes(b"not read")
-    assert peak_lr(at(5e-3, folder)) == pytest.approx(7.5e-4)
+    assert peak(at(5e-3, folder)) == pytest.approx(7.5e-4)
 
 
 def test_auto_caps_a_from_scratch_lr_and_keeps_a_lower_one(headless, sentence):
-    assert peak_lr(at(5e-3)) == 5e-3  # no init: as given
-    assert peak_lr(at(5e-3, headless)) == 1.5e-3  # the default pipeline's lr, capped
-    assert peak_lr(at(1e-4, headless)) == 1e-4  # below the cap: as given
-    assert peak_lr(at(5e-3, sentence)) == pytest.approx(1e-4 / 3)
-    assert peak_lr(at(5e-3, headless, init_lr=2e-2)) == 2e-2  # a number is the peak, above the cap too
+    assert peak(at(5e-3)) == 5e-3  # no init: as given
+    assert peak(at(5e-3, headless)) == 1.5e-3  # the default pipeline's lr, capped
+    assert peak(at(1e-4, headless)) == 1e-4  # below the cap: as given
+    assert peak(at(5e-3, sentence)) == pytest.approx(1e-4 / 3)
+    assert peak(at(5e-3, headless, init_lr=2e-2)) == 2e-2  # a number is the peak, above the cap too
     zero = dataclasses.replace(at(5e-3, headless), budget=pretrain.Budget(tokens=0))
-    assert peak_lr(zero) == 5e-3  # nothing trains
+    assert peak(zero) == 5e-3  # nothing trains
 
 
 def test_the_key_holds_the_lr_the_run_trains_at(headless):

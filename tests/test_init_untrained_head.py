@@ -102,8 +102,8 @@ def test_the_made_head_replaces_the_random_one_and_the_encoder_is_the_checkpoint
     config = defaults(random_head)
     ctx = make_ctx()
     found = continuing.load(config, ctx)
-    made = continuing.params(config, ctx, found, head_loss=math.log(found.cfg.vocab_size))
-    kept = continuing.params(config, ctx, found, head_loss=1.0)
+    made = continuing.params(config, ctx, found, math.log(found.cfg.vocab_size), config.optimizer.lr)
+    kept = continuing.params(config, ctx, found, 1.0, config.optimizer.lr)
     fresh = model.init(found.cfg, ctx.seed, names=HEAD)
     for name in HEAD:
         assert torch.equal(made[name], fresh[name]) and torch.equal(kept[name], found.params[name])
