@@ -38,7 +38,7 @@ def planned_model(config: Config, batch: Batch, pipeline: Pipeline) -> tuple[Pla
     tokenize, pack = pipeline.stages.get("tokenize"), pipeline.stages.get("pack")
     preset = model.PRESETS.get(config.model.preset)
     vocab_size, special = _tokenizer_facts(tokenize, preset)
-    seq_len = pack.seq_len if pack is not None else getattr(preset, "max_seq_len", 0)
+    seq_len = pack.seq_len if pack is not None else (preset.max_seq_len if preset is not None else 0)
     plan = plan_phases(config, seq_len, special, vocab_size, batch=batch)
     return plan, _model_config(model, config, vocab_size, plan.chunk, special["pad"])
 
@@ -48,7 +48,7 @@ def _tokenizer_facts(tokenize: tokenize_stage.Config | None, preset: ModelConfig
     from cram.stages.shared.special import SPECIAL_IDS
 
     if tokenize is None:
-        return getattr(preset, "vocab_size", 0), dict(SPECIAL_IDS)
+        return (preset.vocab_size if preset is not None else 0), dict(SPECIAL_IDS)
     if not tokenize.tokenizer:
         return tokenize.vocab_size, dict(SPECIAL_IDS)
     from cram.stages.shared.tokenizer import TokenizerError, load
