@@ -94,7 +94,7 @@ NEW_OPTIONS = (
 
 def fingerprint(config: Config) -> list[list[str]] | None:
     """The contents of `init`'s checkpoint, which the stage's output depends on (`continued.fingerprint`)."""
-    return continued.fingerprint(config)
+    return continued.fingerprint(config.init)
 
 
 def key_config(config: Config) -> Config:
@@ -111,9 +111,12 @@ def key_config(config: Config) -> Config:
         kind = continued.optimizer_kind(config)
     except StageError:
         return config
-    optimizer = dataclasses.replace(config.optimizer, lr=peak, kind=kind)
     return dataclasses.replace(
-        config, optimizer=optimizer, init_lr="auto", init_optimizer="auto", head_warmup=runs or "auto"
+        config,
+        optimizer=config.optimizer.as_kind(kind, lr=peak),
+        init_lr="auto",
+        init_optimizer="auto",
+        head_warmup=runs or "auto",
     )
 
 
@@ -125,8 +128,8 @@ def validate(config: Config, pipeline: Pipeline) -> None:
     from cram import model
 
     if config.init:
-        continued.check_not_its_own(config, Path(pipeline.run.root) / pipeline.run.name)
-        continued.check_has_tokenizer(config, pipeline.stages.get("tokenize"))
+        continued.check_not_its_own(config.init, Path(pipeline.run.root) / pipeline.run.name)
+        continued.check_has_tokenizer(config.init, pipeline.stages.get("tokenize"))
     _, cfg = planned_model(config, Batch.given(config), pipeline)
     check_schedule(model, config)
     continued.check_head_warmup(config, cfg, pipeline.stages.get("pack"))

@@ -14,7 +14,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from cram.model.config import OPTIMIZERS, RETIRED, ModelConfig, OptimizerConfig
+from cram.model.config import RETIRED, ModelConfig
+from cram.model.optimizers import OPTIMIZERS, AdamW, OptimizerConfig
 from cram.stages.shared.masking import Masking
 from cram.stages.shared.precision import check_canary
 
@@ -117,7 +118,7 @@ class Config:
     RETIRED: ClassVar[dict[str, object]] = {"average_last": 1}
 
     model: Architecture = field(default_factory=Architecture)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    optimizer: OptimizerConfig = field(default_factory=AdamW)  # a kind of model/optimizers.py, by its `kind`
     budget: Budget = field(default_factory=Budget)
     fp32: InFp32 = field(default_factory=InFp32)
     masking: Masking = field(default_factory=Masking)

@@ -68,21 +68,21 @@ UNTRAINED_MARGIN = 0.1
 PARAM_SWITCHES = ("qk_norm",)
 
 
-def locate(config: Config) -> pretrained.Pretrained:
-    """Where `init`'s checkpoint files are."""
+def locate(init: str) -> pretrained.Pretrained:
+    """Where the checkpoint files of `init` (`pretrain.init`) are."""
     try:
-        return pretrained.locate(Path(config.init))
+        return pretrained.locate(Path(init))
     except pretrained.PretrainedError as e:
         raise StageError(f"pretrain.init: {e}") from None
 
 
-def fingerprint(config: Config) -> list[list[str]] | None:
-    """The contents of `init`'s checkpoint, which the stage's output depends on; None without one. One
-    that cannot be found gives its error instead: `validate` reports it."""
-    if not config.init:
+def fingerprint(init: str) -> list[list[str]] | None:
+    """The contents of the checkpoint `init` (`pretrain.init`), which the stage's output depends on; None
+    without one. One that cannot be found gives its error instead: `validate` reports it."""
+    if not init:
         return None
     try:
-        return pretrained.fingerprint(pretrained.locate(Path(config.init)))
+        return pretrained.fingerprint(pretrained.locate(Path(init)))
     except pretrained.PretrainedError as e:
         return [["unavailable", f"pretrain.init: {e}"]]
 
@@ -95,30 +95,30 @@ def _read(found: pretrained.Pretrained, shapes_only: bool) -> tuple[ModelConfig,
         raise StageError(f"pretrain.init: {e}") from None
 
 
-def check_not_its_own(config: Config, run_dir: Path) -> None:
-    """Refuse an `init` that is the run's own directory, or lies in it or in the entry its pretrain links
-    to: the stage would start from its own result, so its key (which holds init's contents) would change
+def check_not_its_own(init: str, run_dir: Path) -> None:
+    """Refuse an `init` (`pretrain.init`) that is the run's own directory, or lies in it or in the entry its
+    pretrain links to: the stage would start from its own result, so its key (which holds init's contents) would change
     with every result and each identical `cram run` would train again."""
-    init = Path(config.init).expanduser()
+    given = Path(init).expanduser()
     stage_dir = run_dir / "pretrain"  # the run's link to the store entry its pretrain finished in
     inside = [Path(os.path.abspath(run_dir)), Path(os.path.realpath(run_dir)), Path(os.path.realpath(stage_dir))]
-    seen = (Path(os.path.abspath(init)), Path(os.path.realpath(init)))
+    seen = (Path(os.path.abspath(given)), Path(os.path.realpath(given)))
     if any(path == folder or folder in path.parents for path in seen for folder in inside):
         raise StageError(
-            f"pretrain.init: {config.init} is this run's own directory ({run_dir}) or inside it: pretrain would "
+            f"pretrain.init: {init} is this run's own directory ({run_dir}) or inside it: pretrain would "
             "start from its own result and train again at every run; give another run directory or an export"
         )
 
 
-def check_has_tokenizer(config: Config, tokenize: tokenize_stage.Config | None) -> None:
-    """A checkpoint that is there, and a tokenizer for it: its own (tokenize's default), or one given
-    (`tokenize`: the tokenize stage's config, None where the pipeline has none)."""
+def check_has_tokenizer(init: str, tokenize: tokenize_stage.Config | None) -> None:
+    """A checkpoint `init` (`pretrain.init`) that is there, and a tokenizer for it: its own (tokenize's
+    default), or one given (`tokenize`: the tokenize stage's config, None where the pipeline has none)."""
     from cram.stages.shared.tokenizer import FILE_NAMES as tokenizer_files
 
-    locate(config)
+    locate(init)
     if tokenize is not None and not tokenize.tokenizer:
         raise StageError(
-            f"pretrain.init: {config.init} holds no tokenizer ({' or '.join(tokenizer_files)}) and "
+            f"pretrain.init: {init} holds no tokenizer ({' or '.join(tokenizer_files)}) and "
             "tokenize.tokenizer is not set; a tokenizer trained anew would not match the checkpoint's "
             "embeddings: set tokenize.tokenizer to the one the checkpoint was trained with"
         )
@@ -127,7 +127,7 @@ def check_has_tokenizer(config: Config, tokenize: tokenize_stage.Config | None) 
 def architecture(config: Config, vocab_size: int, seq_len: int, pad_id: int) -> ModelConfig:
     """`init`'s architecture, checked against `[pretrain.model]`, the tokenizer and the block length; its
     weights are read from the files' headers only; with the switches whose parameters the run makes (`switched`)."""
-    own, _ = _read(locate(config), shapes_only=True)
+    own, _ = _read(locate(config.init), shapes_only=True)
     cfg = switched(config, own)
     if config.model.preset != type(config.model)().preset:
         raise StageError(
@@ -176,7 +176,7 @@ def made_head(config: Config, untrained: bool = False) -> list[str]:
 
     if not config.init:
         return []
-    cfg, params = _read(locate(config), shapes_only=True)
+    cfg, params = _read(locate(config.init), shapes_only=True)
     return list(head_names(cfg)) if untrained else missing_head(cfg, params)
 
 
@@ -239,7 +239,7 @@ def peak_lr(config: Config, asked: float, untrained: bool = False) -> float:
         return config.init_lr
     if untrained:
         return min(asked, SENTENCE_ENCODER_LR)
-    found = locate(config)
+    found = locate(config.init)
     try:
         cfg = pretrained.architecture(found)
     except pretrained.PretrainedError as e:
@@ -286,12 +286,12 @@ class Checkpoint:
         return bool(head_names(self.cfg)) and not missing_head(self.cfg, self.params)
 
 
-def load(config: Config, ctx: Context) -> Checkpoint:
-    """`init`'s checkpoint, read whole."""
+def load(init: str, ctx: Context) -> Checkpoint:
+    """The checkpoint `init` (`pretrain.init`), read whole."""
     import time
 
     started = time.perf_counter()
-    found = locate(config)
+    found = locate(init)
     cfg, loaded = _read(found, shapes_only=False)
     ctx.log.info("init", checkpoint=str(found.folder), kind=found.kind, seconds=round(time.perf_counter() - started, 2))
     return Checkpoint(found, cfg, loaded)

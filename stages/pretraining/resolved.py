@@ -11,10 +11,10 @@ The key holds the values the files alone give, under the TOML's names (`pretrain
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from cram.model.config import ModelConfig, OptimizerConfig
+from cram.model.config import ModelConfig
+from cram.model.optimizers import OptimizerConfig
 from cram.stages.pretraining import continued
 from cram.stages.pretraining.config import Config, InFp32
 from cram.stages.pretraining.head_warmup import HeadWarmup
@@ -73,6 +73,6 @@ class Resolved:
         """The values a run of `config` at `batch` trains with, its model `cfg`, where `init`'s own head
         measured `untrained` (or not)."""
         peak = continued.peak_lr(config, batch.lr, untrained)
-        optimizer = dataclasses.replace(config.optimizer, lr=peak, kind=continued.optimizer_kind(config))
+        optimizer = config.optimizer.as_kind(continued.optimizer_kind(config), lr=peak)
         warmup = continued.warmup_of(config, cfg, peak, untrained)
         return cls(batch, optimizer, warmup, tuple(continued.made_head(config, untrained)))

@@ -58,10 +58,11 @@ def start(config: Config, batch: Batch, setup: Setup, out_dir: Path, ctx: Contex
         ctx.log.info("resume", checkpoint=str(resume_from), step=state.step, elapsed_s=state.elapsed_s)
     untrained = continued.untrained(state.init_head_loss, setup.model.vocab_size)
     resolved = Resolved.of(config, batch, setup.model, untrained)
-    # in the layout of the optimizer it trains with: Muon's matrices keep no second moment
-    state.opt_state = model.drop_unused(resolved.optimizer.kind, state.opt_state)
     if resume_from is None:
+        state.opt_state = model.optimizer_init(resolved.optimizer, state.params)
         state.full_start = None if resolved.warmup is not None else 0.0
+    else:  # in the layout `optimizer_init` makes: a Muon checkpoint's all-zero second moments of old dropped
+        state.opt_state = model.drop_unused(resolved.optimizer, state.opt_state)
     state.params = {k: v.to(setup.device) for k, v in state.params.items()}
     state.opt_state = {k: v.to(setup.device) for k, v in state.opt_state.items()}
     if ctx.is_main:
@@ -71,21 +72,21 @@ def start(config: Config, batch: Batch, setup: Setup, out_dir: Path, ctx: Contex
 
 
 def _fresh(config: Config, setup: Setup, ctx: Context, asked_lr: float) -> TrainState:
-    """The state before the first step: `init`'s params (and its head's held-out loss, where measured), or
-    the preset's random init; `asked_lr`: the peak lr asked for, named in a made head's warning."""
+    """The state before the first step, but its optimizer's (which `start` makes once the optimizer is
+    resolved): `init`'s params (and its head's held-out loss, where measured), or the preset's random init;
+    `asked_lr`: the peak lr asked for, named in a made head's warning."""
     from cram import model
     from cram.stages.pretraining.state import TrainState
 
     head_loss = None
     if config.init:
-        found = continued.load(config, ctx)
+        found = continued.load(config.init, ctx)
         head_loss = _head_loss(config, setup, found, ctx)
         params = continued.params(config, ctx, found, head_loss, asked_lr)
     else:
         params = model.init(setup.model, ctx.seed)
     trained, kept = TrainState.split(params)
-    opt_state = model.adamw_init(trained)
-    return TrainState(seed=ctx.seed, params=trained, opt_state=opt_state, kept=kept, init_head_loss=head_loss)
+    return TrainState(seed=ctx.seed, params=trained, kept=kept, init_head_loss=head_loss)
 
 
 def _head_loss(config: Config, setup: Setup, found: continued.Checkpoint, ctx: Context) -> float | None:
