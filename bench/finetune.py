@@ -316,7 +316,7 @@ def cram_steps_child(args: argparse.Namespace, work: Path) -> dict:
         tuners[backend] = Tuner.make(config.tuning(), cfg, params, special, device, precision)
         # each its own copy, which the fine-tune loop's steps overwrite (`donate`), as Tuner.train's
         state = {**{k: v.clone() for k, v in params.items()}, **tuners[backend].head(len(names), args.seed)}
-        states[backend], times[backend] = (state, model.adamw_init(state)), []
+        states[backend], times[backend] = (state, model.optimizer_init(model.AdamW(), state)), []
     lr = torch.tensor(args.lr)
     order, seen = np.random.default_rng(args.seed).permutation(len(rows)), set()
     for i in range(-(-len(rows) // BATCH)):  # both backends step on each batch in turn: interleaved

@@ -373,7 +373,7 @@ def measure_cram(args: argparse.Namespace, row: str, cfg, batch: int, spec: Row,
     if spec.profile and device.type == "cpu":  # inductor's C++ kernels as named events: set before it compiles
         torch._inductor.config.cpp.enable_kernel_profile = True
     how = model.Compilation(backend=args.backend, autocast=autocast(args), **spec.compilation)
-    opt = model.OptimizerConfig(kind=spec.optimizer)
+    opt = model.optimizer_config(spec.optimizer)
     state, step = cram_step(cfg, opt, how, device)
     batches = [make_batch(cfg, batch, device, seed, documents) for seed in range(4)]
     result = {"row": row, "batch": batch, **timing(step, batches, device, args.steps)}
@@ -391,7 +391,7 @@ def cram_step(cfg, opt, how, device):
     from cram import model
 
     params = {name: p.to(device) for name, p in model.init(cfg, seed=0).items()}
-    state = {"params": params, "opt": model.adamw_init(params, opt.kind)}
+    state = {"params": params, "opt": model.optimizer_init(opt, params)}
     lr = torch.tensor(1e-3, device=device)
     train_step = model.make_train_step(cfg, opt, how)
     keys = ("input_ids", "mlm_positions", "mlm_labels", "document_ids")

@@ -231,10 +231,10 @@ def attention_ops(device, documents: bool, attention: str) -> list[str]:
     batch = {k: v.to(device) for k, v in batch.items()}
     autocast = torch.bfloat16 if device.type == "cuda" else None
     step = model.make_train_step(
-        cfg, model.OptimizerConfig(), model.Compilation(compile=False, autocast=autocast, attention=attention)
+        cfg, model.AdamW(), model.Compilation(compile=False, autocast=autocast, attention=attention)
     )
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step(params, model.adamw_init(params), batch, torch.tensor(1e-3, device=device))
+        step(params, model.optimizer_init(model.AdamW(), params), batch, torch.tensor(1e-3, device=device))
     names = {event.key for event in prof.key_averages()}
     return sorted(n for n in names if n.startswith("aten::") and ("scaled_dot_product" in n or "attention" in n))
 

@@ -78,7 +78,7 @@ def _setup(folder: Path, batch: int, args: argparse.Namespace):
         "doc_mask": torch.ones(batch, args.doc_len, dtype=torch.bool),
         "dropout": torch.tensor(0.0),
     }
-    return cfg, params, model.adamw_init(params), fixed
+    return cfg, params, model.optimizer_init(model.AdamW(), params), fixed
 
 
 def _child(folder: Path, args: argparse.Namespace) -> None:
@@ -94,7 +94,7 @@ def _child(folder: Path, args: argparse.Namespace) -> None:
 
     kind, batch = args.child.split(":")
     cfg, params, state, fixed = _setup(folder, int(batch), args)
-    opt, how = model.OptimizerConfig(lr=1e-4), Compilation(compile=False)
+    opt, how = model.AdamW(lr=1e-4), Compilation(compile=False)
     if kind == "cached":
         step = make_cached_contrastive_step(cfg, opt, how, pooling="mean", chunk=args.chunk)
     else:

@@ -39,10 +39,8 @@ class Arm:
     @classmethod
     def parse(cls, text: str) -> Arm:
         kind, _, batch = text.partition("@")
-        if kind not in model.config.OPTIMIZERS or not batch.isdigit() or int(batch) < 1:
-            raise ValueError(
-                f"--arms: {text!r} is not KIND@BATCH with KIND one of {', '.join(model.config.OPTIMIZERS)}"
-            )
+        if kind not in model.OPTIMIZERS or not batch.isdigit() or int(batch) < 1:
+            raise ValueError(f"--arms: {text!r} is not KIND@BATCH with KIND one of {', '.join(model.OPTIMIZERS)}")
         return cls(kind, int(batch))
 
     def __str__(self) -> str:

@@ -51,13 +51,13 @@ def main() -> None:
         model.PRESETS[args.preset], vocab_size=args.vocab, max_seq_len=args.seq, **dict(args.model)
     )
     params = model.init(cfg, 0)
-    state = model.adamw_init(params)
+    state = model.optimizer_init(model.AdamW(), params)
     spec = mask_spec(Masking(rate=args.mask_rate), dict(SPECIAL_IDS), args.vocab, args.seq)
     ids = torch.randint(5, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     batch = mask_tokens(ids, spec, torch.Generator().manual_seed(1))
     if args.documents:
         batch["document_ids"] = (torch.arange(args.seq) * 4 // args.seq).expand(args.batch, -1).contiguous()
-    lr, opt = torch.tensor(1e-3), model.OptimizerConfig()
+    lr, opt = torch.tensor(1e-3), model.AdamW()
     tokens = args.batch * args.seq
 
     steps, rows = {}, {}

@@ -172,7 +172,7 @@ def build_models(args: argparse.Namespace) -> list[Spec]:
             raise ValueError(f"schedule {spec.schedule!r}: allowed {', '.join(model.SCHEDULES)}")
         if (spec.documents or spec.optimizer != "adamw") and spec.kind != "cram":
             raise ValueError(f"{spec.name}: documents and optimizer are for cram models")
-        model.OptimizerConfig(kind=spec.optimizer)  # an unknown kind fails here
+        model.optimizer_config(spec.optimizer)  # an unknown kind fails here
     if not specs:
         raise ValueError("no model to run")
     return specs
@@ -331,10 +331,10 @@ class Trainer:
 
     def _cram(self, args, data, compiled, sparse) -> None:
         params = {k: v.to(self.device) for k, v in model.init(self.cfg, seed=args.seed).items()}
-        state = {"params": params, "opt": model.adamw_init(params)}
+        state = {"params": params, "opt": model.optimizer_init(model.AdamW(), params)}
         train = model.make_train_step(
             self.cfg,
-            model.OptimizerConfig(kind=self.spec.optimizer),
+            model.optimizer_config(self.spec.optimizer),
             model.Compilation(compile=compiled, backend=args.backend, autocast=self.autocast),
         )
         evaluate = model.make_eval_step(self.cfg, model.Compilation(compile=False, autocast=self.autocast))

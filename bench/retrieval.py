@@ -232,8 +232,8 @@ def build_rows(cfg, params, dtypes: list[str]) -> dict:
     for dtype in dtypes:
         for mode in ("compiled", "eager"):
             how = model.Compilation(compile=mode == "compiled", autocast=torch.bfloat16 if dtype == "bf16" else None)
-            step = make_contrastive_step(cfg, model.OptimizerConfig(lr=LR), how)
-            state = {"params": dict(params), "opt": model.adamw_init(params)}
+            step = make_contrastive_step(cfg, model.AdamW(lr=LR), how)
+            state = {"params": dict(params), "opt": model.optimizer_init(model.AdamW(), params)}
             calls[f"step {mode} {dtype}"] = stepper(step, state, batch, lr)
             embed = make_embed_step(cfg, how)
             calls[f"embed {mode} {dtype}"] = lambda embed=embed: embed(params, docs)

@@ -344,14 +344,14 @@ def cram_row(cfg, device, autocast, backend: str, compiled: bool, attention: str
     from cram import model
 
     params = {name: p.to(device) for name, p in model.init(cfg, seed=0).items()}
-    state = {"params": params, "opt": model.adamw_init(params)}
+    state = {"params": params, "opt": model.optimizer_init(model.AdamW(), params)}
     lr = torch.tensor(1e-3, device=device)
     keys = ("input_ids", "mlm_positions", "mlm_labels", "document_ids")
 
     def make_step():
         train_step = model.make_train_step(
             cfg,
-            model.OptimizerConfig(kind=optimizer),
+            model.optimizer_config(optimizer),
             model.Compilation(compile=compiled, backend=backend, autocast=autocast, attention=attention),
         )
 

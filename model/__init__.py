@@ -1,9 +1,10 @@
-"""The crammed-BERT encoder, its AdamW and its compiled steps: pure functions over `dict[str, Tensor]`.
+"""The crammed-BERT encoder, its optimizers and its compiled steps: pure functions over `dict[str, Tensor]`.
 
-    from cram.model import PRESETS, OptimizerConfig, init, adamw_init, make_train_step
-    cfg = PRESETS["tiny"]
-    params, opt_state = init(cfg, seed=0), adamw_init(params)
-    step = make_train_step(cfg, OptimizerConfig())
+    from cram.model import PRESETS, AdamW, init, optimizer_init, make_train_step
+    cfg, opt = PRESETS["tiny"], AdamW()       # or Muon(), StableAdamW(), optimizer_config("muon", lr=7e-3)
+    params = init(cfg, seed=0)
+    opt_state = optimizer_init(opt, params)
+    step = make_train_step(cfg, opt)
     params, opt_state, metrics = step(params, opt_state, batch, torch.tensor(1e-3))
 
 Parameter names are listed in `model/bert.py`. This package knows nothing of stages, TOML or the CLI.
@@ -12,10 +13,11 @@ Parameter names are listed in `model/bert.py`. This package knows nothing of sta
 import importlib
 from typing import Any
 
-from cram.model.config import PRESETS, ModelConfig, OptimizerConfig
+from cram.model.config import PRESETS, ModelConfig
+from cram.model.optimizers import OPTIMIZERS, AdamW, Muon, OptimizerConfig, StableAdamW, optimizer_config
 
 # Everything that needs torch is imported on first use: `model.config` alone stays torch-free, so a
-# stage's Config (which uses ModelConfig and OptimizerConfig) loads without torch.
+# stage's Config (which uses ModelConfig and an OptimizerConfig) loads without torch.
 _LAZY = {
     "attends_with": "cram.model.bert",
     "encode": "cram.model.bert",
@@ -32,8 +34,8 @@ _LAZY = {
     "step_gemms": "cram.model.flops",
     "SCHEDULES": "cram.model.schedules",
     "DECAY_SHAPES": "cram.model.schedules",
-    "adamw_init": "cram.model.optim",
-    "adamw_update": "cram.model.optim",
+    "optimizer_init": "cram.model.optim",
+    "optimizer_update": "cram.model.optim",
     "drop_unused": "cram.model.optim",
     "lr_schedule": "cram.model.schedules",
     "Compilation": "cram.model.step",
@@ -62,9 +64,14 @@ __all__ = [
     "SCHEDULES",
     "DECAY_SHAPES",
     "ModelConfig",
+    "OPTIMIZERS",
+    "AdamW",
+    "Muon",
     "OptimizerConfig",
-    "adamw_init",
-    "adamw_update",
+    "StableAdamW",
+    "optimizer_config",
+    "optimizer_init",
+    "optimizer_update",
     "attends_with",
     "drop_unused",
     "encode",

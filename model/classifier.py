@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cram.model.bert import INIT_STD, dropout, encode
-from cram.model.config import Attention, ModelConfig, OptimizerConfig
+from cram.model.config import Attention, ModelConfig
+from cram.model.optimizers import OptimizerConfig
 from cram.model.step import Compilation, autocast, compiled, make_tuning_step
 
 # "pooler": the first token, through a head whose dense layer starts as the checkpoint's pooler (`pooler_head`).
@@ -147,10 +148,10 @@ def make_finetune_step(
 ) -> Callable[..., tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]]:
     """step(params, opt_state, batch, lr: 0-dim tensor, donate=False) -> (params, opt_state, {"loss", "grad_norm"}).
 
-    Forward, loss, gradient and AdamW update in one graph per batch shape; the dropout rate is
+    Forward, loss, gradient and the optimizer's update in one graph per batch shape; the dropout rate is
     `batch["dropout"]` where the batch has one, else `cfg.dropout`. `donate=True` says the caller owns
     `params` and `opt_state` and keeps only what the step returns: eager, the step then writes the new
-    params and moments into the tensors given (`adamw_update_`); compiled, it is the same graph either way.
+    params and moments into the tensors given (`optimizer_update_`); compiled, it is the same graph either way.
     """
     _check_pooling(pooling)
     _check_head(head)

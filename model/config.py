@@ -1,4 +1,5 @@
-"""The architecture of the encoder (one frozen dataclass and the named presets) and the AdamW settings.
+"""The architecture of the encoder (one frozen dataclass and the named presets); the optimizers' settings are
+`model/optimizers.py`'s.
 
 Torch-free, so that the stages' configs can use these dataclasses without importing torch."""
 
@@ -11,36 +12,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
-
-OPTIMIZERS: tuple[str, ...] = ("adamw", "stable_adamw", "muon")
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """AdamW (cramming's values), StableAdamW (`kind = "stable_adamw"`: `model/optim.py`), or Muon for the
-    hidden matrices and AdamW for the rest (`kind = "muon"`: `model/muon.py`, at the same lr and weight decay).
-
-    `clip_norm` means the same for both kinds: the global gradient norm is clipped before the update.
-    StableAdamW clips each tensor's update itself, so ModernBERT and Ettin train it with no gradient
-    clipping: `clip_norm = 0` is that recipe; a positive one clips the gradients first, as for AdamW."""
-
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.98)
-    eps: float = 1e-12
-    weight_decay: float = 0.01
-    clip_norm: float = 0.5  # <= 0: no clipping
-    kind: str = "adamw"  # one of OPTIMIZERS
-
-    def __post_init__(self) -> None:
-        if self.kind not in OPTIMIZERS:
-            raise ValueError(f"optimizer.kind={self.kind!r}: allowed {', '.join(OPTIMIZERS)}")
-        if self.lr <= 0:
-            raise ValueError(f"optimizer.lr={self.lr}: must be positive")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"optimizer.betas={self.betas}: two values in [0, 1)")
-        if self.eps <= 0 or self.weight_decay < 0:
-            raise ValueError("optimizer.eps must be positive and optimizer.weight_decay non-negative")
-
 
 POSITIONS = ("sinusoidal", "learned", "rope")
 # Switches removed after they won no setting in every seed (issue 46), at the value that builds the model

@@ -30,7 +30,8 @@ from torch import Tensor
 
 from cram.model.bert import encode
 from cram.model.classifier import pool
-from cram.model.config import Attention, ModelConfig, OptimizerConfig
+from cram.model.config import Attention, ModelConfig
+from cram.model.optimizers import OptimizerConfig
 from cram.model.step import Compilation, autocast, compiled, make_grad_all_reduce, make_tuning_step
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ def make_contrastive_step(
 ) -> ContrastiveStep:
     """step(params, opt_state, batch, lr: 0-dim tensor, donate=False) -> (params, opt_state, {"loss", "grad_norm"}).
 
-    Both sides' forward, the loss, the gradient and the AdamW update in one graph per pair of batch
+    Both sides' forward, the loss, the gradient and the optimizer's update in one graph per pair of batch
     shapes (module docstring for the batch); `donate` as `step.make_tuning_step` says. With `world_size` > 1
     (ranks of `group`, default the whole world, already initialised) the candidates are every rank's
     documents and the gradients are averaged across ranks; "loss" is this rank's anchors' mean."""

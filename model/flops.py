@@ -16,8 +16,9 @@ import torch
 from torch import Tensor
 
 from cram.model import muon
-from cram.model.config import ModelConfig, OptimizerConfig
+from cram.model.config import ModelConfig
 from cram.model.memory import parameters
+from cram.model.optimizers import OptimizerConfig
 
 # Dense bf16 tensor-core peaks from the vendors' data sheets, matched as substrings of
 # torch.cuda.get_device_name(); first match wins, so the more specific names come first.
@@ -53,7 +54,7 @@ def flops_per_token(cfg: ModelConfig, masked_fraction: float, encoder_trained: b
 def optimizer_flops(cfg: ModelConfig, opt_cfg: OptimizerConfig) -> float:
     """Matmul FLOPs of one optimizer step: Muon's Newton-Schulz over the hidden matrices; none for AdamW's
     kinds (their elementwise work is no matmul, as no norm or softmax is counted in the model's FLOPs)."""
-    if opt_cfg.kind != "muon":
+    if not opt_cfg.orthogonalises_hidden:
         return 0.0
     from cram.model.bert import shapes
 

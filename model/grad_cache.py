@@ -21,8 +21,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from cram.model.config import ModelConfig, OptimizerConfig
+from cram.model.config import ModelConfig
 from cram.model.embedder import ContrastiveStep, EmbeddingPooling, Params, check_pooling, embed, in_batch_loss
+from cram.model.optimizers import OptimizerConfig
 from cram.model.step import Compilation, autocast, compiled, detached_params, make_apply_step
 
 CachedGrads = Callable[[Params, Params], tuple[Tensor, Params]]

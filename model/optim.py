@@ -1,5 +1,7 @@
-"""AdamW, StableAdamW and Muon (`model/muon.py`) as pure functions (optax style); the learning-rate
-schedules are in `model/schedules.py`.
+"""What the optimizers of `model/optimizers.py` run, as pure functions (optax style): `optimizer_init` (the
+state before the first step) and `optimizer_update` (one clipped step), for AdamW, StableAdamW and Muon
+(`model/muon.py`), read from the config's class traits; the learning-rate schedules are in
+`model/schedules.py`.
 
 StableAdamW (Wortsman et al. 2023, "Stable and low-precision training for large-scale vision-language
 models", Algorithm 2; ModernBERT's and Ettin's optimizer) is AdamW with its rate clipped per tensor:
@@ -7,10 +9,10 @@ lr_t = lr / max(1, RMS_t), RMS_t = sqrt(mean(g_t^2 / max(v_hat_t, eps^2))) over 
 the bias-corrected second moment after this step's gradient. A tensor whose gradient spikes far above
 its running second moment takes a smaller step (its decay too) instead of a huge one.
 
-Muon (`kind = "muon"`) updates the layers' hidden matrices, AdamW the rest, at one lr and weight decay
+Muon (`Muon`, `kind = "muon"`) updates the layers' hidden matrices, AdamW the rest, at one lr and weight decay
 (the rule that maps Muon's rate onto AdamW's is in `model/muon.py`).
 
-`adamw_update_` is the same AdamW written into the tensors it is given (torch's fused kernel), for an eager
+`optimizer_update_` is the same AdamW written into the tensors it is given (torch's fused kernel), for an eager
 caller that owns them: one pass over each tensor instead of a dozen out-of-place ones, each allocating a
 tensor as large as it (over MiniLM's 83 tensors on 2 shared cores, interleaved: 2.3 s out of place, 0.45 s
 fused in place, torch.optim.AdamW's default 0.96 s; bench/NOTEBOOK.md, "Fine-tune speed on a released
@@ -18,7 +20,7 @@ encoder"). Compiled steps keep the pure update: the compiler fuses it.
 
 The optimizer state is a flat dict of tensors, so it saves directly as safetensors:
 `step` (0-dim fp32), `exp_avg.<param name>` and `exp_avg_sq.<param name>`. Muon keeps its momentum in
-`exp_avg` and has no second moment: its matrices have no `exp_avg_sq` (`adamw_init(params, "muon")`; 377 MB
+`exp_avg` and has no second moment: its matrices have no `exp_avg_sq` (`optimizer_init(Muon(), params)`; 377 MB
 of zeros at base otherwise). A state that holds them anyway (a checkpoint written before they were
 dropped, all zeros) is carried through unchanged, or put in Muon's layout by `drop_unused`.
 """
@@ -31,7 +33,7 @@ import torch
 from torch import Tensor
 
 from cram.model import muon
-from cram.model.config import OptimizerConfig
+from cram.model.optimizers import OptimizerConfig
 
 
 def decays(param: Tensor) -> bool:
@@ -39,30 +41,31 @@ def decays(param: Tensor) -> bool:
     return param.ndim >= 2
 
 
-def adamw_init(params: dict[str, Tensor], kind: str = "adamw") -> dict[str, Tensor]:
-    """The state before the first step of optimizer `kind` (`OptimizerConfig.kind`): zero moments."""
+def optimizer_init(cfg: OptimizerConfig, params: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The state of optimizer `cfg` before the first step: the step count and zero moments (no second moment
+    where `cfg` never reads one: Muon's matrices)."""
     state = {"step": torch.zeros((), dtype=torch.float32, device=next(iter(params.values())).device)}
     for name, p in params.items():
         state[f"exp_avg.{name}"] = torch.zeros_like(p)
-        if not unused_second_moment(kind, name):
+        if not unused_second_moment(cfg, name):
             state[f"exp_avg_sq.{name}"] = torch.zeros_like(p)
     return state
 
 
-def unused_second_moment(kind: str, name: str) -> bool:
-    """Whether optimizer `kind` never reads the second moment of param `name`: Muon's matrices."""
-    return kind == "muon" and muon.takes(name)
+def unused_second_moment(cfg: OptimizerConfig, name: str) -> bool:
+    """Whether optimizer `cfg` never reads the second moment of param `name`: Muon's matrices."""
+    return cfg.orthogonalises_hidden and muon.takes(name)
 
 
-def drop_unused(kind: str, state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """`state` without the second moments that `kind` never reads and that are all zero (a Muon checkpoint
-    written before they were dropped): the layout `adamw_init(params, kind)` makes, so that a resumed step
-    compiles for the same inputs as a fresh one. A non-zero one (not Muon's) is kept."""
+def drop_unused(cfg: OptimizerConfig, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`state` without the second moments that optimizer `cfg` never reads and that are all zero (a Muon
+    checkpoint written before they were dropped): the layout `optimizer_init(cfg, params)` makes, so that a
+    resumed step compiles for the same inputs as a fresh one. A non-zero one (not Muon's) is kept."""
     prefix = "exp_avg_sq."
 
     def unused(key: str) -> bool:
         name = key[len(prefix) :]
-        return key.startswith(prefix) and unused_second_moment(kind, name) and not bool(state[key].any())
+        return key.startswith(prefix) and unused_second_moment(cfg, name) and not bool(state[key].any())
 
     return {key: value for key, value in state.items() if not unused(key)}
 
@@ -77,7 +80,7 @@ def global_norm(tensors: dict[str, Tensor], foreach: bool = False) -> Tensor:
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
-def adamw_update(
+def optimizer_update(
     cfg: OptimizerConfig,
     params: dict[str, Tensor],
     state: dict[str, Tensor],
@@ -87,12 +90,13 @@ def adamw_update(
     foreach: bool = False,
     bf16_newton_schulz: bool = False,
 ) -> tuple[dict[str, Tensor], dict[str, Tensor], Tensor]:
-    """One clipped step of `cfg.kind` (AdamW, StableAdamW, or Muon with AdamW for what Muon does not
-    take); returns new params, new state and the gradient norm before clipping.
+    """One clipped step of optimizer `cfg` (AdamW; StableAdamW where it `clips_rate`; Muon for the hidden
+    matrices and AdamW for the rest where it `orthogonalises_hidden`); returns new params, new state and the
+    gradient norm before clipping.
 
     AdamW is the same arithmetic as `torch.optim.AdamW` (decoupled decay, bias correction) after
     `clip_grad_norm_`, so the two agree to rounding; Muon's is `torch.optim.Muon`'s (`model/muon.py`).
-    `cfg.kind` is a Python string: the compiled step holds one kind's graph, no branch.
+    The kind is the config's class: the compiled step holds one kind's graph, no branch.
 
     How, never what: `foreach` computes the norm, the clipping and AdamW's (not StableAdamW's) tensors as
     list ops (`torch._foreach_*`: a few multi-tensor kernels instead of a dozen per tensor on CUDA, the same
@@ -113,14 +117,14 @@ def adamw_update(
     listed = []  # AdamW's tensors left to the list ops
     for name, p in params.items():
         g, exp_avg = grads[name], state[f"exp_avg.{name}"]
-        if cfg.kind == "muon" and muon.takes(name):
+        if unused_second_moment(cfg, name):
             blocks = muon.stacked(name, shapes)
             new_params[name], new_state[f"exp_avg.{name}"] = muon.muon_param(
                 p, g, exp_avg, blocks, lr, cfg.weight_decay, bf16=bf16_newton_schulz
             )
             if f"exp_avg_sq.{name}" in state:  # an older state's zeros, carried as they came
                 new_state[f"exp_avg_sq.{name}"] = state[f"exp_avg_sq.{name}"]
-        elif foreach and cfg.kind != "stable_adamw":
+        elif foreach and not cfg.clips_rate:
             listed.append(name)
         else:
             new_params[name], new_state[f"exp_avg.{name}"], new_state[f"exp_avg_sq.{name}"] = _adamw_param(
@@ -156,7 +160,7 @@ def _adamw_param(
     bias2_sqrt = factors.bias2_sqrt
     exp_avg = torch.lerp(moments[0], g, 1 - beta1)
     exp_avg_sq = moments[1] * beta2 + g * g * (1 - beta2)
-    clip = _update_clip(g, exp_avg_sq / (bias2_sqrt * bias2_sqrt), cfg.eps) if cfg.kind == "stable_adamw" else 1
+    clip = _update_clip(g, exp_avg_sq / (bias2_sqrt * bias2_sqrt), cfg.eps) if cfg.clips_rate else 1
     if decays(p) and cfg.weight_decay:  # a decay of 0 multiplies by exactly 1: a pass over p for nothing
         p = p * (1 - factors.lr * clip * cfg.weight_decay)
     return p - (factors.step_size * clip) * exp_avg / (exp_avg_sq.sqrt() / bias2_sqrt + cfg.eps), exp_avg, exp_avg_sq
@@ -193,15 +197,15 @@ def _update_clip(g: Tensor, v_hat: Tensor, eps: float) -> Tensor:
     return 1 / torch.clamp(rms, min=1.0)
 
 
-def adamw_update_(
+def optimizer_update_(
     cfg: OptimizerConfig, params: dict[str, Tensor], state: dict[str, Tensor], grads: dict[str, Tensor], lr: Tensor
 ) -> tuple[dict[str, Tensor], dict[str, Tensor], Tensor]:
-    """`adamw_update` with `params`, the moments of `state` and `grads` donated: AdamW (`cfg.kind`
-    "adamw") is written into their tensors by torch's fused kernel (eager only: a graph's inputs are not
-    its to overwrite); the other kinds are `adamw_update`'s. Use the tensors it returns, never the ones
-    given. The same arithmetic as `adamw_update` to rounding."""
-    if cfg.kind != "adamw":
-        return adamw_update(cfg, params, state, grads, lr)
+    """`optimizer_update` with `params`, the moments of `state` and `grads` donated: AdamW (a config that
+    `fuses_in_place`) is written into their tensors by torch's fused kernel (eager only: a graph's inputs are
+    not its to overwrite); the other kinds are `optimizer_update`'s. Use the tensors it returns, never the
+    ones given. The same arithmetic as `optimizer_update` to rounding."""
+    if not cfg.fuses_in_place:
+        return optimizer_update(cfg, params, state, grads, lr)
     grad_norm = global_norm(grads)
     if cfg.clip_norm > 0:
         torch._foreach_mul_(list(grads.values()), torch.clamp(cfg.clip_norm / (grad_norm + 1e-6), max=1.0))

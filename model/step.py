@@ -18,8 +18,9 @@ import torch
 from torch import Tensor
 
 from cram.model.bert import mlm_loss
-from cram.model.config import Attention, ModelConfig, OptimizerConfig
-from cram.model.optim import adamw_update, adamw_update_
+from cram.model.config import Attention, ModelConfig
+from cram.model.optim import optimizer_update, optimizer_update_
+from cram.model.optimizers import OptimizerConfig
 
 Params = dict[str, Tensor]
 GradReducer = Callable[[Params], Params]
@@ -103,12 +104,13 @@ def make_tuning_step(
     reduce_grads: GradReducer | None = None,
 ) -> Callable[..., tuple[Params, Params, dict[str, Tensor]]]:
     """step(params, opt_state, batch, lr, donate=False) -> (params, opt_state, {"loss", "grad_norm"}): the
-    gradient of `loss_fn(params, batch)` over every param (reduced across ranks by `reduce_grads`) and an
-    AdamW update, in one graph per batch shape: a fine-tune's step, a classifier's or an embedder's.
+    gradient of `loss_fn(params, batch)` over every param (reduced across ranks by `reduce_grads`) and the
+    update of optimizer `opt_cfg` (`optimizer_update`), in one graph per batch shape: a fine-tune's step, a
+    classifier's or an embedder's.
 
     `donate=True` says the caller owns `params` and `opt_state` and keeps only what the step returns:
-    eager, the step then writes the new params and moments into the tensors given (`adamw_update_`, one
-    fused kernel instead of a dozen ops per tensor); compiled, it is the same graph either way."""
+    eager, the step then writes the new params and moments into the tensors given (`optimizer_update_`:
+    AdamW's fused kernel instead of a dozen ops per tensor); compiled, it is the same graph either way."""
 
     def updating(update: Callable) -> Callable:
         def step(params, opt_state, batch, lr):
@@ -120,8 +122,8 @@ def make_tuning_step(
 
         return step
 
-    pure = detached_params(compiled(updating(adamw_update), how))
-    in_place = pure if how.compile else detached_params(updating(adamw_update_))
+    pure = detached_params(compiled(updating(optimizer_update), how))
+    in_place = pure if how.compile else detached_params(updating(optimizer_update_))
 
     def step(params, opt_state, batch, lr, donate: bool = False):
         return (in_place if donate else pure)(params, opt_state, batch, lr)
@@ -211,13 +213,14 @@ def _loss_and_grads(cfg: ModelConfig, how: Compilation, trained: Trained):
 
 
 def _update(opt_cfg: OptimizerConfig, how: Compilation, params: Params, opt_state: Params, grads: Params, lr: Tensor):
-    """AdamW on the params that `grads` holds; the others, and their moments, come back as they were."""
+    """Optimizer `opt_cfg`'s update (`optimizer_update`) of the params that `grads` holds; the others, and
+    their moments, come back as they were."""
     ways = {"foreach": how.foreach_update, "bf16_newton_schulz": how.bf16_newton_schulz}
     if len(grads) == len(params):
-        return adamw_update(opt_cfg, params, opt_state, grads, lr, **ways)
+        return optimizer_update(opt_cfg, params, opt_state, grads, lr, **ways)
     keys = [f"{moment}.{name}" for name in grads for moment in ("exp_avg", "exp_avg_sq")]
     moments = {key: opt_state[key] for key in keys if key in opt_state}  # Muon's matrices have no exp_avg_sq
-    learned, state, grad_norm = adamw_update(
+    learned, state, grad_norm = optimizer_update(
         opt_cfg, {k: params[k] for k in grads}, {"step": opt_state["step"], **moments}, grads, lr, **ways
     )
     return {**params, **learned}, {**opt_state, **state}, grad_norm

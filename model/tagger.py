@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cram.model.bert import INIT_STD, dropout, encode
-from cram.model.config import Attention, ModelConfig, OptimizerConfig
+from cram.model.config import Attention, ModelConfig
+from cram.model.optimizers import OptimizerConfig
 from cram.model.step import Compilation, autocast, compiled, make_tuning_step
 
 TagHead = Literal["linear", "modernbert"]

@@ -119,6 +119,7 @@ def build(cls: type[T], data: object, where: str, source: str) -> T:
     """Make the dataclass `cls` from the TOML table `data`, found at `[where]` in `source`."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: [{where}] must be a table, got {data!r}")
+    cls, data = _of_kind(cls, data, where, source)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = typing.get_type_hints(cls)
     data = _without_retired(cls, data, where, source)
@@ -132,6 +133,20 @@ def build(cls: type[T], data: object, where: str, source: str) -> T:
         return cls(**values)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{source}: [{where}] {e}") from None
+
+
+def _of_kind(cls: type[T], data: dict[str, Any], where: str, source: str) -> tuple[type[T], dict[str, Any]]:
+    """A config that comes in kinds, a class each (model/optimizers.py's optimizers: a class with `kind_class`),
+    is read by the class its table's `kind` names (or its default kind's); the table less `kind`. Any other
+    class reads the table as it is."""
+    kind_class = getattr(cls, "kind_class", None)
+    if kind_class is None:
+        return cls, data
+    try:
+        chosen = kind_class(data.get("kind"))
+    except ValueError as e:
+        raise ConfigError(f"{source}: [{where}] {e}") from None
+    return chosen, {key: value for key, value in data.items() if key != "kind"}
 
 
 def _without_retired(cls: type, data: dict[str, Any], where: str, source: str) -> dict[str, Any]:

@@ -22,6 +22,8 @@ from typing import Any
 
 from cram.stages.protocols import Log, StageSpec, read
 from cram.stages.protocols import Pipeline as Pipeline  # what `validate(config, pipeline)` is handed
+from cram.stages.protocols import StageConfig as StageConfig  # a section: what `Linked.linked` is handed
+from cram.stages.protocols import section as section  # a sibling's section read as its stage's Config
 from cram.stages.shared import loggers
 
 ORDER: tuple[str, ...] = ("tokenize", "pack", "pretrain", "baseline", "evaluate")

@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cram.stages import Context, Pipeline, StageError, Upstream
+from cram.stages import Context, Pipeline, StageError, Upstream, section
 from cram.stages.evaluating.checks import heldout_gap
 from cram.stages.evaluating.config import Config as EvaluateConfig
 from cram.stages.evaluating.config import keyed_tasks
 from cram.stages.evaluating.scoring import Checkpoint, Report, fitting_tasks, score, task_files
+from cram.stages.pretraining.config import Config as PretrainConfig
 from cram.stages.shared import device as devices
 from cram.stages.shared import pretrained
 from cram.stages.shared.files import write_atomic
@@ -63,10 +64,11 @@ class Config:
 
 def config_of(pipeline: Pipeline) -> Config | None:
     """The stage's config, from evaluate's and pretrain's sections; None where `evaluate.baseline` is not "init"."""
-    evaluate, pretrain = pipeline.stages.get("evaluate"), pipeline.stages.get("pretrain")
-    if getattr(evaluate, "baseline", "none") != "init":
+    evaluate = section(pipeline.stages, "evaluate", EvaluateConfig)
+    pretrain = section(pipeline.stages, "pretrain", PretrainConfig)
+    if evaluate is None or evaluate.baseline != "init":
         return None
-    return Config(init=getattr(pretrain, "init", ""), evaluate=evaluate)
+    return Config(init=pretrain.init if pretrain is not None else "", evaluate=evaluate)
 
 
 def key_config(config: Config) -> dict[str, Any]:

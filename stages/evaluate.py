@@ -24,7 +24,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from cram.stages import Context, Pipeline, StageError, Upstream
+from cram.stages import Context, Pipeline, StageError, Upstream, section
 from cram.stages.evaluating import kinds
 from cram.stages.evaluating.checks import (
     check_against_the_model,
@@ -47,6 +47,7 @@ from cram.stages.evaluating.scoring import (
     score,
     task_files,
 )
+from cram.stages.pretraining.config import Config as PretrainConfig
 from cram.stages.shared import device as devices
 from cram.stages.tasks.config import TaskConfig as TaskConfig
 from cram.stages.tasks.kind import count
@@ -93,19 +94,20 @@ def validate(config: Config, pipeline: Pipeline) -> None:
     articles (the default task is then left out, not refused), and the lengths and masking rate
     against the model (`check_against_the_model`)."""
     tokenize, pack = pipeline.stages.get("tokenize"), pipeline.stages.get("pack")
+    pretrain = section(pipeline.stages, "pretrain", PretrainConfig)
     if not 0 <= config.mlm_seed < 2**63:
         raise StageError(f"evaluate.mlm_seed: {config.mlm_seed} must be in [0, 2**63 - 1]")
-    positions = task_positions(pipeline.stages.get("pretrain"), pack)
+    positions = task_positions(pretrain, pack)
     length = None if positions is None else positions.length
     gap = (lambda task: None) if tokenize is None else task_gap(tokenize, config, length)
     config = fitting_tasks(config, gap)
     for i, task in enumerate(config.tasks):
         check_task(config, task, i, gap(task), positions)
     if pack is not None:
-        check_against_the_model(config, pipeline.stages.get("pretrain"), pack.seq_len)
+        check_against_the_model(config, pretrain, pack.seq_len)
     if config.pooling == "pooler":
-        pretrain = pipeline.stages.get("pretrain")
-        started = "pretrain.init's checkpoint" if getattr(pretrain, "init", "") else "a model pretrained from scratch"
+        from_init = pretrain is not None and pretrain.init
+        started = "pretrain.init's checkpoint" if from_init else "a model pretrained from scratch"
         check_pooler(config, init_model(pretrain), started)
 
 
@@ -113,24 +115,25 @@ def describe(config: Config, pipeline: Pipeline) -> str:
     """For a dry run: each task's fine-tune steps per seed (epochs x ceil(train examples / batch_size)),
     where its local files tell them; a held-out-topic task's examples are known only after tokenize,
     a GLUE task's from the hub once fetched."""
+    pretrain = section(pipeline.stages, "pretrain", PretrainConfig)
     if (tokenize := pipeline.stages.get("tokenize")) is not None:
-        positions = task_positions(pipeline.stages.get("pretrain"), pipeline.stages.get("pack"))
+        positions = task_positions(pretrain, pipeline.stages.get("pack"))
         config = fitting_tasks(config, task_gap(tokenize, config, None if positions is None else positions.length))
     parts = []
     for i, task in enumerate(config.tasks):
         steps = kinds.of(task.kind).steps(task, i, config.settings(task), config.batch_size)
         parts.append(f"{task.name} {steps} x {count(config.task_settings(task).seeds, 'seed')}")
-    head = _head_choice(config, pipeline.stages.get("pretrain"))
+    head = _head_choice(config, pretrain)
     return "fine-tunes " + "; ".join([*parts, *head]) if parts else ""
 
 
-def _head_choice(config: Config, pretrain: Any) -> list[str]:
+def _head_choice(config: Config, pretrain: PretrainConfig | None) -> list[str]:
     """The head a run from `pretrain.init` fine-tunes with and why (nothing from scratch, where it is
     cramming's unless set), with what an export to transformers would need instead."""
     from cram.stages.evaluating.config import auto_head
     from cram.stages.shared import pretrained
 
-    if not getattr(pretrain, "init", ""):
+    if pretrain is None or not pretrain.init:
         return []
     try:
         found = pretrained.locate(Path(pretrain.init))

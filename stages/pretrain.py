@@ -2,7 +2,8 @@
 
 The budget (hours, steps or tokens, whichever runs out first) defines progress in [0, 1]; the lr
 schedule and the batch-size ramp both follow that progress, as in cramming. This module holds the
-stage's checks and `run`; under `stages/pretraining/`: its config (`config.py`), what it reads and checks
+stage's checks and `run`; under `stages/pretraining/`: its config (`config.py`, what the TOML says), the
+values a run resolves from it once (`resolved.py`: batch, optimizer, peak lr), what it reads and checks
 before training (`setup.py`), continuing a checkpoint (`continued.py`), its steps, compiled and checked in
 the precision chosen for them (`steps.py`), the loop (`loop.py`) and its hooks (`hooks.py`: logging,
 checkpoints, the divergence check), the training state (`state.py`), checkpoints (`checkpoint.py`), the
@@ -29,9 +30,9 @@ from cram.stages.pretraining import continued, start
 
 # The stage's config, re-exported: `pretrain.Config` is what the pipeline file's `[pretrain]` becomes.
 from cram.stages.pretraining.config import DEFAULT_HOURS, Architecture, Budget, Config, InFp32, Phase  # noqa: F401
+from cram.stages.pretraining.resolved import Batch, Resolved
 from cram.stages.pretraining.setup import (
     Setup,
-    as_trained,
     check_memory,
     check_schedule,
     planned_model,
@@ -93,21 +94,30 @@ NEW_OPTIONS = (
 
 def fingerprint(config: Config) -> list[list[str]] | None:
     """The contents of `init`'s checkpoint, which the stage's output depends on (`continued.fingerprint`)."""
-    return continued.fingerprint(config)
+    return continued.fingerprint(config.init)
 
 
 def key_config(config: Config) -> Config:
-    """The config as the key sees it: `head_warmup` as it runs, "auto" (left out of the key) where none
-    runs, so that a run without a warm-up keeps the key it had before the option existed; `optimizer.lr`
-    the peak it trains at (`continued.resolved`). A checkpoint that cannot be read leaves it as given: `validate`
-    names the problem. Both as `init`'s files give them: a head that measures untrained at the start changes
-    them as a function of what the key holds (continued.py's docstring)."""
+    """The config as the key sees it, under the TOML's names: `optimizer` the kind and peak lr the run trains
+    at (`continued.optimizer_kind`, `continued.peak_lr`), with `init_lr` and `init_optimizer` "auto" (left out
+    of the key), so that the same training asked for either way is one key; `head_warmup` as it runs, "auto"
+    (left out) where none runs, so that a run without a warm-up keeps the key it had before the option
+    existed. A checkpoint that cannot be read leaves it as given: `validate` names the problem. Both as
+    `init`'s files give them: a head that measures untrained at the start changes them as a function of what
+    the key holds (continued.py's docstring). A run reads them from `resolved.Resolved`, never from here."""
     try:
         runs = continued.warmup_setting(config)
-        config = continued.resolved(config)
+        peak = continued.peak_lr(config, config.optimizer.lr)
+        kind = continued.optimizer_kind(config)
     except StageError:
         return config
-    return dataclasses.replace(config, head_warmup=runs or "auto")
+    return dataclasses.replace(
+        config,
+        optimizer=config.optimizer.as_kind(kind, lr=peak),
+        init_lr="auto",
+        init_optimizer="auto",
+        head_warmup=runs or "auto",
+    )
 
 
 def validate(config: Config, pipeline: Pipeline) -> None:
@@ -118,22 +128,22 @@ def validate(config: Config, pipeline: Pipeline) -> None:
     from cram import model
 
     if config.init:
-        continued.check_not_its_own(config, Path(pipeline.run.root) / pipeline.run.name)
-        continued.check_has_tokenizer(config, pipeline.stages.get("tokenize"))
-    _, cfg = planned_model(config, pipeline)
+        continued.check_not_its_own(config.init, Path(pipeline.run.root) / pipeline.run.name)
+        continued.check_has_tokenizer(config.init, pipeline.stages.get("tokenize"))
+    _, cfg = planned_model(config, Batch.given(config), pipeline)
     check_schedule(model, config)
     continued.check_head_warmup(config, cfg, pipeline.stages.get("pack"))
 
 
 def validate_runtime(config: Config, pipeline: Pipeline) -> None:
     """What `validate` leaves to a stage that runs in this invocation, since it loads torch: the device,
-    the compile backend, and a model and microbatch that cannot fit in the device's memory (in any phase)."""
+    the compile backend, and a model and microbatch (this device's: `Batch.on`) that cannot fit in the
+    device's memory (in any phase)."""
     devices.check(pipeline.run.device)
     devices.check_backend(config.backend, "pretrain.backend")
-    config, _ = as_trained(config, pipeline.run.device)
-    plan, cfg = planned_model(config, pipeline)
+    plan, cfg = planned_model(config, Batch.on(config, pipeline.run.device), pipeline)
     for span in plan.spans:
-        check_memory(config, cfg, span, pipeline.run.device)
+        check_memory(config.precision, cfg, span, pipeline.run.device)
 
 
 def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context) -> dict[str, Any]:
@@ -143,32 +153,25 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     from cram.stages.pretraining.loop import Course, train
     from cram.stages.pretraining.telemetry import ProgressBar, peak_flops
 
-    config, by_fp32 = as_trained(config, ctx.device)
-    given = config.optimizer.lr
-    setup = prepare(config, inputs["pack"], ctx)
+    batch = Batch.on(config, ctx.device)
+    setup = prepare(config, batch, inputs["pack"], ctx)
     if ctx.is_main:
-        if by_fp32:
-            ctx.log.info("fp32 step", by="pretrain.fp32", batch_size=config.batch_size, lr=given)
+        if batch.by_fp32:
+            ctx.log.info("fp32 step", by="pretrain.fp32", batch_size=batch.batch_size, lr=batch.lr)
         warn_of_data_limits(config, setup, ctx)
-    config, setup, state = start.start(config, setup, out_dir, ctx, by_fp32)
+    resolved, state = start.start(config, batch, setup, out_dir, ctx)
     if config.init and ctx.is_main:
-        ctx.log.info(
-            "continuing",
-            init=config.init,
-            peak_lr=config.optimizer.lr,
-            optimizer_lr=given,
-            optimizer=config.optimizer.kind,
-        )
-    made = continued.made_head(config, continued.untrained(state.init_head_loss, setup.model.vocab_size))
+        kind, peak = resolved.optimizer.kind, resolved.peak_lr
+        ctx.log.info("continuing", init=config.init, peak_lr=peak, optimizer_lr=batch.lr, optimizer=kind)
     # A head made for a zero budget never trains: no held-out loss of it means anything.
-    measured = config.val_blocks > 0 and not (made and config.budget.tokens == 0)
+    measured = config.val_blocks > 0 and not (resolved.made_head and config.budget.tokens == 0)
     feed = Feed(ctx.seed, ctx.rank, ctx.world_size, config.prefetch, pin=setup.device.type == "cuda")
     data = PhaseStream(setup.blocks, setup.plan, feed, waited_s=state.data_wait_s)
     # One graph per phase shape, each compiled before the budget clock: a further one is a bug, not a
     # silent fall back to eager.
     recompiles = torch._dynamo.config.patch(recompile_limit=setup.plan.shapes, fail_on_recompile_limit_hit=True)
     with recompiles, data:
-        compiled = compiled_steps(config, setup, ctx, state, data)
+        compiled = compiled_steps(config, resolved, setup, ctx, state, data)
         setup, steps = compiled.setup, compiled.steps
         if ctx.is_main and measured and state.val_loss_start is None:
             state.val_loss_start = val_loss(setup, state.params, config.val_blocks)
@@ -176,12 +179,12 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
             peak_flops(setup.device, setup.autocast)
         with ProgressBar(ctx.is_main) as bar:
             hooks = _hooks(config, ctx, steps, out_dir, bar, last_saved=state.step)
-            train(Course.of(config, setup.warmup), ctx, steps, state, data, hooks)
+            train(Course.of(config, resolved.peak_lr, resolved.warmup), ctx, steps, state, data, hooks)
 
-    outputs = _outputs(config, setup, state, made)
+    outputs = _outputs(config, resolved, setup, state)
     if not ctx.is_main:
         return outputs
-    if setup.warmup and state.full_start is None:
+    if resolved.warmup and state.full_start is None:
         ctx.log.warning("the budget ended within pretrain.head_warmup: only the masked-LM head trained")
     if planned_passes(config, setup, ctx.world_size) is None:  # a time budget: the passes are known now
         warn_of_repeats(setup.plan.position(state) / setup.blocks.size, len(setup.blocks), ctx, "made")
@@ -192,8 +195,9 @@ def run(config: Config, inputs: dict[str, Upstream], out_dir: Path, ctx: Context
     return {**outputs, **figures}
 
 
-def _outputs(config: Config, setup: Setup, state: TrainState, made: list[str]) -> dict[str, Any]:
+def _outputs(config: Config, resolved: Resolved, setup: Setup, state: TrainState) -> dict[str, Any]:
     """What every rank returns: the files written, and what later stages read of how the model was trained."""
+    made = list(resolved.made_head)
     return {
         "params": "params.safetensors",
         "model_config": "model.json",
@@ -202,11 +206,11 @@ def _outputs(config: Config, setup: Setup, state: TrainState, made: list[str]) -
         "masking": dataclasses.asdict(config.masking),
         "seq_lens": setup.plan.lengths,
         "document_attention": config.document_attention,
-        "peak_lr": config.optimizer.lr,
-        "batch_size": config.batch_size,  # the target global batch, `[pretrain.fp32]`'s where it applied
+        "peak_lr": resolved.peak_lr,
+        "batch_size": resolved.batch.batch_size,  # the target global batch, `[pretrain.fp32]`'s where it applied
         **({"head_initialised": made} if made else {}),
         # The budget's progress at which the whole model began training after the head's warm-up.
-        **({"head_warmup_until": state.full_start} if setup.warmup else {}),
+        **({"head_warmup_until": state.full_start} if resolved.warmup else {}),
     }
 
 

@@ -1,6 +1,7 @@
 """The stage contract as types: what a stage module is (`Stage`), what its `validate` is handed (`Pipeline`),
 what its config, its log and its outputs are (`StageConfig`, `Log`, `JSON`), and `read`, the one place that
-reads a stage module and fills in what it leaves out (`StageSpec`).
+reads a stage module and fills in what it leaves out (`StageSpec`); `section`, a sibling stage's section
+read as its Config.
 
 A stage is a module of `cram.stages` that defines the members of `Stage` without a default (NAME, VERSION,
 UPSTREAM, Config, run) and any of the others it needs. The pipeline never looks a member up on a module
@@ -68,6 +69,17 @@ class Pipeline(Protocol):
 
 
 C = TypeVar("C")
+S = TypeVar("S")
+
+
+def section(sections: Mapping[str, object], name: str, cls: type[S]) -> S | None:
+    """The pipeline's section `name` (`Pipeline.stages`, or the `sections` a `Linked` config is handed) as
+    its stage's Config `cls`; None where the pipeline has no such stage. A stage reads a sibling's settings
+    through this, typed, never by probing for an attribute: a section of another type is a bug, not absent."""
+    found = sections.get(name)
+    if found is not None and not isinstance(found, cls):
+        raise TypeError(f"[{name}]: a {type(found).__name__}, not the {cls.__name__} its stage reads")
+    return found
 
 
 class Linked(Protocol):

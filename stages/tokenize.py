@@ -27,13 +27,16 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 
-from cram.stages import Context, Pipeline, StageError, Upstream
+from cram.stages import Context, Pipeline, StageConfig, StageError, Upstream, section
 from cram.stages.data import corpus, readers, shards, sniff, tasktext
 from cram.stages.data.source import CorpusConfig
+from cram.stages.evaluating.config import Config as EvaluateConfig
+from cram.stages.pretraining.config import Config as PretrainConfig
 from cram.stages.shared import pretrained
 from cram.stages.shared.files import atomic, content_hash
 from cram.stages.shared.special import SPECIAL_IDS
@@ -99,14 +102,16 @@ class Config:
     # Filled from [[evaluate.tasks]] (`linked`), not by hand: what is written here is replaced.
     task_files: tuple[tasktext.TaskFile, ...] = ()
 
-    def linked(self, sections: dict[str, Any]) -> Config:
+    def linked(self, sections: Mapping[str, StageConfig]) -> Config:
         """Left empty, `tokenizer` is the tokenizer of `pretrain.init`'s checkpoint, when it holds one: a
         tokenizer trained anew would not match the checkpoint's embeddings. (A checkpoint that cannot be
         found is left to pretrain's `validate` to name.) `task_files` are evaluate's tasks with a
         training file when `task_text` is on, none when it is off: they are in the key (`NEW_OPTIONS`)."""
-        tasks = getattr(sections.get("evaluate"), "tasks", ()) if self.task_text != "none" else ()
+        evaluate = section(sections, "evaluate", EvaluateConfig)
+        pretrain = section(sections, "pretrain", PretrainConfig)
+        tasks = evaluate.tasks if evaluate is not None and self.task_text != "none" else ()
         linked = dataclasses.replace(self, task_files=tasktext.of_tasks(tasks))
-        init = getattr(sections.get("pretrain"), "init", "")
+        init = pretrain.init if pretrain is not None else ""
         if self.tokenizer or not init:
             return linked
         try:
@@ -272,7 +277,7 @@ def validate(config: Config, pipeline: Pipeline) -> None:
     with `task_text`, an evaluate task has a training file and each is found; a given tokenizer can be
     read and has the special tokens pack and masking need."""
     if config.task_text != "none":
-        tasktext.check(config.task_files, config.task_text, pipeline.stages.get("evaluate"))
+        tasktext.check(config.task_files, config.task_text, section(pipeline.stages, "evaluate", EvaluateConfig))
     if config.task_text != "only":
         _validate_corpus(config, pipeline)
     if config.tokenizer:
@@ -294,8 +299,8 @@ def _validate_corpus(config: Config, pipeline: Pipeline) -> None:
 
 def _classifies_topics(pipeline: Pipeline) -> bool:
     """Whether the pipeline evaluates on the held-out documents' labels (a "heldout-topic" task)."""
-    evaluate = pipeline.stages.get("evaluate")
-    return any(task.kind == "heldout-topic" for task in getattr(evaluate, "tasks", ()))
+    evaluate = section(pipeline.stages, "evaluate", EvaluateConfig)
+    return evaluate is not None and any(task.kind == "heldout-topic" for task in evaluate.tasks)
 
 
 def fingerprint(config: Config) -> list[list[Any]]:

@@ -69,14 +69,14 @@ def test_gradients_under_torch_func_are_the_same_with_either_attention(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_compiled_step_with_sdpa_trains_as_the_written_out_one(device):
-    opt = model.OptimizerConfig()
+    opt = model.AdamW()
     lr = torch.tensor(1e-3, device=device)
     params = {k: v.to(device) for k, v in model.init(CFG, seed=0).items()}
     backend = "aot_eager" if device == "cpu" else "inductor"  # on CUDA: what pretrain compiles
     out = {}
     for attention, compile in (("written", False), ("sdpa", True)):
         step = model.make_train_step(CFG, opt, model.Compilation(compile=compile, backend=backend, attention=attention))
-        p, s = params, model.adamw_init(params)
+        p, s = params, model.optimizer_init(model.AdamW(), params)
         for _ in range(2):
             p, s, metrics = step(p, s, batch(device), lr)
         out[attention] = (p, metrics["loss"])
@@ -95,9 +95,9 @@ def test_auto_is_sdpa_on_a_gpu_and_written_out_on_a_cpu():
 
 def test_steps_refuse_params_that_require_grad():
     params = {k: v.requires_grad_() if k == "embed.tokens.weight" else v for k, v in model.init(CFG, 0).items()}
-    step = model.make_train_step(CFG, model.OptimizerConfig(), model.EAGER)
+    step = model.make_train_step(CFG, model.AdamW(), model.EAGER)
     with pytest.raises(ValueError, match=r"params\['embed.tokens.weight'\] requires grad"):
-        step(params, model.adamw_init(params), batch(), torch.tensor(1e-3))
+        step(params, model.optimizer_init(model.AdamW(), params), batch(), torch.tensor(1e-3))
     accumulate = model.make_accumulate_step(CFG, model.EAGER)
     with pytest.raises(ValueError, match="requires grad"):
         accumulate(params, {k: torch.zeros_like(v) for k, v in params.items()}, batch())

@@ -26,9 +26,9 @@ def _one_step(autocast: torch.dtype | None, emulated: bool) -> dict[str, float]:
     positions = torch.randperm(ids.numel(), generator=generator)[:200].sort().values
     batch = {"input_ids": ids, "mlm_positions": positions, "mlm_labels": ids.flatten()[positions].long()}
     params = model.init(CFG, seed=0)
-    step = model.make_train_step(CFG, model.OptimizerConfig(), model.Compilation(compile=False, autocast=autocast))
+    step = model.make_train_step(CFG, model.AdamW(), model.Compilation(compile=False, autocast=autocast))
     with Bf16Matmuls() if emulated else contextlib.nullcontext():
-        _, _, metrics = step(params, model.adamw_init(params), batch, torch.tensor(1e-3))
+        _, _, metrics = step(params, model.optimizer_init(model.AdamW(), params), batch, torch.tensor(1e-3))
     return {key: metrics[key].item() for key in ("loss", "grad_norm")}
 
 

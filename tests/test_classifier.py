@@ -20,7 +20,7 @@ from cram.model.classifier import (
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 CFG = model.ModelConfig(vocab_size=64, hidden=32, layers=1, heads=2, intermediate=64, max_seq_len=32)
-OPT = model.OptimizerConfig(eps=1e-6, weight_decay=0.0, clip_norm=0.0)
+OPT = model.AdamW(eps=1e-6, weight_decay=0.0, clip_norm=0.0)
 
 
 def params_with_head(num_outputs: int = 3) -> dict:
@@ -85,7 +85,7 @@ def test_compiled_steps_are_one_graph_each_and_match_eager():
     compiled = make_finetune_step(CFG, OPT, model.Compilation(backend="aot_eager"))
     predict = make_classify_eval_step(CFG, model.Compilation(backend="aot_eager"))
     before = counters["stats"]["unique_graphs"]
-    expected = got = (params, model.adamw_init(params))
+    expected = got = (params, model.optimizer_init(model.AdamW(), params))
     # New params, batches and learning rates are inputs, not constants: none of them recompiles.
     for seed, lr in enumerate([1e-3, 5e-4, 2e-4]):
         batch = toy_batch(seed=seed)
@@ -105,7 +105,7 @@ def test_the_dropout_rate_is_an_input_of_one_graph():
     params = params_with_head()
     eager = make_finetune_step(CFG, OPT, model.EAGER)
     compiled = make_finetune_step(CFG, OPT, model.Compilation(backend="aot_eager"))
-    state, lr = (params, model.adamw_init(params)), torch.tensor(1e-3)
+    state, lr = (params, model.optimizer_init(model.AdamW(), params)), torch.tensor(1e-3)
     before = counters["stats"]["unique_graphs"]
     at_zero = {**toy_batch(), "dropout": torch.tensor(0.0)}
     torch.testing.assert_close(compiled(*state, at_zero, lr)[2], eager(*state, at_zero, lr)[2])
@@ -119,10 +119,10 @@ def test_the_dropout_rate_is_an_input_of_one_graph():
 def test_a_donated_eager_step_is_the_pure_step_written_into_its_inputs(kind):
     """`donate=True` (the fine-tune loop's own copies) writes AdamW's new params and moments into the
     tensors given, with decay on the matrices alone and clipping as the pure update has them."""
-    opt = model.OptimizerConfig(kind=kind, eps=1e-6, weight_decay=0.1, clip_norm=0.05)
+    opt = model.optimizer_config(kind, eps=1e-6, weight_decay=0.1, clip_norm=0.05)
     step = make_finetune_step(CFG, opt, model.EAGER)
-    pure = (params_with_head(), model.adamw_init(params_with_head()))
-    owned = ({k: v.clone() for k, v in pure[0].items()}, model.adamw_init(pure[0]))
+    pure = (params_with_head(), model.optimizer_init(model.AdamW(), params_with_head()))
+    owned = ({k: v.clone() for k, v in pure[0].items()}, model.optimizer_init(model.AdamW(), pure[0]))
     given = owned[0]["layers.0.attn.qkv.weight"]
     for seed, lr in enumerate([1e-2, 5e-3, 2e-3]):
         batch = toy_batch(seed=seed)
@@ -136,7 +136,7 @@ def test_a_donated_eager_step_is_the_pure_step_written_into_its_inputs(kind):
 
 def test_finetune_step_learns_a_toy_task():
     params, batch = params_with_head(), toy_batch(rows=32)
-    opt_state = model.adamw_init(params)
+    opt_state = model.optimizer_init(model.AdamW(), params)
     step = make_finetune_step(CFG, OPT, model.EAGER)
     first = None
     for _ in range(60):
@@ -156,7 +156,7 @@ def test_finetune_dropout_is_random_inside_one_graph_and_prediction_has_none():
     assert params["classifier.dense.weight"].shape == (48, CFG.hidden)  # cramming's head is wider (1024)
     step = make_finetune_step(dropped, OPT, model.Compilation(backend="aot_eager"))
     predict = make_classify_eval_step(CFG, model.Compilation(backend="aot_eager"))
-    state, batch, lr = (params, model.adamw_init(params)), toy_batch(), torch.tensor(0.0)
+    state, batch, lr = (params, model.optimizer_init(model.AdamW(), params)), toy_batch(), torch.tensor(0.0)
     before = counters["stats"]["unique_graphs"]
     torch.manual_seed(0)
     losses = [step(*state, batch, lr)[2]["loss"] for _ in range(3)]  # lr 0: the params stay put

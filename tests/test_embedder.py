@@ -42,9 +42,9 @@ def test_embeddings_are_unit_vectors_that_ignore_padding():
 
 def test_the_step_trains_its_loss_down_with_and_without_hard_negatives():
     for negatives in (False, True):
-        step = make_contrastive_step(CFG, model.OptimizerConfig(lr=1e-3), Compilation(compile=False))
+        step = make_contrastive_step(CFG, model.AdamW(lr=1e-3), Compilation(compile=False))
         params = model.init(CFG, seed=0)
-        state, fixed = model.adamw_init(params), batch(0, negatives=negatives)
+        state, fixed = model.optimizer_init(model.AdamW(), params), batch(0, negatives=negatives)
         losses = []
         for _ in range(20):
             params, state, metrics = step(params, state, fixed, torch.tensor(1e-3))
@@ -56,10 +56,10 @@ def test_the_step_trains_its_loss_down_with_and_without_hard_negatives():
 def test_the_compiled_step_is_one_graph_that_agrees_with_eager(autocast):
     torch._dynamo.reset()
     how = Compilation(backend="aot_eager", autocast=autocast)
-    compiled_step = make_contrastive_step(CFG, model.OptimizerConfig(lr=1e-3), how)
-    eager_step = make_contrastive_step(CFG, model.OptimizerConfig(lr=1e-3), how.eager())
+    compiled_step = make_contrastive_step(CFG, model.AdamW(lr=1e-3), how)
+    eager_step = make_contrastive_step(CFG, model.AdamW(lr=1e-3), how.eager())
     start = model.init(CFG, seed=1)
-    states = [(start, model.adamw_init(start)) for _ in range(2)]
+    states = [(start, model.optimizer_init(model.AdamW(), start)) for _ in range(2)]
     with torch._dynamo.config.patch(error_on_recompile=True):
         for seed in range(3):
             out = [s(*states[k], batch(seed), torch.tensor(1e-3)) for k, s in enumerate((compiled_step, eager_step))]

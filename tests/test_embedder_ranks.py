@@ -16,7 +16,7 @@ from cram.model.step import Compilation
 
 # eps=1e-6: with AdamW's 1e-12 the first update is sign(grad) * lr, and a rounding-level gradient may flip
 # (tests/test_step.py's SMOOTH_OPT).
-OPT = model.OptimizerConfig(lr=1e-3, eps=1e-6)
+OPT = model.AdamW(lr=1e-3, eps=1e-6)
 LR = torch.tensor(1e-3)
 WORLD, PAIRS, STEPS = 2, 2, 3  # PAIRS per rank: a global batch of WORLD * PAIRS
 # what each rank trains, and how: the global batches of each step, one graph (aot_eager) or eagerly
@@ -59,7 +59,7 @@ def shard(full: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
 
 def train(step, negatives: bool | str, rank: int | None = None) -> dict[str, torch.Tensor]:
     params = model.init(CFG, seed=0)
-    state = model.adamw_init(params)
+    state = model.optimizer_init(model.AdamW(), params)
     for i in range(STEPS):
         full = global_batch(i, negatives)
         params, state, _ = step(params, state, full if rank is None else shard(full, rank), LR)

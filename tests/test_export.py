@@ -115,14 +115,14 @@ def test_cram_export_loads_back_and_fine_tunes(tmp_path, sp_model):
     assert cfg == MODERNBERT and tokenizer.read_bytes() == sp_model.read_bytes()
     assert loaded.keys() == params.keys() and all(torch.equal(loaded[k], params[k]) for k in params)
     tuned = {**loaded, **init_head_params(cfg, num_outputs=2, seed=0)}
-    step = make_finetune_step(cfg, model.OptimizerConfig(), model.EAGER)
+    step = make_finetune_step(cfg, model.AdamW(), model.EAGER)
     batch = {
         "input_ids": torch.randint(5, cfg.vocab_size, (4, 16)),
         "attention_mask": torch.ones(4, 16, dtype=torch.bool),
         "labels": torch.tensor([0, 1, 0, 1]),
         "weights": torch.ones(4),
     }
-    tuned, _, metrics = step(tuned, model.adamw_init(tuned), batch, torch.tensor(1e-3))
+    tuned, _, metrics = step(tuned, model.optimizer_init(model.AdamW(), tuned), batch, torch.tensor(1e-3))
     assert torch.isfinite(metrics["loss"])
     assert not torch.equal(tuned["layers.0.attn.qkv.weight"], loaded["layers.0.attn.qkv.weight"])
 

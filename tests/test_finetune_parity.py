@@ -26,8 +26,8 @@ def test_fine_tune_steps_match_transformers_bert_classifier(tmp_path):
     head["classifier.out.weight"] = theirs.classifier.weight.detach().clone()
     head["classifier.out.bias"] = theirs.classifier.bias.detach().clone()
     ours, state = {**params, **head}, None
-    state = model.adamw_init(ours)
-    opt_cfg = model.OptimizerConfig(lr=1e-2, eps=1e-6, weight_decay=0.0, clip_norm=0.0)
+    state = model.optimizer_init(model.AdamW(), ours)
+    opt_cfg = model.AdamW(lr=1e-2, eps=1e-6, weight_decay=0.0, clip_norm=0.0)
     step = make_finetune_step(cfg, opt_cfg, model.EAGER, pooling="pooler")
     optimizer = torch.optim.AdamW(theirs.parameters(), lr=1e-2, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.0)
     theirs.train()

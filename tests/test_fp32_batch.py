@@ -11,32 +11,26 @@ from cram.pipeline import config as cfg
 from cram.pipeline import runner
 from cram.pipeline.planning import keyed_config
 from cram.stages import StageError, pretrain
-from cram.stages.pretraining.setup import as_trained
+from cram.stages.pretraining.resolved import Batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TABLE = pretrain.InFp32(microbatch=4, batch_size=4, lr=2e-3)
 
 
-def test_the_table_replaces_batch_and_lr_and_an_empty_one_changes_nothing():
-    config = small(microbatch=8, batch_size=16, fp32=pretrain.InFp32(batch_size=8, lr=2e-3))
-    trained = config.in_fp32()
-    assert (trained.microbatch, trained.batch_size, trained.optimizer.lr) == (8, 8, 2e-3)
-    assert trained == dataclasses.replace(
-        config, batch_size=8, optimizer=dataclasses.replace(config.optimizer, lr=2e-3), fp32=pretrain.InFp32()
-    )
-    plain = small()
-    assert plain.in_fp32() is plain
+def test_the_table_sets_batch_and_lr_on_an_fp32_device_and_the_config_stays_as_the_file_says():
+    config = small(microbatch=8, batch_size=16, precision="fp32", fp32=pretrain.InFp32(batch_size=8, lr=2e-3))
+    assert Batch.on(config, "cpu") == Batch(microbatch=8, batch_size=8, lr=2e-3, by_fp32=True)
+    assert (config.batch_size, config.optimizer.lr) == (16, small().optimizer.lr)  # the file's, never rewritten
+    plain = dataclasses.replace(config, fp32=pretrain.InFp32())
+    assert Batch.on(plain, "cpu") == Batch.given(plain) == Batch(8, 16, small().optimizer.lr)
 
 
 def test_the_precision_the_device_gives_the_step_decides():
     config = small(fp32=TABLE)
-    assert as_trained(dataclasses.replace(config, precision="fp32"), "cpu") == (config.in_fp32(), True)
-    assert as_trained(dataclasses.replace(config, precision="bf16"), "cpu") == (
-        dataclasses.replace(config, precision="bf16"),
-        False,
-    )
-    assert as_trained(dataclasses.replace(config, precision="fp32", fp32=pretrain.InFp32()), "cpu")[1] is False
+    assert Batch.on(dataclasses.replace(config, precision="fp32"), "cpu") == Batch(4, 4, 2e-3, by_fp32=True)
+    assert Batch.on(dataclasses.replace(config, precision="bf16"), "cpu") == Batch.given(config)
+    assert not Batch.on(dataclasses.replace(config, precision="fp32", fp32=pretrain.InFp32()), "cpu").by_fp32
 
 
 def test_the_table_is_in_the_key_only_where_set():

@@ -85,10 +85,10 @@ def test_the_compiled_cached_gradient_is_the_eager_one_in_one_graph_per_chunk_sh
 
 
 def test_the_cached_step_trains_as_the_uncached_step_does():
-    opt = model.OptimizerConfig(lr=1e-3)
+    opt = model.AdamW(lr=1e-3)
     steps = [make_contrastive_step(CFG, opt, EAGER), make_cached_contrastive_step(CFG, opt, EAGER, chunk=2)]
     start = model.init(CFG, seed=4)
-    states = [(start, model.adamw_init(start)) for _ in steps]
+    states = [(start, model.optimizer_init(model.AdamW(), start)) for _ in steps]
     for seed in range(3):
         out = [
             step(*states[k], batch(seed, size=4, negatives=True), torch.tensor(1e-3)) for k, step in enumerate(steps)

@@ -21,7 +21,7 @@ from test_pretrain import metrics, same_tensors
 from test_step import random_batch
 
 from cram import model
-from cram.model import ModelConfig, OptimizerConfig
+from cram.model import AdamW, ModelConfig
 from cram.pipeline.planning import keyed_config
 from cram.stages import StageError, Upstream, pretrain
 from cram.stages.pretraining import head_warmup
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 HEADED = ModelConfig(vocab_size=128, hidden=32, layers=1, heads=2, intermediate=64, max_seq_len=16)
 HEADED = dataclasses.replace(HEADED, head_transform=True, decoder_bias=True)
-NO_CLIP = OptimizerConfig(clip_norm=0.0, eps=1e-6)  # clipping would scale the head by the whole model's norm
+NO_CLIP = AdamW(clip_norm=0.0, eps=1e-6)  # clipping would scale the head by the whole model's norm
 SEQ = 16
 
 
@@ -42,7 +42,7 @@ def test_the_head_step_moves_the_head_alone_as_the_whole_step_moves_it(compile):
     names = head_warmup.head_names(HEADED)
     assert names == ("head.dense.weight", "head.norm.weight", "head.decoder.bias")
     params = model.init(HEADED, 0)
-    state = model.adamw_init(params)
+    state = model.optimizer_init(model.AdamW(), params)
     batch, lr = random_batch(HEADED, 4, seed=1), torch.tensor(1e-2)
     how = model.Compilation(compile=compile, backend="aot_eager")
     head_p, head_s, head_m = model.make_train_step(HEADED, NO_CLIP, how, trained=names)(params, state, batch, lr)
@@ -233,8 +233,8 @@ def test_the_course_gives_the_head_its_constant_lr_then_starts_the_schedule_at_t
     from cram.stages.pretraining.loop import Course
     from cram.stages.pretraining.state import TrainState
 
-    config = pretrain.Config(optimizer=OptimizerConfig(lr=1e-3), decay_to=0.1)
-    course = Course.of(config, head_warmup.HeadWarmup(("head.bias",), lr=0.5, until=0.2))
+    config = pretrain.Config(optimizer=AdamW(lr=1e-3), decay_to=0.1)
+    course = Course.of(config, 1e-3, head_warmup.HeadWarmup(("head.bias",), lr=0.5, until=0.2))
     switched = TrainState(seed=0, full_start=0.2)
 
     def scheduled(position: float) -> float:
@@ -244,4 +244,4 @@ def test_the_course_gives_the_head_its_constant_lr_then_starts_the_schedule_at_t
     assert course.lr(switched, 0.2, head_alone=False) == scheduled(0.0)
     assert course.lr(switched, 0.6, head_alone=False) == pytest.approx(scheduled(0.5))
     assert scheduled(0.5) != scheduled(0.6)  # the schedule restarts at the switch: it does not read 0.6
-    assert Course.of(config, None).lr(TrainState(seed=0), 0.6, head_alone=False) == scheduled(0.6)
+    assert Course.of(config, 1e-3, None).lr(TrainState(seed=0), 0.6, head_alone=False) == scheduled(0.6)

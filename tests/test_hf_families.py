@@ -131,9 +131,9 @@ def test_each_headless_checkpoint_trains_a_step_with_a_made_head(checkpoints, na
     cfg, params = from_transformers(config, state, where="ckpt")
     full = {**params, **model.init(cfg, seed=0, names=missing_head(cfg, params))}
     trained = {k: v for k, v in full.items() if k not in model.bert.POOLER}  # as pretrain carries the pooler
-    step = model.make_train_step(cfg, model.OptimizerConfig(), model.EAGER)
+    step = model.make_train_step(cfg, model.AdamW(), model.EAGER)
     ids, _ = batch()
     positions = torch.tensor([1, 5, 30, 50])
     masked = {"input_ids": ids, "mlm_positions": positions, "mlm_labels": ids.reshape(-1)[positions]}
-    after, _, metrics = step(trained, model.adamw_init(trained), masked, torch.tensor(1e-3))
+    after, _, metrics = step(trained, model.optimizer_init(model.AdamW(), trained), masked, torch.tensor(1e-3))
     assert torch.isfinite(metrics["loss"]) and not torch.equal(after["head.dense.weight"], full["head.dense.weight"])

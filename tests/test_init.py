@@ -152,11 +152,13 @@ def test_the_example_config_checks_out_on_a_local_checkpoint(ws):
 
 def test_the_imported_layout_compiles_to_one_graph_without_breaks(checkpoint):
     cfg, params = pretrained.load(pretrained.locate(checkpoint))
-    step = model.make_train_step(cfg, model.OptimizerConfig(), model.EAGER)
+    step = model.make_train_step(cfg, model.AdamW(), model.EAGER)
     ids = torch.randint(5, 100, (2, 16))
     positions = torch.tensor([1, 5, 17, 30])
     batch = {"input_ids": ids, "mlm_positions": positions, "mlm_labels": ids.reshape(-1)[positions]}
-    explanation = torch._dynamo.explain(step)(params, model.adamw_init(params), batch, torch.tensor(1e-3))
+    explanation = torch._dynamo.explain(step)(
+        params, model.optimizer_init(model.AdamW(), params), batch, torch.tensor(1e-3)
+    )
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
 
 

@@ -17,10 +17,11 @@ from test_head_warmup import continued, pack_of, refused_before_any_stage  # noq
 from test_init_headless import bert_model, sentence_transformers
 from test_pretrain import metrics
 
-from cram.model import ModelConfig, OptimizerConfig, muon
+from cram.model import AdamW, ModelConfig, Muon, muon, optimizer_config
 from cram.pipeline.planning import keyed_config
 from cram.stages import pretrain
 from cram.stages.pretraining.continued import continuation_lr, optimizer_kind, peak_lr
+from cram.stages.pretraining.resolved import Batch, Resolved
 from cram.stages.shared import pretrained
 
 pytest.importorskip("transformers")
@@ -38,7 +39,12 @@ def sentence(tmp_path_factory) -> Path:
 
 
 def at(lr: float, init: Path | str = "", **kw) -> pretrain.Config:
-    return pretrain.Config(init=str(init), optimizer=OptimizerConfig(lr=lr), budget=pretrain.Budget(steps=8), **kw)
+    return pretrain.Config(init=str(init), optimizer=AdamW(lr=lr), budget=pretrain.Budget(steps=8), **kw)
+
+
+def peak(config: pretrain.Config) -> float:
+    """The peak lr `config` trains at, asked for at its `optimizer.lr`."""
+    return peak_lr(config, config.optimizer.lr)
 
 
 def test_the_continuation_rate_is_by_width_for_a_masked_lm_and_lowest_for_a_sentence_encoder(headless, sentence):
@@ -56,17 +62,17 @@ def test_a_cram_checkpoints_width_comes_from_its_model_json_alone(tmp_path):
     cfg = ModelConfig(vocab_size=64, hidden=256, layers=1, heads=2, intermediate=64, max_seq_len=16)
     (folder / "model.json").write_text(json.dumps(dataclasses.asdict(cfg)))
     (folder / "params.safetensors").write_bytes(b"not read")
-    assert peak_lr(at(5e-3, folder)) == pytest.approx(7.5e-4)
+    assert peak(at(5e-3, folder)) == pytest.approx(7.5e-4)
 
 
 def test_auto_caps_a_from_scratch_lr_and_keeps_a_lower_one(headless, sentence):
-    assert peak_lr(at(5e-3)) == 5e-3  # no init: as given
-    assert peak_lr(at(5e-3, headless)) == 1.5e-3  # the default pipeline's lr, capped
-    assert peak_lr(at(1e-4, headless)) == 1e-4  # below the cap: as given
-    assert peak_lr(at(5e-3, sentence)) == pytest.approx(1e-4 / 3)
-    assert peak_lr(at(5e-3, headless, init_lr=2e-2)) == 2e-2  # a number is the peak, above the cap too
+    assert peak(at(5e-3)) == 5e-3  # no init: as given
+    assert peak(at(5e-3, headless)) == 1.5e-3  # the default pipeline's lr, capped
+    assert peak(at(1e-4, headless)) == 1e-4  # below the cap: as given
+    assert peak(at(5e-3, sentence)) == pytest.approx(1e-4 / 3)
+    assert peak(at(5e-3, headless, init_lr=2e-2)) == 2e-2  # a number is the peak, above the cap too
     zero = dataclasses.replace(at(5e-3, headless), budget=pretrain.Budget(tokens=0))
-    assert peak_lr(zero) == 5e-3  # nothing trains
+    assert peak(zero) == 5e-3  # nothing trains
 
 
 def test_the_key_holds_the_lr_the_run_trains_at(headless):
@@ -83,7 +89,7 @@ def test_the_key_holds_the_lr_the_run_trains_at(headless):
 
 
 def test_a_continued_run_trains_and_reports_at_the_capped_peak(headless, pack_of, tmp_path, make_ctx):  # noqa: F811
-    config = continued(headless, optimizer=OptimizerConfig(lr=5e-3), head_warmup=0.0)
+    config = continued(headless, optimizer=AdamW(lr=5e-3), head_warmup=0.0)
     out = pretrain.run(config, {"pack": pack_of}, tmp_path / "out", make_ctx())
     assert out["peak_lr"] == 1.5e-3
     lrs = [m["lr"] for m in metrics(tmp_path / "out")]
@@ -91,7 +97,7 @@ def test_a_continued_run_trains_and_reports_at_the_capped_peak(headless, pack_of
 
 
 def test_a_continued_run_trains_with_adamw_unless_init_optimizer_names_another(headless):
-    with_muon = OptimizerConfig(lr=5e-3, kind="muon")
+    with_muon = Muon(lr=5e-3)
     assert optimizer_kind(pretrain.Config(optimizer=with_muon)) == "muon"  # from scratch: as given
     from_muon = pretrain.Config(init=str(headless), optimizer=with_muon, budget=pretrain.Budget(steps=8))
     assert optimizer_kind(from_muon) == "adamw"
@@ -105,10 +111,10 @@ def test_a_continued_run_trains_with_adamw_unless_init_optimizer_names_another(h
 def test_a_continued_run_of_a_muon_config_trains_as_the_adamw_one(headless, pack_of, tmp_path, make_ctx):  # noqa: F811
     params = {}
     for kind in ("adamw", "muon"):
-        config = continued(headless, optimizer=OptimizerConfig(lr=5e-3, kind=kind), head_warmup=0.0)
+        config = continued(headless, optimizer=optimizer_config(kind, lr=5e-3), head_warmup=0.0)
         pretrain.run(config, {"pack": pack_of}, tmp_path / kind, make_ctx())
         params[kind] = load_file(tmp_path / kind / "params.safetensors")
-    given = continued(headless, optimizer=OptimizerConfig(lr=5e-3), head_warmup=0.0, init_optimizer="muon")
+    given = continued(headless, optimizer=AdamW(lr=5e-3), head_warmup=0.0, init_optimizer="muon")
     pretrain.run(given, {"pack": pack_of}, tmp_path / "given", make_ctx())
     muon_trained = load_file(tmp_path / "given" / "params.safetensors")
     hidden = [name for name in params["adamw"] if muon.takes(name)]
@@ -138,3 +144,18 @@ REFUSALS = {
 @pytest.mark.parametrize("how", list(REFUSALS))
 def test_bad_init_lrs_are_refused_before_any_stage(tmp_path, monkeypatch, headless, how):
     refused_before_any_stage(tmp_path, monkeypatch, headless, *REFUSALS[how])
+
+
+def test_a_run_resolves_its_values_once_and_its_config_stays_as_the_file_says(headless):
+    config = pretrain.Config(init=str(headless), optimizer=Muon(lr=5e-3), budget=pretrain.Budget(steps=8))
+    arch = pretrained.architecture(pretrained.locate(headless))
+    resolved = Resolved.of(config, Batch.given(config), arch)
+    # continuing: AdamW at the capped peak, a made head warmed up at it; the file's Muon at 5e-3 untouched
+    assert type(resolved.optimizer) is AdamW and resolved.peak_lr == 1.5e-3 and resolved.optimizer.kind == "adamw"
+    assert resolved.made_head and resolved.warmup is not None and resolved.warmup.lr == 1.5e-3
+    assert config.optimizer == Muon(lr=5e-3)
+    # an fp32 table's lr below the cap is the peak; the batch is the one it was made from
+    fp32 = Batch(microbatch=4, batch_size=4, lr=1e-4, by_fp32=True)
+    assert Resolved.of(config, fp32, arch).peak_lr == 1e-4 and Resolved.of(config, fp32, arch).batch is fp32
+    # a sentence encoder's head measured untrained: its rate
+    assert Resolved.of(config, Batch.given(config), arch, untrained=True).peak_lr == pytest.approx(1e-4 / 3)

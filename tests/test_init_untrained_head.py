@@ -21,7 +21,7 @@ from test_init_headless import HEAD, bert_model
 from test_pretrain import same_tensors
 
 from cram import model
-from cram.model import OptimizerConfig
+from cram.model import AdamW
 from cram.pipeline.planning import keyed_config
 from cram.stages import Upstream, pretrain
 from cram.stages.pretraining import continued as continuing
@@ -69,7 +69,7 @@ def pack_of(tmp_path, random_head) -> Upstream:
 
 def defaults(checkpoint: Path, **kw) -> pretrain.Config:
     """A continued run with every continuation setting at its default, from a from-scratch lr."""
-    settings = dict(head_warmup="auto", head_lr=0.0, optimizer=OptimizerConfig(lr=FROM_SCRATCH_LR))
+    settings = dict(head_warmup="auto", head_lr=0.0, optimizer=AdamW(lr=FROM_SCRATCH_LR))
     return continued(checkpoint, **{**settings, **kw})
 
 
@@ -101,9 +101,9 @@ def test_a_random_head_continues_as_a_headless_checkpoint_and_says_so_once(rando
 def test_the_made_head_replaces_the_random_one_and_the_encoder_is_the_checkpoints(random_head, make_ctx):
     config = defaults(random_head)
     ctx = make_ctx()
-    found = continuing.load(config, ctx)
-    made = continuing.params(config, ctx, found, head_loss=math.log(found.cfg.vocab_size))
-    kept = continuing.params(config, ctx, found, head_loss=1.0)
+    found = continuing.load(config.init, ctx)
+    made = continuing.params(config, ctx, found, math.log(found.cfg.vocab_size), config.optimizer.lr)
+    kept = continuing.params(config, ctx, found, 1.0, config.optimizer.lr)
     fresh = model.init(found.cfg, ctx.seed, names=HEAD)
     for name in HEAD:
         assert torch.equal(made[name], fresh[name]) and torch.equal(kept[name], found.params[name])

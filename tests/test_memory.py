@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from cram import model
-from cram.model import ModelConfig, OptimizerConfig
+from cram.model import AdamW, ModelConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,12 +49,12 @@ class PeakBytes(TorchDispatchMode):
 
 def measured_step_peak(cfg: ModelConfig, microbatch: int, per_sequence: int, autocast: torch.dtype | None) -> int:
     """Peak bytes of making the params and AdamW state and taking one eager training step."""
-    step = model.make_train_step(cfg, OptimizerConfig(), model.Compilation(compile=False, autocast=autocast))
+    step = model.make_train_step(cfg, AdamW(), model.Compilation(compile=False, autocast=autocast))
     gen = torch.Generator().manual_seed(0)
     S = cfg.max_seq_len
     with PeakBytes() as peak:
         params = model.init(cfg, seed=0)
-        opt_state = model.adamw_init(params)
+        opt_state = model.optimizer_init(model.AdamW(), params)
         ids = torch.randint(10, cfg.vocab_size, (microbatch, S), generator=gen)
         chosen = torch.rand(microbatch, S, generator=gen).argsort(dim=1)[:, :per_sequence]
         positions = (chosen + S * torch.arange(microbatch)[:, None]).flatten()

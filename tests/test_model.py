@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from cram import model
-from cram.model import ModelConfig, OptimizerConfig
+from cram.model import AdamW, ModelConfig, Muon, OptimizerConfig, StableAdamW, optimizer_config
 from cram.model.hf import to_transformers
 
 # Small enough for float64 finite differences over every parameter.
@@ -328,7 +328,7 @@ def test_matches_modernbert_from_transformers():
 
 
 def test_adamw_matches_torch_optim_with_clipping():
-    cfg = OptimizerConfig(weight_decay=0.1, clip_norm=0.5)
+    cfg = AdamW(weight_decay=0.1, clip_norm=0.5)
     gen = torch.Generator().manual_seed(0)
     params = {"w": torch.randn(4, 3, generator=gen), "norm": torch.randn(3, generator=gen)}
     reference = {k: v.clone().requires_grad_() for k, v in params.items()}
@@ -339,14 +339,14 @@ def test_adamw_matches_torch_optim_with_clipping():
         eps=cfg.eps,
         weight_decay=cfg.weight_decay,
     )
-    state = model.adamw_init(params)
+    state = model.optimizer_init(model.AdamW(), params)
     for step in range(4):
         grads = {k: torch.randn(v.shape, generator=gen) * (step + 1) for k, v in params.items()}
         for k, p in reference.items():
             p.grad = grads[k].clone()
         expected_norm = torch.nn.utils.clip_grad_norm_(list(reference.values()), cfg.clip_norm)
         optim.step()
-        params, state, grad_norm = model.adamw_update(cfg, params, state, grads, torch.tensor(0.01))
+        params, state, grad_norm = model.optimizer_update(cfg, params, state, grads, torch.tensor(0.01))
         assert grad_norm.item() == pytest.approx(expected_norm.item(), rel=1e-6)
         for k in params:
             assert torch.allclose(params[k], reference[k].detach(), rtol=1e-6, atol=1e-7), (step, k)
@@ -379,7 +379,7 @@ def _stable_adamw_reference(params, grads_per_step, lr, betas, eps, weight_decay
 
 
 def test_stable_adamw_matches_the_published_update_rule_through_a_gradient_spike():
-    cfg = OptimizerConfig(kind="stable_adamw", weight_decay=0.1, clip_norm=0.0, eps=1e-8)
+    cfg = StableAdamW(weight_decay=0.1, clip_norm=0.0, eps=1e-8)
     gen = torch.Generator().manual_seed(0)
     params = {
         "w": torch.randn(4, 3, generator=gen),
@@ -398,21 +398,21 @@ def test_stable_adamw_matches_the_published_update_rule_through_a_gradient_spike
     # so the test covers both branches of max(1, RMS).
     assert etas[3]["w"] < 0.6 * 0.01 and min(e["w"] for i, e in enumerate(etas) if i != 3) > 0.009
     assert sum(eta == 0.01 for e in etas for eta in e.values()) >= 5  # unclipped: max(1, RMS) = 1
-    state = model.adamw_init(params)
+    state = model.optimizer_init(model.AdamW(), params)
     for grads in grads_per_step:
-        params, state, _ = model.adamw_update(cfg, params, state, grads, torch.tensor(0.01))
+        params, state, _ = model.optimizer_update(cfg, params, state, grads, torch.tensor(0.01))
     for k in params:
         assert torch.allclose(params[k].double(), expected[k], rtol=1e-5, atol=1e-6), k
-    plain = OptimizerConfig(weight_decay=0.1, clip_norm=0.0, eps=1e-8)
-    unclipped, state = dict(params), model.adamw_init(params)
+    plain = AdamW(weight_decay=0.1, clip_norm=0.0, eps=1e-8)
+    unclipped, state = dict(params), model.optimizer_init(model.AdamW(), params)
     for grads in grads_per_step:
-        unclipped, state, _ = model.adamw_update(plain, unclipped, state, grads, torch.tensor(0.01))
+        unclipped, state, _ = model.optimizer_update(plain, unclipped, state, grads, torch.tensor(0.01))
     assert not torch.allclose(unclipped["w"], params["w"], atol=1e-4)  # AdamW takes the spike's full step
 
 
 def test_optimizer_kind_is_checked():
     with pytest.raises(ValueError, match="optimizer.kind='lion': allowed adamw, stable_adamw"):
-        OptimizerConfig(kind="lion")
+        optimizer_config("lion")
 
 
 def test_schedules():
@@ -492,7 +492,7 @@ def _counted_step_flops(cfg: ModelConfig, opt: OptimizerConfig, batch: int, mask
     }
     step = model.make_train_step(cfg, opt, model.EAGER)
     with FlopCounterMode(display=False) as counter:
-        step(params, model.adamw_init(params), data, torch.tensor(1e-3))
+        step(params, model.optimizer_init(model.AdamW(), params), data, torch.tensor(1e-3))
     return counter.get_total_flops()
 
 
@@ -500,7 +500,7 @@ def test_step_gemms_are_every_matmul_a_training_step_runs_and_flops_per_token_le
     cfg = ModelConfig(**SMALL, **MODERNBERT)
     gemms = model.step_gemms(cfg, batch=2, masked_per_seq=32)
     total = sum(g.flops for g in gemms)
-    assert total == _counted_step_flops(cfg, OptimizerConfig(), batch=2, masked=32)
+    assert total == _counted_step_flops(cfg, AdamW(), batch=2, masked=32)
     # By hand: the layers' matrices 3·(96 + 32 + 64 + 32)·32 = 21,504 and attention, 6·21,504 + 147,456 per
     # token; the head's dense 1,024 and the decoder 3,200 for the masked quarter: 6·4,224·0.25 = 6,336.
     assert total == 256 * (6 * 21_504 + 147_456 + 6_336)
@@ -512,7 +512,7 @@ def test_optimizer_flops_are_muons_newton_schulz_by_hand_and_as_counted():
     # Every hidden matrix is a stack of [32, 32] blocks (qkv 3, out 1, GLU up 2, down 1): per block and
     # iteration 4·32³ + 2·32³, five iterations: 983,040; 7 blocks a layer, 3 layers.
     by_hand = 3 * 7 * 5 * 6 * 32**3
-    assert model.optimizer_flops(cfg, OptimizerConfig(kind="muon")) == by_hand == 20_643_840
-    assert model.optimizer_flops(cfg, OptimizerConfig()) == 0
-    muon_step = _counted_step_flops(cfg, OptimizerConfig(kind="muon"), batch=2, masked=32)
-    assert muon_step - _counted_step_flops(cfg, OptimizerConfig(), batch=2, masked=32) == by_hand
+    assert model.optimizer_flops(cfg, Muon()) == by_hand == 20_643_840
+    assert model.optimizer_flops(cfg, AdamW()) == 0
+    muon_step = _counted_step_flops(cfg, Muon(), batch=2, masked=32)
+    assert muon_step - _counted_step_flops(cfg, AdamW(), batch=2, masked=32) == by_hand

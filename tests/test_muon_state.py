@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from cram import model
-from cram.model import ModelConfig, OptimizerConfig, muon
+from cram.model import ModelConfig, Muon, muon
 from cram.stages import Upstream, pretrain
 from cram.stages.pretraining import checkpoint
 from cram.stages.shared.files import content_hash
@@ -21,7 +21,7 @@ from cram.stages.shared.tensors import write_tensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-MUON = OptimizerConfig(kind="muon")
+MUON = Muon()
 CFG = ModelConfig(vocab_size=256, hidden=32, layers=2, heads=2, intermediate=64, max_seq_len=16)
 
 
@@ -36,10 +36,10 @@ def batch_of(seed: int) -> dict[str, torch.Tensor]:
 
 def test_a_fresh_muon_state_has_no_second_moment_for_the_matrices_and_updates_as_with_the_zeros():
     params = model.init(CFG, seed=0)
-    lean, old = model.adamw_init(params, "muon"), model.adamw_init(params)
+    lean, old = model.optimizer_init(model.Muon(), params), model.optimizer_init(model.AdamW(), params)
     matrices = [name for name in params if muon.takes(name)]
     assert len(matrices) == 8 and set(old) - set(lean) == {f"exp_avg_sq.{name}" for name in matrices}
-    assert set(model.adamw_init(params, "adamw")) == set(old)
+    assert set(model.optimizer_init(model.AdamW(), params)) == set(old)
     step = model.make_train_step(CFG, MUON, model.EAGER)
     runs = {}
     for layout, state in (("lean", lean), ("old", old)):
@@ -50,16 +50,16 @@ def test_a_fresh_muon_state_has_no_second_moment_for_the_matrices_and_updates_as
     assert all(torch.equal(runs["lean"][0][k], runs["old"][0][k]) for k in params)
     assert list(runs["lean"][1]) == list(lean)  # the layout stays as it came: no recompile
     assert list(runs["old"][1]) == list(old) and all(not runs["old"][1][f"exp_avg_sq.{n}"].any() for n in matrices)
-    assert list(model.drop_unused("muon", runs["old"][1])) == list(lean)
-    assert model.drop_unused("adamw", old) == old
+    assert list(model.drop_unused(model.Muon(), runs["old"][1])) == list(lean)
+    assert model.drop_unused(model.AdamW(), old) == old
 
 
 def test_a_second_moment_that_is_not_zero_is_never_dropped():
     params = model.init(CFG, seed=0)
-    state = model.adamw_init(params)
+    state = model.optimizer_init(model.AdamW(), params)
     name = next(n for n in params if muon.takes(n))
     state[f"exp_avg_sq.{name}"] += 1.0
-    assert f"exp_avg_sq.{name}" in model.drop_unused("muon", state)
+    assert f"exp_avg_sq.{name}" in model.drop_unused(model.Muon(), state)
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from cram.stages import StageError, Upstream, pretrain
 from cram.stages.pretraining import phases
 from cram.stages.pretraining.batches import Microbatch, read_sequences
 from cram.stages.pretraining.phases import Phase, enter, plan
+from cram.stages.pretraining.resolved import Batch, Resolved
 from cram.stages.pretraining.setup import prepare
 from cram.stages.pretraining.state import TrainState
 from cram.stages.pretraining.steps import make_steps
@@ -230,8 +231,9 @@ def test_document_ids_count_boundaries_of_the_unmasked_ids():
 def test_a_batch_carries_document_ids_only_with_document_attention(pack, make_ctx):  # noqa: F811
     pack = Upstream(pack.dir, {**pack.outputs, "boundary": "cls-sep"})
     for on in (False, True):
-        setup = prepare(small(document_attention=on), pack, make_ctx())
-        steps = make_steps(small(document_attention=on), setup, 1, compile=False)
+        config = small(document_attention=on)
+        setup = prepare(config, Batch.given(config), pack, make_ctx())
+        steps = make_steps(Resolved(Batch.given(config), config.optimizer), setup, setup.compilation(False), 1)
         ids = torch.from_numpy(read_sequences(setup.blocks, 0, 0, 4, {}))
         ids[:, 5] = SPECIAL_IDS["cls"]
         batch = steps.batch(Microbatch(ids, 0, 1), setup.spec)

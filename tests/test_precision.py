@@ -200,8 +200,8 @@ def test_inductor_bf16_train_step_equals_eager_in_the_precision_auto_chooses(lay
     if layout == "document_ids":
         batch["document_ids"] = (torch.arange(cfg.max_seq_len) >= 5).long().expand(8, -1).contiguous()
     params = model.init(cfg, 0)
-    start = (params, model.adamw_init(params))
-    opt, lr = model.OptimizerConfig(), torch.tensor(1e-3)
+    start = (params, model.optimizer_init(model.AdamW(), params))
+    opt, lr = model.AdamW(), torch.tensor(1e-3)
     eager = model.make_train_step(cfg, opt, model.Compilation(compile=False, autocast=torch.bfloat16))
     expected = eager(*start, batch, lr)[2]
 

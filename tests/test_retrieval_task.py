@@ -185,7 +185,7 @@ def test_a_hard_negative_batch_has_the_loss_of_infonce_written_out_with_its_nega
     batch = tuner.batch(loaded, index, 0.0)
     assert batch["query_ids"].shape[0] == 8 and batch["doc_ids"].shape[0] == 16
     params = {k: v.clone() for k, v in tuner.params.items()}
-    _, _, metrics = tuner.step(params, model.adamw_init(params), batch, torch.tensor(0.0))
+    _, _, metrics = tuner.step(params, model.optimizer_init(model.AdamW(), params), batch, torch.tensor(0.0))
     # By hand: each text embedded on its own by the search's embedding (unit vectors), then the cross-entropy
     # of 20 x cosine over the 8 positives and the 8 hard negatives, each query's own positive the answer.
     data = loaded.data

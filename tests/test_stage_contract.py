@@ -60,3 +60,13 @@ def test_a_config_links_only_where_it_defines_linked():
     other = fake_stages.Config(value=7)
     assert protocols.linked(Linking(), {"other": other}) == Linking(7)
     assert protocols.linked(other, {"other": other}) is other
+
+
+def test_a_sibling_section_is_read_as_its_stages_config_or_none():
+    from cram.stages.pretraining.config import Config as PretrainConfig
+
+    pretrain = PretrainConfig(init="ckpt")
+    assert stages.section({"pretrain": pretrain}, "pretrain", PretrainConfig) is pretrain
+    assert stages.section({}, "pretrain", PretrainConfig) is None
+    with pytest.raises(TypeError, match=r"\[pretrain\]: a SimpleNamespace, not the Config its stage reads"):
+        stages.section({"pretrain": types.SimpleNamespace(init="ckpt")}, "pretrain", PretrainConfig)

@@ -10,17 +10,17 @@ import torch
 import torch.multiprocessing as mp
 
 from cram import model
-from cram.model import ModelConfig, OptimizerConfig
+from cram.model import AdamW, ModelConfig, StableAdamW
 from cram.stages.shared.special import SPECIAL_IDS
 
 TINY = model.PRESETS["tiny"]
 # The smallest model that still has every part: compile time grows with the layer count.
 TINIEST = ModelConfig(vocab_size=256, hidden=32, layers=1, heads=2, intermediate=64, max_seq_len=16)
-OPT = OptimizerConfig()
+OPT = AdamW()
 # Comparing params after AdamW steps of differently summed gradients: with eps=1e-12 the first
 # update is sign(grad) * lr, so a rounding-level gradient (some are ~1e-12) may flip by 2*lr.
 # A larger eps makes the update continuous in the gradient.
-SMOOTH_OPT = OptimizerConfig(eps=1e-6)
+SMOOTH_OPT = AdamW(eps=1e-6)
 
 
 def random_batch(cfg: ModelConfig, batch: int, seed: int, per_seq: int | None = None) -> dict[str, torch.Tensor]:
@@ -37,14 +37,14 @@ def random_batch(cfg: ModelConfig, batch: int, seed: int, per_seq: int | None = 
 
 def fresh(cfg: ModelConfig = TINY, seed: int = 0):
     params = model.init(cfg, seed)
-    return params, model.adamw_init(params)
+    return params, model.optimizer_init(model.AdamW(), params)
 
 
 def zeros_like(params):
     return {name: torch.zeros_like(p) for name, p in params.items()}
 
 
-STABLE = OptimizerConfig(kind="stable_adamw", clip_norm=0.0)
+STABLE = StableAdamW(clip_norm=0.0)
 
 
 STEPS = ["train", "train-stable", "train-bf16", "accumulate", "apply", "apply-stable", "eval"]

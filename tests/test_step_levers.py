@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from cram import model
-from cram.model import ModelConfig, OptimizerConfig, muon
+from cram.model import AdamW, ModelConfig, Muon, muon, optimizer_config
 from cram.model.bert import cross_entropy_lean
-from cram.model.optim import adamw_update, global_norm
+from cram.model.optim import global_norm, optimizer_update
 
 TINIEST = ModelConfig(vocab_size=256, hidden=32, layers=1, heads=2, intermediate=64, max_seq_len=16)
 LR = torch.tensor(1e-3)
@@ -39,13 +39,13 @@ def random_grads(params: dict[str, torch.Tensor], seed: int) -> dict[str, torch.
 def test_the_foreach_update_is_the_per_tensor_update_bit_for_bit_on_a_cpu(kind):
     # The same operations in the same order; a CPU runs each list op tensor by tensor, so they agree exactly
     # (on CUDA the multi-tensor kernels may round differently: the compiled comparison below has a tolerance).
-    opt = OptimizerConfig(kind=kind, clip_norm=0.5 if kind != "stable_adamw" else 0.0)
+    opt = optimizer_config(kind, clip_norm=0.5 if kind != "stable_adamw" else 0.0)
     params = model.init(TINIEST, seed=0)
     runs = {}
     for foreach in (False, True):
-        p, state = dict(params), model.adamw_init(params)
+        p, state = dict(params), model.optimizer_init(model.AdamW(), params)
         for i in range(3):
-            p, state, norm = adamw_update(opt, p, state, random_grads(params, i), LR, foreach=foreach)
+            p, state, norm = optimizer_update(opt, p, state, random_grads(params, i), LR, foreach=foreach)
         runs[foreach] = p, state, norm
     (p0, s0, n0), (p1, s1, n1) = runs[False], runs[True]
     assert list(p1) == list(p0) and list(s1) == list(s0)  # the same keys in the same order: no recompile
@@ -86,13 +86,16 @@ LEVERS = dict(foreach_update=True, fp32_logits=False, bf16_newton_schulz=True)
 
 @pytest.mark.parametrize("kind", ["adamw", "muon"])
 def test_every_setting_on_compiled_is_one_graph_and_matches_the_default_eager_step(kind):
-    opt = OptimizerConfig(kind=kind)
+    opt = optimizer_config(kind)
     counters = torch._dynamo.utils.counters["stats"]
     before = counters["unique_graphs"]
     runs = {}
     with torch._dynamo.config.patch(error_on_recompile=True):
         for how in (model.EAGER, model.Compilation(backend="aot_eager", **LEVERS)):
-            params, state = model.init(TINIEST, seed=0), model.adamw_init(model.init(TINIEST, seed=0))
+            params, state = (
+                model.init(TINIEST, seed=0),
+                model.optimizer_init(model.AdamW(), model.init(TINIEST, seed=0)),
+            )
             step = model.make_train_step(TINIEST, opt, how)
             losses = []
             for i in range(4):
@@ -113,8 +116,8 @@ def test_every_setting_on_under_inductor_matches_the_default_eager_step():
     # fp32: inductor's bf16 CPU code is wrong on some CPUs whatever the settings (docs/compiling.md)
     runs = {}
     for how in (model.EAGER, model.Compilation(**LEVERS)):
-        params, state = model.init(TINIEST, seed=0), model.adamw_init(model.init(TINIEST, seed=0))
-        step = model.make_train_step(TINIEST, OptimizerConfig(kind="muon"), how)
+        params, state = model.init(TINIEST, seed=0), model.optimizer_init(model.AdamW(), model.init(TINIEST, seed=0))
+        step = model.make_train_step(TINIEST, Muon(), how)
         for i in range(3):
             params, state, metrics = step(params, state, batch_of(TINIEST, 4, seed=i), LR)
         runs[how.compile] = metrics["loss"], params
@@ -127,9 +130,11 @@ def test_every_setting_on_under_inductor_matches_the_default_eager_step():
 def test_bf16_newton_schulz_is_ignored_off_cuda_and_close_to_fp32_where_it_runs():
     params = model.init(TINIEST, seed=0)
     grads = random_grads(params, seed=3)
-    opt = OptimizerConfig(kind="muon")
-    plain = adamw_update(opt, params, model.adamw_init(params), grads, LR)
-    bf16 = adamw_update(opt, params, model.adamw_init(params), grads, LR, bf16_newton_schulz=True)
+    opt = Muon()
+    plain = optimizer_update(opt, params, model.optimizer_init(model.AdamW(), params), grads, LR)
+    bf16 = optimizer_update(
+        opt, params, model.optimizer_init(model.AdamW(), params), grads, LR, bf16_newton_schulz=True
+    )
     assert all(torch.equal(bf16[0][k], plain[0][k]) for k in params)  # a CPU: fp32 whatever the setting
     from torch.optim._muon import _zeropower_via_newtonschulz as reference
 
@@ -160,15 +165,15 @@ def test_the_autocast_residual_stream_is_bf16_and_trains_as_the_default_to_bf16_
         ("eager", model.Compilation(compile=False, autocast=torch.bfloat16, autocast_residual=True)),
         ("compiled", model.Compilation(backend="aot_eager", autocast=torch.bfloat16, autocast_residual=True)),
     ):
-        p, state = params, model.adamw_init(params)
-        step = model.make_train_step(TINIEST, OptimizerConfig(), how)
+        p, state = params, model.optimizer_init(model.AdamW(), params)
+        step = model.make_train_step(TINIEST, AdamW(), how)
         for i in range(3):
             p, state, metrics = step(p, state, batch_of(TINIEST, 4, seed=i), LR)
         runs[name] = metrics["loss"].item(), p
     assert runs["compiled"][0] == pytest.approx(runs["eager"][0], rel=1e-3)  # the same bf16 ops, traced
     assert runs["eager"][0] == pytest.approx(runs["default"][0], rel=1e-2)  # bf16's rounding of the stream
     assert runs["eager"][0] != runs["default"][0]  # it did round the stream
-    fp32 = model.make_train_step(TINIEST, OptimizerConfig(), model.Compilation(compile=False, autocast_residual=True))
-    plain = model.make_train_step(TINIEST, OptimizerConfig(), model.EAGER)
-    batch, state = batch_of(TINIEST, 4, seed=0), model.adamw_init(params)
+    fp32 = model.make_train_step(TINIEST, AdamW(), model.Compilation(compile=False, autocast_residual=True))
+    plain = model.make_train_step(TINIEST, AdamW(), model.EAGER)
+    batch, state = batch_of(TINIEST, 4, seed=0), model.optimizer_init(model.AdamW(), params)
     assert torch.equal(fp32(params, state, batch, LR)[2]["loss"], plain(params, state, batch, LR)[2]["loss"])

@@ -18,7 +18,7 @@ from test_step import random_batch
 from typer.testing import CliRunner
 
 from cram import model
-from cram.model import ModelConfig, OptimizerConfig, bert, muon
+from cram.model import AdamW, ModelConfig, Muon, bert, muon, optimizer_config
 from cram.model.hf import transformers_blockers
 from cram.pipeline.commands import cli
 from cram.pipeline.commands.export import export
@@ -45,7 +45,7 @@ SWITCHES = {
     "zero_init_out": dict(zero_init_out=True),
     "all": dict(qk_norm=True, zero_init_out=True),
 }
-ADAMW, MUON = OptimizerConfig(), OptimizerConfig(kind="muon")
+ADAMW, MUON = AdamW(), Muon()
 AOT_EAGER = model.Compilation(backend="aot_eager")
 
 
@@ -180,7 +180,7 @@ def test_muon_keeps_no_second_moment_for_its_matrices_and_updates_everything_els
     runs = {}
     for opt in (ADAMW, MUON):
         step = model.make_train_step(cfg, opt, model.EAGER)
-        runs[opt.kind] = step(params, model.adamw_init(params, opt.kind), batch, torch.tensor(1e-3))
+        runs[opt.kind] = step(params, model.optimizer_init(opt, params), batch, torch.tensor(1e-3))
     (adamw_params, adamw_state, _), (muon_params, muon_state, _) = runs["adamw"], runs["muon"]
     assert set(adamw_state) - set(muon_state) == {f"exp_avg_sq.{name}" for name in params if muon.takes(name)}
     for name in params:
@@ -191,9 +191,9 @@ def test_muon_keeps_no_second_moment_for_its_matrices_and_updates_everything_els
 
 
 def test_muon_is_an_optimizer_kind():
-    assert OptimizerConfig(kind="muon").kind == "muon"
+    assert Muon().kind == "muon"
     with pytest.raises(ValueError, match="optimizer.kind='lion': allowed adamw, stable_adamw, muon"):
-        OptimizerConfig(kind="lion")
+        optimizer_config("lion")
 
 
 # --- one graph, no recompiles, compiled == eager ----------------------------------------------------
@@ -203,14 +203,16 @@ def test_muon_is_an_optimizer_kind():
 def test_each_switch_is_one_graph_that_never_recompiles_and_matches_eager(switch):
     cfg, opt = (BASE, MUON) if switch == "muon" else (cfg_of(switch), ADAMW)
     explanation = torch._dynamo.explain(model.make_train_step(cfg, opt, model.EAGER))(
-        *(lambda p: (p, model.adamw_init(p)))(model.init(cfg, 0)), random_batch(cfg, 2, seed=0), torch.tensor(1e-3)
+        *(lambda p: (p, model.optimizer_init(model.AdamW(), p)))(model.init(cfg, 0)),
+        random_batch(cfg, 2, seed=0),
+        torch.tensor(1e-3),
     )
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
     runs = {}
     with torch._dynamo.config.patch(error_on_recompile=True):
         for compiled in (False, True):
             params = model.init(cfg, seed=0)
-            state = model.adamw_init(params)
+            state = model.optimizer_init(model.AdamW(), params)
             step = model.make_train_step(cfg, opt, model.Compilation(compile=compiled, backend="aot_eager"))
             for i in range(3):
                 params, state, metrics = step(params, state, random_batch(cfg, 4, seed=i), torch.tensor(1e-3 / (i + 1)))
@@ -228,9 +230,11 @@ def test_muons_apply_step_after_accumulation_is_one_graph_and_matches_the_train_
     with torch._dynamo.config.patch(error_on_recompile=True):
         grads, _ = model.make_accumulate_step(BASE, AOT_EAGER)(params, bert_zeros(params), batch)
         applied, _, _ = model.make_apply_step(MUON, AOT_EAGER)(
-            params, model.adamw_init(params), grads, torch.tensor(1.0), lr
+            params, model.optimizer_init(model.AdamW(), params), grads, torch.tensor(1.0), lr
         )
-    trained, _, _ = model.make_train_step(BASE, MUON, model.EAGER)(params, model.adamw_init(params), batch, lr)
+    trained, _, _ = model.make_train_step(BASE, MUON, model.EAGER)(
+        params, model.optimizer_init(model.AdamW(), params), batch, lr
+    )
     for name, p in trained.items():
         assert torch.allclose(applied[name], p, rtol=0, atol=1e-6), name
 
@@ -293,7 +297,9 @@ def test_every_switch_with_muon_passes_the_canary_checkpoints_and_resumes_bit_id
     cfg = ModelConfig.from_json(straight_dir / "model.json")
     assert (cfg.qk_norm, cfg.zero_init_out) == (True, True)
     params, opt_state, _ = checkpoints.load(straight_dir / "checkpoints" / "step-2")
-    assert params.keys() == set(bert.shapes(cfg)) and opt_state.keys() == model.adamw_init(params, "muon").keys()
+    assert (
+        params.keys() == set(bert.shapes(cfg)) and opt_state.keys() == model.optimizer_init(model.Muon(), params).keys()
+    )
     # A run stopped after step 2 (its checkpoint copied alone into a fresh folder) resumes from it.
     shutil.copytree(straight_dir / "checkpoints" / "step-2", resumed_dir / "checkpoints" / "step-2")
     resumed = pretrain.run(config, {"pack": pack}, resumed_dir, make_ctx())

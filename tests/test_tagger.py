@@ -24,7 +24,7 @@ from cram.model.tagger import (
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 CFG = model.ModelConfig(vocab_size=64, hidden=32, layers=1, heads=2, intermediate=64, max_seq_len=32)
-OPT = model.OptimizerConfig(eps=1e-6, weight_decay=0.0, clip_norm=0.0)
+OPT = model.AdamW(eps=1e-6, weight_decay=0.0, clip_norm=0.0)
 
 
 def toy_batch(rows: int = 8, length: int = 12, seed: int = 0) -> dict:
@@ -43,7 +43,7 @@ def test_compiled_steps_are_one_graph_each_and_match_eager(head="linear"):
     compiled = make_tag_step(CFG, OPT, model.Compilation(backend="aot_eager"), head=head)
     predict = make_tag_eval_step(CFG, model.Compilation(backend="aot_eager"), head=head)
     before = counters["stats"]["unique_graphs"]
-    expected = got = (params, model.adamw_init(params))
+    expected = got = (params, model.optimizer_init(OPT, params))
     for seed, lr in enumerate([1e-3, 5e-4, 2e-4]):  # new params, batches and lrs are inputs: no recompile
         batch = {**toy_batch(seed=seed), "dropout": torch.tensor(0.0)}
         *expected, expected_metrics = eager(*expected, batch, torch.tensor(lr))
@@ -72,7 +72,7 @@ def test_the_loss_reads_the_tagged_positions_alone():
 def test_the_step_learns_a_toy_task():
     params = {**model.init(CFG, 0), **init_tag_head(CFG, 3, 1)}
     step = make_tag_step(CFG, dataclasses.replace(OPT, lr=3e-3), model.EAGER)
-    state, batch = (params, model.adamw_init(params)), toy_batch(rows=16)
+    state, batch = (params, model.optimizer_init(OPT, params)), toy_batch(rows=16)
     first = None
     for _ in range(60):
         *state, metrics = step(*state, {**batch, "dropout": torch.tensor(0.0)}, torch.tensor(3e-3))

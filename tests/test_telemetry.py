@@ -49,7 +49,7 @@ def test_no_step_and_no_stage_figure_says_more_than_the_whole_device(measured, p
 @pytest.mark.parametrize("kind", ["adamw", "muon"])
 def test_hardware_flops_count_muons_newton_schulz_beside_the_models(measured, pack, tmp_path, make_ctx, kind):  # noqa: F811
     measured += [1e10]
-    config = small(log_every_steps=2, optimizer=model.OptimizerConfig(kind=kind))
+    config = small(log_every_steps=2, optimizer=model.optimizer_config(kind))
     out = pretrain.run(config, {"pack": pack}, tmp_path / "out", make_ctx())
     cfg = model.ModelConfig.from_json(tmp_path / "out" / "model.json")
     per_step = model.optimizer_flops(cfg, config.optimizer)

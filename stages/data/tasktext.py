@@ -50,7 +50,7 @@ def check(tasks: tuple[TaskFile, ...], option: str, evaluate: EvaluateConfig | N
     `evaluate`: the pipeline's evaluate Config (None: the pipeline has no evaluate stage)."""
     if not tasks:
         why = "the pipeline has no evaluate stage" if evaluate is None else "evaluate.tasks is empty"
-        if getattr(evaluate, "tasks", ()):
+        if evaluate is not None and evaluate.tasks:
             why = "its tasks are heldout-topic, which classify tokenize's held-out documents: no training file"
         raise StageError(
             f'tokenize.task_text: "{option}" pretrains on the training files of [[evaluate.tasks]] of kind '

@@ -14,22 +14,25 @@ from cram.stages import StageError
 from cram.stages.evaluating import kinds
 from cram.stages.evaluating.config import Config
 from cram.stages.kept.batches import bucket
+from cram.stages.pretraining.config import Config as PretrainConfig
 from cram.stages.shared.masking import masked_per_sequence
 
 if TYPE_CHECKING:
     from cram.model.config import ModelConfig
     from cram.stages import Upstream
     from cram.stages.tasks.config import TaskConfig
+    from cram.stages.tasks.kind import TokenizeSettings
 
 
-def check_against_the_model(config: Config, pretrain: Any, pack_seq_len: int) -> None:
+def check_against_the_model(config: Config, pretrain: PretrainConfig | None, pack_seq_len: int) -> None:
     """What `run` checks against the model, from the configs: the fine-tuning lengths and the held-out
     masked LM's (`check_lengths`, `check_position`) within the model's positions, each held-out
     length at a masking rate that masks a token of it. The model is the one pretrain's config makes
     (`pretrain` is its Config), or its `init`'s checkpoint, read from its headers."""
-    trained = list(dict.fromkeys(p.seq_len for p in getattr(pretrain, "phases", ()))) or [pack_seq_len]
+    phases = pretrain.phases if pretrain is not None else ()
+    trained = list(dict.fromkeys(p.seq_len for p in phases)) or [pack_seq_len]
     lengths = (list(config.mlm_lengths) or trained) if config.mlm else []
-    rate = config.mlm_mask_rate or getattr(getattr(pretrain, "masking", None), "rate", 0.0)
+    rate = config.mlm_mask_rate or (pretrain.masking.rate if pretrain is not None else 0.0)
     key = "evaluate.mlm_mask_rate" if config.mlm_mask_rate else "pretrain.masking.rate"
     for length in lengths:
         if rate:
@@ -47,7 +50,7 @@ def check_position(length: int, position: str, max_seq_len: int) -> None:
         raise StageError(f"evaluate.mlm_lengths: {length} is beyond the model's {max_seq_len} {position} positions")
 
 
-def _positions(pretrain: Any, longest: int) -> tuple[str, int] | None:
+def _positions(pretrain: PretrainConfig | None, longest: int) -> tuple[str, int] | None:
     """(position kind, positions) of the model pretrain's config makes, trained at `longest` at most;
     None when its config cannot tell (its own `validate` says why)."""
     from cram.model.config import PRESETS
@@ -58,11 +61,11 @@ def _positions(pretrain: Any, longest: int) -> tuple[str, int] | None:
         cfg = init_model(pretrain)
         return None if cfg is None else (cfg.position, cfg.max_seq_len)
     preset = PRESETS.get(pretrain.model.preset)
-    position = pretrain.model.position or getattr(preset, "position", None)
+    position = pretrain.model.position or (preset.position if preset is not None else None)
     return None if position is None else (position, longest)
 
 
-def init_model(pretrain: Any) -> ModelConfig | None:
+def init_model(pretrain: PretrainConfig | None) -> ModelConfig | None:
     """The ModelConfig of pretrain's `init` checkpoint (`pretrain` is its Config), read from its headers;
     None without one, or for one its own `validate` refuses."""
     if pretrain is None or not pretrain.init:
@@ -97,7 +100,7 @@ class Positions:
     source: str
 
 
-def task_positions(pretrain: Any, pack: Any) -> Positions | None:
+def task_positions(pretrain: PretrainConfig | None, pack: Any) -> Positions | None:
     """The positions of the model evaluate fine-tunes: those of the checkpoint pretrain starts from, where
     it starts from one (a released encoder keeps its own, 512 for all-MiniLM-L6-v2, at whatever pack.seq_len
     it is continued), else pack's seq_len (None: no pack stage)."""
@@ -120,7 +123,7 @@ def check_task(config: Config, task: TaskConfig, index: int, gap: str | None, po
     kinds.of(task.kind).check(task, index, config.settings(task), gap)
 
 
-def task_gap(tokenize: Any, config: Config, positions: int | None) -> Callable[[TaskConfig], str | None]:
+def task_gap(tokenize: TokenizeSettings, config: Config, positions: int | None) -> Callable[[TaskConfig], str | None]:
     """Why tokenize's settings (its Config) leave a held-out task no documents, or its lengths pad beyond the
     model's `positions` (None: unknown), as its kind says (`Kind.plan_gap`); None when they do not."""
 

@@ -8,11 +8,14 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from cram.stages.evaluating import kinds
+from cram.stages.pretraining.config import Config as PretrainConfig
+from cram.stages.protocols import StageConfig, section
 from cram.stages.shared.precision import check_canary
 from cram.stages.tasks.config import Head, Pooling, TaskConfig, TaskSettings, Tuning
 
@@ -122,7 +125,7 @@ class Config:
         if repeated:
             raise ValueError(f"tasks: the name {repeated[0]!r} is used twice; results are keyed by name")
 
-    def linked(self, sections: dict[str, Any]) -> Config:
+    def linked(self, sections: Mapping[str, StageConfig]) -> Config:
         """`head = "auto"` is the head of the family of `pretrain.init`'s transformers checkpoint where its
         model maps onto one, else "cramming"; `pooling = "auto"` is the pooling that `init`'s
         sentence-transformers folder names ("mean" or "first") where the head reads it, else "first"; a
@@ -132,11 +135,11 @@ class Config:
         what runs."""
         from cram.stages.shared import pretrained
 
-        pretrain = sections.get("pretrain")
-        init = getattr(pretrain, "init", "")
+        pretrain = section(sections, "pretrain", PretrainConfig)
+        init = pretrain.init if pretrain is not None else ""
         config = self
         if self.baseline == "auto":
-            trains = getattr(getattr(pretrain, "budget", None), "tokens", None) != 0
+            trains = pretrain is None or pretrain.budget.tokens != 0
             config = dataclasses.replace(config, baseline="init" if init and trains else "none")
         found = None
         if init:

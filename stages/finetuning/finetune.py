@@ -223,7 +223,7 @@ class Tuner:
         from cram.model.classifier import make_classify_eval_step, make_finetune_step
 
         fixed = {k: v for k, v in FINETUNE_OPTIMIZER.items() if k != "schedule"}
-        opt_cfg = model.OptimizerConfig(lr=config.lr, weight_decay=config.weight_decay, **fixed)
+        opt_cfg = model.AdamW(lr=config.lr, weight_decay=config.weight_decay, **fixed)
         options = precision.compile_options() if config.compile else None
         how = model.Compilation(config.compile, config.backend, precision.autocast(), attention, options)
         kw = dict(pooling=config.pooling, head=config.head)
@@ -255,7 +255,7 @@ class Tuner:
         torch.manual_seed(seed)  # dropout's masks: a seed's fine-tune is the same wherever it runs
         # the loop's own copy, which its steps may overwrite (`donate`): every seed starts from self.params
         params = {**{k: v.clone() for k, v in self.params.items()}, **head}
-        opt_state = model.adamw_init(params)
+        opt_state = model.optimizer_init(model.AdamW(), params)  # the fine-tune's optimizer: AdamW
         rng = np.random.default_rng(seed)
         steps_per_epoch = math.ceil(len(rows) / size)
         total = steps_per_epoch * epochs

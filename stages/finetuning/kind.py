@@ -17,7 +17,7 @@ from cram.stages.finetuning import finetune
 from cram.stages.finetuning.metrics import METRICS, REGRESSION_METRICS
 from cram.stages.shared.files import files_under
 from cram.stages.shared.taskfiles import GLUE
-from cram.stages.tasks.kind import Start, count
+from cram.stages.tasks.kind import Start, TokenizeSettings, count
 
 if TYPE_CHECKING:
     from cram.stages import Context, Upstream
@@ -72,7 +72,12 @@ class Classification:
         return files_under(root) if task.kind != "heldout-topic" and task.path and root.is_dir() else []
 
     def plan_gap(
-        self, task: TaskConfig, settings: TaskSettings, tokenize: Any, buckets: tuple[int, ...], positions: int | None
+        self,
+        task: TaskConfig,
+        settings: TaskSettings,
+        tokenize: TokenizeSettings,
+        buckets: tuple[int, ...],
+        positions: int | None,
     ) -> str | None:
         return topic_gap(tokenize) if task.kind == "heldout-topic" else None
 
@@ -198,10 +203,10 @@ def describe(tuning: Tuning, task_cfg: TaskConfig, task: Task, max_length: int, 
     }
 
 
-def topic_gap(tokenize: Any) -> str | None:
+def topic_gap(tokenize: TokenizeSettings) -> str | None:
     """Why tokenize's settings (its Config) leave a held-out-topic task no articles to classify; None
     when they do not."""
-    if getattr(tokenize, "task_text", "none") == "only":
+    if tokenize.task_text == "only":
         return 'classifies the articles tokenize holds out, and tokenize.task_text = "only" reads no corpus'
     if tokenize.heldout_fraction == 0:
         return "classifies the articles tokenize holds out, and tokenize.heldout_fraction = 0 holds out none"

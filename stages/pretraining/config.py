@@ -1,6 +1,8 @@
 """Pretrain's config: what `[pretrain]` in a pipeline file holds, checked as it is read.
 
-`Config` is the whole section; `Architecture` its `[pretrain.model]`, `Budget` its `[pretrain.budget]`,
+`Config` is the whole section, as the file says it: never rewritten (the values a run resolves from it, its
+batch and peak lr on the device, the optimizer continuing a checkpoint takes, are `resolved.py`'s);
+`Architecture` its `[pretrain.model]`, `Budget` its `[pretrain.budget]`,
 `InFp32` its `[pretrain.fp32]`, `Phase` an entry of its `phases`. `stages/pretrain.py` re-exports them
 (`pretrain.Config`), and the stage's helpers under `stages/pretraining/` are typed with them.
 """
@@ -12,7 +14,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from cram.model.config import OPTIMIZERS, RETIRED, ModelConfig, OptimizerConfig
+from cram.model.config import RETIRED, ModelConfig
+from cram.model.optimizers import OPTIMIZERS, AdamW, OptimizerConfig
 from cram.stages.shared.masking import Masking
 from cram.stages.shared.precision import check_canary
 
@@ -115,7 +118,7 @@ class Config:
     RETIRED: ClassVar[dict[str, object]] = {"average_last": 1}
 
     model: Architecture = field(default_factory=Architecture)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    optimizer: OptimizerConfig = field(default_factory=AdamW)  # a kind of model/optimizers.py, by its `kind`
     budget: Budget = field(default_factory=Budget)
     fp32: InFp32 = field(default_factory=InFp32)
     masking: Masking = field(default_factory=Masking)
@@ -218,19 +221,6 @@ class Config:
         if self.init_optimizer not in ("auto", *OPTIMIZERS):
             raise ValueError(f"init_optimizer: {self.init_optimizer!r}: allowed auto, {', '.join(OPTIMIZERS)}")
         self._check_init_settings()
-
-    def in_fp32(self) -> Config:
-        """The config a run whose step trains in fp32 trains with: `fp32`'s batch and lr in place of these."""
-        if self.fp32 == InFp32():
-            return self
-        table = self.fp32
-        return dataclasses.replace(
-            self,
-            microbatch=table.microbatch or self.microbatch,
-            batch_size=table.batch_size or self.batch_size,
-            optimizer=dataclasses.replace(self.optimizer, lr=table.lr or self.optimizer.lr),
-            fp32=InFp32(),
-        )
 
     def _check_init_settings(self) -> None:
         """The settings of continuing `init`'s checkpoint, refused without one whether or not pretrain runs

@@ -13,11 +13,12 @@ the run measures that head's held-out loss (`start.py`), and one no better than 
 (`untrained`) is continued as a checkpoint without a head: the head made anew, warmed up as "auto" warms
 a made head, at a sentence encoder's rate. The decision is made at run time, not when the key is made,
 because it needs pack's held-out blocks, which do not exist before pack runs; the key holds the lr and
-warm-up that the files alone give (`resolved` without a verdict). It still determines the result: the
-verdict is a function of the checkpoint's contents, the held-out data, the seed and the masking, all in
-the key, measured in fp32, eagerly, agreed from rank 0, and kept in checkpoints for a resume. The run
-says it in one warning line and in its `init_head` figure, and `peak_lr` and `head_warmup_until` are
-what trained. A number given as `init_lr` or `head_warmup` is used as given whatever the measurement.
+warm-up that the files alone give (`peak_lr` and `warmup_setting` without a verdict); a run resolves them with
+it (`resolved.Resolved`). It still determines the result: the verdict is a function of the checkpoint's
+contents, the held-out data, the seed and the masking, all in the key, measured in fp32, eagerly, agreed from
+rank 0, and kept in checkpoints for a resume. The run says it in one warning line and in its `init_head`
+figure, and `peak_lr` and `head_warmup_until` are what trained. A number given as `init_lr` or `head_warmup`
+is used as given whatever the measurement.
 """
 
 from __future__ import annotations
@@ -67,21 +68,21 @@ UNTRAINED_MARGIN = 0.1
 PARAM_SWITCHES = ("qk_norm",)
 
 
-def locate(config: Config) -> pretrained.Pretrained:
-    """Where `init`'s checkpoint files are."""
+def locate(init: str) -> pretrained.Pretrained:
+    """Where the checkpoint files of `init` (`pretrain.init`) are."""
     try:
-        return pretrained.locate(Path(config.init))
+        return pretrained.locate(Path(init))
     except pretrained.PretrainedError as e:
         raise StageError(f"pretrain.init: {e}") from None
 
 
-def fingerprint(config: Config) -> list[list[str]] | None:
-    """The contents of `init`'s checkpoint, which the stage's output depends on; None without one. One
-    that cannot be found gives its error instead: `validate` reports it."""
-    if not config.init:
+def fingerprint(init: str) -> list[list[str]] | None:
+    """The contents of the checkpoint `init` (`pretrain.init`), which the stage's output depends on; None
+    without one. One that cannot be found gives its error instead: `validate` reports it."""
+    if not init:
         return None
     try:
-        return pretrained.fingerprint(pretrained.locate(Path(config.init)))
+        return pretrained.fingerprint(pretrained.locate(Path(init)))
     except pretrained.PretrainedError as e:
         return [["unavailable", f"pretrain.init: {e}"]]
 
@@ -94,30 +95,30 @@ def _read(found: pretrained.Pretrained, shapes_only: bool) -> tuple[ModelConfig,
         raise StageError(f"pretrain.init: {e}") from None
 
 
-def check_not_its_own(config: Config, run_dir: Path) -> None:
-    """Refuse an `init` that is the run's own directory, or lies in it or in the entry its pretrain links
-    to: the stage would start from its own result, so its key (which holds init's contents) would change
+def check_not_its_own(init: str, run_dir: Path) -> None:
+    """Refuse an `init` (`pretrain.init`) that is the run's own directory, or lies in it or in the entry its
+    pretrain links to: the stage would start from its own result, so its key (which holds init's contents) would change
     with every result and each identical `cram run` would train again."""
-    init = Path(config.init).expanduser()
+    given = Path(init).expanduser()
     stage_dir = run_dir / "pretrain"  # the run's link to the store entry its pretrain finished in
     inside = [Path(os.path.abspath(run_dir)), Path(os.path.realpath(run_dir)), Path(os.path.realpath(stage_dir))]
-    seen = (Path(os.path.abspath(init)), Path(os.path.realpath(init)))
+    seen = (Path(os.path.abspath(given)), Path(os.path.realpath(given)))
     if any(path == folder or folder in path.parents for path in seen for folder in inside):
         raise StageError(
-            f"pretrain.init: {config.init} is this run's own directory ({run_dir}) or inside it: pretrain would "
+            f"pretrain.init: {init} is this run's own directory ({run_dir}) or inside it: pretrain would "
             "start from its own result and train again at every run; give another run directory or an export"
         )
 
 
-def check_has_tokenizer(config: Config, tokenize: tokenize_stage.Config | None) -> None:
-    """A checkpoint that is there, and a tokenizer for it: its own (tokenize's default), or one given
-    (`tokenize`: the tokenize stage's config, None where the pipeline has none)."""
+def check_has_tokenizer(init: str, tokenize: tokenize_stage.Config | None) -> None:
+    """A checkpoint `init` (`pretrain.init`) that is there, and a tokenizer for it: its own (tokenize's
+    default), or one given (`tokenize`: the tokenize stage's config, None where the pipeline has none)."""
     from cram.stages.shared.tokenizer import FILE_NAMES as tokenizer_files
 
-    locate(config)
+    locate(init)
     if tokenize is not None and not tokenize.tokenizer:
         raise StageError(
-            f"pretrain.init: {config.init} holds no tokenizer ({' or '.join(tokenizer_files)}) and "
+            f"pretrain.init: {init} holds no tokenizer ({' or '.join(tokenizer_files)}) and "
             "tokenize.tokenizer is not set; a tokenizer trained anew would not match the checkpoint's "
             "embeddings: set tokenize.tokenizer to the one the checkpoint was trained with"
         )
@@ -126,7 +127,7 @@ def check_has_tokenizer(config: Config, tokenize: tokenize_stage.Config | None) 
 def architecture(config: Config, vocab_size: int, seq_len: int, pad_id: int) -> ModelConfig:
     """`init`'s architecture, checked against `[pretrain.model]`, the tokenizer and the block length; its
     weights are read from the files' headers only; with the switches whose parameters the run makes (`switched`)."""
-    own, _ = _read(locate(config), shapes_only=True)
+    own, _ = _read(locate(config.init), shapes_only=True)
     cfg = switched(config, own)
     if config.model.preset != type(config.model)().preset:
         raise StageError(
@@ -175,7 +176,7 @@ def made_head(config: Config, untrained: bool = False) -> list[str]:
 
     if not config.init:
         return []
-    cfg, params = _read(locate(config), shapes_only=True)
+    cfg, params = _read(locate(config.init), shapes_only=True)
     return list(head_names(cfg)) if untrained else missing_head(cfg, params)
 
 
@@ -190,11 +191,11 @@ def warmup_setting(config: Config, untrained: bool = False) -> float:
     return float(config.head_warmup)
 
 
-def warmup_of(config: Config, cfg: ModelConfig, untrained: bool = False) -> HeadWarmup | None:
+def warmup_of(config: Config, cfg: ModelConfig, peak_lr: float, untrained: bool = False) -> HeadWarmup | None:
     """The head warm-up this run takes, None for none: below 1 a fraction of the budget, else tokens; its lr
-    is `head_lr`, or the optimizer's peak."""
+    is `head_lr`, or the run's `peak_lr`."""
     value, names = warmup_setting(config, untrained), head_names(cfg)
-    lr = config.head_lr or config.optimizer.lr
+    lr = config.head_lr or peak_lr
     if not value:
         return None
     if value < 1:
@@ -225,25 +226,25 @@ def check_head_warmup(config: Config, cfg: ModelConfig, pack: pack_stage.Config 
         )
 
 
-def peak_lr(config: Config, untrained: bool = False) -> float:
-    """The peak lr the run trains at: `optimizer.lr`, except in a run that continues `init`'s checkpoint.
-    There a number given as `init_lr` is the peak, and `init_lr = "auto"` caps optimizer.lr at the
-    checkpoint's continuation rate (`continuation_lr`), a sentence encoder's where its own head measured
-    `untrained` (an encoder whose head never learned was trained for something else): a rate for training
-    from scratch, such as the default pipeline's, would overwrite what the checkpoint learned. A zero budget
-    trains nothing: as given."""
+def peak_lr(config: Config, asked: float, untrained: bool = False) -> float:
+    """The peak lr the run trains at: `asked` (`optimizer.lr`, or `[pretrain.fp32]`'s where that applies:
+    `resolved.Batch`), except in a run that continues `init`'s checkpoint. There a number given as `init_lr`
+    is the peak, and `init_lr = "auto"` caps `asked` at the checkpoint's continuation rate
+    (`continuation_lr`), a sentence encoder's where its own head measured `untrained` (an encoder whose head
+    never learned was trained for something else): a rate for training from scratch, such as the default
+    pipeline's, would overwrite what the checkpoint learned. A zero budget trains nothing: as given."""
     if not config.init or config.budget.tokens == 0:
-        return config.optimizer.lr
+        return asked
     if config.init_lr != "auto":
         return config.init_lr
     if untrained:
-        return min(config.optimizer.lr, SENTENCE_ENCODER_LR)
-    found = locate(config)
+        return min(asked, SENTENCE_ENCODER_LR)
+    found = locate(config.init)
     try:
         cfg = pretrained.architecture(found)
     except pretrained.PretrainedError as e:
         raise StageError(f"pretrain.init: {e}") from None
-    return min(config.optimizer.lr, continuation_lr(found, cfg))
+    return min(asked, continuation_lr(found, cfg))
 
 
 def continuation_lr(found: pretrained.Pretrained, cfg: ModelConfig) -> float:
@@ -259,14 +260,6 @@ def optimizer_kind(config: Config) -> str:
     if not config.init:
         return config.optimizer.kind
     return CONTINUED_OPTIMIZER if config.init_optimizer == "auto" else config.init_optimizer
-
-
-def resolved(config: Config, untrained: bool = False) -> Config:
-    """`config` with `optimizer.lr` the peak lr the run trains at (`peak_lr`), `optimizer.kind` the optimizer
-    (`optimizer_kind`), and `init_lr` and `init_optimizer` "auto" (left out of the key): a continued run keeps
-    its key where the cap leaves its lr as it was and its optimizer is the one it had."""
-    optimizer = dataclasses.replace(config.optimizer, lr=peak_lr(config, untrained), kind=optimizer_kind(config))
-    return dataclasses.replace(config, optimizer=optimizer, init_lr="auto", init_optimizer="auto")
 
 
 def switched(config: Config, cfg: ModelConfig) -> ModelConfig:
@@ -293,22 +286,23 @@ class Checkpoint:
         return bool(head_names(self.cfg)) and not missing_head(self.cfg, self.params)
 
 
-def load(config: Config, ctx: Context) -> Checkpoint:
-    """`init`'s checkpoint, read whole."""
+def load(init: str, ctx: Context) -> Checkpoint:
+    """The checkpoint `init` (`pretrain.init`), read whole."""
     import time
 
     started = time.perf_counter()
-    found = locate(config)
+    found = locate(init)
     cfg, loaded = _read(found, shapes_only=False)
     ctx.log.info("init", checkpoint=str(found.folder), kind=found.kind, seconds=round(time.perf_counter() - started, 2))
     return Checkpoint(found, cfg, loaded)
 
 
-def params(config: Config, ctx: Context, checkpoint: Checkpoint, head_loss: float | None) -> Params:
+def params(config: Config, ctx: Context, checkpoint: Checkpoint, head_loss: float | None, asked_lr: float) -> Params:
     """The checkpoint's params, with a masked-LM head made from the run's seed where it has none (a base
     model, a sequence classifier) or where its own, of held-out loss `head_loss`, measured `untrained`: the
     decoder is tied to the token embeddings as transformers ties it, the head's transform, norm and bias
-    start fresh, and one warning names them (none for a zero budget, which trains nothing). The parameters
+    start fresh, and one warning names them, with the peak lr continuing trains at from `asked_lr` (none for
+    a zero budget, which trains nothing). The parameters
     of the switches it lacks (`switched`) are made as a fresh init makes them, and an info line names them."""
     from cram import model
     from cram.model.bert import shapes
@@ -318,7 +312,7 @@ def params(config: Config, ctx: Context, checkpoint: Checkpoint, head_loss: floa
     remade = untrained(head_loss, cfg.vocab_size)
     made = list(head_names(cfg)) if remade else missing_head(cfg, loaded)
     if made and config.budget.tokens != 0 and ctx.is_main:
-        ctx.log.warning(_made_head_message(config, checkpoint, made, head_loss if remade else None))
+        ctx.log.warning(_made_head_message(config, checkpoint, made, head_loss if remade else None, asked_lr))
     added = [name for name in shapes(cfg) if name not in shapes(checkpoint.cfg)]
     if added and ctx.is_main:
         ctx.log.info("init", made=", ".join(added), by="pretrain.init_switch_params")
@@ -326,7 +320,9 @@ def params(config: Config, ctx: Context, checkpoint: Checkpoint, head_loss: floa
     return {name: made_params[name] if name in made_params else loaded[name] for name in shapes(cfg)}
 
 
-def _made_head_message(config: Config, checkpoint: Checkpoint, made: list[str], head_loss: float | None) -> str:
+def _made_head_message(
+    config: Config, checkpoint: Checkpoint, made: list[str], head_loss: float | None, asked_lr: float
+) -> str:
     """The one line that says the stage made a head: for a checkpoint without one, or (`head_loss`) for one
     whose own predicts no better than uniform, with the warm-up and the rate it then trains at."""
     remade = head_loss is not None
@@ -347,5 +343,5 @@ def _made_head_message(config: Config, checkpoint: Checkpoint, made: list[str], 
         f"pretrain.init: {folder}'s masked-LM head predicts no better than uniform (held-out loss "
         f"{head_loss:.2f}, uniform ln {vocab:,} = {math.log(vocab):.2f}): continued as a checkpoint without one; "
         f"initialised {', '.join(made)} from the run's seed (the decoder is tied to the token embeddings); "
-        f"{how}; peak lr {peak_lr(config, remade):.3g} (pretrain.init_lr)"
+        f"{how}; peak lr {peak_lr(config, asked_lr, remade):.3g} (pretrain.init_lr)"
     )

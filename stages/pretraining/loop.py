@@ -41,8 +41,8 @@ class Schedule:
     args: Mapping[str, float]
 
     @classmethod
-    def of(cls, config: Config) -> Schedule:
-        return cls(config.optimizer.lr, config.schedule, config.decay_shape, config.decay_to, config.schedule_args)
+    def of(cls, config: Config, peak: float) -> Schedule:
+        return cls(peak, config.schedule, config.decay_shape, config.decay_to, config.schedule_args)
 
     def lr(self, position: float) -> float:
         from cram import model
@@ -63,8 +63,9 @@ class Course:
     warmup: HeadWarmup | None
 
     @classmethod
-    def of(cls, config: Config, warmup: HeadWarmup | None) -> Course:
-        return cls(config.budget, Schedule.of(config), config.ramp, config.clock_sync_every_steps, warmup)
+    def of(cls, config: Config, peak_lr: float, warmup: HeadWarmup | None) -> Course:
+        """The course of `config` with the schedule at `peak_lr` and `warmup`, as the run resolved them."""
+        return cls(config.budget, Schedule.of(config, peak_lr), config.ramp, config.clock_sync_every_steps, warmup)
 
     def lr(self, state: TrainState, spent: float, head_alone: bool) -> float:
         """The warm-up's constant lr for the head alone; otherwise the schedule's, started with the whole

@@ -24,6 +24,7 @@ from cram.stages.pretraining.config import Config, Phase
 from cram.stages.shared.masking import Masking, MaskSpec, mask_spec, masked_per_sequence
 
 if TYPE_CHECKING:
+    from cram.stages.pretraining.resolved import Batch
     from cram.stages.pretraining.state import TrainState
 
 
@@ -96,9 +97,17 @@ def enter(plan: Plan, state: TrainState, progress: float) -> None:
         state.phase += 1
 
 
-def plan(config: Config, pack_seq_len: int, special: dict[str, int], vocab_size: int, world_size: int = 1) -> Plan:
-    """The phases of `config` over pack's blocks of `pack_seq_len`, checked: one line
-    naming the key when they cannot run (the order of `until`, a length, a microbatch, a masking rate)."""
+def plan(
+    config: Config,
+    pack_seq_len: int,
+    special: dict[str, int],
+    vocab_size: int,
+    world_size: int = 1,
+    *,
+    batch: Batch | None = None,
+) -> Plan:
+    """The phases of `config` over pack's blocks of `pack_seq_len` at `batch` (None: `[pretrain]`'s), checked:
+    one line naming the key when they cannot run (the order of `until`, a length, a microbatch, a masking rate)."""
     phases = config.phases or (Phase(pack_seq_len),)
     _check_order(phases)
     rates = config.masking.phase_rates
@@ -108,14 +117,15 @@ def plan(config: Config, pack_seq_len: int, special: dict[str, int], vocab_size:
             "none: one at pack's length); give one rate per phase"
         )
     chunk = max(p.seq_len for p in phases)
+    sequences = (batch.microbatch, batch.batch_size) if batch else (config.microbatch, config.batch_size)
     spans, start = [], 0.0
     for i, phase in enumerate(phases):
         key = f"pretrain.phases[{i}]"
         if chunk % phase.seq_len:
             raise StageError(f"{key}.seq_len: {phase.seq_len} must divide the longest phase's {chunk}")
         until = 1.0 if phase.until is None else phase.until
-        microbatch = phase.microbatch or _scaled(config.microbatch, pack_seq_len, phase.seq_len, f"{key}.microbatch")
-        batch_size = _scaled(config.batch_size, pack_seq_len, phase.seq_len, "pretrain.batch_size")
+        microbatch = phase.microbatch or _scaled(sequences[0], pack_seq_len, phase.seq_len, f"{key}.microbatch")
+        batch_size = _scaled(sequences[1], pack_seq_len, phase.seq_len, "pretrain.batch_size")
         if batch_size % (world_size * microbatch):
             raise StageError(
                 f"{key}.microbatch: {microbatch} x {world_size} rank(s) must divide the phase's batch of "

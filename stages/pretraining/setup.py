@@ -16,6 +16,7 @@ from cram.stages.pretraining import continued
 from cram.stages.pretraining.config import Config
 from cram.stages.pretraining.phases import Plan, Span
 from cram.stages.pretraining.phases import plan as plan_phases
+from cram.stages.pretraining.resolved import Batch
 from cram.stages.shared import device as devices
 from cram.stages.shared import precision as precisions
 from cram.stages.shared.masking import MaskSpec, mask_spec
@@ -26,19 +27,19 @@ if TYPE_CHECKING:
 
     from cram.model.step import Compilation
     from cram.stages import tokenize as tokenize_stage
-    from cram.stages.pretraining.head_warmup import HeadWarmup
     from cram.stages.shared.blocks import Boundary
 
 
-def planned_model(config: Config, pipeline: Pipeline) -> tuple[Plan, ModelConfig]:
-    """The phases and the model as the stage will make them, from the config of the stages before it."""
+def planned_model(config: Config, batch: Batch, pipeline: Pipeline) -> tuple[Plan, ModelConfig]:
+    """The phases at `batch` and the model as the stage will make them, from the config of the stages
+    before it."""
     from cram import model
 
     tokenize, pack = pipeline.stages.get("tokenize"), pipeline.stages.get("pack")
     preset = model.PRESETS.get(config.model.preset)
     vocab_size, special = _tokenizer_facts(tokenize, preset)
-    seq_len = pack.seq_len if pack is not None else getattr(preset, "max_seq_len", 0)
-    plan = plan_phases(config, seq_len, special, vocab_size)
+    seq_len = pack.seq_len if pack is not None else (preset.max_seq_len if preset is not None else 0)
+    plan = plan_phases(config, seq_len, special, vocab_size, batch=batch)
     return plan, _model_config(model, config, vocab_size, plan.chunk, special["pad"])
 
 
@@ -47,7 +48,7 @@ def _tokenizer_facts(tokenize: tokenize_stage.Config | None, preset: ModelConfig
     from cram.stages.shared.special import SPECIAL_IDS
 
     if tokenize is None:
-        return getattr(preset, "vocab_size", 0), dict(SPECIAL_IDS)
+        return (preset.vocab_size if preset is not None else 0), dict(SPECIAL_IDS)
     if not tokenize.tokenizer:
         return tokenize.vocab_size, dict(SPECIAL_IDS)
     from cram.stages.shared.tokenizer import TokenizerError, load
@@ -72,7 +73,6 @@ class Setup:
     device: torch.device
     precision: precisions.Precision  # the configured one's first candidate, until the canary chooses
     attention: str = "auto"  # `[run] attention`: how attention is computed
-    warmup: HeadWarmup | None = None  # a fresh MLM head trained alone first (`head_warmup.py`)
 
     @property
     def autocast(self) -> torch.dtype | None:
@@ -86,16 +86,9 @@ class Setup:
         return Compilation(compile, backend, self.autocast, self.attention, self.precision.compile_options())
 
 
-def as_trained(config: Config, device_name: str) -> tuple[Config, bool]:
-    """`config` as this device trains it, and whether `[pretrain.fp32]` set its batch and lr: where the step
-    trains in fp32 (`precision`'s first candidate on the device), `Config.in_fp32`."""
-    in_fp32 = devices.autocast_dtype(config.precision, devices.resolve(device_name)) is None
-    trained = config.in_fp32() if in_fp32 else config
-    return trained, trained is not config
-
-
-def prepare(config: Config, pack: Upstream, ctx: Context) -> Setup:
-    """The packed data and the model config, checked; what `StageError`s a bad config or input raises."""
+def prepare(config: Config, batch: Batch, pack: Upstream, ctx: Context) -> Setup:
+    """The packed data, the phases at `batch` and the model config, checked; what `StageError`s a bad config
+    or input raises."""
     import numpy as np
 
     from cram import model
@@ -107,12 +100,12 @@ def prepare(config: Config, pack: Upstream, ctx: Context) -> Setup:
     vocab_size = int(pack.outputs["vocab_size"])  # the tokenizer's: a checkpoint may have more embedding rows
     _check_data(blocks, val, seq_len, pack)
     check_schedule(model, config)
-    if config.batch_size % (ctx.world_size * config.microbatch):
+    if batch.batch_size % (ctx.world_size * batch.microbatch):
         raise StageError(
-            f"pretrain.batch_size: {config.batch_size} must be a multiple of microbatch x ranks "
-            f"({ctx.world_size * config.microbatch})"
+            f"pretrain.batch_size: {batch.batch_size} must be a multiple of microbatch x ranks "
+            f"({ctx.world_size * batch.microbatch})"
         )
-    plan = plan_phases(config, seq_len, special, vocab_size, ctx.world_size)
+    plan = plan_phases(config, seq_len, special, vocab_size, ctx.world_size, batch=batch)
     cfg = _model_config(model, config, vocab_size, plan.chunk, special["pad"])
     plan = plan.with_flops(lambda span, encoder_trained: _flops_per_token(model, cfg, span, encoder_trained))
     first = plan.spans[0].seq_len
@@ -194,13 +187,14 @@ def _model_config(model, config: Config, vocab_size: int, seq_len: int, pad_id: 
 MEMORY_SHARE = 0.9
 
 
-def check_memory(config: Config, cfg: ModelConfig, span: Span, device_name: str) -> None:
-    """StageError when one training step's estimated peak (`model.training_memory`) in the phase `span`
-    clearly exceeds the device's memory, naming the estimate, the memory and the settings that lower it."""
+def check_memory(precision: str, cfg: ModelConfig, span: Span, device_name: str) -> None:
+    """StageError when one training step's estimated peak (`model.training_memory`) in the phase `span`, in
+    `precision` (`pretrain.precision`), clearly exceeds the device's memory, naming the estimate, the memory
+    and the settings that lower it."""
     from cram import model
 
     device = devices.resolve(device_name)
-    autocast = devices.autocast_dtype(config.precision, device) is not None
+    autocast = devices.autocast_dtype(precision, device) is not None
     at_length = dataclasses.replace(cfg, max_seq_len=span.seq_len)
     need = model.training_memory(at_length, span.microbatch, span.microbatch * span.spec.per_sequence, autocast)
     have = devices.memory_bytes(device)

@@ -1,6 +1,7 @@
 """Where pretraining starts: the newest checkpoint of an interrupted run, `init`'s checkpoint (with a
 masked-LM head made where it has none, or where its own measures no better than uniform: `continued.py`),
-or the preset's random init; and the peak lr and head warm-up that start trains at.
+or the preset's random init; and the values the run trains with, resolved once the start is known
+(`resolved.Resolved`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 from cram.stages import Context, StageError
 from cram.stages.pretraining import continued
 from cram.stages.pretraining.config import Config
+from cram.stages.pretraining.resolved import Batch, Resolved
 from cram.stages.pretraining.setup import Setup
 
 if TYPE_CHECKING:
@@ -22,15 +24,13 @@ if TYPE_CHECKING:
 JUDGED_BLOCKS = 64
 
 
-def start(
-    config: Config, setup: Setup, out_dir: Path, ctx: Context, fp32_batch: bool
-) -> tuple[Config, Setup, TrainState]:
+def start(config: Config, batch: Batch, setup: Setup, out_dir: Path, ctx: Context) -> tuple[Resolved, TrainState]:
     """The state of the newest checkpoint (the one rank 0 sees, on every rank), or a fresh one (the init's,
-    which a checkpoint would only repeat), on the device, trained at `[pretrain.fp32]`'s batch and lr where
-    `fp32_batch` (a checkpoint trained otherwise is refused); with `config` at the peak lr it trains at
-    (`continued.resolved`) and `setup` with its head warm-up, as `init`'s head measured (`TrainState.
-    init_head_loss`). Rank 0's metrics.jsonl loses the lines written after that state (a killed run's),
-    all of them on a fresh start."""
+    which a checkpoint would only repeat), on the device, trained at `batch` (a checkpoint trained at the
+    other table's, `[pretrain]`'s or `[pretrain.fp32]`'s, is refused); and the values the run trains with,
+    resolved once as `init`'s head measured (`TrainState.init_head_loss`): its optimizer, peak lr and head
+    warm-up. Rank 0's metrics.jsonl loses the lines written after that state (a killed run's), all of them on
+    a fresh start."""
     from cram import model
     from cram.stages.pretraining import checkpoint
     from cram.stages.pretraining.state import TrainState
@@ -38,8 +38,9 @@ def start(
     from cram.stages.shared.collectives import agree_on
 
     resume_from = agree_on(checkpoint.latest(out_dir / "checkpoints", ctx.log), ctx.world_size)
+    fp32_batch = batch.by_fp32
     if resume_from is None:
-        state = _fresh(config, setup, ctx)
+        state = _fresh(config, setup, ctx, batch.lr)
         state.fp32_batch = fp32_batch
     else:
         params, opt_state, counters = checkpoint.load(resume_from)
@@ -56,36 +57,36 @@ def start(
             )
         ctx.log.info("resume", checkpoint=str(resume_from), step=state.step, elapsed_s=state.elapsed_s)
     untrained = continued.untrained(state.init_head_loss, setup.model.vocab_size)
-    config = continued.resolved(config, untrained)
-    # in the layout of the optimizer it trains with (that `resolved` chose): Muon's matrices keep no second moment
-    state.opt_state = model.drop_unused(config.optimizer.kind, state.opt_state)
-    setup = dataclasses.replace(setup, warmup=continued.warmup_of(config, setup.model, untrained))
+    resolved = Resolved.of(config, batch, setup.model, untrained)
     if resume_from is None:
-        state.full_start = None if setup.warmup is not None else 0.0
+        state.opt_state = model.optimizer_init(resolved.optimizer, state.params)
+        state.full_start = None if resolved.warmup is not None else 0.0
+    else:  # in the layout `optimizer_init` makes: a Muon checkpoint's all-zero second moments of old dropped
+        state.opt_state = model.drop_unused(resolved.optimizer, state.opt_state)
     state.params = {k: v.to(setup.device) for k, v in state.params.items()}
     state.opt_state = {k: v.to(setup.device) for k, v in state.opt_state.items()}
     if ctx.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         MetricsLog(out_dir / "metrics.jsonl").truncate(state.step)
-    return config, setup, state
+    return resolved, state
 
 
-def _fresh(config: Config, setup: Setup, ctx: Context) -> TrainState:
-    """The state before the first step: `init`'s params (and its head's held-out loss, where measured), or
-    the preset's random init."""
+def _fresh(config: Config, setup: Setup, ctx: Context, asked_lr: float) -> TrainState:
+    """The state before the first step, but its optimizer's (which `start` makes once the optimizer is
+    resolved): `init`'s params (and its head's held-out loss, where measured), or the preset's random init;
+    `asked_lr`: the peak lr asked for, named in a made head's warning."""
     from cram import model
     from cram.stages.pretraining.state import TrainState
 
     head_loss = None
     if config.init:
-        found = continued.load(config, ctx)
+        found = continued.load(config.init, ctx)
         head_loss = _head_loss(config, setup, found, ctx)
-        params = continued.params(config, ctx, found, head_loss)
+        params = continued.params(config, ctx, found, head_loss, asked_lr)
     else:
         params = model.init(setup.model, ctx.seed)
     trained, kept = TrainState.split(params)
-    opt_state = model.adamw_init(trained)
-    return TrainState(seed=ctx.seed, params=trained, opt_state=opt_state, kept=kept, init_head_loss=head_loss)
+    return TrainState(seed=ctx.seed, params=trained, kept=kept, init_head_loss=head_loss)
 
 
 def _head_loss(config: Config, setup: Setup, found: continued.Checkpoint, ctx: Context) -> float | None:

@@ -11,10 +11,13 @@ from typing import TYPE_CHECKING
 
 from cram.stages import Context
 from cram.stages.pretraining.config import Config
+from cram.stages.pretraining.resolved import Resolved
 from cram.stages.pretraining.setup import Setup
 from cram.stages.shared import precision as precisions
 
 if TYPE_CHECKING:
+    from cram.model.step import Compilation
+    from cram.stages.pretraining import loop
     from cram.stages.pretraining.batches import PhaseStream
     from cram.stages.pretraining.loop import Steps
     from cram.stages.pretraining.state import Params, TrainState
@@ -31,10 +34,11 @@ class Compiled:
     compile_s: float = 0.0
 
 
-def make_steps(config: Config, setup: Setup, world_size: int, compile: bool) -> Steps:
-    """The training steps, compiled or eager, and with a head warm-up (`setup.warmup`) the head's own as
-    `head`. One microbatch per step (no ramp to grow): the whole step is one graph. Otherwise two graphs,
-    accumulate (per microbatch) and apply (per step), since a graph cannot loop over a varying count."""
+def make_steps(resolved: Resolved, setup: Setup, how: Compilation, world_size: int) -> Steps:
+    """The training steps of `resolved.optimizer`, run as `how` says (compiled or eager), and with a head
+    warm-up (`resolved.warmup`) the head's own as `head`. One microbatch per step (no ramp to grow): the whole
+    step is one graph. Otherwise two graphs, accumulate (per microbatch) and apply (per step), since a graph
+    cannot loop over a varying count."""
     import torch
 
     from cram import model
@@ -42,26 +46,24 @@ def make_steps(config: Config, setup: Setup, world_size: int, compile: bool) -> 
 
     reduce_grads = model.make_grad_all_reduce(world_size) if world_size > 1 else None
     single = all(span.batch_size == world_size * span.microbatch for span in setup.plan.spans)
-    how = setup.compilation(compile, config.backend)
+    optimizer = resolved.optimizer
     generator = torch.Generator(device=setup.device)
 
     def training(trained: tuple[str, ...] | None) -> Steps:
         whole = accumulate = apply = None
         if single:
-            whole = model.make_train_step(
-                setup.model, config.optimizer, how, reduce_grads=reduce_grads, trained=trained
-            )
+            whole = model.make_train_step(setup.model, optimizer, how, reduce_grads=reduce_grads, trained=trained)
         else:
             accumulate = model.make_accumulate_step(setup.model, how, trained=trained)
-            apply = model.make_apply_step(config.optimizer, how, reduce_grads=reduce_grads)
+            apply = model.make_apply_step(optimizer, how, reduce_grads=reduce_grads)
         steps = Steps(whole, accumulate, apply, generator, setup.device, setup.autocast, setup.documents, trained)
         if trained is None:  # a head trained alone has no hidden matrix for Muon
-            steps.optimizer_flops = model.optimizer_flops(setup.model, config.optimizer)
+            steps.optimizer_flops = model.optimizer_flops(setup.model, optimizer)
         return steps
 
     steps = training(None)
-    if setup.warmup is not None:
-        steps.head = training(setup.warmup.names)
+    if resolved.warmup is not None:
+        steps.head = training(resolved.warmup.names)
     return steps
 
 
@@ -84,31 +86,38 @@ def val_loss(setup: Setup, params: Params, blocks: int) -> float:
     )["loss"]
 
 
-def compiled_steps(config: Config, setup: Setup, ctx: Context, state: TrainState, data: PhaseStream) -> Compiled:
-    """The training steps in the precision they will train in, and the seconds spent compiling them.
+def compiled_steps(
+    config: Config, resolved: Resolved, setup: Setup, ctx: Context, state: TrainState, data: PhaseStream
+) -> Compiled:
+    """The training steps (of `resolved`'s optimizer and warm-up) in the precision they will train in, and the
+    seconds spent compiling them.
 
     Before the budget clock, unless the steps are eager or the budget is spent: each candidate precision
     (`precision.candidates`) is compiled for every phase's shape and, with the canary on, checked against
     eager steps at the first phase's; the first that agrees is kept (`precision.choose`)."""
     from cram.stages.pretraining.budget import progress
+    from cram.stages.pretraining.loop import Canary
 
     if not config.compile or not progress(config.budget, state, state.elapsed_s) < 1:
         why = "eager steps" if not config.compile else "the budget is spent"
         choice = precisions.unchecked(config.precision, setup.device, f"{why}: no compile canary")
         setup = dataclasses.replace(setup, precision=choice.precision)
-        return Compiled(setup, make_steps(config, setup, ctx.world_size, compile=config.compile), choice)
+        how = setup.compilation(config.compile, config.backend)
+        return Compiled(setup, make_steps(resolved, setup, how, ctx.world_size), choice)
     built: dict[precisions.Precision, tuple[Setup, Steps]] = {}
     compile_s = 0.0
 
     def build(candidate: precisions.Precision) -> tuple[Setup, Steps]:
         nonlocal compile_s
         trial = dataclasses.replace(setup, precision=candidate)
-        built[candidate] = trial, make_steps(config, trial, ctx.world_size, compile=True)
+        built[candidate] = trial, make_steps(resolved, trial, trial.compilation(True, config.backend), ctx.world_size)
         compile_s += _warm_up(setup, built[candidate][1], state)
         return built[candidate]
 
     def check(candidate: precisions.Precision) -> float:
-        diff = _canary(config, ctx, *build(candidate), state, data)
+        trial, steps = build(candidate)
+        eager = make_steps(resolved, trial, trial.compilation(False), ctx.world_size)
+        diff = _canary(Canary(config.canary_steps, resolved.peak_lr), ctx, (steps, eager), state, data)
         ctx.log.info("canary", precision=candidate.label, steps=config.canary_steps, max_relative_diff=diff)
         return diff
 
@@ -133,14 +142,13 @@ def _warm_up(setup: Setup, steps: Steps, state: TrainState) -> float:
     )
 
 
-def _canary(config: Config, ctx: Context, setup: Setup, steps: Steps, state: TrainState, data: PhaseStream) -> float:
-    """The compiled steps' largest relative difference from eager steps in the same precision (the head's
-    and the whole model's, with a warm-up), over `canary_steps` steps at the peak lr."""
-    from cram.stages.pretraining.loop import Canary, canary
+def _canary(run: loop.Canary, ctx: Context, steps: tuple[Steps, Steps], state: TrainState, data: PhaseStream) -> float:
+    """The compiled steps' largest relative difference from the eager steps in the same precision (`steps`:
+    compiled, eager; the head's and the whole model's, with a warm-up), over `run.steps` steps at its lr."""
+    from cram.stages.pretraining.loop import canary
 
-    eager = make_steps(config, setup, ctx.world_size, compile=False)
-    run = Canary(config.canary_steps, config.optimizer.lr)
-    return max(canary(run, ctx, compiled, plain, state, data) for compiled, plain in zip(_modes(steps), _modes(eager)))
+    compiled, eager = steps
+    return max(canary(run, ctx, c, e, state, data) for c, e in zip(_modes(compiled), _modes(eager)))
 
 
 def _modes(steps: Steps) -> list[Steps]:

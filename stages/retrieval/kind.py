@@ -15,7 +15,7 @@ from cram.stages import StageError
 from cram.stages.kept.batches import bucket
 from cram.stages.retrieval.settings import EMBEDDING_POOLINGS, QUERY_MAX_LENGTH, RETRIEVAL_BATCH_SIZE, RetrievalSettings
 from cram.stages.shared.files import files_under
-from cram.stages.tasks.kind import Start, count
+from cram.stages.tasks.kind import Start, TokenizeSettings, count
 
 if TYPE_CHECKING:
     from cram.stages import Context, Upstream
@@ -82,12 +82,17 @@ class Retrieval:
         return files
 
     def plan_gap(
-        self, task: TaskConfig, settings: TaskSettings, tokenize: Any, buckets: tuple[int, ...], positions: int | None
+        self,
+        task: TaskConfig,
+        settings: TaskSettings,
+        tokenize: TokenizeSettings,
+        buckets: tuple[int, ...],
+        positions: int | None,
     ) -> str | None:
         """A held-out retrieval task needs documents alone, and lengths within the model's positions."""
         if task.kind != "heldout-retrieval":
             return None
-        if getattr(tokenize, "task_text", "none") == "only":
+        if tokenize.task_text == "only":
             return 'searches the documents tokenize holds out, and tokenize.task_text = "only" reads no corpus'
         if tokenize.heldout_fraction == 0:
             return "searches the documents tokenize holds out, and tokenize.heldout_fraction = 0 holds out none"

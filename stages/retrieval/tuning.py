@@ -136,7 +136,7 @@ class EmbeddingTuner:
         from cram.model.grad_cache import make_cached_contrastive_step
 
         fixed = {k: v for k, v in FINETUNE_OPTIMIZER.items() if k != "schedule"}
-        opt_cfg = model.OptimizerConfig(lr=config.lr, weight_decay=config.weight_decay, **fixed)
+        opt_cfg = model.AdamW(lr=config.lr, weight_decay=config.weight_decay, **fixed)
         options = how.precision.compile_options() if how.compile else None
         compilation = model.Compilation(how.compile, config.backend, how.precision.autocast(), how.attention, options)
         cfg = dataclasses.replace(cfg, dropout=0.0)  # the step's rate comes with each batch
@@ -161,7 +161,7 @@ class EmbeddingTuner:
         torch.manual_seed(seed)  # dropout's masks: a seed's fine-tune is the same wherever it runs
         # the loop's own copy, which its steps may overwrite (`donate`): every seed starts from self.params
         params = {k: v.clone() for k, v in self.params.items()}
-        opt_state = model.adamw_init(params)
+        opt_state = model.optimizer_init(model.AdamW(), params)  # the fine-tune's optimizer: AdamW
         epochs = [epoch_batches(loaded, seed, epoch, where) for epoch in range(settings.epochs)]
         total, done, every = sum(map(len, epochs)), 0, Every(PROGRESS_EVERY_S)
         if log is not None:

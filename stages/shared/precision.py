@@ -262,7 +262,7 @@ def stepped_difference(
 
     from cram import model
 
-    states = [(start, model.adamw_init(start)) for _ in steps]
+    states = [(start, model.optimizer_init(model.AdamW(), start)) for _ in steps]
     diffs = []
     for _ in range(count):
         readings = []

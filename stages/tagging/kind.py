@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from cram.stages.shared.files import files_under
-from cram.stages.tasks.kind import Start, count
+from cram.stages.tasks.kind import Start, TokenizeSettings, count
 
 if TYPE_CHECKING:
     from cram.stages import Context, Upstream
@@ -47,7 +47,12 @@ class Tagging:
         return files_under(root) if root.is_dir() else []
 
     def plan_gap(
-        self, task: TaskConfig, settings: TaskSettings, tokenize: Any, buckets: tuple[int, ...], positions: int | None
+        self,
+        task: TaskConfig,
+        settings: TaskSettings,
+        tokenize: TokenizeSettings,
+        buckets: tuple[int, ...],
+        positions: int | None,
     ) -> str | None:
         return None
 

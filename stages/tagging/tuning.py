@@ -108,7 +108,7 @@ class Tagger:
 
         config = dataclasses.replace(start.tuning, compile=compile)
         fixed = {k: v for k, v in FINETUNE_OPTIMIZER.items() if k != "schedule"}
-        opt_cfg = model.OptimizerConfig(lr=config.lr, weight_decay=config.weight_decay, **fixed)
+        opt_cfg = model.AdamW(lr=config.lr, weight_decay=config.weight_decay, **fixed)
         options = precision.compile_options() if compile else None
         how = model.Compilation(compile, config.backend, precision.autocast(), start.attention, options)
         cfg = dataclasses.replace(start.cfg, dropout=0.0)  # the step's rate comes with each batch
@@ -149,7 +149,8 @@ class Tagger:
         size = self.config.batch_size
         params = self.fresh(num_labels, seed)
         torch.manual_seed(seed)  # dropout's masks
-        opt_state, rng = model.adamw_init(params), np.random.default_rng(seed)
+        opt_state = model.optimizer_init(model.AdamW(), params)  # the fine-tune's optimizer: AdamW
+        rng = np.random.default_rng(seed)
         per_epoch = math.ceil(len(rows.ids) / size)
         total, every = per_epoch * epochs, Every(PROGRESS_EVERY_S)
         if log is not None:

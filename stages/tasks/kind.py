@@ -24,9 +24,22 @@ if TYPE_CHECKING:
 
     from cram.model.config import ModelConfig
     from cram.stages import Context, Upstream
+    from cram.stages.data.source import CorpusConfig
     from cram.stages.shared.precision import Difference, Precision
     from cram.stages.shared.tokenizer import Tokenizer
     from cram.stages.tasks.config import TaskConfig, TaskSettings, Tuning
+
+
+class TokenizeSettings(Protocol):
+    """What a kind reads of tokenize's Config (stages/tokenize.py, which imports the evaluate side: a kind
+    cannot import it back) to tell whether its settings leave a held-out task any documents."""
+
+    @property
+    def task_text(self) -> str: ...
+    @property
+    def heldout_fraction(self) -> float: ...
+    @property
+    def corpus(self) -> CorpusConfig: ...
 
 
 class Scored(Protocol):
@@ -113,7 +126,12 @@ class Kind(Protocol):
         ...
 
     def plan_gap(
-        self, task: TaskConfig, settings: TaskSettings, tokenize: Any, buckets: tuple[int, ...], positions: int | None
+        self,
+        task: TaskConfig,
+        settings: TaskSettings,
+        tokenize: TokenizeSettings,
+        buckets: tuple[int, ...],
+        positions: int | None,
     ) -> str | None:
         """Why tokenize's settings (its Config) leave the task nothing to run on, or why its lengths pad beyond
         the model's `positions` (None: unknown); None when they do not."""
