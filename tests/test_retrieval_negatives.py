@@ -14,6 +14,7 @@ from test_retrieval_task import CFG, SPECIAL, embedder, task_of
 from torch._dynamo.utils import counters
 
 from cram import model
+from cram.stages import StageError
 from cram.stages.evaluating.config import Config
 from cram.stages.retrieval import results
 from cram.stages.retrieval.tuning import Embedder, Making, epoch_batches
@@ -57,6 +58,12 @@ def test_every_pair_takes_n_distinct_negatives_none_a_test_answer(tmp_path):
     assert all(len(texts) == 2 + N for texts in data.texts)
     # the small set's queries have few BM25 candidates: random documents filled the rest, counted
     assert loaded.mining["random_fallback"] > 0
+
+
+def test_negatives_that_leave_no_batch_without_a_text_twice_are_refused_before_any_seed(tmp_path):
+    # 16 negatives a pair: 18 texts a pair, 72 in a batch of 4, from a corpus of 40 documents
+    with pytest.raises(StageError, match=r"topics: with 16 mined negatives: 30 pairs do not fill one batch of 4"):
+        mined(tmp_path, n=16)
 
 
 def test_a_batch_with_n_negatives_has_the_loss_of_infonce_written_out_with_all_of_them(tmp_path):

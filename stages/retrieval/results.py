@@ -81,6 +81,7 @@ def with_mined_negatives(loaded: RetrievalLoaded, embedder: Embedder) -> Retriev
     import numpy as np
 
     from cram.stages.retrieval.beir import Pair
+    from cram.stages.retrieval.loss import distinct_batches
     from cram.stages.retrieval.mining import Encoded, mine
 
     task, data, params = loaded.task, loaded.data, embedder.params
@@ -93,8 +94,11 @@ def with_mined_negatives(loaded: RetrievalLoaded, embedder: Embedder) -> Retriev
         documents=lambda index: embedder.embedded(params, corpus_rows, corpus_lengths, np.asarray(index)),
     )
     texts = [doc.full_text for doc in task.corpus.values()]
-    mined = mine(task.pairs, texts, encoded, excluded, per_pair=loaded.settings.negatives_per_pair)
+    n = loaded.settings.negatives_per_pair
+    mined = mine(task.pairs, texts, encoded, excluded, per_pair=n)
     pairs = tuple(Pair(p.query, p.positive, tuple(texts[d] for d in ds)) for p, ds in zip(task.pairs, mined.negatives))
+    # refused here, before any seed, where n negatives a pair leave no batch without a text twice
+    distinct_batches([p.texts for p in pairs], loaded.settings.batch_size, 0, f"{task.name}: with {n} mined negatives")
     flat = [d for ds in mined.negatives for d in ds]  # pair by pair, as EncodedPairs.negatives holds them
     negatives = ([corpus_rows[d] for d in flat], corpus_lengths[flat])
     data = dataclasses.replace(data, texts=[p.texts for p in pairs], negatives=negatives)
