@@ -9,13 +9,14 @@ as evaluate keeps an embedding model (bench/predict.py's `make_embedder_run`). T
 corpus's opening sections, cycled to `--rows` lines and cut to `--chars` characters. Each size runs
 `cram embed RUN texts.txt --out v.npy --precision fp32` in a process of its own, sampled by bench/memory.py
 (RssAnon: the process's own memory; VmRSS: with mapped files' pages, which a memory-mapped output adds).
-Prints the command, `uptime`, then one row per size.
+Prints the command, `uptime`, then one row per size with the load averages after it.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import subprocess
 import sys
 import tempfile
@@ -61,14 +62,16 @@ def main() -> None:
         root = Path(folder)
         texts = wiki_texts(4000)
         run = make_embedder_run(root, texts, cfg, max_length=32)
-        print("| rows | output MB | peak RssAnon MB | peak VmRSS MB | wall s |")
-        print("|---|---|---|---|---|")
+        print("| rows | output bytes | peak RssAnon MB | peak VmRSS MB | wall s | load 1 / 5 / 15 min, after |")
+        print("|---|---|---|---|---|---|")
         for rows in args.rows:
             source, out = root / f"texts-{rows}.txt", root / f"v-{rows}.npy"
             write_lines(source, texts, rows, args.chars)
             anon, rss, wall = measure(run, source, out, args.batch_size)
             size = out.stat().st_size
-            print(f"| {rows:,} | {size / 1e6:.0f} | {anon / 1e6:.0f} | {rss / 1e6:.0f} | {wall:.1f} |", flush=True)
+            load = " / ".join(f"{x:.2f}" for x in os.getloadavg())  # the machine's, as `uptime` prints it
+            row = f"| {rows:,} | {size:,} | {anon / 1e6:.0f} | {rss / 1e6:.0f} | {wall:.1f} | {load} |"
+            print(row, flush=True)
             source.unlink()
             out.unlink()
 

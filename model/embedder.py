@@ -11,7 +11,7 @@ model trained here reads against every retrieval model trained there.
 Batches for the contrastive step (every row real: the batches are drawn full):
     query_ids, query_mask  [B, Sq] int64 / bool: the queries (anchors)
     doc_ids, doc_mask      [B * (1 + n), Sd]: each query's positive (rows 0..B-1), then n hard
-                           negatives per query (rows B.., n = 0 or 1)
+                           negatives per query (rows B..: every query's first, then every second, ...)
     dropout                [] float32, the rate (encoder); one graph at every rate
 Under torchrun (`world_size` > 1) each rank embeds its own rows; the documents of every rank are
 gathered into each rank's candidates with their gradients flowing back to the rank that embedded

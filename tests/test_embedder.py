@@ -12,9 +12,10 @@ from cram.model.step import Compilation
 CFG = model.ModelConfig(vocab_size=64, hidden=32, heads=2, layers=2, intermediate=64, max_seq_len=32)
 
 
-def batch(seed: int, size: int = 4, negatives: bool = False) -> dict[str, torch.Tensor]:
+def batch(seed: int, size: int = 4, negatives: int = 0) -> dict[str, torch.Tensor]:
+    """`size` pairs of random ids, each with `negatives` hard negatives (True: one)."""
     g = torch.Generator().manual_seed(seed)
-    docs = size * (2 if negatives else 1)
+    docs = size * (1 + int(negatives))
     query_mask = torch.ones(size, 8, dtype=torch.bool)
     query_mask[:, 6:] = False
     doc_mask = torch.ones(docs, 16, dtype=torch.bool)

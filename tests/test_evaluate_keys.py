@@ -160,3 +160,24 @@ def test_the_files_a_task_reads_are_fingerprinted_as_5e92fb3_did(pinned, tmp_pat
     spec, config = _configs(case)[stage]
     found = spec.fingerprint(config)
     assert cfg.digest(found) == FINGERPRINTS[pinned], found
+
+
+def _evaluate_key(toml: str, monkeypatch) -> str:
+    monkeypatch.setitem(CASES, "toml", toml)
+    spec, config = _configs("toml")["evaluate"]
+    return cfg.digest({"version": spec.VERSION, "config": planning.keyed_config(spec, config), "seed": 0})
+
+
+@pytest.mark.parametrize(
+    "added, same",
+    [
+        ("ignore_identical_ids = true\nnegatives_per_pair = 1\n", True),  # the defaults, written out
+        ("ignore_identical_ids = false\n", False),
+        ('hard_negatives = "mined"\nnegatives_per_pair = 3\n', False),
+    ],
+)
+def test_a_retrieval_setting_at_its_default_leaves_the_key_and_moves_it_otherwise(added, same, monkeypatch):
+    # each added to the case's last task (the TOML's last table)
+    assert (_evaluate_key(CASES["beir"] + added, monkeypatch) == KEYED["beir/evaluate"]) is same
+    mined = _evaluate_key(CASES["beir"] + 'hard_negatives = "mined"\n', monkeypatch)
+    assert mined != _evaluate_key(CASES["beir"] + 'hard_negatives = "mined"\nnegatives_per_pair = 3\n', monkeypatch)

@@ -1,6 +1,7 @@
 """GradCache: the contrastive loss over the whole batch with the encoder run a chunk at a time gives the
-uncached step's loss and gradients (with hard negatives, a last chunk smaller than the others, dropout
-replayed), compiled as eagerly, one graph per chunk shape, and trains as the uncached step does.
+uncached step's loss and gradients (with one or several hard negatives a pair, a last chunk smaller than the
+others, a chunk across a pair's negatives, dropout replayed), compiled as eagerly, one graph per chunk shape,
+and trains as the uncached step does.
 
 Tolerance: both sides compute the same fp32 terms; only the order of the sums differs (the gradient of a
 param is a sum over chunks here, over the batch there), so they agree to a few ulps of the largest
@@ -43,7 +44,7 @@ def assert_same_grads(got, want):
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5 * float(scale), msg=name)
 
 
-@pytest.mark.parametrize("negatives, chunk", [(False, 2), (True, 3), (True, 1), (False, 64)])
+@pytest.mark.parametrize("negatives, chunk", [(0, 2), (1, 3), (1, 1), (0, 64), (3, 4), (3, 7)])
 def test_the_cached_gradient_is_the_uncached_one(negatives, chunk):
     params, fixed = model.init(CFG, seed=0), batch(0, size=5, negatives=negatives)
     loss, grads = make_cached_grads(CFG, EAGER, chunk=chunk)(params, fixed)

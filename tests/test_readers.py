@@ -11,10 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from cram.stages import StageError, tokenize
+from cram.stages import StageError, evaluate, tokenize
 from cram.stages.data import corpus, readers
 from cram.stages.data.corpus import documents, units
 from cram.stages.data.source import CorpusConfig
+from cram.stages.evaluate import TaskConfig
 
 
 def files(*paths, **kw) -> CorpusConfig:
@@ -197,7 +198,7 @@ def test_records_without_the_label_field_are_named_when_topics_are_classified(tm
 
     path = tmp_path / "c.jsonl"
     path.write_text("".join(json.dumps({"extract": f"Doc {i}.", "category": "x"}) + "\n" for i in range(20)))
-    topics = SimpleNamespace(stages={"evaluate": SimpleNamespace(tasks=[SimpleNamespace(kind="heldout-topic")])})
+    topics = SimpleNamespace(stages={"evaluate": evaluate.Config(tasks=[TaskConfig(kind="heldout-topic")])})
     config = tokenize.Config(corpus=files(path))
     tokenize.validate(config, SimpleNamespace(stages={}))  # no topic task: labels are not needed
     with pytest.raises(StageError, match=r"c.jsonl: records without the label field 'topic' \(tokenize.corpus"):

@@ -1,10 +1,12 @@
 """Hard negatives mined by BM25 and filtered by the starting encoder, worked through with embeddings made
 by hand: the positive, the query's own text and the excluded (test answers) never come back, a candidate
-scoring above the margin times the positive is dropped as a likely false negative, and a pair with nothing
-left gets a random document."""
+scoring above the margin times the positive is dropped as a likely false negative, and a pair with fewer
+survivors than the negatives it takes is filled with random documents."""
 
 import numpy as np
+import pytest
 
+from cram.stages import StageError
 from cram.stages.retrieval.beir import Pair
 from cram.stages.retrieval.mining import Encoded, mine
 
@@ -35,11 +37,29 @@ ENCODED = Encoded(
 def test_the_positive_and_the_excluded_are_never_negatives_and_a_likely_relevant_one_is_dropped():
     mined = mine(PAIRS, DOCS, ENCODED, excluded={5})
     # Pair 1: BM25 finds 0 (its positive: out), 5 (excluded), 1 and 2; 1 scores 0.99 of the positive: dropped.
-    assert mined.negatives[0] == 2
+    assert mined.negatives[0] == (2,)
     # Pair 2: BM25 finds only its positive (4): nothing left, a random document, not the positive or excluded.
-    assert mined.negatives[1] not in (4, 5)
+    assert mined.negatives[1][0] not in (4, 5)
     assert mined.false_negatives_dropped == 1 and mined.random_fallback == 1
 
 
 def test_a_random_fallback_is_the_same_for_the_same_seed():
     assert mine(PAIRS, DOCS, ENCODED, seed=3).negatives == mine(PAIRS, DOCS, ENCODED, seed=3).negatives
+
+
+def test_n_negatives_a_pair_are_the_first_survivors_then_random_documents_each_text_once():
+    mined = mine(PAIRS, DOCS, ENCODED, excluded={5}, per_pair=2)
+    # Pair 1: 2 survives the margin (1 is dropped, 0 is its positive, 5 excluded): one random document fills it.
+    # Pair 2: BM25 finds only its positive: two random documents.
+    assert len(mined.negatives) == 2 and all(len(found) == 2 for found in mined.negatives)
+    assert mined.negatives[0][0] == 2 and mined.false_negatives_dropped == 1 and mined.random_fallback == 3
+    for pair, found in zip(PAIRS, mined.negatives):
+        texts = [DOCS[d] for d in found]
+        assert len(set(texts)) == 2 and pair.positive not in texts and 5 not in found
+    assert mine(PAIRS, DOCS, ENCODED, excluded={5}).negatives[0] == (2,)  # one a pair: the first survivor alone
+
+
+def test_too_few_documents_for_n_negatives_a_pair_is_refused_naming_the_setting():
+    # Pair 1 may take 1, 2, 3 and 4 (its positive is 0, 5 is a test answer): four, not five.
+    with pytest.raises(StageError, match="too few documents for negatives_per_pair"):
+        mine(PAIRS, DOCS, ENCODED, excluded={5}, per_pair=5)

@@ -17,7 +17,6 @@ from cram import model
 from cram.stages import StageError
 from cram.stages.evaluating.config import Config
 from cram.stages.retrieval import pairs, results, validation
-from cram.stages.retrieval.choosing import judge
 from cram.stages.retrieval.tuning import (
     EmbeddingTuner,
     EmbeddingTuners,
@@ -60,7 +59,7 @@ def embedder(config: Config, compile: bool = False) -> EmbeddingTuner:
 
 def seed_runs(tuner: EmbeddingTuner, loaded: RetrievalLoaded, seeds, ctx, scratch: Path, keep=None) -> list[dict]:
     """Each seed fine-tuned and scored as the kind's runner runs it, beside the encoder as it was."""
-    untuned = judge(tuner.runs(tuner.params, loaded, scratch), loaded.lexical, results.qrels_of(loaded.task))
+    untuned = results.judged(tuner.runs(tuner.params, loaded, scratch), loaded)
     return [results.retrieve_seed(tuner, loaded, seed, results.SeedRun(ctx, scratch, untuned), keep) for seed in seeds]
 
 
@@ -378,8 +377,9 @@ def test_mined_hard_negatives_are_corpus_documents_no_test_query_finds(tmp_path,
     mined = runner.mined["topics"]
     answers = {loaded.task.corpus[doc].full_text for judged in loaded.task.qrels.values() for doc in judged}
     corpus = {doc.full_text for doc in loaded.task.corpus.values()}
-    assert all(p.negative in corpus and p.negative not in answers for p in mined.task.pairs)
-    assert all(p.negative.strip() != p.positive.strip() for p in mined.task.pairs)
+    assert all(len(p.negatives) == 1 for p in mined.task.pairs)
+    assert all(n in corpus and n not in answers for p in mined.task.pairs for n in p.negatives)
+    assert all(p.negatives[0].strip() != p.positive.strip() for p in mined.task.pairs)
     assert len(mined.data.negatives[0]) == len(mined.task.pairs) and len(mined.data.texts[0]) == 3
     run = runner.run_seed(FP32, loaded, 0, make_ctx(), lambda params, record: None)
     assert set(run["mining"]) == {"false_negatives_dropped", "random_fallback"}

@@ -143,6 +143,24 @@ BAD = [
     ("a classifier's setting", lambda ws: None, RETRIEVAL.replace("}", ', metrics=["accuracy"]}'), "metrics"),
     ("pooling unknown", lambda ws: None, RETRIEVAL.replace("}", ', pooling="max"}'), "tasks[0]"),
     ("no path", lambda ws: None, '{kind="retrieval", name="t"}', "path: a retrieval task needs a BEIR folder"),
+    (
+        "negatives a pair out of range",
+        lambda ws: None,
+        RETRIEVAL.replace("}", ', hard_negatives="mined", negatives_per_pair=20}'),
+        "[evaluate] tasks[0]: negatives_per_pair: 20 must be in 1..16",
+    ),
+    (
+        "negatives a pair unmined",
+        lambda ws: None,
+        RETRIEVAL.replace("}", ", negatives_per_pair=2}"),
+        'negatives_per_pair: 2 needs hard_negatives = "mined"',
+    ),
+    (
+        "identical ids not a bool",
+        lambda ws: None,
+        RETRIEVAL.replace("}", ', ignore_identical_ids="no"}'),
+        "ignore_identical_ids",
+    ),
 ]
 
 
@@ -158,6 +176,18 @@ def test_bad_retrieval_input_is_one_line_exit_2_before_any_stage_runs(tmp_path, 
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
         assert not (tmp_path / "runs" / "base" / "tokenize").exists()
     shutil.rmtree(tmp_path / "beir")
+
+
+def test_the_task_s_own_settings_reach_its_run_through_the_pipeline(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    settings = ', hard_negatives="mined", negatives_per_pair=2, ignore_identical_ids=false}'
+    workspace(tmp_path, RETRIEVAL.replace("batch_size=8, seeds=2", "batch_size=4, seeds=1").replace("}", settings))
+    result = cram("run", "pipeline.toml")
+    assert result.exit_code == 0, result.output
+    task = json.loads((tmp_path / "runs" / "base" / "evaluate" / "results.json").read_text())["tasks"]["topics"]
+    assert task["ignore_identical_ids"] is False
+    assert task["hard_negatives"]["source"] == "mined" and task["hard_negatives"]["per_pair"] == 2
+    assert set(task["hard_negatives"]) == {"source", "per_pair", "false_negatives_dropped", "random_fallback"}
 
 
 def test_a_compiled_retrieval_run_passes_the_canary_within_the_graph_limit(tmp_path, monkeypatch):

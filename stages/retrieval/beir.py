@@ -49,11 +49,11 @@ class BeirSet:
 class Pair:
     query: str
     positive: str
-    negative: str | None = None
+    negatives: tuple[str, ...] = ()  # hard negatives: a pairs file's one, or mining's n (mining.py)
 
     @property
     def texts(self) -> tuple[str, ...]:
-        return (self.query, self.positive) if self.negative is None else (self.query, self.positive, self.negative)
+        return (self.query, self.positive, *self.negatives)
 
 
 def read_beir(folder: Path) -> BeirSet:
@@ -116,12 +116,12 @@ def read_pairs(path: Path) -> tuple[Pair, ...]:
                 raise StageError(f"{path}: record {n} has an empty {key!r}")
             texts[key] = value
         _check_distinct(texts, where)
-        pairs.append(Pair(**texts))
+        pairs.append(Pair(texts["query"], texts["positive"], (texts["negative"],) if "negative" in texts else ()))
     if not pairs:
         raise StageError(f"{path}: no pairs")
-    with_negative = sum(p.negative is not None for p in pairs)
+    with_negative = sum(bool(p.negatives) for p in pairs)
     if 0 < with_negative < len(pairs):
-        first = next(n for n, p in enumerate(pairs, 1) if p.negative is None)
+        first = next(n for n, p in enumerate(pairs, 1) if not p.negatives)
         raise StageError(
             f"{path}: {with_negative} of {len(pairs)} records have a 'negative' (record {first} has none); "
             "give one to every record or to none"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from cram.stages.retrieval.fusion import Fusion, fuse
-from cram.stages.retrieval.metrics import METRICS, Qrels, Run, score_run
+from cram.stages.retrieval.metrics import METRICS, Qrels, Run, Scores, score_run
 
 # finer near 0: where BM25 is strong (a title finding its article), a small dense share is what helps
 WEIGHTS = (0.5, 0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -39,20 +39,22 @@ class Judged:
         return {"scores": self.dense, "hybrid": {"fusion": asdict(self.fusion), **self.hybrid}}
 
 
-def judge(dense: dict[str, Run], lexical: dict[str, Run], qrels: dict[str, Qrels]) -> Judged:
-    """Dense runs (`EmbeddingTuner.runs`) and BM25's, by split, scored against `qrels`; the fusion chosen on the
-    validation split where there is one."""
+def judge(
+    dense: dict[str, Run], lexical: dict[str, Run], qrels: dict[str, Qrels], ignore_identical_ids: bool
+) -> Judged:
+    """Dense runs (`EmbeddingTuner.runs`) and BM25's, by split, scored against `qrels` (`ignore_identical_ids`:
+    `metrics.score_run`'s); the fusion chosen on the validation split where there is one."""
+
+    def scored(run: Run, split: str) -> Scores:
+        return score_run(run, qrels[split], ignore_identical_ids)
+
     fusion, chosen = Fusion(), None
     if "validation" in dense:
-        tried = [
-            (score_run(fused(dense["validation"], lexical["validation"], f), qrels["validation"]), f) for f in FUSIONS
-        ]
-        chosen, fusion = max(tried, key=lambda scored: scored[0].mean[MAIN])  # max keeps the first of equals
-    scores = {split: score_run(run, qrels[split]) for split, run in dense.items()}
+        tried = [(scored(fused(dense["validation"], lexical["validation"], f), "validation"), f) for f in FUSIONS]
+        chosen, fusion = max(tried, key=lambda pair: pair[0].mean[MAIN])  # max keeps the first of equals
+    scores = {split: scored(run, split) for split, run in dense.items()}
     hybrid = {
-        split: chosen.mean
-        if split == "validation"
-        else score_run(fused(run, lexical[split], fusion), qrels[split]).mean
+        split: chosen.mean if split == "validation" else scored(fused(run, lexical[split], fusion), split).mean
         for split, run in dense.items()
     }
     test = scores["test"]

@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from cram.stages import StageError
 from cram.stages.kept.batches import bucket
-from cram.stages.retrieval.settings import EMBEDDING_POOLINGS, QUERY_MAX_LENGTH, RETRIEVAL_BATCH_SIZE, RetrievalSettings
+from cram.stages.retrieval.settings import (
+    EMBEDDING_POOLINGS,
+    MAX_NEGATIVES_PER_PAIR,
+    QUERY_MAX_LENGTH,
+    RETRIEVAL_BATCH_SIZE,
+    RetrievalSettings,
+)
 from cram.stages.shared.files import files_under
 from cram.stages.tasks.kind import Start, TokenizeSettings, count
 
@@ -33,7 +39,16 @@ class Retrieval:
 
     name = "retrieval"
     kinds = ("retrieval", "heldout-retrieval")
-    fields = ("pairs", "query_max_length", "batch_size", "pooling", "mini_batch_size", "hard_negatives")
+    fields = (
+        "pairs",
+        "query_max_length",
+        "batch_size",
+        "pooling",
+        "mini_batch_size",
+        "hard_negatives",
+        "negatives_per_pair",
+        "ignore_identical_ids",
+    )
     unkeyed = fields  # added after the stage's key was fixed: a config without a retrieval task keys as before
     lengths = ("query_max_length",)
 
@@ -50,6 +65,16 @@ class Retrieval:
             raise ValueError(f"mini_batch_size: {task.mini_batch_size} must be >= 1 (rows embedded at once)")
         if task.hard_negatives not in (None, "pairs", "mined"):
             raise ValueError(f'hard_negatives: {task.hard_negatives!r}; choose "pairs" or "mined"')
+        if not 1 <= task.negatives_per_pair <= MAX_NEGATIVES_PER_PAIR:
+            raise ValueError(
+                f"negatives_per_pair: {task.negatives_per_pair} must be in 1..{MAX_NEGATIVES_PER_PAIR} "
+                "(hard negatives a training pair takes)"
+            )
+        if task.negatives_per_pair > 1 and task.hard_negatives != "mined":
+            raise ValueError(
+                f'negatives_per_pair: {task.negatives_per_pair} needs hard_negatives = "mined" (a pairs file\'s '
+                '"negative" gives one a pair)'
+            )
         if task.pooling is not None and task.pooling not in EMBEDDING_POOLINGS:
             raise ValueError(f"pooling: {task.pooling!r}; choose one of {', '.join(EMBEDDING_POOLINGS)}")
 
@@ -62,6 +87,8 @@ class Retrieval:
             pooling=task.pooling or "mean",
             mini_batch_size=task.mini_batch_size,
             hard_negatives=task.hard_negatives or "pairs",
+            negatives_per_pair=task.negatives_per_pair,
+            ignore_identical_ids=task.ignore_identical_ids,
         )
 
     def linked(self, task: TaskConfig, init_pooling: str | None) -> TaskConfig:
@@ -197,15 +224,14 @@ class Retrievers:
         return self.embedders.check(precision, self.shapes, steps, tolerance)
 
     def run_seed(self, precision: Precision, loaded: RetrievalLoaded, seed: int, ctx: Context, keep: Callable) -> dict:
-        from cram.stages.retrieval.choosing import judge
-        from cram.stages.retrieval.results import SeedRun, qrels_of, retrieve_seed
+        from cram.stages.retrieval.results import SeedRun, judged, retrieve_seed
 
         loaded = self.mined.get(loaded.task.name, loaded)
         embedder = self.embedders.of(precision, loaded.settings.pooling, loaded.settings.mini_batch_size)
         key = (loaded.task.name, precision)
         if key not in self.untuned:  # once a task: every seed must beat the same start on validation
             runs = embedder.runs(embedder.params, loaded, self.scratch)
-            self.untuned[key] = judge(runs, loaded.lexical, qrels_of(loaded.task))
+            self.untuned[key] = judged(runs, loaded)
         return retrieve_seed(embedder, loaded, seed, SeedRun(ctx, self.scratch, self.untuned[key]), keep)
 
 

@@ -2,11 +2,15 @@
 top `depth` over the corpus, less its positive and its own text, less every document a test query finds
 relevant (a test answer pushed away in training would be a leak), less every candidate the starting encoder
 scores above `margin` times the positive (a likely unjudged relevant document: NV-Retriever's "TopK-PercPos"
-rule, Moreira et al. 2024; sentence-transformers' `mine_hard_negatives(relative_margin=...)`); the first of
-the rest in BM25's order is the pair's negative, the column a pairs file's `negative` fills.
+rule, Moreira et al. 2024; sentence-transformers' `mine_hard_negatives(relative_margin=...)`); the first
+`per_pair` of the rest in BM25's order (distinct texts) are the pair's negatives, the columns a pairs file's
+`negative` fills one of.
 
-The fine-tune's hard-negative column is all or nothing (tuning.py), so a pair none of whose candidates
-survives gets a document drawn at random (a plain negative), counted as such.
+Every pair takes exactly `per_pair` negatives, so that a contrastive batch has one shape (batch x (1 + n)
+documents: one compiled graph): a pair with fewer survivors is filled with documents drawn at random (plain
+negatives, as the batch's other positives are), counted. Filling rather than masking the missing columns
+keeps the loss model/embedder.py's as it is; a random document is no false negative any more than an
+in-batch one is.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cram.stages import StageError
 from cram.stages.retrieval import bm25
 from cram.stages.retrieval.beir import Pair
 
@@ -26,11 +31,11 @@ MARGIN = 0.95  # NV-Retriever's: a candidate above 95% of the positive's score i
 
 @dataclass(frozen=True)
 class Mined:
-    """Each pair's mined negative, as an index into the documents, and what the mining did."""
+    """Each pair's mined negatives, as indices into the documents, and what the mining did."""
 
-    negatives: list[int]
+    negatives: list[tuple[int, ...]]  # `per_pair` a pair
     false_negatives_dropped: int  # candidates (of every pair's depth) the encoder scored above margin x the positive
-    random_fallback: int  # pairs that got a random document instead
+    random_fallback: int  # negatives drawn at random where fewer than `per_pair` candidates survived
 
 
 def mine(
@@ -39,8 +44,9 @@ def mine(
     encoded: Encoded,
     excluded: Collection[int] = (),
     seed: int = 0,
+    per_pair: int = 1,
 ) -> Mined:
-    """A hard negative for each pair among `documents`, none of `excluded` (module docstring)."""
+    """`per_pair` hard negatives for each pair among `documents`, none of `excluded` (module docstring)."""
     index, excluded = bm25.index(documents), set(excluded)
     candidates = [_candidates(index, documents, pair, excluded) for pair in pairs]
     ranked = sorted({doc for found in candidates for doc in found})
@@ -52,12 +58,17 @@ def mine(
     for i, (pair, found) in enumerate(zip(pairs, candidates)):
         bar = MARGIN * float(encoded.queries[i] @ encoded.positives[i])
         scores = vectors[[at[d] for d in found]] @ encoded.queries[i] if found else np.zeros(0)
-        kept = next((d for d, s in zip(found, scores) if s <= bar), None)
         dropped += int((scores > bar).sum())
-        if kept is None:
-            kept = _random_document(documents, allowed, pair, rng)
+        kept, texts = [], {pair.positive.strip(), pair.query.strip()}
+        for doc in (d for d, s in zip(found, scores) if s <= bar):
+            if len(kept) < per_pair and documents[doc].strip() not in texts:
+                kept.append(doc)
+                texts.add(documents[doc].strip())
+        while len(kept) < per_pair:
+            kept.append(_random_document(documents, allowed, texts, rng))
+            texts.add(documents[kept[-1]].strip())
             fallback += 1
-        negatives.append(kept)
+        negatives.append(tuple(kept))
     return Mined(negatives, dropped, fallback)
 
 
@@ -78,10 +89,17 @@ def _candidates(index: bm25.Index, documents: Sequence[str], pair: Pair, exclude
     return [int(d) for d in found if int(d) not in excluded and documents[d].strip() not in own][:DEPTH]
 
 
-def _random_document(documents: Sequence[str], allowed: list[int], pair: Pair, rng: random.Random) -> int:
-    own = {pair.positive.strip(), pair.query.strip()}
+def _random_document(documents: Sequence[str], allowed: list[int], taken: set[str], rng: random.Random) -> int:
+    """A document of `allowed` drawn at random whose text is none of `taken` (the pair's own texts and the
+    negatives it has): drawn from all of them, then from those left where 100 draws met taken ones."""
     for _ in range(100):
         doc = allowed[rng.randrange(len(allowed))] if allowed else -1
-        if doc >= 0 and documents[doc].strip() not in own:
+        if doc >= 0 and documents[doc].strip() not in taken:
             return doc
-    raise ValueError("no corpus document differs from the pair's own texts: no negative to draw")
+    left = [d for d in allowed if documents[d].strip() not in taken]
+    if not left:
+        raise StageError(
+            'hard_negatives = "mined": no corpus document outside the test answers differs from a pair\'s own texts '
+            "and the negatives it has: too few documents for negatives_per_pair; lower it"
+        )
+    return left[rng.randrange(len(left))]

@@ -75,11 +75,13 @@ def loaded(
 
 
 def with_mined_negatives(loaded: RetrievalLoaded, embedder: EmbeddingTuner) -> RetrievalLoaded:
-    """The task with a mined hard negative in each pair (mining.py), `embedder`'s start encoding the texts:
-    a corpus document, never one a test query finds relevant; the pairs file's own negatives give way."""
+    """The task with `negatives_per_pair` mined hard negatives in each pair (mining.py), `embedder`'s start
+    encoding the texts: corpus documents, never one a test query finds relevant; the pairs file's own
+    negatives give way."""
     import numpy as np
 
     from cram.stages.retrieval.beir import Pair
+    from cram.stages.retrieval.loss import distinct_batches
     from cram.stages.retrieval.mining import Encoded, mine
 
     task, data, params = loaded.task, loaded.data, embedder.params
@@ -92,12 +94,24 @@ def with_mined_negatives(loaded: RetrievalLoaded, embedder: EmbeddingTuner) -> R
         documents=lambda index: embedder.embedded(params, corpus_rows, corpus_lengths, np.asarray(index)),
     )
     texts = [doc.full_text for doc in task.corpus.values()]
-    mined = mine(task.pairs, texts, encoded, excluded)
-    pairs = tuple(Pair(p.query, p.positive, texts[d]) for p, d in zip(task.pairs, mined.negatives))
-    negatives = ([corpus_rows[d] for d in mined.negatives], corpus_lengths[mined.negatives])
+    n = loaded.settings.negatives_per_pair
+    mined = mine(task.pairs, texts, encoded, excluded, per_pair=n)
+    pairs = tuple(Pair(p.query, p.positive, tuple(texts[d] for d in ds)) for p, ds in zip(task.pairs, mined.negatives))
+    # refused here, before any seed, where n negatives a pair leave no batch without a text twice
+    distinct_batches([p.texts for p in pairs], loaded.settings.batch_size, 0, f"{task.name}: with {n} mined negatives")
+    flat = [d for ds in mined.negatives for d in ds]  # pair by pair, as EncodedPairs.negatives holds them
+    negatives = ([corpus_rows[d] for d in flat], corpus_lengths[flat])
     data = dataclasses.replace(data, texts=[p.texts for p in pairs], negatives=negatives)
     stats = {"false_negatives_dropped": mined.false_negatives_dropped, "random_fallback": mined.random_fallback}
     return dataclasses.replace(loaded, task=dataclasses.replace(task, pairs=pairs), data=data, mining=stats)
+
+
+def judged(runs: dict[str, Run], loaded: RetrievalLoaded) -> Judged:
+    """An encoder's dense runs of the task (`EmbeddingTuner.runs`) judged beside BM25's (`choosing.judge`), by the
+    task's identical-id rule."""
+    from cram.stages.retrieval.choosing import judge
+
+    return judge(runs, loaded.lexical, qrels_of(loaded.task), loaded.settings.ignore_identical_ids)
 
 
 def qrels_of(task: RetrievalTask) -> dict[str, Qrels]:
@@ -111,14 +125,14 @@ def retrieve_seed(
     """Fine-tune one seed of a retrieval task from the pretrained encoder and score it, dense and hybrid, on
     the test and validation queries; `keep`, when given, is offered the fine-tuned encoder, or the encoder as
     it was (`run.untuned`) where that scores better on validation (choosing.py)."""
-    from cram.stages.retrieval.choosing import judge, offers_untuned, selection
+    from cram.stages.retrieval.choosing import offers_untuned, selection
 
     began = time.perf_counter()
     name, ctx = task.task.name, run.ctx
     log = ctx.log.bind(task=name, seed=seed)
     params, loss = embedder.train(task, seed, f"evaluate task {name}", f"{name} seed {seed}", log)
     dense = embedder.runs(params, task, run.scratch)
-    tuned = judge(dense, task.lexical, qrels_of(task.task))
+    tuned = judged(dense, task)
     ctx.log.info("finetuned", task=name, seed=seed, train_loss=round(loss, 4), **_rounded(tuned))
     chosen = selection(tuned, run.untuned)
     record = {
@@ -158,7 +172,7 @@ def retrieval_result(task: RetrievalLoaded, seeds: list[int], runs: list[dict], 
     from cram.stages.tasks.config import FINETUNE_OPTIMIZER
 
     settings, validation = task.settings, task.task.validation
-    baseline = score_run(task.lexical["test"], task.task.qrels)
+    baseline = score_run(task.lexical["test"], task.task.qrels, settings.ignore_identical_ids)
     result = {
         "kind": task.config.kind,
         "metrics": list(METRICS),
@@ -176,6 +190,7 @@ def retrieval_result(task: RetrievalLoaded, seeds: list[int], runs: list[dict], 
         "query_max_length": settings.query_max_length,
         "batch_size": settings.batch_size,
         "pooling": settings.pooling,
+        "ignore_identical_ids": settings.ignore_identical_ids,
         "seeds": seeds,
         "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in FINETUNE_OPTIMIZER.items()},
         "train_loss": [r["train_loss"] for r in runs],
@@ -183,7 +198,11 @@ def retrieval_result(task: RetrievalLoaded, seeds: list[int], runs: list[dict], 
         "validation": _by_seed(runs, lambda r: r["scores"], "validation"),
         "hybrid": {"fusion": [r["hybrid"]["fusion"] for r in runs], **_by_seed(runs, lambda r: r["hybrid"])},
         "untuned": runs[0]["untuned"],
-        "hard_negatives": {"source": settings.hard_negatives, **runs[0].get("mining", {})},
+        "hard_negatives": {
+            "source": settings.hard_negatives,
+            **({"per_pair": settings.negatives_per_pair} if settings.hard_negatives == "mined" else {}),
+            **runs[0].get("mining", {}),
+        },
         "kept": _kept(seeds, runs),
         "baseline": {"test": baseline.mean},
         "baseline_method": BASELINE,

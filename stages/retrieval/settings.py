@@ -11,15 +11,21 @@ from cram.stages.tasks.config import TaskSettings
 QUERY_MAX_LENGTH = 32  # a retrieval task's query length where it sets none: a title, a question
 RETRIEVAL_BATCH_SIZE = 32  # pairs per contrastive batch where a task sets none: 31 in-batch negatives each
 EMBEDDING_POOLINGS = ("mean", "first")  # model/embedder.py's, named here to keep this module free of torch
+# mined hard negatives a pair at most: a contrastive batch embeds batch_size x (1 + n) documents, and mining
+# reads 30 BM25 candidates a query (mining.DEPTH), some of them dropped as likely relevant
+MAX_NEGATIVES_PER_PAIR = 16
 
 
 @dataclass(frozen=True)
 class RetrievalSettings(TaskSettings):
     """A retrieval task's settings: a classification task's, the query length, the contrastive batch, the
-    embedding's pooling, and the rows the encoder embeds at once (None: the whole batch)."""
+    embedding's pooling, the rows the encoder embeds at once (None: the whole batch), where hard negatives come
+    from and how many a pair takes when mined, and whether a document with the query's own id is scored."""
 
     query_max_length: int
     batch_size: int
     pooling: Literal["mean", "first"]
     mini_batch_size: int | None = None
     hard_negatives: Literal["pairs", "mined"] = "pairs"
+    negatives_per_pair: int = 1
+    ignore_identical_ids: bool = True

@@ -56,7 +56,7 @@ class EncodedPairs:
     texts: list[tuple[str, ...]]  # each pair's texts, for batches without a text twice
     queries: Rows  # the pairs' queries
     positives: Rows
-    negatives: Rows | None  # hard negatives, where the pairs carry them
+    negatives: Rows | None  # hard negatives, where the pairs carry them: pair i's n at rows i*n .. i*n+n-1
     corpus_ids: list[str]
     corpus: Rows
     documents: int  # the test corpus: the first `documents` of `corpus`
@@ -64,6 +64,11 @@ class EncodedPairs:
     test_queries: Rows
     validation_ids: list[str]
     validation_queries: Rows | None
+
+    @property
+    def negatives_per_pair(self) -> int:
+        """Hard negatives a pair carries (every pair the same: a batch has one shape); 0 without."""
+        return 0 if self.negatives is None else len(self.negatives[0]) // len(self.queries[0])
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,7 @@ def encode_pairs(task: RetrievalTask, tokenizer: Tokenizer, special: dict, setti
 
     queries, documents = settings.query_max_length, settings.max_length
     pairs = task.pairs
-    negatives = [p.negative for p in pairs if p.negative is not None]
+    negatives = [text for p in pairs for text in p.negatives]
     validation = task.validation
     searched = {**task.corpus, **(validation.documents if validation is not None else {})}
     return EncodedPairs(
@@ -211,7 +216,9 @@ class EmbeddingTuner:
         """The test queries' scores (`runs`' test run against the qrels)."""
         from cram.stages.retrieval.metrics import score_run
 
-        return score_run(self.runs(params, loaded, scratch)["test"], loaded.task.qrels)
+        return score_run(
+            self.runs(params, loaded, scratch)["test"], loaded.task.qrels, loaded.settings.ignore_identical_ids
+        )
 
     def runs(self, params: dict, loaded: RetrievalLoaded, scratch: Path) -> dict[str, Run]:
         """Each query's TOP_K documents by exact search, by split ("test"; "validation" where the task has
@@ -277,7 +284,8 @@ class EmbeddingTuner:
 
     def batch(self, loaded: RetrievalLoaded, index: list[int], dropout: float) -> dict:
         """The contrastive step's batch of pairs `index` (model/embedder.py): queries padded to one length,
-        positives then hard negatives to the bucket of the longest; `dropout`: the step's rate."""
+        the positives, then the pairs' first hard negatives, their second, ... (sentence-transformers' negative
+        columns), to the bucket of the longest; `dropout`: the step's rate."""
         import numpy as np
         import torch
 
@@ -285,8 +293,9 @@ class EmbeddingTuner:
         queries = Padding(self.special, self._compiled(self._query_buckets(loaded)), False)
         queries = queries.inputs(*data.queries, index, len(index))
         doc_rows = [data.positives[0][i] for i in index]
-        if data.negatives is not None:
-            doc_rows += [data.negatives[0][i] for i in index]
+        n = data.negatives_per_pair
+        for k in range(n):
+            doc_rows += [data.negatives[0][i * n + k] for i in index]
         lengths = np.array([len(r) for r in doc_rows])
         everyone = np.arange(len(doc_rows))
         padding = Padding(self.special, self._compiled(self.config.buckets), False)
@@ -354,13 +363,14 @@ def embedder_graphs(tasks: list[RetrievalLoaded], tuning: Tuning, first_seed: in
     for t in tasks:
         data, settings = t.data, t.settings
         queries = bucket(settings.query_max_length, tuning.buckets)
-        docs = [data.positives[1]] + ([] if data.negatives is None else [data.negatives[1]])
-        longest = np.max(np.stack(docs), axis=0)  # a pair's longest document
+        longest = data.positives[1]  # a pair's longest document
+        if data.negatives is not None:
+            longest = np.maximum(longest, data.negatives[1].reshape(len(longest), -1).max(axis=1))
         for seed in range(first_seed, first_seed + settings.seeds):
             for epoch in range(settings.epochs):
                 for index in epoch_batches(t, seed, epoch, "canary"):
                     length = bucket(int(longest[index].max()), tuning.buckets)
-                    key = ("step", *_step_kind(t), queries, length, len(index), data.negatives is not None)
+                    key = ("step", *_step_kind(t), queries, length, len(index), data.negatives_per_pair)
                     found.setdefault(key, EmbedderGraph(t, length, np.asarray(index)))
         in_bucket = np.array([bucket(int(n), tuning.buckets) for n in data.corpus[1]])
         shapes = [(data.corpus, length, np.flatnonzero(in_bucket == length)) for length in np.unique(in_bucket)]

@@ -47,6 +47,12 @@ class TaskConfig:
     # retrieval kinds: where a pair's hard negative comes from: "pairs" (the pairs file's `negative`, where it
     # has one), "mined" (BM25's candidates less the likely relevant: stages/retrieval/mining.py); None: "pairs"
     hard_negatives: Literal["pairs", "mined"] | None = None
+    # retrieval kinds: mined hard negatives per training pair (1 to 16: stages/retrieval/settings.py), each
+    # query's first survivors of the false-negative filter, every one a further column of the loss
+    negatives_per_pair: int = 1
+    # retrieval kinds: a retrieved document whose id is the query's dropped before scoring, as BEIR's evaluator
+    # drops it (in ArguAna and Quora a query is also a corpus document, which would find itself first)
+    ignore_identical_ids: bool = True
     epochs: int | None = None  # None: the stage's; likewise seeds, lr and max_length
     seeds: int | None = None
     lr: float | None = None
