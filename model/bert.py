@@ -133,6 +133,7 @@ def encode(
     dropout: float | Tensor | None = None,
     first_only: bool = False,
     residual: torch.dtype | None = None,
+    positions: Tensor | None = None,
 ) -> Tensor:
     """Hidden states [B, S, H] after the last norm. attention_mask: [B, S] bool, True = real token;
     document_ids: [B, S] integers, a query reads only keys of its own document (packed blocks);
@@ -140,16 +141,18 @@ def encode(
     [B, S] rows of the token-type table (a pair's second text: 1), read only when the model has one
     (None: row 0 for every token); dropout: the rate (None: `cfg.dropout`), a 0-dim tensor for one
     graph at every rate (see `dropout`); first_only: [B, 1, H], the first token's alone; residual: the
-    residual stream's dtype (None: what the ops give, fp32 under autocast; bf16 halves its traffic)."""
+    residual stream's dtype (None: what the ops give, fp32 under autocast; bf16 halves its traffic);
+    positions: [B, S] each token's position (None: 0 to S - 1 in every row), so that texts packed into
+    one row (`document_ids`) each start at 0 as they would alone."""
     S = input_ids.shape[1]
     rate = cfg.dropout if dropout is None else dropout
-    x = _as(_embed(params, cfg, input_ids, token_type_ids, rate), residual)
+    x = _as(_embed(params, cfg, input_ids, token_type_ids, rate, positions), residual)
     rope = local_rope = None
     if cfg.position == "rope":
-        rope = local_rope = _rope_tables(S, cfg.head_dim, cfg.rope_theta, x.device)
+        rope = local_rope = _at(_rope_tables(S, cfg.head_dim, cfg.rope_theta, x.device), positions)
         theta = cfg.local_rope_theta
         if cfg.local_attention and theta is not None and theta != cfg.rope_theta:
-            local_rope = _rope_tables(S, cfg.head_dim, theta, x.device)
+            local_rope = _at(_rope_tables(S, cfg.head_dim, theta, x.device), positions)
     mask, local_mask = _masks(cfg, S, attention_mask, document_ids, x.device)
     full, local = _Attending(mask, rope, attention, rate), _Attending(local_mask, local_rope, attention, rate)
     for i in range(cfg.layers):
@@ -174,8 +177,20 @@ def _as(x: Tensor, dtype: torch.dtype | None) -> Tensor:
     return x if dtype is None else x.to(dtype)
 
 
+def _at(tables: tuple[Tensor, Tensor], positions: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Rotary tables [S, D] read at `positions`: [B, 1, S, D], broadcast over heads (None: as they are)."""
+    if positions is None:
+        return tables
+    return tables[0][positions][:, None], tables[1][positions][:, None]
+
+
 def _embed(
-    params: dict[str, Tensor], cfg: ModelConfig, input_ids: Tensor, token_type_ids: Tensor | None, rate: float | Tensor
+    params: dict[str, Tensor],
+    cfg: ModelConfig,
+    input_ids: Tensor,
+    token_type_ids: Tensor | None,
+    rate: float | Tensor,
+    positions: Tensor | None,
 ) -> Tensor:
     S = input_ids.shape[1]
     x = F.embedding(input_ids, params["embed.tokens.weight"])
@@ -184,9 +199,11 @@ def _embed(
     elif cfg.token_types:
         x = x + F.embedding(token_type_ids, params["embed.types.weight"])
     if cfg.position == "sinusoidal":
-        x = x + params["embed.positions.scale"] * _sinusoids(S, cfg.hidden, x.device)
+        table = _sinusoids(S, cfg.hidden, x.device)
+        x = x + params["embed.positions.scale"] * (table if positions is None else table[positions])
     elif cfg.position == "learned":
-        x = x + params["embed.positions.weight"][cfg.position_offset : cfg.position_offset + S]
+        rows = params["embed.positions.weight"][cfg.position_offset : cfg.position_offset + S]
+        x = x + (rows if positions is None else F.embedding(positions, rows))
     if cfg.embedding_norm:
         x = _norm(x, params, "embed.norm", cfg)
     return dropout(x, rate)
@@ -303,7 +320,7 @@ def _attention(
         q, k = _head_norm(q, params, p + "attn.q_norm", cfg), _head_norm(k, params, p + "attn.k_norm", cfg)
     if rope is not None:
         cos, sin = rope
-        q, k = _rotate(q, cos[: q.shape[2]], sin[: q.shape[2]]), _rotate(k, cos, sin)
+        q, k = _rotate(q, cos[..., : q.shape[2], :], sin[..., : q.shape[2], :]), _rotate(k, cos, sin)
     out = _attend(q, k, v, mask, rate, attention)
     return dropout(_linear(out.transpose(1, 2).reshape(B, -1, H), params, p + "attn.out", cfg), rate)
 
