@@ -13,11 +13,14 @@ Batches for the steps:
     labels          [B, S] int64 tag ids; IGNORE (-100) where no tag is read: special tokens, padding, a word's
                     later sub-tokens and filler rows
     token_type_ids  [B, S] int64, optional (models with a token-type table: all 0)
+    document_ids    [B, S] int64, optional: texts packed into one row, each reading only its own tokens
+    positions       [B, S] int64, optional with document_ids: each token's position in its own text
     dropout         [] float32, the fine-tune step's dropout rate (encoder and head)
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Callable, Literal
 
 import torch
@@ -32,6 +35,7 @@ from cram.model.step import Compilation, autocast, compiled, make_tuning_step
 TagHead = Literal["linear", "modernbert"]
 TAG_HEADS: tuple[str, ...] = ("linear", "modernbert")
 IGNORE = -100
+INPUTS: tuple[str, ...] = ("input_ids", "attention_mask", "token_type_ids", "document_ids", "positions")
 
 
 def init_tag_head(cfg: ModelConfig, num_labels: int, seed: int, head: TagHead = "linear") -> dict[str, Tensor]:
@@ -56,17 +60,26 @@ def init_tag_head(cfg: ModelConfig, num_labels: int, seed: int, head: TagHead = 
 def tag(
     params: dict[str, Tensor],
     cfg: ModelConfig,
-    input_ids: Tensor,
-    attention_mask: Tensor,
+    inputs: Mapping[str, Tensor],
     attention: Attention = "auto",
-    token_type_ids: Tensor | None = None,
     rate: float | Tensor | None = None,
     head: TagHead = "linear",
 ) -> Tensor:
-    """Logits [B, S, num_labels] (fp32) of every position; dropout at `rate` (None: `cfg.dropout`) in the
-    encoder and before the head's output layer."""
+    """Logits [B, S, num_labels] (fp32) of every position of `inputs` (a batch's INPUTS: input_ids and
+    attention_mask, the others where it has them); dropout at `rate` (None: `cfg.dropout`) in the encoder and
+    before the head's output layer."""
     rate = cfg.dropout if rate is None else rate
-    x = encode(params, cfg, input_ids, attention_mask, attention=attention, token_type_ids=token_type_ids, dropout=rate)
+    x = encode(
+        params,
+        cfg,
+        inputs["input_ids"],
+        inputs["attention_mask"],
+        inputs.get("document_ids"),
+        attention,
+        inputs.get("token_type_ids"),
+        rate,
+        positions=inputs.get("positions"),
+    )
     if head == "modernbert":
         x = F.linear(x, params["classifier.dense.weight"], params.get("classifier.dense.bias"))
         norm = params["classifier.norm.weight"]
@@ -90,12 +103,12 @@ def make_tag_step(
     _check_head(head)
 
     def loss_fn(params: dict[str, Tensor], batch: dict[str, Tensor]) -> Tensor:
-        ids, mask, types = batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids")
+        ids = batch["input_ids"]
         with autocast(ids, how.autocast):
             rate = batch["dropout"] if "dropout" in batch else torch.tensor(cfg.dropout, device=ids.device)
             # a graph takes the rate as a tensor (one graph at every rate), eager as a number (`bert.dropout`)
             rate = rate if how.compile else float(rate)
-            logits = tag(params, cfg, ids, mask, how.attention, types, rate, head)
+            logits = tag(params, cfg, batch, how.attention, rate, head)
         return tag_loss(logits, batch["labels"])
 
     return make_tuning_step(loss_fn, opt_cfg, how)
@@ -110,8 +123,7 @@ def make_tag_eval_step(
     # no_grad inside, not as a decorator: a decorated function is dynamo's shared `wrap_inline` frame
     def predict(params, batch):
         with torch.no_grad(), autocast(batch["input_ids"], how.autocast):
-            ids, mask, types = batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids")
-            return tag(params, cfg, ids, mask, how.attention, types, 0.0, head)
+            return tag(params, cfg, batch, how.attention, 0.0, head)
 
     return compiled(predict, how)
 

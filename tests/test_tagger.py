@@ -53,7 +53,7 @@ def test_compiled_steps_are_one_graph_each_and_match_eager(head="linear"):
     assert counters["stats"]["unique_graphs"] - before == 2
     torch.testing.assert_close(metrics, expected_metrics)
     torch.testing.assert_close(got[0], expected[0])
-    torch.testing.assert_close(logits, tag(expected[0], CFG, batch["input_ids"], batch["attention_mask"], head=head))
+    torch.testing.assert_close(logits, tag(expected[0], CFG, batch, head=head))
     assert logits.shape == (8, 12, 3) and logits.dtype == torch.float32
 
 
@@ -110,7 +110,7 @@ def test_a_tagger_exports_as_its_familys_token_classifier_with_equal_logits(fami
     mask[1, 9:] = False
     with torch.no_grad():
         expected = hf(input_ids=ids, attention_mask=mask.long()).logits
-    ours = tag(params, cfg, ids, mask, head=head)
+    ours = tag(params, cfg, {"input_ids": ids, "attention_mask": mask}, head=head)
     assert expected.abs().max() > 0.1
     assert (ours - expected)[mask].abs().max().item() <= 1e-4
 
@@ -124,7 +124,7 @@ def test_the_taggers_canary_checks_each_compiled_graph_against_eager_and_predict
     from cram.stages import evaluate
     from cram.stages.shared.precision import FP32
     from cram.stages.tagging.kind import Taggers
-    from cram.stages.tagging.tuning import Tagger, tag_graphs
+    from cram.stages.tagging.tuning import TaggedSplits, Tagger, tag_graphs
     from cram.stages.tagging.windows import windowed
     from cram.stages.tasks.kind import Start
 
@@ -146,12 +146,13 @@ def test_the_taggers_canary_checks_each_compiled_graph_against_eager_and_predict
     )
     tuning = config.tuning()
     start = Start(tuning, MODERNBERT, model.init(MODERNBERT, 0), special, torch.device("cpu"), "auto", 0, tmp_path)
-    shapes = tag_graphs([(3, rows, rows)], tuning)
-    assert sorted((g.prediction, g.bucket) for g in shapes) == [(False, 8), (True, 8)]
+    shapes = tag_graphs([TaggedSplits(3, rows, 1, [0], rows)], tuning)
+    steps = sorted(g.packed_rows for g in shapes if not g.prediction)
+    assert {g.length for g in shapes} == {8} and len(steps) == len(shapes) - 1 and steps[0] >= 1
     taggers = Taggers(start, shapes)
     assert (
         tag_head_of(MODERNBERT) == "modernbert"
-        and taggers.graphs() == 2
+        and taggers.graphs() == len(shapes)
         and taggers.canary(FP32, steps=2, tolerance=1e-4).value <= 1e-4
     )
     compiled, eager = taggers.tagger(FP32), Tagger.make(start, FP32, compile=False)

@@ -25,7 +25,7 @@ from cram.stages.shared import device as devices
 from cram.stages.shared import precision as precisions
 from cram.stages.shared.files import fingerprint as fingerprint_files
 from cram.stages.shared.files import write_atomic
-from cram.stages.tasks.config import TaskConfig, Tuning
+from cram.stages.tasks.config import TaskConfig, Tuning, task_seeds
 from cram.stages.tasks.kind import Kind, Loaded, Runner, Start
 
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ def score(
     check_lengths(config, cfg.max_seq_len)
     if config.pooling == "pooler":
         check_pooler(config, cfg, str(checkpoint.model_config))
-    jobs = [(i, ctx.seed + k) for i, tc in enumerate(config.tasks) for k in range(config.task_settings(tc).seeds)]
+    jobs = [(i, seed) for i, tc in enumerate(config.tasks) for seed in task_seeds(ctx.seed, config.task_settings(tc))]
     keeper = Keeper(config.keep, out_dir, checkpoint.model_config, {})
     scoring = _Scoring(config, config.tuning(), inputs, ctx, checkpoint, report.stage, out_dir)
     work = functools.partial(_work, scoring, jobs, keeper)

@@ -87,10 +87,20 @@ class Tagging:
         return len(loaded.rows["train"].ids) * loaded.settings.epochs
 
     def runner(self, loaded: list[TagLoaded], start: Start) -> Taggers:
-        from cram.stages.tagging.tuning import tag_graphs
+        from cram.stages.tagging.tuning import TaggedSplits, tag_graphs
+        from cram.stages.tasks.config import task_seeds
 
-        splits = [(len(t.data.labels), t.rows["train"], t.rows["test"]) for t in loaded]
-        return Taggers(start, tag_graphs(splits, start.tuning))
+        tasks = [
+            TaggedSplits(
+                len(t.data.labels),
+                t.rows["train"],
+                t.settings.epochs,
+                task_seeds(start.seed, t.settings),
+                t.rows["test"],
+            )
+            for t in loaded
+        ]
+        return Taggers(start, tag_graphs(tasks, start.tuning))
 
     def result(self, loaded: TagLoaded, seeds: list[int], runs: list[dict], tuning: Tuning, ctx: Context) -> dict:
         from cram.stages.tagging.results import tag_result

@@ -12,8 +12,8 @@ import numpy as np
 
 from cram.stages.tagging.reading import Sentences, Tagged, read_task
 from cram.stages.tagging.scores import baselines, entity_scores
+from cram.stages.tagging.tuning import TAGGER_OPTIMIZER
 from cram.stages.tagging.windows import Rows, spaced, windowed
-from cram.stages.tasks.config import FINETUNE_OPTIMIZER
 
 if TYPE_CHECKING:
     from cram.stages import Context
@@ -106,7 +106,7 @@ def tag_result(loaded: TagLoaded, seeds: list[int], runs: list[dict], tuning: Tu
         "lr": settings.lr,
         "max_length": settings.max_length,
         "seeds": seeds,
-        "settings": {**{k: _listed(getattr(tuning, k)) for k in SETTINGS}, **FINETUNE_OPTIMIZER},
+        "settings": {**{k: _listed(getattr(tuning, k)) for k in SETTINGS}, **TAGGER_OPTIMIZER},
         "train_loss": [r["train_loss"] for r in runs],
         "scores": scores,
         "median": {s: {m: float(np.median(v)) for m, v in ms.items()} for s, ms in scores.items()},

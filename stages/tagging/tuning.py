@@ -1,7 +1,7 @@
-"""The token-classification fine-tune: a fresh head per seed on the pretrained encoder, its rows batched as the
-classifiers' are (`batch_size` rows, short batches filled with rows whose every label is IGNORE, each batch
-padded to the smallest length bucket that holds it: one compiled graph per bucket), and every word's tag read
-where its row put it (`Rows.reads`)."""
+"""The token-classification fine-tune: a fresh head per seed on the pretrained encoder, each step's
+`batch_size` sentences packed into few rows (stages/tagging/packing.py: one compiled graph per row count), and
+every word's tag read where its row put it (`Rows.reads`) from rows batched as the classifiers' are (each batch
+padded to the smallest length bucket that holds it: one compiled graph per bucket)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,13 @@ from cram.stages.kept.batches import Padding
 from cram.stages.shared.device import to_device
 from cram.stages.shared.precision import stepped_difference
 from cram.stages.shared.progress import Every, track
-from cram.stages.tagging.windows import IGNORE, Rows
+from cram.stages.tagging.packing import Packing, epoch_batches, step_shapes
+from cram.stages.tagging.windows import Rows
 from cram.stages.tasks.config import FINETUNE_OPTIMIZER, PROGRESS_EVERY_S
+
+# The classifiers' AdamW with its gradients clipped at norm 1, as transformers' Trainer clips them: on WNUT-17
+# from all-MiniLM-L6-v2 at lr 2e-4 it raised every seed's validation F1 (bench/README.md, "token classification").
+TAGGER_OPTIMIZER = {**FINETUNE_OPTIMIZER, "clip_norm": 1.0}
 
 if TYPE_CHECKING:
     import torch
@@ -32,33 +37,49 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TagGraph:
-    """A compiled graph a fine-tune runs, and one batch of its shape for the canary: the fine-tune step or
-    prediction, for `num_labels` tags, at `bucket`."""
+    """A compiled graph a fine-tune runs, and one batch of its shape for the canary: the fine-tune step (on
+    packed rows: `Packing`) or prediction (on rows padded to `length`), for `num_labels` tags."""
 
     prediction: bool
     num_labels: int
-    bucket: int
+    length: int  # prediction: the bucket; the step: the packed rows' width
     rows: Rows
     index: np.ndarray
+    packed_rows: int = 0  # the step: how many packed rows
 
     @property
     def name(self) -> str:
-        return (
-            f"{'tagging' if self.prediction else 'tagger fine-tune step'}, {self.num_labels} tags, length {self.bucket}"
-        )
+        if self.prediction:
+            return f"tagging, {self.num_labels} tags, length {self.length}"
+        return f"tagger fine-tune step, {self.num_labels} tags, {self.packed_rows} rows of {self.length}"
 
 
-def tag_graphs(splits: list[tuple[int, Rows, Rows]], tuning: Tuning) -> list[TagGraph]:
-    """Every graph the tasks' fine-tunes and predictions may run, once each (`splits`: each task's number of
-    tags, training rows and the rows it predicts), with the first rows of each shape."""
-    found: dict[tuple[bool, int, int], TagGraph] = {}
-    for num_labels, train, scored in splits:
-        for prediction, rows, size in ((False, train, tuning.batch_size), (True, scored, tuning.eval_batch_size)):
-            in_bucket = np.searchsorted(np.asarray(tuning.buckets), rows.lengths)
-            for b in np.unique(in_bucket):
-                key = (prediction, num_labels, tuning.buckets[b])
-                index = np.flatnonzero(in_bucket == b)[:size]
-                found.setdefault(key, TagGraph(prediction, num_labels, tuning.buckets[b], rows, index))
+@dataclass(frozen=True)
+class TaggedSplits:
+    """What a task's fine-tunes run on: its number of tags, training rows, epochs and seeds, and the rows it
+    predicts."""
+
+    num_labels: int
+    train: Rows
+    epochs: int
+    seeds: list[int]
+    scored: Rows
+
+
+def tag_graphs(tasks: list[TaggedSplits], tuning: Tuning) -> list[TagGraph]:
+    """Every graph the tasks' fine-tunes and predictions will run, once each, with the first rows of each shape."""
+    found: dict[tuple, TagGraph] = {}
+    for task in tasks:
+        packing = Packing.of(task.train.lengths, tuning.batch_size, tuning.buckets)
+        shapes = step_shapes(task.train.lengths, packing, tuning.batch_size, task.epochs, task.seeds)
+        for count, index in sorted(shapes.items()):
+            graph = TagGraph(False, task.num_labels, packing.width, task.train, index, count)
+            found.setdefault((False, task.num_labels, packing.width, count), graph)
+        in_bucket = np.searchsorted(np.asarray(tuning.buckets), task.scored.lengths)
+        for b in np.unique(in_bucket):
+            index = np.flatnonzero(in_bucket == b)[: tuning.eval_batch_size]
+            graph = TagGraph(True, task.num_labels, tuning.buckets[b], task.scored, index)
+            found.setdefault((True, task.num_labels, tuning.buckets[b]), graph)
     return list(found.values())
 
 
@@ -107,7 +128,7 @@ class Tagger:
         from cram.model.tagger import make_tag_eval_step, make_tag_step, tag_head_of
 
         config = dataclasses.replace(start.tuning, compile=compile)
-        fixed = {k: v for k, v in FINETUNE_OPTIMIZER.items() if k != "schedule"}
+        fixed = {k: v for k, v in TAGGER_OPTIMIZER.items() if k != "schedule"}
         opt_cfg = model.AdamW(lr=config.lr, weight_decay=config.weight_decay, **fixed)
         options = precision.compile_options() if compile else None
         how = model.Compilation(compile, config.backend, precision.autocast(), start.attention, options)
@@ -123,17 +144,18 @@ class Tagger:
         head = init_tag_head(self.cfg, num_labels, seed, self.head)
         return {**{k: v.clone() for k, v in self.params.items()}, **{k: v.to(self.device) for k, v in head.items()}}
 
-    def batch(self, rows: Rows, index: np.ndarray, size: int, dropout: float = 0.0) -> dict:
-        """`size` rows padded to the bucket of the longest (eager: to the longest), fillers past `len(index)`
-        with every label IGNORE; `dropout`: the fine-tune step's rate."""
+    def packing(self, rows: Rows) -> Packing:
+        """How the fine-tune on `rows` packs its steps' sentences (eager: rows as wide as the longest)."""
+        return Packing.of(rows.lengths, self.config.batch_size, self.config.buckets if self.config.compile else ())
+
+    def batch(self, rows: Rows, index: np.ndarray, dropout: float = 0.0, packing: Packing | None = None) -> dict:
+        """The fine-tune step's batch of the sentences `rows[index]`, packed (by `packing`, made once a fine-tune,
+        else `self.packing(rows)`); `dropout`: the step's rate."""
         import torch
 
-        buckets = self.config.buckets if self.config.compile else ()
-        arrays = Padding(self.special, buckets, self.cfg.token_types > 1).inputs(rows.ids, rows.lengths, index, size)
-        labels = np.full(arrays["input_ids"].shape, IGNORE, dtype=np.int64)
-        for row, i in enumerate(index):
-            labels[row, : len(rows.labels[i])] = rows.labels[i]
-        arrays.update(labels=labels, dropout=np.array(dropout, dtype=np.float32))
+        packing = packing or self.packing(rows)
+        arrays = packing.inputs(rows, index, self.special, self.cfg.token_types > 1)
+        arrays["dropout"] = np.array(dropout, dtype=np.float32)
         return {k: to_device(torch.from_numpy(v), self.device) for k, v in arrays.items()}
 
     def train(
@@ -150,17 +172,16 @@ class Tagger:
         params = self.fresh(num_labels, seed)
         torch.manual_seed(seed)  # dropout's masks
         opt_state = model.optimizer_init(model.AdamW(), params)  # the fine-tune's optimizer: AdamW
-        rng = np.random.default_rng(seed)
-        per_epoch = math.ceil(len(rows.ids) / size)
+        per_epoch, packing = math.ceil(len(rows.ids) / size), self.packing(rows)
         total, every = per_epoch * epochs, Every(PROGRESS_EVERY_S)
         if log is not None:
             log.info("fine-tuning", step=f"0/{total}", epochs=epochs, rows=len(rows.ids))
-        for epoch in range(epochs):
-            order, losses = rng.permutation(len(rows.ids)), []
+        for epoch, batches in enumerate(epoch_batches(len(rows.ids), size, epochs, seed)):
+            losses = []
             for i in track(range(per_epoch), label, total, done=epoch * per_epoch):
-                batch = self.batch(rows, order[i * size : (i + 1) * size], size, self.config.dropout)
+                batch = self.batch(rows, batches[i], self.config.dropout, packing)
                 factor = model.lr_schedule(
-                    FINETUNE_OPTIMIZER["schedule"], (epoch * per_epoch + i) / total, warmup=self.config.warmup
+                    TAGGER_OPTIMIZER["schedule"], (epoch * per_epoch + i) / total, warmup=self.config.warmup
                 )
                 lr_now = to_device(torch.tensor(lr * factor, dtype=torch.float32), self.device)
                 params, opt_state, metrics = self.step(params, opt_state, batch, lr_now, donate=True)
@@ -178,9 +199,11 @@ class Tagger:
 
     def positions(self, params: dict, rows: Rows) -> tuple[np.ndarray, np.ndarray]:
         """[rows, longest] of each position's most likely tag id and its probability (`read_positions`)."""
-        buckets = self.config.buckets if self.config.compile else ()
-        padding = Padding(self.special, buckets, self.cfg.token_types > 1)
-        return read_positions(self.predict, params, rows, padding, self.config.eval_batch_size)
+        return read_positions(self.predict, params, rows, self.padding(), self.config.eval_batch_size)
+
+    def padding(self) -> Padding:
+        """How predicted rows are batched: padded to their bucket (eager: to the longest of a batch)."""
+        return Padding(self.special, self.config.buckets if self.config.compile else (), self.cfg.token_types > 1)
 
     def graph_difference(self, eager: Tagger, graph: TagGraph, steps: int, seed: int) -> float:
         """One graph's largest relative difference from eager, from the same fresh head, dropout off: `steps`
@@ -189,12 +212,13 @@ class Tagger:
 
         start = self.fresh(graph.num_labels, seed)
         if graph.prediction:
-            batch = self.batch(graph.rows, graph.index, self.config.eval_batch_size)
-            inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+            rows = graph.rows
+            arrays = self.padding().inputs(rows.ids, rows.lengths, graph.index, self.config.eval_batch_size)
+            inputs = {k: to_device(torch.from_numpy(v), self.device) for k, v in arrays.items()}
             logits = [t.predict(start, inputs).float() for t in (self, eager)]
             worst = (logits[0] - logits[1]).abs().max() / logits[1].abs().max().clamp(min=1e-6)
         else:
-            batch = self.batch(graph.rows, graph.index, self.config.batch_size)
+            batch = self.batch(graph.rows, graph.index)
             lr = to_device(torch.tensor(self.config.lr, dtype=torch.float32), self.device)
             worst = stepped_difference((self.step, eager.step), start, batch, lr, steps).double().max()
         return float(worst) if torch.isfinite(worst) else float("inf")

@@ -82,6 +82,11 @@ class TaskSettings:
     max_length: int
 
 
+def task_seeds(first: int, settings: TaskSettings) -> list[int]:
+    """The seeds a task fine-tunes with: `settings.seeds` of them from the run's seed `first`."""
+    return [first + k for k in range(settings.seeds)]
+
+
 @dataclass(frozen=True)
 class Tuning:
     """What the fine-tuners (`finetune.Tuner`, `tuning.EmbeddingTuner`) read of evaluate's Config: the optimizer and its
