@@ -390,3 +390,17 @@ def test_mined_hard_negatives_are_corpus_documents_no_test_query_finds(tmp_path,
 def test_an_unknown_hard_negative_source_is_refused():
     with pytest.raises(ValueError, match="hard_negatives: 'bm25'"):
         Config(tasks=[TaskConfig(kind="retrieval", name="t", path="x", hard_negatives="bm25")])
+
+
+def test_embedding_the_corpus_writes_a_progress_line_without_a_terminal(tmp_path, monkeypatch, capsys):
+    from cram.stages.retrieval import tuning
+
+    monkeypatch.setattr(tuning, "PROGRESS_EVERY_S", 0.0)  # a line after every batch
+    config, loaded = task_of(write_beir(tmp_path / "set"), batch_size=8)
+    tuner = embedder(dataclasses.replace(config, eval_batch_size=4))
+    tuner.runs(tuner.params, loaded, tmp_path)
+    documents = len(loaded.data.corpus[0])
+    lines = [line for line in capsys.readouterr().err.splitlines() if "embedding the corpus" in line]
+    assert lines[0] == f"topics: embedding the corpus: 4/{documents}" and lines[-1].endswith(
+        f" {documents}/{documents}"
+    )

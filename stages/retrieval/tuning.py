@@ -25,7 +25,7 @@ from cram.stages.kept.batches import Padding, bucket, join
 from cram.stages.retrieval.loss import distinct_batches
 from cram.stages.shared.device import to_device
 from cram.stages.shared.precision import stepped_difference
-from cram.stages.shared.progress import Every, track
+from cram.stages.shared.progress import Every, bar, track
 from cram.stages.tasks.config import FINETUNE_OPTIMIZER, PROGRESS_EVERY_S
 
 if TYPE_CHECKING:
@@ -238,8 +238,11 @@ class EmbeddingTuner:
         folder = Path(tempfile.mkdtemp(prefix=".embeddings-", dir=scratch))
         try:
             path = folder / "corpus.npy"
-            batches = self._batches(params, rows, lengths, order, self.config.buckets)
-            write_embeddings(path, batches, len(rows), "float32")
+            # a large corpus embeds for many minutes: a log line every PROGRESS_EVERY_S says it is not hung
+            label = f"{loaded.config.name}: embedding the corpus"
+            with bar(label, len(rows), lines_every=PROGRESS_EVERY_S) as advance:
+                batches = self._batches(params, rows, lengths, order, self.config.buckets)
+                write_embeddings(path, _counted(batches, advance), len(rows), "float32")
             runs = {}
             for split, query_ids, query_rows in splits:
                 queries = self.embedded(params, *query_rows, buckets=self._query_buckets(loaded))
@@ -417,3 +420,10 @@ class EmbeddingTuners:
 def _step_kind(task: RetrievalLoaded) -> tuple[str, int | None]:
     """What tells one EmbeddingTuner's steps from another's: the pooling and the mini-batch."""
     return task.settings.pooling, task.settings.mini_batch_size
+
+
+def _counted(batches: Iterator[np.ndarray], advance: Callable[[int], None]) -> Iterator[np.ndarray]:
+    """`batches` as they come, each counted by its rows."""
+    for batch in batches:
+        yield batch
+        advance(len(batch))
