@@ -22,9 +22,10 @@ the Trainer's seeds):
   `is_split_into_words=True` to `--max-length`, the label on each word's first sub-token and -100 on the rest
   (transformers' token-classification example), `DataCollatorForTokenClassification`, `Trainer` with AdamW at
   `--lr`, linear decay after a 10% warm-up, weight decay 0, batch `--batch`, `--epochs`, bf16 where cram's
-  `auto` picks it; the seed's test predictions (each word's first sub-token) scored by cram's scorer
-  (`stages/tagging/scores.py`: entity-level micro F1, strict IOB2, as seqeval and conlleval). Its wall: the
-  child's, from start to scores.
+  `auto` picks it (its default gradient clipping at norm 1, which cram's tagger also takes); the seed's test and
+  dev predictions (each word's first sub-token) scored by cram's scorer (`stages/tagging/scores.py`: entity-level
+  micro F1, strict IOB2, as seqeval and conlleval), as cram scores its test and validation. Its wall: the child's,
+  from start to scores.
 
 Prints a markdown table; every figure is in `results.jsonl`.
 """
@@ -213,7 +214,7 @@ def trainer_child(args: argparse.Namespace) -> dict:
     )
 
     from cram.stages.shared.device import autocast_dtype
-    from cram.stages.tagging.reading import read_file
+    from cram.stages.tagging.reading import Sentences, read_file
     from cram.stages.tagging.scores import entity_scores
 
     began = time.perf_counter()
@@ -240,17 +241,22 @@ def trainer_child(args: argparse.Namespace) -> dict:
     t = time.perf_counter()
     output = trainer.train()
     tune_s = time.perf_counter() - t
-    known = {t: label_ids.get(t, 0) for tags in test.tags for t in tags}  # a type training never tags: O's id
-    test_rows = encoded(tokenizer, test, known, args.max_length)
-    logits = trainer.predict(Dataset.from_list(test_rows)).predictions
-    predicted = []
-    for row, words, scores in zip(test_rows, test.words, logits):
-        firsts = [n for n, label in enumerate(row["labels"]) if label != -100]
-        tags = [labels[int(np.argmax(scores[n]))] for n in firsts]
-        predicted.append(tags + ["O"] * (len(words) - len(tags)))  # words cut by max_length: "O"
-    scores = entity_scores(test.tags, predicted)
+
+    def scored(split: Sentences) -> dict:
+        known = {t: label_ids.get(t, 0) for tags in split.tags for t in tags}  # a type training never tags: O's id
+        rows = encoded(tokenizer, split, known, args.max_length)
+        logits = trainer.predict(Dataset.from_list(rows)).predictions
+        predicted = []
+        for row, words, scores in zip(rows, split.words, logits):
+            firsts = [n for n, label in enumerate(row["labels"]) if label != -100]
+            tags = [labels[int(np.argmax(scores[n]))] for n in firsts]
+            predicted.append(tags + ["O"] * (len(words) - len(tags)))  # words cut by max_length: "O"
+        return entity_scores(split.tags, predicted)
+
+    scores, validation = scored(test), scored(read_file(args.data / "dev.conll"))  # as cram scores both
     return {
         "f1": round(scores["f1"], 4),
+        "validation_f1": round(validation["f1"], 4),
         "accuracy": round(scores["accuracy"], 4),
         "finetune_s": round(tune_s, 1),
         "inner_s": round(time.perf_counter() - began, 1),
@@ -263,15 +269,20 @@ def trainer_child(args: argparse.Namespace) -> dict:
 def report(results: list[dict]) -> str:
     cram = next((r for r in results if r["side"] == "cram" and "result" in r), None)
     trainer = [r for r in results if r["side"] == "trainer" and "f1" in r]
-    lines = ["| row | entity F1 per seed | median |", "|---|---|---:|"]
+    lines = ["| row | test entity F1 per seed | median | validation F1 per seed | median |", "|---|---|---:|---|---:|"]
+
+    def row(name: str, test: list[float], validation: list[float]) -> str:
+        cells = [f"{', '.join(f'{v:.4f}' for v in f1)} | {statistics.median(f1):.4f}" for f1 in (test, validation)]
+        return f"| {name} | {' | '.join(cells)} |"
+
     if cram:
-        f1 = cram["result"]["scores"]["test"]["f1"]
-        lines.append(f"| cram | {', '.join(f'{v:.4f}' for v in f1)} | {statistics.median(f1):.4f} |")
+        scores = cram["result"]["scores"]
+        lines.append(row("cram", scores["test"]["f1"], scores["validation"]["f1"]))
         for name, base in cram["result"]["baselines"]["test"].items():
-            lines.append(f"| baseline: {name} | - | {base['f1']:.4f} |")
+            validation = cram["result"]["baselines"]["validation"][name]["f1"]
+            lines.append(f"| baseline: {name} | - | {base['f1']:.4f} | - | {validation:.4f} |")
     if trainer:
-        f1 = [r["f1"] for r in trainer]
-        lines.append(f"| transformers Trainer | {', '.join(f'{v:.4f}' for v in f1)} | {statistics.median(f1):.4f} |")
+        lines.append(row("transformers Trainer", [r["f1"] for r in trainer], [r["validation_f1"] for r in trainer]))
     if cram and trainer:
         seeds = len(cram["result"]["scores"]["test"]["f1"])
         ratio = (cram["evaluate_s"] / seeds) / statistics.mean(r["wall_s"] for r in trainer)
