@@ -3,11 +3,12 @@ another, each reading only its own tokens (`document_ids`) at its own positions 
 what it would with each sentence in a row of its own (tests/test_packed_rows.py) on a fraction of the padding.
 
 Named entity sets are short sentences of varied length (WNUT-17: 31 sub-tokens on average, the longest 75): a
-batch of 32 padded to its longest, or to the bucket above it, is half padding; packed into rows of 128 it is
-about a tenth. A step still takes `batch_size` sentences, drawn as before, so its loss and its gradient's noise
-are the unpacked step's. The rows a step needs are rounded up to a multiple of `batch_size / 8`, and to no fewer
-than a batch of average sentences takes (a short last batch costs no graph of its own): at most 8 shapes, one
-compiled graph each, within dynamo's recompile limit; `step_shapes` lists those a run will take.
+batch of 32 padded to its longest, or to the bucket above it, is about half padding; packed into rows of 128
+(their count rounded up as below) about a fifth. A step still takes `batch_size` sentences, drawn as before, so
+its loss and its gradient's noise are the unpacked step's. The rows a step needs are rounded up to a multiple of
+`batch_size / 8`, and to no fewer than a batch of average sentences takes (a short last batch costs no graph of
+its own): at most 8 shapes, one compiled graph each, within dynamo's recompile limit; `step_shapes` lists those
+a run will take.
 
     packing = Packing.of(rows.lengths, batch_size, buckets)
     for index in epoch_batches(len(rows.ids), batch_size, epochs, seed)[epoch]:
