@@ -81,10 +81,10 @@ def parse_args() -> argparse.Namespace:
 def parent(args: argparse.Namespace) -> None:
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    say(f"{machine.cpu()}; load {machine.load()}\nwork: {work}")
+    children.say(f"{machine.cpu()}; load {machine.load()}\nwork: {work}")
     encoder_minilm(work)
     path = work / "results.jsonl"
-    done = {(r["set"], r["side"], r["seed"]) for r in read_results(path)}
+    done = {(r["set"], r["side"], r["seed"]) for r in children.read_rows(path)}
     sets = [Path(s).expanduser().resolve() for s in args.sets.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
     order = [(folder, "cram", -1) for folder in sets]
@@ -96,17 +96,9 @@ def parent(args: argparse.Namespace) -> None:
         result = run_cram(args, work, folder, seeds) if side == "cram" else run_st(args, work, folder, seed)
         with path.open("a") as f:
             f.write(json.dumps({"set": folder.name, "side": side, "seed": seed, **result}) + "\n")
-        say(f"{folder.name} {side} seed {seed}: {json.dumps(result)[:400]}")
-    say(f"\nload at the end: {machine.load()}\n")
-    say(report(read_results(path)))
-
-
-def say(text: str) -> None:
-    print(text, flush=True)
-
-
-def read_results(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
+        children.say(f"{folder.name} {side} seed {seed}: {json.dumps(result)[:400]}")
+    children.say(f"\nload at the end: {machine.load()}\n")
+    children.say(report(children.read_rows(path)))
 
 
 def cram_sets(args: argparse.Namespace, work: Path, folder: Path, seeds: list[int]) -> list[str]:
@@ -137,7 +129,7 @@ def run_cram(args: argparse.Namespace, work: Path, folder: Path, seeds: list[int
     outcome = children.run([*command, "--force", "evaluate"], limit_s=args.limit_s, log=work / f"{name}.log", env=env)
     wall = time.perf_counter() - began
     if not outcome.ok:
-        say(outcome.tail())
+        children.say(outcome.tail())
         return {"failed": outcome.why()}
     task = json.loads((work / "runs" / name / "evaluate" / "results.json").read_text())["tasks"][folder.name]
     return {
@@ -165,7 +157,7 @@ def run_st(args: argparse.Namespace, work: Path, folder: Path, seed: int) -> dic
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     outcome = children.run(command, limit_s=args.limit_s, log=work / f"{folder.name}-st-{seed}.log", env=env)
     if not outcome.ok:
-        say(outcome.tail())
+        children.say(outcome.tail())
         return {"failed": outcome.why()}
     line = next(x for x in reversed(outcome.stdout.splitlines()) if x.startswith("RESULT "))
     return {**json.loads(line.removeprefix("RESULT ")), "wall_s": round(outcome.seconds, 1), "load": machine.load()}

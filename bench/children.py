@@ -122,3 +122,13 @@ def result(outcome: Outcome, row: str) -> dict:
         return json.loads(outcome.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
         return {"row": row, "skipped": f"no result line on stdout (log: {outcome.log})"}
+
+
+def say(text: str) -> None:
+    """A line of a bench's report, out at once (a parent's stdout is often a file)."""
+    print(text, flush=True)
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows a bench has appended to its JSON-lines results file, none where there is no file yet."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []

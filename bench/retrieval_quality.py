@@ -102,13 +102,13 @@ def parse_args() -> argparse.Namespace:
 def parent(args: argparse.Namespace) -> None:
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    say(f"{machine.cpu()}; load {machine.load()}\nwork: {work}")
+    children.say(f"{machine.cpu()}; load {machine.load()}\nwork: {work}")
     checkpoint(work, args)
     random_init(work)
     write_descriptions(work / "descriptions", args.pairs, args.test)
     encoder_minilm(work)
     path = work / "results.jsonl"
-    done = {(r["set"], r["side"], r["seed"]) for r in read_results(path)}
+    done = {(r["set"], r["side"], r["seed"]) for r in children.read_rows(path)}
     sets, order = args.sets.split(","), []
     for name in sets:
         order.append((name, "floor", 0))
@@ -119,17 +119,9 @@ def parent(args: argparse.Namespace) -> None:
             result = run_child(args, work, name, side, seed)
             with path.open("a") as f:
                 f.write(json.dumps({"set": name, "side": side, "seed": seed, **result}) + "\n")
-            say(f"{name} {side} seed {seed}: {result}")
-    say(f"\nload at the end: {machine.load()}\n")
-    say(report(read_results(path)))
-
-
-def say(text: str) -> None:
-    print(text, flush=True)
-
-
-def read_results(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
+            children.say(f"{name} {side} seed {seed}: {result}")
+    children.say(f"\nload at the end: {machine.load()}\n")
+    children.say(report(children.read_rows(path)))
 
 
 def run_child(args: argparse.Namespace, work: Path, name: str, side: str, seed: int) -> dict:
@@ -139,7 +131,7 @@ def run_child(args: argparse.Namespace, work: Path, name: str, side: str, seed: 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     outcome = children.run(command, limit_s=args.limit_s, log=work / f"{name}-{side}-{seed}.log", env=env)
     if not outcome.ok:
-        say(outcome.tail())
+        children.say(outcome.tail())
         return {"failed": outcome.why()}
     line = next(x for x in reversed(outcome.stdout.splitlines()) if x.startswith("RESULT "))
     return {**json.loads(line.removeprefix("RESULT ")), "wall_s": round(outcome.seconds, 1), "load": machine.load()}

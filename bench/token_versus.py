@@ -80,10 +80,10 @@ def parse_args() -> argparse.Namespace:
 def parent(args: argparse.Namespace) -> None:
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    say(f"{machine.cpu()}; load {machine.load()}\nwork: {work}")
+    children.say(f"{machine.cpu()}; load {machine.load()}\nwork: {work}")
     encoder_minilm(work)
     path = work / "results.jsonl"
-    done = {(r["side"], r["seed"]) for r in read_results(path)}
+    done = {(r["side"], r["seed"]) for r in children.read_rows(path)}
     seeds = [int(s) for s in args.seeds.split(",")]
     for side, seed in [("cram", -1), *(("trainer", s) for s in seeds)]:
         if (side, seed) in done:
@@ -91,17 +91,9 @@ def parent(args: argparse.Namespace) -> None:
         result = run_cram(args, work, seeds) if side == "cram" else run_trainer(args, work, seed)
         with path.open("a") as f:
             f.write(json.dumps({"side": side, "seed": seed, **result}) + "\n")
-        say(f"{side} seed {seed}: {json.dumps(result)[:400]}")
-    say(f"\nload at the end: {machine.load()}\n")
-    say(report(read_results(path)))
-
-
-def say(text: str) -> None:
-    print(text, flush=True)
-
-
-def read_results(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
+        children.say(f"{side} seed {seed}: {json.dumps(result)[:400]}")
+    children.say(f"\nload at the end: {machine.load()}\n")
+    children.say(report(children.read_rows(path)))
 
 
 def cram_command(args: argparse.Namespace, work: Path, seeds: list[int], name: str) -> list[str]:
@@ -133,7 +125,7 @@ def run_cram(args: argparse.Namespace, work: Path, seeds: list[int]) -> dict:
     outcome = children.run([*command, "--force", "evaluate"], limit_s=args.limit_s, log=work / f"{name}.log", env=env)
     wall = time.perf_counter() - began
     if not outcome.ok:
-        say(outcome.tail())
+        children.say(outcome.tail())
         return {"failed": outcome.why()}
     task = json.loads((work / "runs" / name / "evaluate" / "results.json").read_text())["tasks"]["ner"]
     result = {"result": task, "evaluate_s": round(wall, 1), "load": machine.load()}
@@ -182,7 +174,7 @@ def run_trainer(args: argparse.Namespace, work: Path, seed: int) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     outcome = children.run(command, limit_s=args.limit_s, log=work / f"trainer-{seed}.log", env=env)
     if not outcome.ok:
-        say(outcome.tail())
+        children.say(outcome.tail())
         return {"failed": outcome.why()}
     line = next(x for x in reversed(outcome.stdout.splitlines()) if x.startswith("RESULT "))
     return {**json.loads(line.removeprefix("RESULT ")), "wall_s": round(outcome.seconds, 1), "load": machine.load()}
