@@ -241,8 +241,8 @@ class EmbeddingTuner:
             # a large corpus embeds for many minutes: a log line every PROGRESS_EVERY_S says it is not hung
             label = f"{loaded.config.name}: embedding the corpus"
             with bar(label, len(rows), lines_every=PROGRESS_EVERY_S) as advance:
-                batches = self._batches(params, rows, lengths, order, self.config.buckets)
-                write_embeddings(path, _counted(batches, advance), len(rows), "float32")
+                batches = self._batches(params, rows, lengths, order, self.config.buckets, advance)
+                write_embeddings(path, batches, len(rows), "float32")
             runs = {}
             for split, query_ids, query_rows in splits:
                 queries = self.embedded(params, *query_rows, buckets=self._query_buckets(loaded))
@@ -273,9 +273,17 @@ class EmbeddingTuner:
         embeddings[by_length] = out
         return embeddings
 
-    def _batches(self, params: dict, rows: list, lengths, order, buckets: tuple[int, ...]) -> Iterator[np.ndarray]:
+    def _batches(
+        self,
+        params: dict,
+        rows: list,
+        lengths,
+        order,
+        buckets: tuple[int, ...],
+        done: Callable[[int], None] | None = None,
+    ) -> Iterator[np.ndarray]:
         """Embeddings of `rows[order]`, `eval_batch_size` rows a batch (fillers past the end), padded to buckets
-        (eager: to each batch's longest)."""
+        (eager: to each batch's longest); `done(n)` after each batch of n rows (a progress bar)."""
         import torch
 
         size, padding = self.config.eval_batch_size, Padding(self.special, self._compiled(buckets), False)
@@ -284,6 +292,8 @@ class EmbeddingTuner:
             arrays = padding.inputs(rows, lengths, index, size)
             batch = {k: to_device(torch.from_numpy(v), self.device) for k, v in arrays.items()}
             yield self.embed(params, batch)[: len(index)].float().cpu().numpy()
+            if done is not None:
+                done(len(index))
 
     def batch(self, loaded: RetrievalLoaded, index: list[int], dropout: float) -> dict:
         """The contrastive step's batch of pairs `index` (model/embedder.py): queries padded to one length,
@@ -420,10 +430,3 @@ class EmbeddingTuners:
 def _step_kind(task: RetrievalLoaded) -> tuple[str, int | None]:
     """What tells one EmbeddingTuner's steps from another's: the pooling and the mini-batch."""
     return task.settings.pooling, task.settings.mini_batch_size
-
-
-def _counted(batches: Iterator[np.ndarray], advance: Callable[[int], None]) -> Iterator[np.ndarray]:
-    """`batches` as they come, each counted by its rows."""
-    for batch in batches:
-        yield batch
-        advance(len(batch))
