@@ -8,7 +8,7 @@ import torch
 
 from cram import model
 from cram.model.tagger import IGNORE, init_tag_head, make_tag_step
-from cram.stages.tagging.packing import MAX_SHAPES, Packing, epoch_batches, step_shapes
+from cram.stages.tagging.packing import MAX_SHAPES, Packing, shuffled_batches, step_shapes
 from cram.stages.tagging.windows import Rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -63,7 +63,7 @@ def test_a_run_takes_at_most_eight_row_counts_and_the_canary_sees_each():
     taken = {
         packing.place(rows.lengths[index])[2]
         for seed in (0, 1)
-        for batches in epoch_batches(len(lengths), 32, 2, seed)
+        for batches in shuffled_batches(len(lengths), 32, 2, seed)
         for index in batches
     }
     assert taken == set(shapes)
@@ -71,7 +71,7 @@ def test_a_run_takes_at_most_eight_row_counts_and_the_canary_sees_each():
     assert packing.place(np.full(32, 40))[2] == 32
     # a short last batch takes as many rows as a typical one: no graph of its own
     assert packing.place(np.array([5, 9]))[2] == packing.least_rows == min(shapes) > packing.rows_step
-    first, again = epoch_batches(100, 32, 2, 7), epoch_batches(100, 32, 2, 7)
+    first, again = shuffled_batches(100, 32, 2, 7), shuffled_batches(100, 32, 2, 7)
     assert all(np.array_equal(a, b) for ea, eb in zip(first, again) for a, b in zip(ea, eb))
     assert sorted(np.concatenate(first[0]).tolist()) == list(range(100))
     assert not np.array_equal(first[0][0], first[1][0])  # each epoch shuffled anew

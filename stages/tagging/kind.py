@@ -119,7 +119,7 @@ class Tagging:
 @dataclass
 class Taggers:
     """The token-classification tasks' fine-tunes in a stage: a tagger per precision, made once each, and the
-    graphs (tags and bucket) the canary checks."""
+    graphs the canary checks (the steps' packed row counts, the predictions' buckets)."""
 
     start: Start
     shapes: list[TagGraph]

@@ -11,7 +11,7 @@ its own): at most 8 shapes, one compiled graph each, within dynamo's recompile l
 a run will take.
 
     packing = Packing.of(rows.lengths, batch_size, buckets)
-    for index in epoch_batches(len(rows.ids), batch_size, epochs, seed)[epoch]:
+    for index in shuffled_batches(len(rows.ids), batch_size, epochs, seed)[epoch]:
         arrays = packing.inputs(rows, index, special, token_types)
 """
 
@@ -28,7 +28,7 @@ from cram.stages.tagging.windows import IGNORE, Rows
 MAX_SHAPES = 8  # dynamo's default recompile limit: the step's graphs stay within it
 
 
-def epoch_batches(count: int, size: int, epochs: int, seed: int) -> list[list[np.ndarray]]:
+def shuffled_batches(count: int, size: int, epochs: int, seed: int) -> list[list[np.ndarray]]:
     """Each epoch's batches of `size` row indices (the last may be short): the rows shuffled anew each epoch by
     one generator seeded with `seed`."""
     rng = np.random.default_rng(seed)
@@ -100,7 +100,7 @@ def step_shapes(
     fine-tunes will run, and nothing more, for the canary to check."""
     found: dict[int, np.ndarray] = {}
     for seed in seeds:
-        for batches in epoch_batches(len(lengths), size, epochs, seed):
+        for batches in shuffled_batches(len(lengths), size, epochs, seed):
             for index in batches:
                 found.setdefault(packing.place(lengths[index])[2], index)
     return found

@@ -16,7 +16,7 @@ from cram.stages.kept.batches import Padding
 from cram.stages.shared.device import to_device
 from cram.stages.shared.precision import stepped_difference
 from cram.stages.shared.progress import Every, track
-from cram.stages.tagging.packing import Packing, epoch_batches, step_shapes
+from cram.stages.tagging.packing import Packing, shuffled_batches, step_shapes
 from cram.stages.tagging.windows import Rows
 from cram.stages.tasks.config import FINETUNE_OPTIMIZER, PROGRESS_EVERY_S
 
@@ -176,7 +176,7 @@ class Tagger:
         total, every = per_epoch * epochs, Every(PROGRESS_EVERY_S)
         if log is not None:
             log.info("fine-tuning", step=f"0/{total}", epochs=epochs, rows=len(rows.ids))
-        for epoch, batches in enumerate(epoch_batches(len(rows.ids), size, epochs, seed)):
+        for epoch, batches in enumerate(shuffled_batches(len(rows.ids), size, epochs, seed)):
             losses = []
             for i in track(range(per_epoch), label, total, done=epoch * per_epoch):
                 batch = self.batch(rows, batches[i], self.config.dropout, packing)
