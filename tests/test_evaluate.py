@@ -242,6 +242,15 @@ def test_held_out_blocks_are_masked_at_mlm_mask_rate_when_given(upstream, tmp_pa
         Config(mlm_mask_rate=1.0)
 
 
+def test_a_length_past_the_largest_bucket_is_refused_naming_the_bucket_to_add():
+    task = TaskConfig(kind="retrieval", name="scifact", path="beir/scifact", max_length=256)
+    with pytest.raises(ValueError, match=r"tasks\[0\].max_length: 256 .* add 256 to buckets \(now \[32, 64, 128\]\)"):
+        Config(tasks=[task])
+    assert Config(tasks=[task], buckets=(32, 64, 128, 256)).tasks[0].max_length == 256
+    with pytest.raises(ValueError, match=r"max_length: 2 must be in \[3, the largest bucket 128\]$"):
+        Config(max_length=2)
+
+
 def test_mlm_corruption_bert_masks_held_out_blocks_80_10_10_whatever_pretraining_used(upstream, tmp_path, make_ctx):
     config = fp32(tasks=[], compile=False, mlm_batch_size=16)
     pretrain = upstream["inputs"]["pretrain"]

@@ -119,7 +119,8 @@ class Config:
             lengths.update({f"tasks[{i}].{key}": getattr(task, key) for key in keys})
         for key, length in lengths.items():
             if length is not None and not 3 <= length <= self.buckets[-1]:
-                raise ValueError(f"{key}: {length} must be in [3, the largest bucket {self.buckets[-1]}]")
+                fix = f"; or add {length} to buckets (now {list(self.buckets)})" if length > self.buckets[-1] else ""
+                raise ValueError(f"{key}: {length} must be in [3, the largest bucket {self.buckets[-1]}]{fix}")
         names = [t.name for t in self.tasks]
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
