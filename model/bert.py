@@ -357,9 +357,12 @@ def attends_with(attention: Attention, device: torch.device) -> str:
 def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rate: float | Tensor, attention: Attention) -> Tensor:
     """softmax(q k^T / sqrt(d)) v over [B, heads, S, head_dim]; `mask` (broadcast to [B, heads, S, S], as
     [B, 1, 1, S] for padding alone) is True where a key may be read. SDPA takes its dropout rate as a
-    number: a rate given as a tensor attends with the written-out product."""
+    number: a rate given as a tensor attends with the written-out product, and so does a rate under a CPU's
+    autocast, where SDPA's dropout fails in torch.func's backward (torch 2.13: "expected scalar type Float
+    but found BFloat16"; tests/test_attention.py)."""
     if attends_with(attention, q.device) == "sdpa" and not isinstance(rate, Tensor):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=rate)
+        if not (rate and q.device.type == "cpu" and torch.is_autocast_enabled("cpu")):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=rate)
     # On a CPU the written-out product is faster than SDPA's flash kernel, which tiles for long
     # sequences: forward + backward at seq 128 profiled 3x faster compiled in bf16 (the flash
     # backward is slow in bf16), 1.3x in fp32, and faster eager too. On a GPU it is the fallback for an
