@@ -100,6 +100,40 @@ def test_add_pretrains_on_both_and_holds_out_only_corpus_documents(tmp_path, mak
     assert not any(TEST_WORD in text for text in documents + held)
 
 
+def write_token_task(folder: Path) -> list[str]:
+    """A CoNLL token task whose training sentences say TRAIN_WORD and whose test sentences TEST_WORD; returns
+    the training sentences as task text reads them (their words joined by spaces)."""
+    rng = random.Random(2)
+    folder.mkdir(parents=True, exist_ok=True)
+    train = [[TRAIN_WORD, *words(rng, 6).split(), "Paris"] for _ in range(30)]
+    test = [[TEST_WORD] * 10 + ["Rome"] for _ in range(8)]
+    for name, sentences in (("train", train), ("test", test)):
+        lines = ["\n".join(f"{w}\t{'B-LOC' if w in ('Paris', 'Rome') else 'O'}" for w in s) for s in sentences]
+        (folder / f"{name}.conll").write_text("\n\n".join(lines) + "\n")
+    return [" ".join(s) for s in train]
+
+
+def test_a_token_task_gives_its_training_sentences_words_and_no_test_sentence(tmp_path, make_ctx):
+    train = write_token_task(tmp_path / "ner")
+    task = evaluate.TaskConfig(kind="token-classification", name="ner", path=str(tmp_path / "ner"))
+    config = linked("only", [task], tmp_path / "absent.jsonl")
+    tokenize.validate(config, SimpleNamespace(stages={"evaluate": evaluate.Config(tasks=[task])}))
+    assert [f.name for f in tasktext.train_files(config.task_files[0])] == ["train.conll"]
+    out, outputs = run(config, tmp_path, make_ctx)
+    documents, held, pieces = decoded(out, outputs)
+    assert documents == train and outputs["task_documents"] == len(train)
+    assert not any(TEST_WORD in text for text in documents) and not any("quill" in piece for piece in pieces)
+
+
+def test_a_token_task_without_a_training_file_is_refused_naming_its_entry(tmp_path):
+    (tmp_path / "ner").mkdir()
+    (tmp_path / "ner" / "test.conll").write_text("Rome\tB-LOC\n")
+    task = evaluate.TaskConfig(kind="token-classification", name="ner", path=str(tmp_path / "ner"))
+    config = linked("add", [task], tmp_path / "absent.jsonl")
+    with pytest.raises(StageError, match=r"evaluate.tasks\[0\].path: .* has no train file"):
+        tasktext.check(config.task_files, "add", evaluate.Config(tasks=[task]))
+
+
 def test_a_pair_is_one_document_and_a_local_glue_task_reads_train_tsv_only(tmp_path):
     mrpc = tmp_path / "glue" / "MRPC"
     mrpc.mkdir(parents=True)
@@ -186,7 +220,7 @@ def test_only_leaves_the_topic_task_nothing_to_classify():
 @pytest.mark.parametrize(
     "evaluate_config, expected",
     [
-        (evaluate.Config(), "its tasks are heldout-topic"),
+        (evaluate.Config(), "its tasks are of kind heldout-retrieval, heldout-topic, which has no training file"),
         (evaluate.Config(tasks=[]), "evaluate.tasks is empty"),
         (None, "no evaluate stage"),
         (evaluate.Config(tasks=[evaluate.TaskConfig(kind="glue", name="sst2")]), "evaluate.tasks[0] (GLUE sst2)"),

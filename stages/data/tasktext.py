@@ -4,15 +4,17 @@ task it will be fine-tuned on, labels dropped.
 
 Only a task's training file is read, never its test or validation file. A row is one document; a pair
 task's two texts are joined by a newline into one, so that a pair stays in one document as fine-tuning
-sees it. A "heldout-topic" task has no training file of its own: it classifies the documents tokenize
-holds out of the corpus, so it gives no task text. A GLUE task is read from a local folder only.
+sees it; a token-classification task's sentence is its words joined by spaces. A "heldout-topic" task has
+no training file of its own: it classifies the documents tokenize holds out of the corpus, so it gives no task
+text (nor do the retrieval kinds, as yet). A GLUE task is read from a local folder only. Each kind that gives
+text is one entry of `READERS`: its training files and its rows' texts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal, NamedTuple
 
 from cram.stages import StageError
 from cram.stages.shared import files as shared_files
@@ -22,15 +24,13 @@ if TYPE_CHECKING:
     from cram.stages.evaluating.config import Config as EvaluateConfig
     from cram.stages.tasks.config import TaskConfig
 
-KINDS = ("custom", "glue")  # the kinds of evaluate task that have a training file
-
 
 @dataclass(frozen=True)
 class TaskFile:
     """An entry of `[[evaluate.tasks]]` as far as its training text goes; `where` names it in messages."""
 
     where: str = ""
-    kind: Literal["custom", "glue"] = "custom"
+    kind: Literal["custom", "glue", "token-classification"] = "custom"
     name: str = ""
     path: str = ""  # glue: "" is the hub, which task text refuses (`check`)
     text_fields: tuple[str, ...] = ()  # custom
@@ -41,7 +41,7 @@ def of_tasks(tasks: Iterable[TaskConfig]) -> tuple[TaskFile, ...]:
     return tuple(
         TaskFile(f"evaluate.tasks[{i}]", t.kind, t.name, t.path, tuple(t.text_fields))
         for i, t in enumerate(tasks)
-        if t.kind in KINDS
+        if t.kind in READERS
     )
 
 
@@ -51,10 +51,12 @@ def check(tasks: tuple[TaskFile, ...], option: str, evaluate: EvaluateConfig | N
     if not tasks:
         why = "the pipeline has no evaluate stage" if evaluate is None else "evaluate.tasks is empty"
         if evaluate is not None and evaluate.tasks:
-            why = "its tasks are heldout-topic, which classify tokenize's held-out documents: no training file"
+            kinds = ", ".join(sorted({t.kind for t in evaluate.tasks}))
+            why = f"its tasks are of kind {kinds}, which has no training file of its own"
         raise StageError(
             f'tokenize.task_text: "{option}" pretrains on the training files of [[evaluate.tasks]] of kind '
-            f'"custom" or "glue" (a local folder), and there is none ({why}); add one or set task_text = "none"'
+            f"{', '.join(READERS)} (GLUE's from a local folder), and there is none ({why}); add one or set "
+            'task_text = "none"'
         )
     for task in tasks:
         train_files(task)
@@ -73,15 +75,7 @@ def _has_text(task: TaskFile) -> bool:
 
 def train_files(task: TaskFile) -> list[Path]:
     """The files that hold the task's training rows; StageError naming the task when they are missing."""
-    if task.kind == "custom":
-        return [taskfiles.find_split(_folder(task), ("train",), task.where)]
-    if not task.path:
-        raise StageError(
-            f"tokenize.task_text: {task.where} (GLUE {task.name}) is fetched from the hub when evaluate runs, and "
-            f"task text reads training files on disk; set {task.where}.path to a local GLUE folder"
-        )
-    layout, folder = taskfiles.glue_folder(task.name, task.path, task.where)
-    return [folder / "train.tsv"] if layout == "tsv" else shared_files.files_under(folder / "train")
+    return READERS[task.kind].files(task)
 
 
 def fingerprint(tasks: tuple[TaskFile, ...]) -> list[list[Any]]:
@@ -115,8 +109,28 @@ def documents(task: TaskFile, batch_size: int, limit: int, tally: dict[str, int]
 
 def _train_texts(task: TaskFile) -> Iterable[tuple[str, ...]]:
     """Each training row's texts, read by the readers evaluate uses (a custom task's as they are read)."""
-    if task.kind == "custom":
-        return taskfiles.iter_texts(train_files(task)[0], task.text_fields)
+    return READERS[task.kind].texts(task)
+
+
+def _custom_files(task: TaskFile) -> list[Path]:
+    return [taskfiles.find_split(_folder(task), ("train",), task.where)]
+
+
+def _custom_texts(task: TaskFile) -> Iterable[tuple[str, ...]]:
+    return taskfiles.iter_texts(_custom_files(task)[0], task.text_fields)
+
+
+def _glue_files(task: TaskFile) -> list[Path]:
+    if not task.path:
+        raise StageError(
+            f"tokenize.task_text: {task.where} (GLUE {task.name}) is fetched from the hub when evaluate runs, and "
+            f"task text reads training files on disk; set {task.where}.path to a local GLUE folder"
+        )
+    layout, folder = taskfiles.glue_folder(task.name, task.path, task.where)
+    return [folder / "train.tsv"] if layout == "tsv" else shared_files.files_under(folder / "train")
+
+
+def _glue_texts(task: TaskFile) -> Iterable[tuple[str, ...]]:
     spec = taskfiles.GLUE[task.name]
     layout, folder = taskfiles.glue_folder(task.name, task.path, task.where)
     if layout == "tsv":
@@ -126,8 +140,34 @@ def _train_texts(task: TaskFile) -> Iterable[tuple[str, ...]]:
     return taskfiles.glue_rows(task.name, datasets.load_from_disk(str(folder)), "train", str(folder))[0]
 
 
+def _token_files(task: TaskFile) -> list[Path]:
+    from cram.stages.tagging.reading import train_files as token_train_files
+
+    return token_train_files(task.path, task.where)
+
+
+def _token_texts(task: TaskFile) -> Iterable[tuple[str, ...]]:
+    from cram.stages.tagging.reading import train_words
+
+    return ((" ".join(words),) for words in train_words(task.path, task.where))
+
+
 def _folder(task: TaskFile) -> Path:
     folder = Path(task.path).expanduser()
     if not folder.is_dir():
         raise StageError(f"{task.where}.path: {folder} is not a directory (of train and test .csv or .jsonl files)")
     return folder
+
+
+class Reader(NamedTuple):
+    """How a kind of evaluate task gives training text: its training files, and its rows' texts."""
+
+    files: Callable[[TaskFile], list[Path]]
+    texts: Callable[[TaskFile], Iterable[tuple[str, ...]]]
+
+
+READERS: dict[str, Reader] = {
+    "custom": Reader(_custom_files, _custom_texts),
+    "glue": Reader(_glue_files, _glue_texts),
+    "token-classification": Reader(_token_files, _token_texts),
+}

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cram.stages import StageError
+from cram.stages.shared.files import files_under
 from cram.stages.shared.taskfiles import checked_text, iter_records
 
 SPLITS = {"train": ("train",), "validation": ("validation", "dev", "valid"), "test": ("test",)}
@@ -85,6 +86,27 @@ def read_task(path: str, where: str) -> Tagged:
         splits["train"], splits["validation"] = carve_validation(splits["train"])
     labels = ("O", *(f"{p}-{t}" for t in types for p in "BI"))
     return Tagged(splits, labels, scheme, repaired, carved)
+
+
+def train_files(path: str, where: str) -> list[Path]:
+    """The files holding the training sentences of the task in folder `path`; StageError where there are none."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise StageError(f"{where}.path: {folder} is not a folder (of train and test CoNLL or JSON-lines files)")
+    if (folder / "dataset_dict.json").is_file():
+        return files_under(folder / "train")
+    found = _split_file(folder, SPLITS["train"])
+    if found is None:
+        raise StageError(f"{where}.path: {folder} has no {'|'.join(SPLITS['train'])} file ({', '.join(SUFFIXES)})")
+    return [found]
+
+
+def train_words(path: str, where: str) -> list[list[str]]:
+    """The training sentences' words, as the fine-tune reads them (validation carved from them or not)."""
+    folder = Path(path).expanduser()
+    if (folder / "dataset_dict.json").is_file():
+        return _read_saved(folder)["train"].words
+    return read_file(train_files(path, where)[0]).words
 
 
 def carve_validation(train: Sentences) -> tuple[Sentences, Sentences]:
