@@ -632,7 +632,7 @@ CASES = [
             *sets(**{"tokenize.task_text": '"only"'}),
             *tasks(kind='"heldout-topic"', text_fields="[]", metrics="[]"),
         ],
-        "its tasks are heldout-topic, which classify tokenize's held-out documents",
+        "its tasks are of kind heldout-topic, without a training file of their own",
     ),
     (
         "task too long",

@@ -220,7 +220,7 @@ def test_only_leaves_the_topic_task_nothing_to_classify():
 @pytest.mark.parametrize(
     "evaluate_config, expected",
     [
-        (evaluate.Config(), "its tasks are of kind heldout-retrieval, heldout-topic, which has no training file"),
+        (evaluate.Config(), "its tasks are of kind heldout-retrieval, heldout-topic, without a training file"),
         (evaluate.Config(tasks=[]), "evaluate.tasks is empty"),
         (None, "no evaluate stage"),
         (evaluate.Config(tasks=[evaluate.TaskConfig(kind="glue", name="sst2")]), "evaluate.tasks[0] (GLUE sst2)"),

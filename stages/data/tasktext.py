@@ -52,7 +52,7 @@ def check(tasks: tuple[TaskFile, ...], option: str, evaluate: EvaluateConfig | N
         why = "the pipeline has no evaluate stage" if evaluate is None else "evaluate.tasks is empty"
         if evaluate is not None and evaluate.tasks:
             kinds = ", ".join(sorted({t.kind for t in evaluate.tasks}))
-            why = f"its tasks are of kind {kinds}, which has no training file of its own"
+            why = f"its tasks are of kind {kinds}, without a training file of their own"
         raise StageError(
             f'tokenize.task_text: "{option}" pretrains on the training files of [[evaluate.tasks]] of kind '
             f"{', '.join(READERS)} (GLUE's from a local folder), and there is none ({why}); add one or set "
