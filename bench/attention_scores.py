@@ -39,27 +39,9 @@ def fp32_scores(q, k, v, mask, rate, attention):
 
 
 def tuner_and_batch(work: Path, max_length: int):
-    """cram's eager EmbeddingTuner of MiniLM in the precision `auto` picks, and the set's first batch."""
-    from cram.stages import evaluate
-    from cram.stages.retrieval import results
-    from cram.stages.retrieval.tuning import EmbeddingTuner, Making
-    from cram.stages.shared.precision import candidates
-    from cram.stages.shared.pretrained import load, locate
-    from cram.stages.shared.tokenizer import load as load_tokenizer
-    from cram.stages.tasks.config import TaskConfig
-
-    found = locate(work / "encoders" / "minilm")
-    cfg, params = load(found)
-    tokenizer = load_tokenizer(found.tokenizer)
-    entry = TaskConfig(kind="heldout-retrieval", name="descriptions", epochs=1, lr=2e-5, max_length=max_length)
-    buckets = (*(b for b in evaluate.Config().buckets if b < max_length), max_length)
-    config = evaluate.Config(tasks=[entry], dropout=0.1, compile=False, buckets=buckets).linked({})
-    task = retrieval_quality.task_of(argparse.Namespace(set="descriptions", work=work, pairs=32))
-    loaded = results.loaded(entry, task, tokenizer, tokenizer.special_ids, config.settings(entry))
-    device = torch.device("cpu")
-    precision = candidates("auto", device, "inductor", compiled=False)[0]
-    how = Making(precision, False, "written", "mean")
-    tuner = EmbeddingTuner.make(config.tuning(), cfg, params, tokenizer.special_ids, device, how)
+    """cram's eager EmbeddingTuner of MiniLM (bench/retrieval_quality.py's), and the set's first batch."""
+    settings = dict(set="descriptions", init="minilm", pairs=32, batch=32, lr=2e-5, max_length=max_length)
+    tuner, loaded, precision = retrieval_quality.cram_tuner(argparse.Namespace(work=work, **settings))
     return tuner, tuner.batch(loaded, list(range(32)), 0.1), precision.label
 
 

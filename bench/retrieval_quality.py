@@ -254,18 +254,19 @@ def scored(scores, extra: dict) -> dict:
     return {**{k: round(v, 4) for k, v in scores.mean.items()}, "queries": len(scores.per_query), **extra}
 
 
-def cram_child(args: argparse.Namespace) -> dict:
+def cram_tuner(args: argparse.Namespace):
+    """(cram's eager EmbeddingTuner of `--init` in the precision `auto` picks, the set's task as evaluate loads it,
+    that precision): what the evaluate stage would fine-tune with."""
     import torch
 
     from cram.stages import evaluate
     from cram.stages.retrieval import results
-    from cram.stages.retrieval.tuning import EmbeddingTuner, Making, epoch_batches
+    from cram.stages.retrieval.tuning import EmbeddingTuner, Making
     from cram.stages.shared.precision import candidates
     from cram.stages.shared.pretrained import load, locate
     from cram.stages.shared.tokenizer import load as load_tokenizer
     from cram.stages.tasks.config import TaskConfig
 
-    began = time.perf_counter()
     found = locate(args.work / INITS[args.init])
     cfg, params = load(found)
     tokenizer = load_tokenizer(found.tokenizer)
@@ -274,12 +275,18 @@ def cram_child(args: argparse.Namespace) -> dict:
     buckets = (*(b for b in evaluate.Config().buckets if b < args.max_length), args.max_length)
     config = evaluate.Config(tasks=[entry], warmup=WARMUP, dropout=DROPOUT, compile=False, buckets=buckets)
     config = config.linked({})
-    settings = config.settings(entry)
-    loaded = results.loaded(entry, task_of(args), tokenizer, tokenizer.special_ids, settings)
+    loaded = results.loaded(entry, task_of(args), tokenizer, tokenizer.special_ids, config.settings(entry))
     device = torch.device("cpu")
     precision = candidates("auto", device, "inductor", compiled=False)[0]
     how = Making(precision, False, "auto", "mean")
-    embedder = EmbeddingTuner.make(config.tuning(), cfg, params, tokenizer.special_ids, device, how)
+    return EmbeddingTuner.make(config.tuning(), cfg, params, tokenizer.special_ids, device, how), loaded, precision
+
+
+def cram_child(args: argparse.Namespace) -> dict:
+    from cram.stages.retrieval.tuning import epoch_batches
+
+    began = time.perf_counter()
+    embedder, loaded, precision = cram_tuner(args)
     batches = epoch_batches(loaded, args.seed, 0, "bench")
     t = time.perf_counter()
     tuned, loss = embedder.train(loaded, args.seed, "bench", f"cram seed {args.seed}")

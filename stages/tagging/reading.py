@@ -67,9 +67,7 @@ class Tagged:
 
 def read_task(path: str, where: str) -> Tagged:
     """The task in folder `path` (`where` names the config entry), its tags checked and in IOB2."""
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise StageError(f"{where}.path: {folder} is not a folder (of train and test CoNLL or JSON-lines files)")
+    folder = _task_folder(path, where)
     raw = _read_saved(folder) if (folder / "dataset_dict.json").is_file() else _read_files(folder, where)
     scheme = detect_scheme([tags for split in raw.values() for tags in split.tags])
     splits, repaired = {}, {}
@@ -90,15 +88,10 @@ def read_task(path: str, where: str) -> Tagged:
 
 def train_files(path: str, where: str) -> list[Path]:
     """The files holding the training sentences of the task in folder `path`; StageError where there are none."""
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise StageError(f"{where}.path: {folder} is not a folder (of train and test CoNLL or JSON-lines files)")
+    folder = _task_folder(path, where)
     if (folder / "dataset_dict.json").is_file():
         return files_under(folder / "train")
-    found = _split_file(folder, SPLITS["train"])
-    if found is None:
-        raise StageError(f"{where}.path: {folder} has no {'|'.join(SPLITS['train'])} file ({', '.join(SUFFIXES)})")
-    return [found]
+    return [_split_file(folder, "train", where)]
 
 
 def train_words(path: str, where: str) -> list[list[str]]:
@@ -124,18 +117,25 @@ def carve_validation(train: Sentences) -> tuple[Sentences, Sentences]:
     return part(True), part(False)
 
 
+def _task_folder(path: str, where: str) -> Path:
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise StageError(f"{where}.path: {folder} is not a folder (of train and test CoNLL or JSON-lines files)")
+    return folder
+
+
 def _read_files(folder: Path, where: str) -> dict[str, Sentences]:
-    found = {split: _split_file(folder, stems) for split, stems in SPLITS.items()}
-    for split in ("train", "test"):
-        if found[split] is None:
-            names = "|".join(SPLITS[split])
-            raise StageError(f"{where}.path: {folder} has no {names} file ({', '.join(SUFFIXES)})")
+    found = {split: _split_file(folder, split, where) for split in SPLITS}
     return {split: read_file(file) for split, file in found.items() if file is not None}
 
 
-def _split_file(folder: Path, stems: Sequence[str]) -> Path | None:
+def _split_file(folder: Path, split: str, where: str) -> Path | None:
+    """The split's file in `folder`; StageError where the train or test file is missing (validation may be)."""
     by_name = {p.name.lower(): p for p in sorted(folder.iterdir()) if p.is_file()}
-    return next((by_name[s + x] for s in stems for x in SUFFIXES if s + x in by_name), None)
+    found = next((by_name[s + x] for s in SPLITS[split] for x in SUFFIXES if s + x in by_name), None)
+    if found is None and split != "validation":
+        raise StageError(f"{where}.path: {folder} has no {'|'.join(SPLITS[split])} file ({', '.join(SUFFIXES)})")
+    return found
 
 
 def read_file(path: Path) -> Sentences:
