@@ -344,13 +344,14 @@ def _first_queries(
     return q.view(B, queries, cfg.heads, cfg.head_dim).transpose(1, 2), k, v
 
 
-def attends_with(attention: Attention, device: torch.device) -> str:
+def attends_with(attention: Attention, device: torch.device, grad: bool = True) -> str:
     """What `attention` means on `device`: "sdpa" (`F.scaled_dot_product_attention`) or "written" (the
-    product written out); "auto" is SDPA on a GPU and the written-out product on a CPU."""
+    product written out); "auto" is SDPA on a GPU, and on a CPU the written-out product where a gradient is
+    taken (`grad`) and SDPA where none is (embedding, prediction, held-out scores)."""
     if attention not in ATTENTIONS:
         raise ValueError(f"attention={attention!r}: allowed {', '.join(ATTENTIONS)}")
     if attention == "auto":
-        return "written" if device.type == "cpu" else "sdpa"
+        return "written" if device.type == "cpu" and grad else "sdpa"
     return attention
 
 
@@ -360,12 +361,13 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rate: float | 
     number: a rate given as a tensor attends with the written-out product, and so does a rate under a CPU's
     autocast, where SDPA's dropout fails in torch.func's backward (torch 2.13: "expected scalar type Float
     but found BFloat16"; tests/test_attention.py)."""
-    if attends_with(attention, q.device) == "sdpa" and not isinstance(rate, Tensor):
+    if attends_with(attention, q.device, torch.is_grad_enabled()) == "sdpa" and not isinstance(rate, Tensor):
         if not (rate and q.device.type == "cpu" and torch.is_autocast_enabled("cpu")):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=rate)
     # On a CPU the written-out product is faster than SDPA's flash kernel, which tiles for long
-    # sequences: forward + backward at seq 128 profiled 3x faster compiled in bf16 (the flash
-    # backward is slow in bf16), 1.3x in fp32, and faster eager too. On a GPU it is the fallback for an
+    # sequences, where a gradient is taken: forward + backward at seq 128 profiled 3x faster compiled in
+    # bf16 (the flash backward is slow in bf16), 1.3x in fp32, and faster eager too; the forward alone is
+    # SDPA's (bench/README.md "attention where no gradient is taken"). On a GPU it is the fallback for an
     # SDPA kernel that fails under torch.func's gradients. Under autocast the scores stay in bf16: the
     # softmax kernels accumulate a bf16 input in fp32 (the probabilities equal a fp32 softmax's rounded to
     # bf16), and an fp32 copy of the [B, heads, S, S] scores and its casts cost an eager MiniLM step at 256

@@ -85,12 +85,23 @@ def test_a_compiled_step_with_sdpa_trains_as_the_written_out_one(device):
         torch.testing.assert_close(out["sdpa"][0][name], out["written"][0][name], rtol=1e-4, atol=1e-5)
 
 
-def test_auto_is_sdpa_on_a_gpu_and_written_out_on_a_cpu():
+def test_auto_is_sdpa_on_a_gpu_and_on_a_cpu_written_out_where_a_gradient_is_taken():
     assert model.attends_with("auto", torch.device("cpu")) == "written"
+    assert model.attends_with("auto", torch.device("cpu"), grad=False) == "sdpa"
     assert model.attends_with("auto", torch.device("cuda", 0)) == "sdpa"
+    assert model.attends_with("written", torch.device("cpu"), grad=False) == "written"
     assert model.attends_with("written", torch.device("cuda", 0)) == "written"
     with pytest.raises(ValueError, match="allowed auto, sdpa, written"):
         model.attends_with("flash", torch.device("cpu"))
+
+
+def test_auto_attends_with_sdpa_where_no_gradient_is_taken_and_written_out_where_one_is():
+    q, k, v = qkv(3)
+    mask = torch.arange(12)[None, None, None, :] < torch.tensor([12, 7])[:, None, None, None]
+    with torch.no_grad():
+        assert torch.equal(bert._attend(q, k, v, mask, 0.0, "auto"), bert._attend(q, k, v, mask, 0.0, "sdpa"))
+    out = torch.func.grad(lambda q: bert._attend(q, k, v, mask, 0.0, "auto").sum())(q)
+    assert torch.equal(out, torch.func.grad(lambda q: bert._attend(q, k, v, mask, 0.0, "written").sum())(q))
 
 
 def test_steps_refuse_params_that_require_grad():
