@@ -31,14 +31,13 @@ from cram.stages.evaluating.checks import (
     check_pooler,
     check_task,
     heldout_gap,
-    init_model,
     task_gap,
-    task_positions,
 )
 
 # The stage's config lives in its wing; `evaluate.Config` and `evaluate.TaskConfig` name it here.
 from cram.stages.evaluating.config import Config as Config
 from cram.stages.evaluating.config import keyed_tasks
+from cram.stages.evaluating.positions import init_model, task_positions
 from cram.stages.evaluating.scoring import (
     Report,
     fitting_tasks,

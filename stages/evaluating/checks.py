@@ -6,13 +6,12 @@ lengths and masking rate against the model that pretrain's config makes. `config
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from cram.stages import StageError
 from cram.stages.evaluating import kinds
 from cram.stages.evaluating.config import Config
+from cram.stages.evaluating.positions import Positions, init_model
 from cram.stages.kept.batches import bucket
 from cram.stages.pretraining.config import Config as PretrainConfig
 from cram.stages.shared.masking import masked_per_sequence
@@ -65,19 +64,6 @@ def _positions(pretrain: PretrainConfig | None, longest: int) -> tuple[str, int]
     return None if position is None else (position, longest)
 
 
-def init_model(pretrain: PretrainConfig | None) -> ModelConfig | None:
-    """The ModelConfig of pretrain's `init` checkpoint (`pretrain` is its Config), read from its headers;
-    None without one, or for one its own `validate` refuses."""
-    if pretrain is None or not pretrain.init:
-        return None
-    from cram.stages.shared import pretrained
-
-    try:
-        return pretrained.load(pretrained.locate(Path(pretrain.init)), shapes_only=True)[0]
-    except pretrained.PretrainedError:
-        return None
-
-
 def check_pooler(config: Config, cfg: ModelConfig | None, where: str = "pretrain.init's checkpoint") -> None:
     """`pooling = "pooler"` needs a model with a pooler (`cfg`, None: one with none) and a head as wide as it."""
     if cfg is None or not cfg.pooler:
@@ -90,24 +76,6 @@ def check_pooler(config: Config, cfg: ModelConfig | None, where: str = "pretrain
             f'evaluate.head_width: {config.head_width}, but pooling = "pooler" starts the head\'s dense layer '
             f"from the checkpoint's {cfg.hidden} x {cfg.hidden} pooler; set 0 (the hidden size)"
         )
-
-
-@dataclass(frozen=True)
-class Positions:
-    """How far a fine-tuning task's texts may pad, and what says so."""
-
-    length: int
-    source: str
-
-
-def task_positions(pretrain: PretrainConfig | None, pack: Any) -> Positions | None:
-    """The positions of the model evaluate fine-tunes: those of the checkpoint pretrain starts from, where
-    it starts from one (a released encoder keeps its own, 512 for all-MiniLM-L6-v2, at whatever pack.seq_len
-    it is continued), else pack's seq_len (None: no pack stage)."""
-    cfg = init_model(pretrain)
-    if cfg is not None:
-        return Positions(cfg.max_seq_len, f"the {cfg.max_seq_len} positions of pretrain.init's checkpoint")
-    return None if pack is None else Positions(pack.seq_len, f"pack.seq_len = {pack.seq_len}, the model's positions")
 
 
 def check_task(config: Config, task: TaskConfig, index: int, gap: str | None, positions: Positions | None) -> None:

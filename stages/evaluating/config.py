@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from cram.stages.evaluating import kinds
+from cram.stages.evaluating.positions import task_positions
 from cram.stages.pretraining.config import Config as PretrainConfig
 from cram.stages.protocols import StageConfig, section
 from cram.stages.shared.precision import check_canary
@@ -133,7 +134,7 @@ class Config:
         task takes what its kind takes of that folder (`Kind.linked`: a retrieval task's pooling);
         `baseline = "auto"` is "init" where pretrain continues `init`'s checkpoint on a budget that is not
         zero (a zero budget scores the checkpoint itself), else "none". Resolved here, so the config holds
-        what runs."""
+        what runs; so does each task's kind's own epochs, seeds, lr and max_length (`_with_kind_defaults`)."""
         from cram.stages.shared import pretrained
 
         pretrain = section(sections, "pretrain", PretrainConfig)
@@ -157,7 +158,18 @@ class Config:
             config = dataclasses.replace(config, pooling=pooling or "first")
         init_pooling = None if found is None else found.pooling
         tasks = [kinds.of(t.kind).linked(t, init_pooling) for t in config.tasks]
+        positions = task_positions(pretrain, sections.get("pack"))
+        lengths = tuple(n for n in config.buckets if positions is None or n <= positions.length)
+        tasks = [config._with_kind_defaults(t, lengths) for t in tasks]
         return dataclasses.replace(config, tasks=tasks) if tasks != config.tasks else config
+
+    def _with_kind_defaults(self, task: TaskConfig, lengths: tuple[int, ...]) -> TaskConfig:
+        """`task` with its kind's own epochs, seeds, lr and max_length (`Kind.defaults`) where neither it nor
+        [evaluate] sets one: a stage value left at its default is no choice of the user's."""
+        own = kinds.of(task.kind).defaults(task, lengths)
+        stage_defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+        unset = {k: v for k, v in own.items() if getattr(task, k) is None and getattr(self, k) == stage_defaults[k]}
+        return dataclasses.replace(task, **unset) if unset else task
 
     def task_settings(self, task: TaskConfig) -> TaskSettings:
         """The task's own epochs, seeds, lr and max_length, the stage's where it sets none."""

@@ -66,6 +66,9 @@ class Classification:
     def linked(self, task: TaskConfig, init_pooling: str | None) -> TaskConfig:
         return task  # its pooling is the stage's (`Config.linked`)
 
+    def defaults(self, task: TaskConfig, lengths: tuple[int, ...]) -> dict[str, int | float]:
+        return {}  # the stage's: cramming's GLUE rules
+
     def files(self, task: TaskConfig) -> list[Path]:
         """A custom task's folder's files, or a local GLUE folder's."""
         root = Path(task.path).expanduser()

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from cram.stages import StageError
 from cram.stages.kept.batches import bucket
 from cram.stages.retrieval.settings import (
+    BEIR_DEFAULTS,
+    BEIR_MAX_LENGTH,
     EMBEDDING_POOLINGS,
     MAX_NEGATIVES_PER_PAIR,
     QUERY_MAX_LENGTH,
@@ -97,6 +99,13 @@ class Retrieval:
         if task.pooling is None and init_pooling == "first":
             return dataclasses.replace(task, pooling="first")
         return task
+
+    def defaults(self, task: TaskConfig, lengths: tuple[int, ...]) -> dict[str, int | float]:
+        """A BEIR folder's (`BEIR_DEFAULTS`); a held-out retrieval task takes the stage's, as a topic task does."""
+        if task.kind != "retrieval":
+            return {}
+        longest = max((n for n in lengths if n <= BEIR_MAX_LENGTH), default=BEIR_MAX_LENGTH)
+        return {**BEIR_DEFAULTS, "max_length": longest}
 
     def files(self, task: TaskConfig) -> list[Path]:
         """The BEIR folder's files, and a pairs file outside it."""

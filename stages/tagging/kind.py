@@ -42,6 +42,9 @@ class Tagging:
     def linked(self, task: TaskConfig, init_pooling: str | None) -> TaskConfig:
         return task
 
+    def defaults(self, task: TaskConfig, lengths: tuple[int, ...]) -> dict[str, int | float]:
+        return {}  # the stage's: cramming's GLUE rules
+
     def files(self, task: TaskConfig) -> list[Path]:
         root = Path(task.path).expanduser()
         return files_under(root) if root.is_dir() else []

@@ -121,6 +121,12 @@ class Kind(Protocol):
         sentence-transformers folder names; None: none)."""
         ...
 
+    def defaults(self, task: TaskConfig, lengths: tuple[int, ...]) -> dict[str, int | float]:
+        """The kind's own epochs, seeds, lr and max_length for an entry, where they are not the stage's
+        (`Config.linked` writes each into an entry that sets none, unless [evaluate] sets its own);
+        `lengths`: the buckets the model's positions take, the lengths a task may pad to."""
+        ...
+
     def files(self, task: TaskConfig) -> list[Path]:
         """The files it reads from disk, in order: a stage's key holds their sizes and times."""
         ...
