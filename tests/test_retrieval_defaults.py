@@ -7,9 +7,10 @@ from __future__ import annotations
 from dataclasses import astuple
 
 import pytest
+from test_evaluate_keys import _evaluate_key as evaluate_key
 
 from cram.pipeline import config as cfg
-from cram.pipeline import planning, runner
+from cram.pipeline import runner
 from cram.stages.evaluating.config import Config
 from cram.stages.retrieval import kind as retrieval_kind
 from cram.stages.retrieval.settings import BEIR_DEFAULTS, BEIR_MAX_LENGTH
@@ -56,15 +57,7 @@ def test_its_own_settings_and_the_ones_evaluate_sets_win_over_the_kinds():
     assert stage["scifact"] == (BEIR_DEFAULTS["epochs"], 1, BEIR_DEFAULTS["lr"], 96)
 
 
-def _key(toml: str) -> str:
-    specs = runner.default_stages()
-    pipeline = cfg.parse(toml, runner.config_classes(specs), "pipeline.toml")
-    (spec,) = [s for s in specs if s.NAME == "evaluate"]
-    config = spec.config_in(pipeline)
-    return cfg.digest({"version": spec.VERSION, "config": planning.keyed_config(spec, config), "seed": 0})
-
-
 def test_the_kinds_defaults_are_in_the_stage_key_so_a_change_of_them_runs_the_task_again(monkeypatch):
-    before = _key("[evaluate]\n" + BEIR)
+    before = evaluate_key("[evaluate]\n" + BEIR, monkeypatch)
     monkeypatch.setattr(retrieval_kind, "BEIR_DEFAULTS", {**BEIR_DEFAULTS, "lr": BEIR_DEFAULTS["lr"] * 2})
-    assert _key("[evaluate]\n" + BEIR) != before
+    assert evaluate_key("[evaluate]\n" + BEIR, monkeypatch) != before
