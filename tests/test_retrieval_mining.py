@@ -1,5 +1,5 @@
 """Hard negatives mined by BM25 and filtered by the starting encoder, worked through with embeddings made
-by hand: the positive, the query's own text and the excluded (test answers) never come back, a candidate
+by hand: the positive, the query's own text and the query's other positives never come back, a candidate
 scoring above the margin times the positive is dropped as a likely false negative, and a pair with fewer
 survivors than the negatives it takes is filled with random documents."""
 
@@ -16,9 +16,9 @@ DOCS = [
     "cats hunt mice",  # 2: lexically close, the encoder says unrelated: a hard negative
     "stock markets fell",  # 3
     "rain over the weekend",  # 4
-    "cats purr when fed",  # 5: a test answer: excluded
+    "cats purr when fed",  # 5: the first query's second positive
 ]
-PAIRS = [Pair("why do cats purr", DOCS[0]), Pair("weekend rain", DOCS[4])]
+PAIRS = [Pair("why do cats purr", DOCS[0]), Pair("weekend rain", DOCS[4]), Pair("why do cats purr", DOCS[5])]
 
 
 def unit(*xs):
@@ -28,19 +28,20 @@ def unit(*xs):
 
 VECTORS = [unit(1, 0.1, 0), unit(1, 0.12, 0), unit(0.3, 0, 1), unit(0, 0, 1), unit(0, 1, 0.1), unit(1, 0, 0)]
 ENCODED = Encoded(
-    queries=np.stack([unit(1, 0, 0), unit(0, 1, 0)]),
-    positives=np.stack([VECTORS[0], VECTORS[4]]),
+    queries=np.stack([unit(1, 0, 0), unit(0, 1, 0), unit(1, 0, 0)]),
+    positives=np.stack([VECTORS[0], VECTORS[4], VECTORS[5]]),
     documents=lambda index: np.stack([VECTORS[d] for d in index]),
 )
 
 
-def test_the_positive_and_the_excluded_are_never_negatives_and_a_likely_relevant_one_is_dropped():
-    mined = mine(PAIRS, DOCS, ENCODED, excluded={5})
-    # Pair 1: BM25 finds 0 (its positive: out), 5 (excluded), 1 and 2; 1 scores 0.99 of the positive: dropped.
-    assert mined.negatives[0] == (2,)
-    # Pair 2: BM25 finds only its positive (4): nothing left, a random document, not the positive or excluded.
-    assert mined.negatives[1][0] not in (4, 5)
-    assert mined.false_negatives_dropped == 1 and mined.random_fallback == 1
+def test_the_query_s_positives_are_never_negatives_and_a_likely_relevant_one_is_dropped():
+    mined = mine(PAIRS, DOCS, ENCODED)
+    # Pair 1: BM25 finds 0 (its positive: out), 5 (its query's other positive: out), 1 and 2; 1 scores 0.99 of
+    # the positive: dropped. Pair 3, the same query with 5 as its positive, likewise.
+    assert mined.negatives[0] == (2,) and mined.negatives[2] == (2,)
+    # Pair 2: BM25 finds only its positive (4): nothing left, a random document, not the positive.
+    assert mined.negatives[1][0] != 4
+    assert mined.false_negatives_dropped == 2 and mined.random_fallback == 1
 
 
 def test_a_random_fallback_is_the_same_for_the_same_seed():
@@ -48,18 +49,20 @@ def test_a_random_fallback_is_the_same_for_the_same_seed():
 
 
 def test_n_negatives_a_pair_are_the_first_survivors_then_random_documents_each_text_once():
-    mined = mine(PAIRS, DOCS, ENCODED, excluded={5}, per_pair=2)
-    # Pair 1: 2 survives the margin (1 is dropped, 0 is its positive, 5 excluded): one random document fills it.
-    # Pair 2: BM25 finds only its positive: two random documents.
-    assert len(mined.negatives) == 2 and all(len(found) == 2 for found in mined.negatives)
-    assert mined.negatives[0][0] == 2 and mined.false_negatives_dropped == 1 and mined.random_fallback == 3
+    mined = mine(PAIRS, DOCS, ENCODED, per_pair=2)
+    # Pairs 1 and 3: 2 survives the margin (1 is dropped, 0 and 5 are the query's positives): one random
+    # document fills each. Pair 2: BM25 finds only its positive: two random documents.
+    assert len(mined.negatives) == 3 and all(len(found) == 2 for found in mined.negatives)
+    assert mined.negatives[0][0] == 2 and mined.false_negatives_dropped == 2 and mined.random_fallback == 4
     for pair, found in zip(PAIRS, mined.negatives):
         texts = [DOCS[d] for d in found]
-        assert len(set(texts)) == 2 and pair.positive not in texts and 5 not in found
-    assert mine(PAIRS, DOCS, ENCODED, excluded={5}).negatives[0] == (2,)  # one a pair: the first survivor alone
+        assert len(set(texts)) == 2 and pair.positive not in texts
+    for found in (mined.negatives[0], mined.negatives[2]):
+        assert 0 not in found and 5 not in found
+    assert mine(PAIRS, DOCS, ENCODED).negatives[0] == (2,)  # one a pair: the first survivor alone
 
 
 def test_too_few_documents_for_n_negatives_a_pair_is_refused_naming_the_setting():
-    # Pair 1 may take 1, 2, 3 and 4 (its positive is 0, 5 is a test answer): four, not five.
+    # Pair 1 may take 1, 2, 3 and 4 (0 and 5 are its query's positives): four, not five.
     with pytest.raises(StageError, match="too few documents for negatives_per_pair"):
-        mine(PAIRS, DOCS, ENCODED, excluded={5}, per_pair=5)
+        mine(PAIRS, DOCS, ENCODED, per_pair=5)

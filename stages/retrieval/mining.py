@@ -1,6 +1,6 @@
 """Hard negatives mined for a retrieval task's training pairs (`hard_negatives = "mined"`): each query's BM25
-top `depth` over the corpus, less its positive and its own text, less every document a test query finds
-relevant (a test answer pushed away in training would be a leak), less every candidate the starting encoder
+top `depth` over the corpus, less its own text and every positive its query has among the pairs (a query
+judged relevant to several documents takes none of them as a negative), less every candidate the starting encoder
 scores above `margin` times the positive (a likely unjudged relevant document: NV-Retriever's "TopK-PercPos"
 rule, Moreira et al. 2024; sentence-transformers' `mine_hard_negatives(relative_margin=...)`); the first
 `per_pair` of the rest in BM25's order (distinct texts) are the pair's negatives, the columns a pairs file's
@@ -10,13 +10,14 @@ Every pair takes exactly `per_pair` negatives, so that a contrastive batch has o
 documents: one compiled graph): a pair with fewer survivors is filled with documents drawn at random (plain
 negatives, as the batch's other positives are), counted. Filling rather than masking the missing columns
 keeps the loss model/embedder.py's as it is; a random document is no false negative any more than an
-in-batch one is.
+in-batch one is. The test's judgements play no part: a document a test query finds relevant may be a training
+query's negative, as it may be an in-batch one.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,30 +43,28 @@ def mine(
     pairs: Sequence[Pair],
     documents: Sequence[str],
     encoded: Encoded,
-    excluded: Collection[int] = (),
     seed: int = 0,
     per_pair: int = 1,
 ) -> Mined:
-    """`per_pair` hard negatives for each pair among `documents`, none of `excluded` (module docstring)."""
-    index, excluded = bm25.index(documents), set(excluded)
-    candidates = [_candidates(index, documents, pair, excluded) for pair in pairs]
+    """`per_pair` hard negatives for each pair among `documents` (module docstring)."""
+    index, owns = bm25.index(documents), _own_texts(pairs)
+    candidates = [_candidates(index, documents, pair.query, own) for pair, own in zip(pairs, owns)]
     ranked = sorted({doc for found in candidates for doc in found})
     at = {doc: row for row, doc in enumerate(ranked)}
     vectors = encoded.documents(ranked) if ranked else np.zeros((0, encoded.queries.shape[1]), np.float32)
-    allowed = [d for d in range(len(documents)) if d not in excluded]
     rng = random.Random(seed)
     negatives, dropped, fallback = [], 0, 0
-    for i, (pair, found) in enumerate(zip(pairs, candidates)):
+    for i, (own, found) in enumerate(zip(owns, candidates)):
         bar = MARGIN * float(encoded.queries[i] @ encoded.positives[i])
         scores = vectors[[at[d] for d in found]] @ encoded.queries[i] if found else np.zeros(0)
         dropped += int((scores > bar).sum())
-        kept, texts = [], {pair.positive.strip(), pair.query.strip()}
+        kept, texts = [], set(own)
         for doc in (d for d, s in zip(found, scores) if s <= bar):
             if len(kept) < per_pair and documents[doc].strip() not in texts:
                 kept.append(doc)
                 texts.add(documents[doc].strip())
         while len(kept) < per_pair:
-            kept.append(_random_document(documents, allowed, texts, rng))
+            kept.append(_random_document(documents, texts, rng))
             texts.add(documents[kept[-1]].strip())
             fallback += 1
         negatives.append(tuple(kept))
@@ -82,24 +81,32 @@ class Encoded:
     documents: Callable[[list[int]], np.ndarray]
 
 
-def _candidates(index: bm25.Index, documents: Sequence[str], pair: Pair, excluded: set[int]) -> list[int]:
-    """BM25's top DEPTH for the query, less the excluded and any document that is the pair's own text."""
-    own = {pair.positive.strip(), pair.query.strip()}
-    found, _ = bm25.search(index, pair.query, DEPTH + len(excluded) + 2)
-    return [int(d) for d in found if int(d) not in excluded and documents[d].strip() not in own][:DEPTH]
+def _own_texts(pairs: Sequence[Pair]) -> list[frozenset[str]]:
+    """Each pair's texts that may never be its negatives: its query's and every positive that query has among
+    the pairs."""
+    positives: dict[str, set[str]] = {}
+    for pair in pairs:
+        positives.setdefault(pair.query.strip(), set()).add(pair.positive.strip())
+    return [frozenset({pair.query.strip(), *positives[pair.query.strip()]}) for pair in pairs]
 
 
-def _random_document(documents: Sequence[str], allowed: list[int], taken: set[str], rng: random.Random) -> int:
-    """A document of `allowed` drawn at random whose text is none of `taken` (the pair's own texts and the
-    negatives it has): drawn from all of them, then from those left where 100 draws met taken ones."""
+def _candidates(index: bm25.Index, documents: Sequence[str], query: str, own: frozenset[str]) -> list[int]:
+    """BM25's top DEPTH for the query, less any document whose text is one of the pair's own."""
+    found, _ = bm25.search(index, query, DEPTH + len(own) + 1)
+    return [int(d) for d in found if documents[d].strip() not in own][:DEPTH]
+
+
+def _random_document(documents: Sequence[str], taken: set[str], rng: random.Random) -> int:
+    """A document drawn at random whose text is none of `taken` (the pair's own texts and the negatives it
+    has): drawn from all of them, then from those left where 100 draws met taken ones."""
     for _ in range(100):
-        doc = allowed[rng.randrange(len(allowed))] if allowed else -1
+        doc = rng.randrange(len(documents)) if documents else -1
         if doc >= 0 and documents[doc].strip() not in taken:
             return doc
-    left = [d for d in allowed if documents[d].strip() not in taken]
+    left = [d for d in range(len(documents)) if documents[d].strip() not in taken]
     if not left:
         raise StageError(
-            'hard_negatives = "mined": no corpus document outside the test answers differs from a pair\'s own texts '
-            "and the negatives it has: too few documents for negatives_per_pair; lower it"
+            'hard_negatives = "mined": no corpus document differs from a pair\'s own texts (its query and its '
+            "query's positives) and the negatives it has: too few documents for negatives_per_pair; lower it"
         )
     return left[rng.randrange(len(left))]

@@ -76,8 +76,8 @@ def loaded(
 
 def with_mined_negatives(loaded: RetrievalLoaded, embedder: EmbeddingTuner) -> RetrievalLoaded:
     """The task with `negatives_per_pair` mined hard negatives in each pair (mining.py), `embedder`'s start
-    encoding the texts: corpus documents, never one a test query finds relevant; the pairs file's own
-    negatives give way."""
+    encoding the texts: corpus documents, never the query's own positives; the pairs file's own negatives give
+    way."""
     import numpy as np
 
     from cram.stages.retrieval.beir import Pair
@@ -86,8 +86,6 @@ def with_mined_negatives(loaded: RetrievalLoaded, embedder: EmbeddingTuner) -> R
 
     task, data, params = loaded.task, loaded.data, embedder.params
     corpus_rows, corpus_lengths = data.corpus
-    relevant = {doc for judged in task.qrels.values() for doc, score in judged.items() if score > 0}
-    excluded = {i for i, doc in enumerate(data.corpus_ids[: data.documents]) if doc in relevant}
     encoded = Encoded(
         queries=embedder.embedded(params, *data.queries),
         positives=embedder.embedded(params, *data.positives),
@@ -95,7 +93,7 @@ def with_mined_negatives(loaded: RetrievalLoaded, embedder: EmbeddingTuner) -> R
     )
     texts = [doc.full_text for doc in task.corpus.values()]
     n = loaded.settings.negatives_per_pair
-    mined = mine(task.pairs, texts, encoded, excluded, per_pair=n)
+    mined = mine(task.pairs, texts, encoded, per_pair=n)
     pairs = tuple(Pair(p.query, p.positive, tuple(texts[d] for d in ds)) for p, ds in zip(task.pairs, mined.negatives))
     # refused here, before any seed, where n negatives a pair leave no batch without a text twice
     distinct_batches([p.texts for p in pairs], loaded.settings.batch_size, 0, f"{task.name}: with {n} mined negatives")
