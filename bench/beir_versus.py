@@ -27,8 +27,9 @@ appended to `results.jsonl` as it ends (a rerun skips what is there):
 
 `--train-per-query N` trains both sides on at most N of each training query's judgements (a seeded choice,
 the same for both): NFCorpus judges ~43 documents a training query (110,575 pairs, 3,455 steps of 32 an
-epoch, hours on 2 cores). The thinned folder, `<work>/sets/<name>-<N>pq`, links the published files but
-qrels/train.tsv, and its name is the set's in every row.
+epoch, hours on 2 cores). The queries cram carves for validation keep all their judgements (what they are
+scored on; neither side trains on them). The thinned folder, `<work>/sets/<name>-<N>pq`, links the published
+files but qrels/train.tsv, and its name is the set's in every row.
 
 Prints a markdown table per set; the figures of every row are in `results.jsonl`.
 """
@@ -115,8 +116,17 @@ def parent(args: argparse.Namespace) -> None:
 
 
 def thinned(folder: Path, per_query: int, under: Path) -> Path:
-    """`folder` with at most `per_query` training judgements a query (seeded, in the file's order): the
-    other files linked, not copied."""
+    """`folder` with at most `per_query` training judgements a query (seeded, in the file's order), but for
+    the queries cram carves for validation (stages/retrieval/validation.py's draw by their text), which keep
+    all of theirs: a validation query scored on one of its ~43 answers says little. The other files linked,
+    not copied."""
+    from cram.stages.retrieval.validation import SHARE, draw
+
+    texts = {}
+    with (folder / "queries.jsonl").open() as lines:
+        for line in lines:
+            query = json.loads(line)
+            texts[query["_id"]] = query["text"]
     out = under / f"{folder.name}-{per_query}pq"
     if out.is_dir():
         return out
@@ -130,11 +140,12 @@ def thinned(folder: Path, per_query: int, under: Path) -> Path:
     for row in rows:
         by_query.setdefault(row.split("\t")[0], []).append(row)
     chooser = random.Random(0)
-    kept = [
-        group[i]
-        for group in by_query.values()
-        for i in sorted(chooser.sample(range(len(group)), min(per_query, len(group))))
-    ]
+    kept = []
+    for query, group in by_query.items():
+        # drawn for every query, so that the training queries keep what they kept before validation kept all
+        chosen = sorted(chooser.sample(range(len(group)), min(per_query, len(group))))
+        held = draw(texts[query].strip()) < SHARE
+        kept += group if held else [group[i] for i in chosen]
     (partial / "qrels" / "train.tsv").write_text("\n".join([header, *kept]) + "\n")
     partial.rename(out)
     children.say(f"{out}: {len(kept)} of {len(rows)} training judgements, {len(by_query)} queries")

