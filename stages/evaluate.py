@@ -122,7 +122,8 @@ def describe(config: Config, pipeline: Pipeline) -> str:
     for i, task in enumerate(config.tasks):
         steps = kinds.of(task.kind).steps(task, i, config.settings(task), config.batch_size)
         parts.append(f"{task.name} {steps} x {count(config.task_settings(task).seeds, 'seed')}")
-    head = _head_choice(config, pretrain)
+    takes_head = any(kinds.of(task.kind).takes_head for task in config.tasks)
+    head = _head_choice(config, pretrain) if takes_head else []
     return "fine-tunes " + "; ".join([*parts, *head]) if parts else ""
 
 

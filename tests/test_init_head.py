@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+from retrieval_sets import write_beir
 from test_bad_inputs import cram
 from test_export_parity import FIRSTS, SECONDS, assert_same, cram_rows
 from test_init_headless import headless, sentence_transformers, ws  # noqa: F401 (fixtures)
@@ -75,6 +76,15 @@ def test_cramming_s_head_set_with_init_is_kept_and_the_dry_run_names_what_an_exp
         r"evaluate\.head_width=0 \(the hidden size 16, not 1024\)\)$",
         line,
     ), line
+
+
+def test_the_dry_run_names_no_classifier_head_where_no_task_takes_one(ws):  # noqa: F811
+    beir = write_beir(ws / "beir", train_qrels=True)
+    task = f'evaluate.tasks=[{{kind="retrieval", name="r", path="{beir}", batch_size=8}}]'
+    result = cram("run", "pipeline.toml", "--set", task, "--dry-run")
+    assert result.exit_code == 0, result.output
+    line = result.output.splitlines()[-1]
+    assert "fine-tunes r " in line and "head" not in line, line
 
 
 def test_auto_resolves_per_start_and_only_a_continued_checkpoint_s_key_moves(ws, tmp_path):  # noqa: F811

@@ -38,6 +38,7 @@ class Classification:
     fields = ("text_fields", "label_field", "metrics")
     unkeyed = ()  # in the key from the start
     lengths = ()
+    takes_head = True
 
     def check_entry(self, task: TaskConfig) -> None:
         if task.kind == "glue" and task.name not in GLUE:

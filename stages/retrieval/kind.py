@@ -53,6 +53,7 @@ class Retrieval:
     )
     unkeyed = fields  # added after the stage's key was fixed: a config without a retrieval task keys as before
     lengths = ("query_max_length",)
+    takes_head = False
 
     def check_entry(self, task: TaskConfig) -> None:
         if task.kind == "retrieval" and not task.path:

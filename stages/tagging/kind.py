@@ -31,6 +31,7 @@ class Tagging:
     fields = ()  # name, path and the shared settings alone
     unkeyed = ()
     lengths = ()
+    takes_head = False
 
     def check_entry(self, task: TaskConfig) -> None:
         if not task.path:

@@ -106,6 +106,7 @@ class Kind(Protocol):
     # that leaves them at their defaults keys as it did before them (`keyed_tasks`)
     unkeyed: tuple[str, ...]
     lengths: tuple[str, ...]  # its settings that are token lengths besides max_length: padded to a bucket too
+    takes_head: bool  # whether its fine-tune takes [evaluate]'s classifier head (`head`, `head_width`)
 
     def check_entry(self, task: TaskConfig) -> None:
         """ValueError naming the field, where the entry is not one this kind runs (before any stage)."""
