@@ -66,3 +66,17 @@ def test_too_few_documents_for_n_negatives_a_pair_is_refused_naming_the_setting(
     # Pair 1 may take 1, 2, 3 and 4 (0 and 5 are its query's positives): four, not five.
     with pytest.raises(StageError, match="too few documents for negatives_per_pair"):
         mine(PAIRS, DOCS, ENCODED, per_pair=5)
+
+
+def test_the_encoder_embeds_a_pair_s_candidates_only_as_far_as_it_needs_them():
+    documents = [f"cats number {k}" for k in range(20)] + ["the answer"]
+    asked: list[int] = []
+
+    def embedded(index: list[int]) -> np.ndarray:
+        asked.extend(index)
+        return np.stack([unit(0, 1, 0) for _ in index])  # every candidate unrelated: each survives the margin
+
+    encoded = Encoded(queries=np.stack([unit(1, 0, 0)]), positives=np.stack([unit(1, 0, 0)]), documents=embedded)
+    mined = mine([Pair("cats", "the answer")], documents, encoded, per_pair=2)
+    # 20 BM25 candidates; the first round embeds twice the two it lacks, and both of the first survive
+    assert len(asked) == 4 and len(set(asked)) == 4 and set(mined.negatives[0]) <= set(asked)

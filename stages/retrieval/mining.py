@@ -35,7 +35,7 @@ class Mined:
     """Each pair's mined negatives, as indices into the documents, and what the mining did."""
 
     negatives: list[tuple[int, ...]]  # `per_pair` a pair
-    false_negatives_dropped: int  # candidates (of every pair's depth) the encoder scored above margin x the positive
+    false_negatives_dropped: int  # candidates examined that the encoder scored above margin x the positive
     random_fallback: int  # negatives drawn at random where fewer than `per_pair` candidates survived
 
 
@@ -46,29 +46,50 @@ def mine(
     seed: int = 0,
     per_pair: int = 1,
 ) -> Mined:
-    """`per_pair` hard negatives for each pair among `documents` (module docstring)."""
+    """`per_pair` hard negatives for each pair among `documents` (module docstring). The encoder embeds a
+    pair's candidates in BM25's order only as far as it needs them (`_examined`): most pairs take their
+    negatives from their first few, and embedding every candidate of every pair cost several times that."""
     index, owns = bm25.index(documents), _own_texts(pairs)
     candidates = [_candidates(index, documents, pair.query, own) for pair, own in zip(pairs, owns)]
-    ranked = sorted({doc for found in candidates for doc in found})
-    at = {doc: row for row, doc in enumerate(ranked)}
-    vectors = encoded.documents(ranked) if ranked else np.zeros((0, encoded.queries.shape[1]), np.float32)
+    kept, dropped = _examined(candidates, documents, owns, encoded, per_pair)
     rng = random.Random(seed)
-    negatives, dropped, fallback = [], 0, 0
-    for i, (own, found) in enumerate(zip(owns, candidates)):
-        bar = MARGIN * float(encoded.queries[i] @ encoded.positives[i])
-        scores = vectors[[at[d] for d in found]] @ encoded.queries[i] if found else np.zeros(0)
-        dropped += int((scores > bar).sum())
-        kept, texts = [], set(own)
-        for doc in (d for d, s in zip(found, scores) if s <= bar):
-            if len(kept) < per_pair and documents[doc].strip() not in texts:
-                kept.append(doc)
-                texts.add(documents[doc].strip())
-        while len(kept) < per_pair:
-            kept.append(_random_document(documents, texts, rng))
-            texts.add(documents[kept[-1]].strip())
+    fallback = 0
+    for own, negatives in zip(owns, kept):
+        taken = set(own) | {documents[d].strip() for d in negatives}
+        while len(negatives) < per_pair:
+            negatives.append(_random_document(documents, taken, rng))
+            taken.add(documents[negatives[-1]].strip())
             fallback += 1
-        negatives.append(tuple(kept))
-    return Mined(negatives, dropped, fallback)
+    return Mined([tuple(negatives) for negatives in kept], dropped, fallback)
+
+
+def _examined(
+    candidates: list[list[int]], documents: Sequence[str], owns: list[frozenset[str]], encoded: Encoded, per_pair: int
+) -> tuple[list[list[int]], int]:
+    """Each pair's surviving candidates (at most `per_pair`, in BM25's order) and how many candidates scored
+    above the margin, walking each pair's candidates in rounds: a round embeds, for every pair still short,
+    twice as many of its next candidates as it lacks (the documents no earlier round embedded)."""
+    vectors: dict[int, np.ndarray] = {}
+    kept: list[list[int]] = [[] for _ in candidates]
+    texts = [set(own) for own in owns]
+    seen, dropped = [0] * len(candidates), 0
+    bars = MARGIN * np.einsum("ph,ph->p", encoded.queries, encoded.positives)
+    while short := [i for i, found in enumerate(candidates) if len(kept[i]) < per_pair and seen[i] < len(found)]:
+        window = {i: candidates[i][seen[i] : seen[i] + 2 * (per_pair - len(kept[i]))] for i in short}
+        new = sorted({d for found in window.values() for d in found} - vectors.keys())
+        if new:
+            vectors.update(zip(new, encoded.documents(new)))
+        for i, found in window.items():
+            for doc in found:
+                seen[i] += 1
+                if float(vectors[doc] @ encoded.queries[i]) > bars[i]:
+                    dropped += 1
+                elif documents[doc].strip() not in texts[i]:
+                    kept[i].append(doc)
+                    texts[i].add(documents[doc].strip())
+                    if len(kept[i]) == per_pair:
+                        break
+    return kept, dropped
 
 
 @dataclass(frozen=True)
