@@ -120,16 +120,13 @@ def thinned(folder: Path, per_query: int, under: Path) -> Path:
     the queries cram carves for validation (stages/retrieval/validation.py's draw by their text), which keep
     all of theirs: a validation query scored on one of its ~43 answers says little. The other files linked,
     not copied."""
+    from cram.stages.retrieval.beir import read_beir
     from cram.stages.retrieval.validation import SHARE, draw
 
-    texts = {}
-    with (folder / "queries.jsonl").open() as lines:
-        for line in lines:
-            query = json.loads(line)
-            texts[query["_id"]] = query["text"]
     out = under / f"{folder.name}-{per_query}pq"
     if out.is_dir():
         return out
+    texts = read_beir(folder).queries
     partial = under / f".{out.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     (partial / "qrels").mkdir(parents=True)
@@ -142,7 +139,7 @@ def thinned(folder: Path, per_query: int, under: Path) -> Path:
     chooser = random.Random(0)
     kept = []
     for query, group in by_query.items():
-        # drawn for every query, so that the training queries keep what they kept before validation kept all
+        # drawn for every query, held ones too: a training query's choice does not hang on which are held
         chosen = sorted(chooser.sample(range(len(group)), min(per_query, len(group))))
         held = draw(texts[query].strip()) < SHARE
         kept += group if held else [group[i] for i in chosen]

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 from retrieval_sets import write_beir
-from test_retrieval_task import CFG, SPECIAL, embedder, task_of
+from test_retrieval_task import CFG, SPECIAL, embedder, query_positives, task_of
 from torch._dynamo.utils import counters
 
 from cram import model
@@ -49,9 +49,7 @@ def test_a_count_outside_its_range_or_without_mining_is_refused(task, message):
 def test_every_pair_takes_n_distinct_negatives_none_a_positive_of_its_query(tmp_path):
     _, loaded = mined(tmp_path)
     task, data = loaded.task, loaded.data
-    positives: dict[str, set[str]] = {}
-    for pair in task.pairs:
-        positives.setdefault(pair.query.strip(), set()).add(pair.positive.strip())
+    positives = query_positives(task.pairs)
     corpus = {doc.full_text for doc in task.corpus.values()}
     for pair in task.pairs:
         assert len(pair.negatives) == N and len(set(pair.negatives)) == N

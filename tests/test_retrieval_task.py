@@ -366,6 +366,14 @@ def test_without_a_validation_split_nothing_is_chosen(tmp_path, make_ctx):
     assert result["hybrid"]["fusion"] == [{"method": "convex", "weight": 0.5, "rrf_k": 60}] * 2
 
 
+def query_positives(pairs) -> dict[str, set[str]]:
+    """Every positive text each query (stripped) has among `pairs`: what mining may never take as its negative."""
+    positives: dict[str, set[str]] = {}
+    for pair in pairs:
+        positives.setdefault(pair.query.strip(), set()).add(pair.positive.strip())
+    return positives
+
+
 def test_mined_hard_negatives_are_corpus_documents_none_a_positive_of_its_query(tmp_path, make_ctx):
     from cram.stages.retrieval.kind import RETRIEVAL
     from cram.stages.tasks.kind import Start
@@ -375,9 +383,7 @@ def test_mined_hard_negatives_are_corpus_documents_none_a_positive_of_its_query(
     start = Start(config.tuning(), CFG, model.init(CFG, seed=0), SPECIAL, torch.device("cpu"), "auto", 0, tmp_path)
     runner = RETRIEVAL.runner([loaded], start)
     mined = runner.mined["topics"]
-    positives: dict[str, set[str]] = {}
-    for pair in mined.task.pairs:
-        positives.setdefault(pair.query.strip(), set()).add(pair.positive.strip())
+    positives = query_positives(mined.task.pairs)
     corpus = {doc.full_text for doc in loaded.task.corpus.values()}
     assert all(len(p.negatives) == 1 for p in mined.task.pairs)
     for pair in mined.task.pairs:
