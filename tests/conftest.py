@@ -1,5 +1,5 @@
-"""Shared test set-up: offline hub, caches of the session's own, a seeded test order, and a hand-made
-stage context."""
+"""Shared test set-up: offline hub, caches of the session's own, a seeded test order, torch seeded per
+test, and a hand-made stage context."""
 
 import os
 import random
@@ -69,6 +69,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_report_header(config: pytest.Config) -> str:
     seed = os.environ.get(SHUFFLE)
     return f"test order shuffled with {SHUFFLE}={seed}" if seed else f"test order as collected ({SHUFFLE} unset)"
+
+
+@pytest.fixture(autouse=True)
+def seeded_torch():
+    """Torch's global generator seeded afresh for every test: a test's draws (`torch.randn_like` of a
+    perturbed init) then do not depend on which tests its worker ran before it, nor on their order."""
+    import torch
+
+    torch.manual_seed(0)
 
 
 @pytest.fixture

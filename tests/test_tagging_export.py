@@ -29,6 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 KEY = "f" * 64
 LABELS = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]
+SEED = 1
 TEXTS = [
     "Her Fish sat quietly on the sofa while it was raining.",
     "  the cat  sat on the mat  ",  # leading, double and trailing spaces
@@ -42,12 +43,12 @@ LONG = " ".join(["the cat sat quietly on the mat while it was sunny"] * 4)  # pa
 def with_tagger(run, cfg, max_length=64, context_free=False):
     """RUN with a done evaluate stage that kept a tagger of task `t`: an encoder (`context_free`: its attention
     and positions zeroed, so each token's tags depend on it alone) and a head scaled so that its tags vary."""
+    gen = torch.Generator().manual_seed(SEED)  # its own draws: the tags are the same whatever ran before
     # init's small weights: each token's own embedding carries through the layers, so its tags vary
-    params = {k: v + 0.01 * torch.randn_like(v) for k, v in model.init(cfg, seed=0).items()}
+    params = {k: v + 0.01 * torch.randn(v.shape, generator=gen) for k, v in model.init(cfg, seed=0).items()}
     if context_free:
         params.update({k: torch.zeros_like(v) for k, v in params.items() if ".attn.out." in k or "positions" in k})
     head = init_tag_head(cfg, len(LABELS), seed=0, head=tag_head_of(cfg))
-    gen = torch.Generator().manual_seed(1)
     params.update(
         {k: v + torch.randn(v.shape, generator=gen) * (3 if k.endswith("out.weight") else 0.1) for k, v in head.items()}
     )
