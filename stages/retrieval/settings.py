@@ -15,8 +15,8 @@ EMBEDDING_POOLINGS = ("mean", "first")  # model/embedder.py's, named here to kee
 # reads 30 BM25 candidates a query (mining.DEPTH), some of them dropped as likely relevant
 MAX_NEGATIVES_PER_PAIR = 16
 # A `kind = "retrieval"` task's epochs, seeds and lr where neither it nor [evaluate] sets them, not the stage's
-# GLUE rules (5 epochs x 5 seeds at 4e-5): sentence-transformers' epoch, and the lr chosen on SciFact's
-# validation queries from all-MiniLM-L6-v2 (bench/README.md, "retrieval defaults").
+# GLUE rules (5 epochs x 5 seeds at 4e-5): sentence-transformers' epoch, and the lr chosen on SciFact's and
+# NFCorpus's validation queries from all-MiniLM-L6-v2 (bench/README.md, "retrieval defaults").
 BEIR_DEFAULTS = {"epochs": 1, "seeds": 3, "lr": 4e-5}
 # its documents' length likewise: an abstract's, sentence-transformers' for MiniLM; the longest bucket within
 # it where the buckets or the model's positions end sooner
